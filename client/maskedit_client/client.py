@@ -1,0 +1,192 @@
+"""gRPC streaming client for the ``edit`` ensemble.
+
+The ensemble contains a decoupled model, so Triton requires the bidirectional stream: one stream per
+client carries any number of concurrent requests, matched back to their callers by request id.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
+_CODE = re.compile(r"\b(INVALID_ARGUMENT|RESOURCE_EXHAUSTED|DEADLINE_EXCEEDED|CANCELLED|UNAVAILABLE|INTERNAL): ")
+_FIELD = re.compile(r"^([A-Z_]+): ")
+
+
+class EditError(Exception):
+    """A failed edit. ``code`` is the status name (INVALID_ARGUMENT, ...), ``field`` the input at fault."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN", field: str | None = None):
+        super().__init__(message)
+        self.code, self.field = code, field
+
+    @classmethod
+    def from_server(cls, message: str) -> "EditError":
+        m = _CODE.search(message)
+        if not m:
+            # Triton itself rejected the request (missing tensor, wrong dtype or shape, unknown model).
+            code = "INVALID_ARGUMENT" if re.search(r"expected|unexpected|missing|datatype|shape", message) else "UNKNOWN"
+            return cls(message, code)
+        rest = message[m.end():]
+        f = _FIELD.match(rest)
+        return cls(message[m.start():], m.group(1), f.group(1) if f else None)
+
+
+@dataclass
+class EditResult:
+    png: bytes
+    info: dict
+    latency_s: float = 0.0
+    progress: list = field(default_factory=list)
+
+    @property
+    def image(self) -> Image.Image:
+        return Image.open(io.BytesIO(self.png))
+
+
+def encode_image(image) -> bytes:
+    """Bytes of an encoded image from a path, bytes, PIL image or HxW(x3) uint8 array."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, (str, Path)):
+        return Path(image).read_bytes()
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"cannot encode {type(image).__name__} as an image")
+
+
+def _bytes_input(name: str, value: bytes) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([value], dtype=np.object_))
+    return t
+
+
+def _scalar_input(name: str, value, dtype: str, np_dtype) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], dtype)
+    t.set_data_from_numpy(np.array([value], dtype=np_dtype))
+    return t
+
+
+class EditClient:
+    """Thread-safe: ``edit`` may be called from many threads; ``submit`` returns a Future."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0):
+        self.url, self.model, self.timeout_s = url, model, timeout_s
+        self._client = grpcclient.InferenceServerClient(url, channel_args=[
+            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+        self._pending: dict[str, tuple[Future, dict]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stream_open = False
+
+    def _ensure_stream(self) -> None:
+        with self._lock:
+            if not self._stream_open:
+                self._client.start_stream(callback=self._on_response)
+                self._stream_open = True
+
+    def _on_response(self, result, error) -> None:
+        if error is not None:
+            rid = self._error_request_id(error)
+            with self._lock:
+                entry = self._pending.pop(rid, None) if rid else None
+                if entry is None and len(self._pending) == 1:  # ids are not echoed on some errors
+                    entry = self._pending.pop(next(iter(self._pending)))
+            if entry is not None:
+                entry[0].set_exception(EditError.from_server(str(error.message() if hasattr(error, "message") else error)))
+            return
+        resp = result.get_response()
+        rid = resp.id
+        final = resp.parameters.get("triton_final_response")
+        final = bool(final and final.bool_param)
+        with self._lock:
+            entry = self._pending.get(rid)
+        if entry is None:
+            return
+        fut, state = entry
+        image = result.as_numpy("IMAGE")
+        if image is not None:
+            state["png"] = image.reshape(-1)[0]
+            state["info"] = json.loads(result.as_numpy("EDIT_INFO").reshape(-1)[0])
+        progress = result.as_numpy("PROGRESS") if any(o.name == "PROGRESS" for o in resp.outputs) else None
+        if progress is not None and state.get("on_progress"):
+            state["on_progress"](*progress.reshape(-1)[:2].tolist())
+        if final:
+            with self._lock:
+                self._pending.pop(rid, None)
+            if "png" in state:
+                fut.set_result(EditResult(state["png"], state["info"]))
+            else:
+                fut.set_exception(EditError("stream ended without an image", "INTERNAL"))
+
+    @staticmethod
+    def _error_request_id(error) -> str | None:
+        m = re.search(r"request id: ([\w-]+)", str(error))
+        return m.group(1) if m else None
+
+    def submit(self, template, mask, prompt: str, seed: int | None = None, steps: int | None = None,
+               guidance: float | None = None, raw_output: bool = False,
+               on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None) -> Future:
+        inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
+                  _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
+        if seed is not None:
+            inputs.append(_scalar_input("SEED", seed, "INT64", np.int64))
+        if steps is not None:
+            inputs.append(_scalar_input("STEPS", steps, "INT32", np.int32))
+        if guidance is not None:
+            inputs.append(_scalar_input("GUIDANCE", guidance, "FP32", np.float32))
+        if raw_output:
+            inputs.append(_scalar_input("RAW_OUTPUT", True, "BOOL", np.bool_))
+        inputs += extra_inputs or []
+        return self.submit_inputs(inputs, on_progress)
+
+    def submit_inputs(self, inputs: list, on_progress=None) -> Future:
+        """Send prepared ``InferInput``s (lets tests send malformed requests through the same path)."""
+        self._ensure_stream()
+        rid = f"r{next(self._ids)}"
+        fut: Future = Future()
+        with self._lock:
+            self._pending[rid] = (fut, {"on_progress": on_progress})
+        self._client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+        return fut
+
+    def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
+        """Edit ``template`` where ``mask`` is white; returns the PNG and the server's EDIT_INFO."""
+        import time
+
+        t0 = time.perf_counter()
+        result = self.submit(template, mask, prompt, **kw).result(timeout=timeout_s or self.timeout_s)
+        result.latency_s = time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for fut, _ in pending:
+            if not fut.done():
+                fut.set_exception(EditError("client closed before the response arrived", "CANCELLED"))
+        if self._stream_open:
+            self._client.stop_stream(cancel_requests=True)
+        self._client.close()
+
+    def __enter__(self) -> "EditClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

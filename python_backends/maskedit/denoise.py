@@ -1,0 +1,130 @@
+"""Per-request denoising state and the model runner that advances a set of requests by one step.
+
+A ``DenoiseJob`` owns everything that differs between requests (latents, conditioning, text embeddings,
+its own scheduler and step index), so requests at different steps can share a running batch.
+``ModelRunner.step`` is the only place that calls the transformer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
+
+from .components import load_scheduler_config, load_transformer, torch_dtype, vae_scale_factor
+from .schedule import make_scheduler
+from .settings import Settings
+
+_ids = itertools.count()
+
+
+@dataclass
+class DenoiseInputs:
+    """The tensors preprocess produced for one request (numpy, as received)."""
+
+    latents: np.ndarray  # (tokens, C)
+    cond: np.ndarray  # (tokens, C_cond)
+    prompt_embeds: np.ndarray  # (txt, D)
+    pooled_embeds: np.ndarray  # (D_pooled,)
+    token_mask: np.ndarray  # (tokens,) bool
+    model_w: int
+    model_h: int
+    steps: int
+    guidance: float
+
+
+@dataclass
+class DenoiseJob:
+    inputs: DenoiseInputs
+    on_done: Callable[["DenoiseJob"], None] = lambda job: None
+    on_error: Callable[["DenoiseJob", BaseException], None] = lambda job, e: None
+    on_step: Callable[["DenoiseJob"], None] | None = None
+    is_cancelled: Callable[[], bool] = lambda: False
+    tag: Any = None  # opaque to the engine: the Triton shim keeps its response sender here
+    id: int = field(default_factory=lambda: next(_ids))
+    # Filled in by the runner.
+    step_index: int = 0
+    latents: torch.Tensor | None = None
+    scheduler: Any = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    finished_at: float | None = None
+    state: dict = field(default_factory=dict)  # per-request state of model hooks (activation cache, plans)
+
+    @property
+    def steps(self) -> int:
+        return self.inputs.steps
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.inputs.steps
+
+    def result(self) -> np.ndarray:
+        return self.latents[0].detach().to("cpu", torch.float32).numpy()
+
+
+class ModelRunner:
+    """Holds the transformer; turns jobs into transformer calls and scheduler steps."""
+
+    def __init__(self, settings: Settings, transformer=None):
+        self.settings = settings
+        self.device = torch.device(settings.torch_device)
+        self.dtype = torch_dtype(settings)
+        self.transformer = transformer if transformer is not None else load_transformer(settings)
+        self.scheduler_config = load_scheduler_config(settings)
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self.pixels_per_token = 2 * vae_scale_factor(settings)  # Flux packs 2x2 latents into one token
+
+    def prepare(self, job: DenoiseJob) -> None:
+        """Move a newly admitted job's tensors to the device and give it its own scheduler."""
+        x = job.inputs
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype).unsqueeze(0)
+        job.latents = t(x.latents)
+        job.state["cond"] = t(x.cond)
+        job.state["prompt_embeds"] = t(x.prompt_embeds)
+        job.state["pooled"] = t(x.pooled_embeds)
+        # Token grid ids, as FluxFillPipeline._prepare_latent_image_ids builds them.
+        grid_h, grid_w = x.model_h // self.pixels_per_token, x.model_w // self.pixels_per_token
+        job.state["img_ids"] = FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, self.dtype)
+        job.state["txt_ids"] = torch.zeros(x.prompt_embeds.shape[0], 3, device=self.device, dtype=self.dtype)
+        job.state["guidance"] = (
+            torch.full([1], x.guidance, device=self.device, dtype=torch.float32) if self.guidance_embeds else None)
+        job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
+        job.started_at = time.perf_counter()
+
+    @torch.no_grad()
+    def step(self, jobs: list[DenoiseJob]) -> None:
+        """Advance every job by one denoising step. Jobs with equal shapes share one transformer call."""
+        for group in _group_by_shape(jobs):
+            timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
+            cat = lambda key: torch.cat([j.state[key] for j in group], dim=0)
+            latents = torch.cat([j.latents for j in group], dim=0)
+            timestep = torch.stack([t.to(self.device) for t in timesteps]).to(latents.dtype)
+            guidance = cat("guidance") if self.guidance_embeds else None
+            noise_pred = self.transformer(
+                hidden_states=torch.cat((latents, cat("cond")), dim=2),
+                timestep=timestep / 1000,
+                guidance=guidance,
+                pooled_projections=cat("pooled"),
+                encoder_hidden_states=cat("prompt_embeds"),
+                txt_ids=group[0].state["txt_ids"],
+                img_ids=group[0].state["img_ids"],
+                joint_attention_kwargs=None,
+                return_dict=False,
+            )[0]
+            for i, (job, t) in enumerate(zip(group, timesteps)):
+                job.latents = job.scheduler.step(noise_pred[i : i + 1], t, job.latents, return_dict=False)[0]
+                job.step_index += 1
+
+
+def _group_by_shape(jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
+    groups: dict[tuple, list[DenoiseJob]] = {}
+    for j in jobs:
+        key = (tuple(j.latents.shape), tuple(j.state["prompt_embeds"].shape), j.inputs.model_h, j.inputs.model_w)
+        groups.setdefault(key, []).append(j)
+    return list(groups.values())

@@ -1,0 +1,125 @@
+"""The denoise loop: a background thread that keeps a running batch and advances it one step at a time.
+
+Requests are submitted from Triton's ``execute`` (which returns at once: the model is decoupled) and
+join the running batch at the next step boundary; finished requests leave at once. Every submitted job
+ends in ``on_done`` or ``on_error``, including at shutdown.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from .denoise import DenoiseJob, ModelRunner
+from .errors import Cancelled, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class DenoiseEngine:
+    def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64):
+        self.runner = runner
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self._waiting: collections.deque[DenoiseJob] = collections.deque()
+        self._running: list[DenoiseJob] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.steps_run = 0
+        self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads ------------------------------------------------------------------
+    def submit(self, job: DenoiseJob) -> None:
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise ResourceExhausted(f"denoise queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run}
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let the running batch finish within ``timeout``, fail whatever is left."""
+        with self._cv:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._cv.notify()
+        for job in waiting:
+            _fail(job, Unavailable("server is shutting down"))
+        self._thread.join(timeout)
+        with self._cv:
+            running, self._running = list(self._running), []
+        for job in running:
+            _fail(job, Unavailable("server shut down before the request finished"))
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting.popleft()
+            try:
+                self.runner.prepare(job)
+            except Exception as e:  # bad tensors fail this request only
+                log.exception("could not prepare request %s", job.id)
+                _fail(job, e)
+                continue
+            self._running.append(job)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._running:
+                    return
+                if not self._stopping:
+                    self._admit()
+                batch = list(self._running)
+            batch = self._drop_cancelled(batch)
+            if not batch:
+                continue
+            try:
+                self.runner.step(batch)
+                self.steps_run += 1
+            except Exception as e:
+                log.exception("denoise step failed for requests %s", [j.id for j in batch])
+                self._retire(batch, error=e)
+                continue
+            for job in batch:
+                if job.on_step is not None and not job.done:
+                    job.on_step(job)
+            self._retire([j for j in batch if j.done])
+
+    def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
+        cancelled = [j for j in batch if j.is_cancelled()]
+        if cancelled:
+            self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
+        return [j for j in batch if j not in cancelled]
+
+    def _retire(self, jobs: list[DenoiseJob], error: BaseException | None = None) -> None:
+        if not jobs:
+            return
+        with self._cv:
+            self._running = [j for j in self._running if j not in jobs]
+        for job in jobs:
+            job.finished_at = time.perf_counter()
+            if error is not None:
+                _fail(job, error)
+                continue
+            try:
+                job.on_done(job)
+            except Exception:
+                log.exception("on_done failed for request %s", job.id)
+
+
+def _fail(job: DenoiseJob, error: BaseException) -> None:
+    try:
+        job.on_error(job, error)
+    except Exception:
+        log.exception("on_error failed for request %s", job.id)

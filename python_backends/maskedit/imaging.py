@@ -1,0 +1,122 @@
+"""Image and mask handling at the edges of the pipeline: decode and validate, size, composite, encode.
+
+Decoding is done by Pillow. Everything here is plain numpy/PIL so it unit-tests without a model.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+from .errors import InvalidInput
+
+_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
+# Aspect ratios closer than this are "the same" when a mask is resized onto its template.
+ASPECT_TOLERANCE = 0.01
+
+
+def maybe_base64(data: bytes) -> tuple[bytes, bool]:
+    """Return (raw bytes, was_base64). JSON clients (Triton's generate endpoint) must send images as base64."""
+    head = data[:16]
+    if any(head.startswith(m) for m in _MAGIC):
+        return data, False
+    try:
+        raw = base64.b64decode(data.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return data, False
+    return raw, True
+
+
+def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
+    """Decode an encoded image, checking its size from the header before decoding the pixels."""
+    if not data:
+        raise InvalidInput("is empty; expected an encoded PNG, JPEG or WebP image", field)
+    try:
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if w * h > max_pixels:
+            raise InvalidInput(f"image is {w}x{h} = {w * h} pixels, above the limit of {max_pixels}", field)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.load()  # forces the full decode: truncated files fail here, not later
+    except InvalidInput:
+        raise
+    except Exception as e:  # Pillow raises many types for bad data
+        raise InvalidInput(f"could not decode image ({type(e).__name__}: {e})", field) from None
+    if w < 16 or h < 16:
+        raise InvalidInput(f"image is {w}x{h}; both sides must be at least 16 pixels", field)
+    return img
+
+
+def binary_mask(mask: Image.Image, size: tuple[int, int], threshold: int) -> np.ndarray:
+    """Grayscale-threshold ``mask`` (white = edit) and bring it to ``size`` (w, h) of the template.
+
+    A mask of another size is resized (nearest) when its aspect ratio matches the template's; a mask of
+    a different shape is an error because stretching it would move the edit.
+    """
+    if mask.mode in ("RGBA", "LA") or "transparency" in mask.info:
+        # Transparent pixels are "not edited" whatever their colour.
+        rgba = mask.convert("RGBA")
+        gray = np.asarray(rgba.convert("L"), dtype=np.uint8) * (np.asarray(rgba)[..., 3] > 0)
+    else:
+        gray = np.asarray(mask.convert("L"), dtype=np.uint8)
+    binary = (gray >= threshold).astype(np.uint8) * 255
+    if mask.size != size:
+        mw, mh = mask.size
+        tw, th = size
+        if abs(mw / mh - tw / th) > ASPECT_TOLERANCE * (tw / th):
+            raise InvalidInput(
+                f"mask is {mw}x{mh} but the template is {tw}x{th}; a mask must match the template's size or "
+                "at least its aspect ratio",
+                "MASK",
+            )
+        binary = np.asarray(Image.fromarray(binary).resize(size, Image.NEAREST))
+    return binary
+
+
+def model_size(width: int, height: int, resolution: int, multiple: int = 16) -> tuple[int, int]:
+    """(w, h) the model runs at: about ``resolution**2`` pixels, the template's aspect kept, sides multiples of 16."""
+    scale = math.sqrt(resolution * resolution / (width * height))
+    w = max(multiple, int(round(width * scale / multiple)) * multiple)
+    h = max(multiple, int(round(height * scale / multiple)) * multiple)
+    return w, h
+
+
+def token_mask(mask_model: np.ndarray, patch: int) -> np.ndarray:
+    """Which image tokens the edit touches: a token is masked if any pixel of its ``patch``x``patch`` block is.
+
+    ``mask_model`` is the binary mask at model resolution (h, w) with values in {0, 1}; the result is a flat
+    bool array in Flux's packed token order (row-major over the token grid).
+    """
+    h, w = mask_model.shape
+    blocks = mask_model.reshape(h // patch, patch, w // patch, patch)
+    return blocks.max(axis=(1, 3)).reshape(-1) > 0
+
+
+def soft_mask(binary: np.ndarray, feather_px: int) -> np.ndarray:
+    """Alpha (uint8) for compositing: the mask grown by ``feather_px`` then blurred, so the edit fully shows
+    inside the mask and fades into the template over a few pixels outside it."""
+    if feather_px <= 0:
+        return binary.copy()
+    img = Image.fromarray(binary).filter(ImageFilter.MaxFilter(2 * feather_px + 1))
+    return np.asarray(img.filter(ImageFilter.GaussianBlur(feather_px / 2)), dtype=np.uint8)
+
+
+def composite(template: np.ndarray, generated: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """Keep the template outside the mask: template*(1-a) + generated*a, all uint8 HxW(x3)."""
+    a = alpha.astype(np.float32)[..., None] / 255.0
+    out = template.astype(np.float32) * (1.0 - a) + generated.astype(np.float32) * a
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def encode_png(rgb: np.ndarray | Image.Image) -> bytes:
+    img = rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)  # fast: PNG encoding is on the response path
+    return buf.getvalue()

@@ -1,0 +1,207 @@
+"""Start and stop a local ``tritonserver`` built from the ``nvidia-pytriton`` wheel.
+
+The wheel ships the server binary, the Python backend and one backend stub per Python version; this
+module copies backend + stub into one backend directory, puts the wheel's shared libraries on
+``LD_LIBRARY_PATH`` and the project's import paths in ``MASKEDIT_PYTHONPATH`` (the stub's embedded
+interpreter ignores PYTHONPATH; the model.py shims read it), starts the server in its own process
+group, waits until every model is ready, and stops it by pid: SIGTERM, a timeout, then SIGKILL of the
+whole group (stubs included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .repository import REPOSITORY
+from .settings import REPO_ROOT
+
+log = logging.getLogger(__name__)
+MODELS = ("preprocess", "masked_denoise", "vae_decode", "edit")
+
+
+def pytriton_root() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent
+
+
+def backend_dir(dest: Path | None = None) -> Path:
+    """A backend directory holding the Python backend and the stub for this interpreter's version."""
+    src = pytriton_root() / "tritonserver"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    dest = Path(dest or Path(tempfile.gettempdir()) / f"maskedit-backends-{ver}")
+    py = dest / "python"
+    stub = py / "triton_python_backend_stub"
+    if not stub.exists():
+        py.mkdir(parents=True, exist_ok=True)
+        for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy2(src / "backends" / "python" / f, py / f)
+        tmp = py / ".stub.partial"
+        shutil.copy2(src / "python_backend_stubs" / ver / "triton_python_backend_stub", tmp)
+        tmp.chmod(0o755)
+        tmp.rename(stub)
+    return dest
+
+
+def server_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    libs = pytriton_root().parent / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    paths = [str(REPO_ROOT / "python_backends"), str(REPO_ROOT / "client"), sysconfig.get_paths()["purelib"]]
+    env["MASKEDIT_PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """One local tritonserver. Use as a context manager, or call ``start()`` / ``stop()``."""
+
+    def __init__(self, repository: Path = REPOSITORY, http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, env: dict | None = None, log_path: Path | None = None,
+                 extra_args: list[str] | None = None):
+        self.repository = Path(repository)
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.env = env or {}
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backend_dir()}",
+            f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
+            "--exit-timeout-secs=10",
+            "--backend-config=python,shm-default-byte-size=16777216",
+            "--backend-config=python,shm-growth-byte-size=16777216",
+            "--log-verbose=0",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        logf.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("tritonserver pid %s ready: grpc %s http %s", self.proc.pid, self.grpc_url, self.http_url)
+        return self
+
+    def _get(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            if self._get("/v2/health/ready") == 200 and all(
+                    self._get(f"/v2/models/{m}/ready") == 200 for m in self.models()):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout}s; log:\n{self.log_tail()}")
+
+    def models(self) -> list[str]:
+        return [m for m in MODELS if (self.repository / m / "config.pbtxt").exists()]
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, wait, then SIGKILL whatever is left (stubs included)."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the server's pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("tritonserver pid %s did not exit in %ss; killing", pgid, timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self.proc = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Serve model_repository/ with a local tritonserver until Ctrl-C.")
+    ap.add_argument("--repository", type=Path, default=REPOSITORY)
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--log", type=Path, default=REPO_ROOT / "out" / "tritonserver.log")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, log_path=args.log)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    server.start()
+    print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
+          f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
+    try:
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

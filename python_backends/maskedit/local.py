@@ -1,0 +1,59 @@
+"""The three stages wired together in one process: the reference for tests and benchmarks.
+
+The Triton ensemble runs exactly these classes, one per model process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .decode import Decoder
+from .denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from .engine import DenoiseEngine
+from .params import parse_params
+from .preprocess import PreparedEdit, Preprocessor
+from .settings import Settings, load_settings
+
+
+def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
+    return DenoiseInputs(
+        latents=p.latents, cond=p.cond, prompt_embeds=p.prompt_embeds, pooled_embeds=p.pooled_embeds,
+        token_mask=p.token_mask, model_w=p.model_w, model_h=p.model_h, steps=p.params.steps,
+        guidance=p.params.guidance,
+    )
+
+
+def run_job(engine: DenoiseEngine, inputs: DenoiseInputs, timeout: float = 600.0) -> DenoiseJob:
+    """Submit one job and block until it ends; re-raise its error."""
+    done = threading.Event()
+    errors: list[BaseException] = []
+    job = DenoiseJob(inputs, on_done=lambda j: done.set(),
+                     on_error=lambda j, e: (errors.append(e), done.set()))
+    engine.submit(job)
+    if not done.wait(timeout):
+        raise TimeoutError(f"denoise did not finish in {timeout}s")
+    if errors:
+        raise errors[0]
+    return job
+
+
+class LocalEditor:
+    def __init__(self, settings: Settings | None = None, max_batch: int = 1):
+        self.settings = settings or load_settings()
+        self.pre = Preprocessor(self.settings)
+        self.runner = ModelRunner(self.settings)
+        self.engine = DenoiseEngine(self.runner, max_batch=max_batch)
+        self.dec = Decoder(self.settings)
+
+    def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
+             raw_output=False) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+        params = parse_params(self.settings, prompt, seed, steps, guidance, raw_output)
+        p = self.pre(template, mask, params)
+        if p.empty_mask:
+            return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None
+        job = run_job(self.engine, denoise_inputs(p))
+        img = self.dec.decode_latents(job.result(), p.model_w, p.model_h)
+        return self.dec.finish(img, p.template_rgb, p.alpha, raw_output, p.was_base64), p, job
+
+    def close(self) -> None:
+        self.engine.shutdown()

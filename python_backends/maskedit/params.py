@@ -1,0 +1,49 @@
+"""Per-request scalar parameters: defaults and range checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidInput
+from .settings import Settings
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class EditParams:
+    prompt: str
+    seed: int
+    steps: int
+    guidance: float
+    raw_output: bool = False
+
+
+def parse_params(
+    settings: Settings,
+    prompt: bytes | str,
+    seed: int | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    raw_output: bool | None = None,
+) -> EditParams:
+    if isinstance(prompt, bytes):
+        try:
+            prompt = prompt.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("is not valid UTF-8 text", "PROMPT") from None
+    if not prompt.strip():
+        raise InvalidInput("is empty; describe the edit", "PROMPT")
+    if len(prompt) > settings.max_prompt_chars:
+        raise InvalidInput(f"has {len(prompt)} characters, above the limit of {settings.max_prompt_chars}", "PROMPT")
+    seed = 0 if seed is None else int(seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {seed}", "SEED")
+    steps = settings.steps if steps is None else int(steps)
+    if not 1 <= steps <= settings.max_steps:
+        raise InvalidInput(f"must be between 1 and {settings.max_steps}, got {steps}", "STEPS")
+    guidance = settings.guidance if guidance is None else float(guidance)
+    if not (math.isfinite(guidance) and 0.0 <= guidance <= settings.max_guidance):
+        raise InvalidInput(f"must be between 0 and {settings.max_guidance}, got {guidance}", "GUIDANCE")
+    return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output))

@@ -1,0 +1,123 @@
+"""Stage 1: turn an edit request (encoded template + mask + prompt) into the denoiser's tensors.
+
+The tensor math mirrors ``FluxFillPipeline.__call__`` step for step and calls the pipeline's own
+methods (image/mask processors, ``encode_prompt``, ``prepare_mask_latents``) with one generator consumed
+in the same order, so the served result equals stock Diffusers for the same seed (tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from . import imaging
+from .components import load_pipeline
+from .errors import InvalidInput
+from .params import EditParams
+from .schedule import make_scheduler
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedEdit:
+    """Everything downstream stages need; arrays only, so it crosses process boundaries as tensors."""
+
+    params: EditParams
+    model_w: int
+    model_h: int
+    template_rgb: np.ndarray  # (H, W, 3) uint8 at the template's own size
+    alpha: np.ndarray  # (H, W) uint8, feathered compositing mask at the template's size
+    token_mask: np.ndarray  # (tokens,) bool, packed token order
+    template_hash: str
+    was_base64: bool
+    # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
+    latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
+    cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
+    prompt_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (txt, D)
+    pooled_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))  # (D_pooled,)
+
+    @property
+    def mask_ratio(self) -> float:
+        return float(self.token_mask.mean()) if self.token_mask.size else 0.0
+
+    @property
+    def empty_mask(self) -> bool:
+        return not self.token_mask.any()
+
+
+class Preprocessor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.pipe = load_pipeline(settings, with_transformer=False)
+        self.scheduler_config = dict(self.pipe.scheduler.config)
+        self.scale = self.pipe.vae_scale_factor  # 8 for Flux: pixels per latent
+        self.patch = self.scale * 2  # pixels per packed token side
+
+    def count_t5_tokens(self, prompt: str) -> int:
+        return len(self.pipe.tokenizer_2(prompt).input_ids)
+
+    @torch.no_grad()
+    def __call__(self, template: bytes, mask: bytes, params: EditParams) -> PreparedEdit:
+        s = self.settings
+        template_raw, was_b64 = imaging.maybe_base64(template)
+        mask_raw, _ = imaging.maybe_base64(mask)
+        tpl = imaging.decode_image(template_raw, "TEMPLATE", s.max_input_pixels).convert("RGB")
+        msk = imaging.decode_image(mask_raw, "MASK", s.max_input_pixels)
+        binary = imaging.binary_mask(msk, tpl.size, s.mask_threshold)
+        n_tokens = self.count_t5_tokens(params.prompt)
+        if n_tokens > s.max_sequence_length:
+            raise InvalidInput(
+                f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", "PROMPT")
+
+        w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.patch)
+        template_rgb = np.asarray(tpl, dtype=np.uint8)
+        mask_img = imaging.Image.fromarray(binary)
+        mask_t = self.pipe.mask_processor.preprocess(mask_img, height=h, width=w)  # (1,1,h,w) in {0,1}
+        tokens = imaging.token_mask(mask_t[0, 0].numpy(), self.patch)
+        prepared = PreparedEdit(
+            params=params, model_w=w, model_h=h, template_rgb=template_rgb,
+            alpha=imaging.soft_mask(binary, s.feather_px), token_mask=tokens,
+            template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64,
+        )
+        if prepared.empty_mask:
+            return prepared  # nothing to edit: the template comes back without running the model
+
+        pipe, device = self.pipe, s.torch_device
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        init_image = pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
+        prompt_embeds, pooled, _ = pipe.encode_prompt(
+            prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1,
+            max_sequence_length=s.max_sequence_length,
+        )
+        dtype = prompt_embeds.dtype
+        # FluxFillPipeline.prepare_latents: encode the image (consumes the generator), draw noise, scale it.
+        scheduler = make_scheduler(self.scheduler_config, params.steps, len(tokens), device)
+        latent_h, latent_w = 2 * (h // self.patch), 2 * (w // self.patch)
+        c = pipe.vae.config.latent_channels
+        image = init_image.to(device=device, dtype=dtype)
+        image_latents = pipe._encode_vae_image(image=image, generator=generator)
+        noise = randn_tensor((1, c, latent_h, latent_w), generator=generator, device=torch.device(device), dtype=dtype)
+        latents = scheduler.scale_noise(image_latents, scheduler.timesteps[:1], noise)
+        latents = pipe._pack_latents(latents, 1, c, latent_h, latent_w)
+        # FluxFillPipeline.__call__ step 6: masked image latents + packed mask as the conditioning channels.
+        masked_image = (init_image * (1 - mask_t)).to(device=device, dtype=dtype)
+        mask_packed, masked_latents = pipe.prepare_mask_latents(
+            mask_t, masked_image, 1, c, 1, h, w, dtype, device, generator)
+        cond = torch.cat((masked_latents, mask_packed), dim=-1)
+
+        prepared.latents = _np(latents[0])
+        prepared.cond = _np(cond[0])
+        prepared.prompt_embeds = _np(prompt_embeds[0])
+        prepared.pooled_embeds = _np(pooled[0])
+        return prepared
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).contiguous().numpy()

@@ -1,0 +1,155 @@
+"""The Triton model repository, described once in Python and rendered to ``config.pbtxt`` files.
+
+``model_repository/`` holds the CPU rendering (committed, checked against this file by a test);
+``maskedit-render-repo --kind gpu`` writes the same repository with GPU instance groups, which is what
+the Dockerfile serves. One description means the ensemble wiring and the per-model tensors cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .settings import REPO_ROOT
+
+REPOSITORY = REPO_ROOT / "model_repository"
+
+
+@dataclass(frozen=True)
+class T:
+    name: str
+    dtype: str  # Triton TYPE_* without the prefix
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+# Ensemble inputs/outputs: the public API (documented in README).
+EDIT_INPUTS = [
+    T("TEMPLATE", "STRING", (1,)),
+    T("MASK", "STRING", (1,)),
+    T("PROMPT", "STRING", (1,)),
+    T("SEED", "INT64", (1,), optional=True),
+    T("STEPS", "INT32", (1,), optional=True),
+    T("GUIDANCE", "FP32", (1,), optional=True),
+    T("RAW_OUTPUT", "BOOL", (1,), optional=True),
+]
+EDIT_OUTPUTS = [T("IMAGE", "STRING", (1,)), T("EDIT_INFO", "STRING", (1,))]
+
+# Tensors between the stages.
+PREPARED = [
+    T("LATENTS", "FP32", (-1, -1)),
+    T("COND", "FP32", (-1, -1)),
+    T("PROMPT_EMBEDS", "FP32", (-1, -1)),
+    T("POOLED_EMBEDS", "FP32", (-1,)),
+    T("TOKEN_MASK", "BOOL", (-1,)),
+    T("MODEL_SIZE", "INT32", (2,)),  # (width, height) the model runs at
+    T("STEPS_RESOLVED", "INT32", (1,)),
+    T("GUIDANCE_RESOLVED", "FP32", (1,)),
+]
+PASSTHROUGH = [  # what vae_decode needs; it may only take inputs from masked_denoise, so denoise relays them
+    T("TEMPLATE_RGB", "UINT8", (-1, -1, 3)),
+    T("ALPHA", "UINT8", (-1, -1)),
+    T("REQUEST_INFO", "STRING", (1,)),
+]
+DENOISED = [T("DENOISED", "FP32", (-1, -1)), T("MODEL_SIZE_OUT", "INT32", (2,))]
+RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    inputs: list[T]
+    outputs: list[T]
+    decoupled: bool = False
+    instances: int = 1
+    parameters: dict = field(default_factory=dict)
+
+
+def models() -> list[Model]:
+    return [
+        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1),
+        Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
+        Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
+    ]
+
+
+def _tensor(t: T, indent: str) -> str:
+    lines = [f'{indent}  name: "{t.name}"', f"{indent}  data_type: TYPE_{t.dtype}",
+             f"{indent}  dims: [ {', '.join(map(str, t.dims))} ]"]
+    if t.optional:
+        lines.append(f"{indent}  optional: true")
+    return f"{indent}{{\n" + "\n".join(lines) + f"\n{indent}}}"
+
+
+def _tensors(key: str, ts: list[T]) -> str:
+    return f"{key} [\n" + ",\n".join(_tensor(t, "  ") for t in ts) + "\n]"
+
+
+def render_model(m: Model, kind: str) -> str:
+    parts = [f'name: "{m.name}"', 'backend: "python"', "max_batch_size: 0"]
+    if m.decoupled:
+        parts.append("model_transaction_policy {\n  decoupled: true\n}")
+    parts += [_tensors("input", m.inputs), _tensors("output", m.outputs)]
+    parts.append(f"instance_group [\n  {{\n    count: {m.instances}\n    kind: KIND_{kind.upper()}\n  }}\n]")
+    for k, v in m.parameters.items():
+        parts.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}')
+    return "\n".join(parts) + "\n"
+
+
+def _step(model: str, mapping_in: dict[str, str], mapping_out: dict[str, str]) -> str:
+    ins = "\n".join(f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in mapping_in.items())
+    outs = "\n".join(f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in mapping_out.items())
+    return f'    {{\n      model_name: "{model}"\n      model_version: -1\n{ins}\n{outs}\n    }}'
+
+
+def render_ensemble() -> str:
+    """``edit`` = preprocess -> masked_denoise (decoupled) -> vae_decode."""
+    pre_out = {t.name: f"_{t.name.lower()}" for t in PREPARED + PASSTHROUGH}
+    den_in = {t.name: f"_{t.name.lower()}" for t in PREPARED + PASSTHROUGH}
+    den_out = {t.name: f"_{t.name.lower()}" for t in DENOISED + RELAYED}
+    dec_in = dict(den_out)
+    dec_out = {t.name: t.name for t in EDIT_OUTPUTS}
+    steps = [
+        _step("preprocess", {t.name: t.name for t in EDIT_INPUTS}, pre_out),
+        _step("masked_denoise", den_in, den_out),
+        _step("vae_decode", dec_in, dec_out),
+    ]
+    return "\n".join([
+        'name: "edit"', 'platform: "ensemble"', "max_batch_size: 0",
+        _tensors("input", EDIT_INPUTS), _tensors("output", EDIT_OUTPUTS),
+        "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
+    ]) + "\n"
+
+
+def render(kind: str = "cpu") -> dict[str, str]:
+    """Relative path -> config.pbtxt text for the whole repository."""
+    out = {f"{m.name}/config.pbtxt": render_model(m, kind) for m in models()}
+    out["edit/config.pbtxt"] = render_ensemble()
+    return out
+
+
+def write(dest: Path, kind: str) -> None:
+    """Write a full repository (configs + model.py shims) to ``dest``."""
+    dest = Path(dest)
+    if dest.resolve() != REPOSITORY.resolve():
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(REPOSITORY, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, text in render(kind).items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(text)
+        (dest / rel).parent.joinpath("1").mkdir(exist_ok=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Render the Triton model repository for CPU or GPU instances.")
+    ap.add_argument("--kind", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--out", type=Path, default=REPOSITORY, help="destination (default: model_repository/)")
+    args = ap.parse_args(argv)
+    write(args.out, args.kind)
+    print(f"wrote {args.kind} repository to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Build a Flux Fill model locally: seeded random weights, locally built tokenizers.
+
+There is no model hub here, so the default model is generated from configs and written with
+``save_pretrained``; the server then loads it with ``from_pretrained`` exactly as it loads real
+weights (``MASKEDIT_MODEL_DIR=/path/to/FLUX.1-Fill-dev``). Same preset and seed give the same
+files, so tests and benchmarks are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .settings import SERVING_DEFAULTS_FILE
+
+# A small fixed corpus for training the tokenizers; what matters is that it is deterministic
+# and covers the letters and words prompts use.
+_CORPUS = """
+a photo of a red dress on a wooden table with soft light. replace the sky with a sunset.
+remove the person from the background. a blue shirt, a white t-shirt, green jacket, black coat.
+make the hair blonde and curly. add sunglasses to the face. change the color of the car to yellow.
+a cat sitting on a sofa, a dog running in the park, flowers in a vase near the window.
+high quality, detailed, realistic, studio lighting, portrait, product shot, fashion, try-on.
+inpaint the masked region with a mountain lake and pine trees under a cloudy sky.
+retouch the skin, smooth wrinkles, brighten the eyes, whiten the teeth, fix the shadows.
+abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'"-()[]{}/&%$#@+=*
+"""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one generated Flux Fill model."""
+
+    resolution: int  # default square model resolution in pixels
+    steps: int  # default denoising steps served for this model
+    vae_channels: tuple[int, ...]
+    latent_channels: int
+    dim_head: int
+    heads: int
+    num_layers: int  # dual-stream blocks
+    num_single_layers: int
+    rope_axes: tuple[int, int, int]
+    text_dim: int  # T5 d_model == joint_attention_dim
+    clip_dim: int  # CLIP hidden == pooled_projection_dim
+    max_sequence_length: int  # T5 tokens
+
+
+PRESETS = {
+    # The demo / test default: 256x256 pixels -> 256 image tokens, runs in well under a second a step.
+    "tiny": Preset(
+        resolution=256, steps=8, vae_channels=(8, 16, 16, 16), latent_channels=4, dim_head=16, heads=2,
+        num_layers=2, num_single_layers=2, rope_axes=(4, 6, 6), text_dim=32, clip_dim=32,
+        max_sequence_length=64,
+    ),
+    # Benchmark size: ~20M transformer parameters, 512x512 pixels -> 1024 image tokens.
+    "bench": Preset(
+        resolution=512, steps=8, vae_channels=(8, 16, 16, 16), latent_channels=4, dim_head=64, heads=4,
+        num_layers=4, num_single_layers=8, rope_axes=(8, 28, 28), text_dim=64, clip_dim=64,
+        max_sequence_length=64,
+    ),
+}
+
+
+def _train_tokenizers(vocab_size: int):
+    """Train a CLIP-style BPE and a T5-style Unigram vocabulary on the fixed corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    lines = [line.strip().lower() for line in _CORPUS.strip().splitlines()] * 4
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>",
+            show_progress=False,
+        ),
+    )
+    bpe_model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in bpe_model["merges"]]
+
+    uni = Tokenizer(models.Unigram())
+    uni.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    uni.train_from_iterator(
+        lines,
+        trainers.UnigramTrainer(
+            vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+        ),
+    )
+    pieces = [(p, float(s)) for p, s in json.loads(uni.to_str())["model"]["vocab"]]
+    return bpe_model["vocab"], merges, pieces
+
+
+def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Generate a Flux Fill model directory loadable by ``FluxFillPipeline.from_pretrained``."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxFillPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    vocab, merges, pieces = _train_tokenizers(vocab_size=512)
+    clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=p.max_sequence_length)
+
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok), hidden_size=p.clip_dim, intermediate_size=2 * p.clip_dim, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=p.clip_dim,
+        bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
+    ))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=p.text_dim, d_kv=p.text_dim // 2, d_ff=2 * p.text_dim, num_layers=2,
+        num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+    n_down = len(p.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=p.latent_channels, block_out_channels=p.vae_channels,
+        down_block_types=("DownEncoderBlock2D",) * n_down, up_block_types=("UpDecoderBlock2D",) * n_down,
+        layers_per_block=1, norm_num_groups=4, sample_size=p.resolution, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scale = 2 ** (n_down - 1)
+    packed = p.latent_channels * 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=2 * packed + scale * scale * 4, out_channels=packed, num_layers=p.num_layers,
+        num_single_layers=p.num_single_layers, attention_head_dim=p.dim_head, num_attention_heads=p.heads,
+        joint_attention_dim=p.text_dim, pooled_projection_dim=p.clip_dim, guidance_embeds=True,
+        axes_dims_rope=p.rope_axes,
+    )
+    # Random init leaves some Flux output layers at zero; small noise everywhere makes the edit visible.
+    with torch.no_grad():
+        for param in transformer.parameters():
+            if param.abs().sum() == 0:
+                param.normal_(0.0, 0.02)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
+        base_shift=0.5, max_shift=1.15,
+    )
+    pipe = FluxFillPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
+        tokenizer_2=t5_tok, transformer=transformer,
+    )
+    pipe.save_pretrained(tmp)
+    serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 30.0,
+               "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
+    (tmp / SERVING_DEFAULTS_FILE).write_text(json.dumps(serving, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # the directory appears complete or not at all
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    if (out / "model_index.json").exists() and not args.force:
+        print(f"model exists: {out}")
+        return
+    build(out, args.preset, args.seed)
+    print(f"built {args.preset} Flux Fill model in {out}: {json.dumps(asdict(PRESETS[args.preset]))}")
+
+
+if __name__ == "__main__":
+    main()

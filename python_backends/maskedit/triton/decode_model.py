@@ -1,0 +1,39 @@
+"""Triton ``vae_decode``: final latents to the response PNG (see ``maskedit.decode``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .. import logs
+from ..decode import Decoder
+from ..settings import load_settings
+from . import io
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = logs.setup("vae_decode")
+        io.limit_threads(args, default=1)
+        self.decoder = Decoder(load_settings())
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        t0 = time.perf_counter()
+        try:
+            info = json.loads(io.blob(request, "REQUEST_INFO_OUT"))
+            size = io.array(request, "MODEL_SIZE_OUT")
+            generated = None
+            if not info.get("empty_mask"):
+                generated = self.decoder.decode_latents(io.array(request, "DENOISED"), int(size[0]), int(size[1]))
+            image = self.decoder.finish(generated, io.array(request, "TEMPLATE_RGB_OUT"),
+                                        io.array(request, "ALPHA_OUT"), info["raw_output"], info["base64"])
+            info["decode_s"] = round(time.perf_counter() - t0, 6)
+            logs.event(self.log, "edit done", **{k: info.get(k) for k in
+                       ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s")})
+            return io.response({"IMAGE": image, "EDIT_INFO": info})
+        except Exception as e:
+            self.log.exception("decode failed")
+            return io.error_response(e)

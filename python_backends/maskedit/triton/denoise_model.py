@@ -1,0 +1,77 @@
+"""Triton ``masked_denoise`` (decoupled): hands requests to the denoise engine's loop and returns at once.
+
+Responses are sent from the engine thread when a request finishes; every request ends in exactly one
+final response, a result or an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .. import logs
+from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..engine import DenoiseEngine
+from ..settings import load_settings
+from . import io
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = logs.setup("masked_denoise")
+        io.limit_threads(args, default=max(1, os.cpu_count() or 1))
+        self.settings = load_settings()
+        self.engine = DenoiseEngine(
+            ModelRunner(self.settings),
+            max_batch=int(os.environ.get("MASKEDIT_MAX_BATCH", 1)),
+            max_queue=int(os.environ.get("MASKEDIT_MAX_QUEUE", 64)),
+        )
+        logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except Exception as e:
+                self.log.warning("rejected request: %s", e)
+                sender.send(io.error_response(e), flags=FINAL)
+        return None
+
+    def _submit(self, request, sender):
+        info = json.loads(io.blob(request, "REQUEST_INFO"))
+        relay = {f"{k}_OUT": io.array(request, k) for k in ("TEMPLATE_RGB", "ALPHA")}
+        size = io.array(request, "MODEL_SIZE").astype(np.int32)
+        if info.get("empty_mask"):
+            info.update(denoise_s=0.0, cache_hit=False)
+            sender.send(self._result(np.zeros((0, 0), np.float32), size, relay, info), flags=FINAL)
+            return
+        inputs = DenoiseInputs(
+            latents=io.array(request, "LATENTS"), cond=io.array(request, "COND"),
+            prompt_embeds=io.array(request, "PROMPT_EMBEDS"), pooled_embeds=io.array(request, "POOLED_EMBEDS"),
+            token_mask=io.array(request, "TOKEN_MASK").astype(bool), model_w=int(size[0]), model_h=int(size[1]),
+            steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
+        )
+
+        def done(job: DenoiseJob):
+            info.update(denoise_s=round(job.finished_at - job.started_at, 6),
+                        queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False)
+            sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
+
+        def failed(job: DenoiseJob, e: BaseException):
+            sender.send(io.error_response(e), flags=FINAL)
+
+        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=sender.is_cancelled))
+
+    @staticmethod
+    def _result(latents, size, relay, info):
+        return io.response({"DENOISED": latents, "MODEL_SIZE_OUT": size, **relay, "REQUEST_INFO_OUT": info})
+
+    def finalize(self):
+        self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))

@@ -1,0 +1,51 @@
+"""Triton ``preprocess``: decode/validate, text + VAE encoding, token mask (see ``maskedit.preprocess``)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import logs
+from ..params import parse_params
+from ..preprocess import Preprocessor
+from ..settings import load_settings
+from . import io
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = logs.setup("preprocess")
+        io.limit_threads(args, default=1)
+        self.settings = load_settings()
+        self.pre = Preprocessor(self.settings)
+        logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        t0 = time.perf_counter()
+        try:
+            params = parse_params(
+                self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
+                io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"),
+            )
+            p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
+        except Exception as e:
+            self.log.warning("rejected request: %s", e)
+            return io.error_response(e)
+        info = {
+            "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
+            "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "template_hash": p.template_hash,
+            "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
+            "guidance": params.guidance, "raw_output": params.raw_output, "base64": p.was_base64,
+            "preprocess_s": round(time.perf_counter() - t0, 6),
+        }
+        return io.response({
+            "LATENTS": p.latents, "COND": p.cond, "PROMPT_EMBEDS": p.prompt_embeds, "POOLED_EMBEDS": p.pooled_embeds,
+            "TOKEN_MASK": p.token_mask.astype(bool), "MODEL_SIZE": np.array([p.model_w, p.model_h], np.int32),
+            "STEPS_RESOLVED": np.array([params.steps], np.int32),
+            "GUIDANCE_RESOLVED": np.array([params.guidance], np.float32),
+            "TEMPLATE_RGB": p.template_rgb, "ALPHA": p.alpha, "REQUEST_INFO": info,
+        })
