@@ -113,6 +113,7 @@ class TritonServer:
         ]
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

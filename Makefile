@@ -1,0 +1,47 @@
+# Two set-up commands (README): `make demo` and `make test`. Both install what they need, idempotently.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= models/tiny-flux-fill
+export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
+
+.PHONY: setup model demo serve test test-unit perf render-gpu bench-engine clean
+
+setup: $(STAMP)
+
+# Re-run only when the pins change. torch is pinned to the local CPU build (requirements.txt).
+$(STAMP): requirements.txt pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	@# perf_analyzer (from the tritonclient wheel) links Debian's libb64.
+	@ldconfig -p | grep -q libb64.so.0d || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq libb64-0d) >/dev/null; \
+	  else echo "warning: install libb64-0d (apt) for perf_analyzer"; fi; }
+	touch $@
+
+model: $(STAMP)
+	$(VENV)/bin/maskedit-build-model $(MASKEDIT_MODEL_DIR)
+
+demo: model
+	$(PY) -m maskedit.demo
+
+serve: model
+	$(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}
+
+test: model
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-unit: model
+	$(PY) -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)
+
+perf: model
+	$(PY) -m maskedit.perf_analyzer run
+
+render-gpu: $(STAMP)
+	$(PY) -m maskedit.repository --kind gpu --out build/model_repository_gpu
+
+clean:
+	rm -rf out build
