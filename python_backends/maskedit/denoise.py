@@ -17,6 +17,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 
 from .components import load_scheduler_config, load_transformer, torch_dtype, vae_scale_factor
+from .errors import InvalidInput
 from .schedule import make_scheduler
 from .settings import Settings
 
@@ -38,7 +39,7 @@ class DenoiseInputs:
     guidance: float
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
 class DenoiseJob:
     inputs: DenoiseInputs
     on_done: Callable[["DenoiseJob"], None] = lambda job: None
@@ -83,6 +84,7 @@ class ModelRunner:
     def prepare(self, job: DenoiseJob) -> None:
         """Move a newly admitted job's tensors to the device and give it its own scheduler."""
         x = job.inputs
+        _check_shapes(x, self.pixels_per_token)
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype).unsqueeze(0)
         job.latents = t(x.latents)
         job.state["cond"] = t(x.cond)
@@ -120,6 +122,17 @@ class ModelRunner:
             for i, (job, t) in enumerate(zip(group, timesteps)):
                 job.latents = job.scheduler.step(noise_pred[i : i + 1], t, job.latents, return_dict=False)[0]
                 job.step_index += 1
+
+
+def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
+    """Inconsistent tensors would fail the whole batch's step; reject them before they join."""
+    tokens = (x.model_h // pixels_per_token) * (x.model_w // pixels_per_token)
+    got = {"LATENTS": x.latents.shape[0], "COND": x.cond.shape[0], "TOKEN_MASK": x.token_mask.shape[0]}
+    for name, n in got.items():
+        if n != tokens:
+            raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
+    if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
+        raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
 def _group_by_shape(jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:

@@ -105,7 +105,8 @@ def soft_mask(binary: np.ndarray, feather_px: int) -> np.ndarray:
     if feather_px <= 0:
         return binary.copy()
     img = Image.fromarray(binary).filter(ImageFilter.MaxFilter(2 * feather_px + 1))
-    return np.asarray(img.filter(ImageFilter.GaussianBlur(feather_px / 2)), dtype=np.uint8)
+    soft = np.asarray(img.filter(ImageFilter.GaussianBlur(feather_px / 2)), dtype=np.uint8)
+    return np.maximum(soft, binary)  # the blur must not fade the edit inside the mask itself
 
 
 def composite(template: np.ndarray, generated: np.ndarray, alpha: np.ndarray) -> np.ndarray:

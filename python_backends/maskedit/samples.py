@@ -36,6 +36,7 @@ def box_mask(width: int, height: int, ratio: float, rng: np.random.Generator) ->
     area = ratio * width * height
     w = min(width, int(round(math.sqrt(area * aspect))))
     h = min(height, int(round(area / max(w, 1))))
+    w = min(width, int(round(area / max(h, 1))))  # if the height was clamped, widen to keep the area
     x0 = int(rng.integers(0, width - w + 1))
     y0 = int(rng.integers(0, height - h + 1))
     m = np.zeros((height, width), np.uint8)

@@ -1,0 +1,101 @@
+"""The denoise loop: every job ends in a result or an error; cancellation and shutdown are explicit."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from maskedit.denoise import DenoiseJob, ModelRunner
+from maskedit.engine import DenoiseEngine
+from maskedit.errors import Cancelled, ResourceExhausted, Unavailable
+from maskedit.local import denoise_inputs
+from maskedit.params import parse_params
+from maskedit.preprocess import Preprocessor
+from tests.conftest import png
+
+
+@pytest.fixture(scope="module")
+def inputs(settings, template_img, box_mask):
+    pre = Preprocessor(settings)
+    return denoise_inputs(pre(png(template_img), png(box_mask), parse_params(settings, "a hat", steps=3)))
+
+
+@pytest.fixture(scope="module")
+def runner(settings):
+    return ModelRunner(settings)
+
+
+class Outcome:
+    def __init__(self):
+        self.done, self.error, self.event = None, None, threading.Event()
+
+    def job(self, inputs, **kw):
+        return DenoiseJob(inputs, on_done=lambda j: (setattr(self, "done", j), self.event.set()),
+                          on_error=lambda j, e: (setattr(self, "error", e), self.event.set()), **kw)
+
+
+def test_batched_jobs_match_single_runs(runner, inputs):
+    engine = DenoiseEngine(runner, max_batch=4)
+    try:
+        outs = [Outcome() for _ in range(3)]
+        for o in outs:
+            engine.submit(o.job(inputs))
+        assert all(o.event.wait(60) for o in outs)
+        single = Outcome()
+        solo = DenoiseEngine(runner, max_batch=1)
+        solo.submit(single.job(inputs))
+        assert single.event.wait(60)
+        solo.shutdown()
+        for o in outs:
+            assert o.error is None and o.done.step_index == 3
+            np.testing.assert_allclose(o.done.result(), single.done.result(), atol=1e-5)
+    finally:
+        engine.shutdown()
+
+
+def test_cancelled_job_ends_with_cancelled(runner, inputs):
+    engine = DenoiseEngine(runner)
+    try:
+        o = Outcome()
+        engine.submit(o.job(inputs, is_cancelled=lambda: True))
+        assert o.event.wait(30) and isinstance(o.error, Cancelled) and o.done is None
+    finally:
+        engine.shutdown()
+
+
+def test_full_queue_is_resource_exhausted_and_shutdown_fails_the_rest(runner, inputs):
+    gate = threading.Event()
+    engine = DenoiseEngine(runner, max_batch=1, max_queue=2)
+    blocker = Outcome()
+    engine.submit(blocker.job(inputs, is_cancelled=lambda: not gate.wait(30) and False))
+    for _ in range(500):  # wait until the blocker holds the loop
+        if engine.stats()["running"] == 1:
+            break
+        threading.Event().wait(0.01)
+    waiting = [Outcome(), Outcome()]
+    for o in waiting:
+        engine.submit(o.job(inputs))
+    with pytest.raises(ResourceExhausted):
+        engine.submit(Outcome().job(inputs))
+    engine.shutdown(timeout=0.1)
+    gate.set()
+    for o in [blocker, *waiting]:
+        assert o.event.wait(30)
+        assert o.done is not None or isinstance(o.error, Unavailable)
+    assert any(isinstance(o.error, Unavailable) for o in waiting)
+    with pytest.raises(Unavailable):
+        engine.submit(Outcome().job(inputs))
+
+
+def test_bad_job_fails_alone(runner, inputs):
+    from dataclasses import replace
+
+    engine = DenoiseEngine(runner, max_batch=2)
+    try:
+        bad, good = Outcome(), Outcome()
+        engine.submit(bad.job(replace(inputs, latents=np.zeros((3, 3), np.float32))))
+        engine.submit(good.job(inputs))
+        assert bad.event.wait(30) and good.event.wait(30)
+        assert bad.error is not None and good.error is None
+    finally:
+        engine.shutdown()

@@ -1,0 +1,53 @@
+"""The stages run in one process reproduce stock diffusers.FluxFillPipeline exactly."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxFillPipeline
+from PIL import Image
+
+from maskedit.local import LocalEditor
+from tests.conftest import png
+
+
+@pytest.fixture(scope="module")
+def editor(settings):
+    ed = LocalEditor(settings)
+    yield ed
+    ed.close()
+
+
+@pytest.fixture(scope="module")
+def stock(settings):
+    return FluxFillPipeline.from_pretrained(settings.model_dir)
+
+
+def reference(stock, settings, img, mask, prompt, seed, steps, guidance, output_type):
+    w, h = img.size
+    return stock(prompt=prompt, image=img, mask_image=Image.fromarray(mask), height=h, width=w,
+                 num_inference_steps=steps, guidance_scale=guidance, max_sequence_length=settings.max_sequence_length,
+                 generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type).images
+
+
+def test_latents_and_png_equal_stock_pipeline(editor, stock, settings, template_img, box_mask):
+    out, prepared, job = editor.edit(png(template_img), png(box_mask), "a red hat", seed=5, steps=4,
+                                     guidance=12.0, raw_output=True)
+    ref_latents = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "latent")
+    np.testing.assert_allclose(job.result(), ref_latents[0].numpy(), atol=1e-5, rtol=0)
+    ref_img = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "pil")[0]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(out))), np.asarray(ref_img))
+
+
+def test_seed_changes_result_and_same_seed_repeats(editor, template_img, box_mask):
+    a = editor.edit(png(template_img), png(box_mask), "a red hat", seed=1, steps=2)[0]
+    b = editor.edit(png(template_img), png(box_mask), "a red hat", seed=1, steps=2)[0]
+    c = editor.edit(png(template_img), png(box_mask), "a red hat", seed=2, steps=2)[0]
+    assert a == b and a != c
+
+
+def test_empty_mask_returns_template_without_running(editor, template_img):
+    out, prepared, job = editor.edit(png(template_img), png(np.zeros((256, 256), np.uint8)), "x")
+    assert job is None and prepared.empty_mask
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(out))), np.asarray(template_img))
