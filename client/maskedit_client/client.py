@@ -23,6 +23,9 @@ from PIL import Image
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
 _CODE = re.compile(r"\b(INVALID_ARGUMENT|RESOURCE_EXHAUSTED|DEADLINE_EXCEEDED|CANCELLED|UNAVAILABLE|INTERNAL): ")
 _FIELD = re.compile(r"^([A-Z_]+): ")
+_TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
+                             r"|expected number of inputs|shape")
+_TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
 
 
 class EditError(Exception):
@@ -36,9 +39,11 @@ class EditError(Exception):
     def from_server(cls, message: str) -> "EditError":
         m = _CODE.search(message)
         if not m:
-            # Triton itself rejected the request (missing tensor, wrong dtype or shape, unknown model).
-            code = "INVALID_ARGUMENT" if re.search(r"expected|unexpected|missing|datatype|shape", message) else "UNKNOWN"
-            return cls(message, code)
+            # Triton itself rejected the request before our models saw it: missing tensor, wrong dtype or shape.
+            if _TRITON_INVALID.search(message):
+                f = _TRITON_FIELD.search(message)
+                return cls(message, "INVALID_ARGUMENT", f.group(1) if f else None)
+            return cls(message, "UNKNOWN")
         rest = message[m.end():]
         f = _FIELD.match(rest)
         return cls(message[m.start():], m.group(1), f.group(1) if f else None)

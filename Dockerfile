@@ -1,0 +1,27 @@
+# maskedit on NVIDIA's Triton container. 24.10 ships tritonserver 2.51, the same as the embedded default.
+#   docker build -t maskedit .
+#   docker run --gpus all --shm-size 2g -p 8000-8002:8000-8002 -v /path/to/FLUX.1-Fill-dev:/models/flux-fill \
+#     -e MASKEDIT_MODEL_DIR=/models/flux-fill -e MASKEDIT_DTYPE=bfloat16 maskedit
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+WORKDIR /opt/maskedit
+# CUDA 12.4 build of torch for the container's driver stack (the CPU pin in requirements.txt is for dev/CI).
+RUN pip install --no-cache-dir torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124
+COPY requirements-serve.txt ./
+RUN pip install --no-cache-dir -r requirements-serve.txt
+
+COPY pyproject.toml ./
+COPY python_backends ./python_backends
+COPY client ./client
+COPY model_repository ./model_repository
+RUN pip install --no-cache-dir --no-deps -e . \
+ && python3 -m maskedit.repository --kind gpu --out /opt/maskedit/model_repository_gpu \
+ && python3 -m maskedit.tiny_model /opt/maskedit/models/tiny-flux-fill
+
+# The model.py shims put these first on the stub's sys.path.
+ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/client \
+    MASKEDIT_MODEL_DIR=/opt/maskedit/models/tiny-flux-fill
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/opt/maskedit/model_repository_gpu", "--strict-readiness=true", \
+     "--backend-config=python,shm-default-byte-size=16777216", "--backend-config=python,shm-growth-byte-size=16777216"]

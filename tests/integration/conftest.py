@@ -1,0 +1,27 @@
+import pytest
+
+from maskedit.launcher import TritonServer
+from maskedit_client import EditClient
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def server(settings, tmp_path_factory):
+    """One real tritonserver for the whole integration session, stopped by pid at the end."""
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    s = TritonServer(log_path=log, env={"MASKEDIT_MODEL_DIR": str(settings.model_dir)})
+    s.start(timeout=300)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    c = EditClient(server.grpc_url)
+    yield c
+    c.close()
