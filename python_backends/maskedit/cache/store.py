@@ -1,0 +1,322 @@
+"""The activation store: a host-memory tier shared by processes, LRU-evicted to a disk tier.
+
+Each entry is one safetensors file (one template's recorded activations plus JSON metadata). The memory
+tier is a directory on a RAM filesystem (``/dev/shm`` by default), so every Triton model process can map
+the same bytes without copying: preprocess checks and prefetches, masked_denoise reads and records.
+
+Crash safety: a writer fills a hidden temporary file and ``os.replace``-s it into place, so an entry is
+visible only when complete; a writer killed mid-way leaves only a temporary file, swept later. Each entry
+carries the CRC32 of its tensor bytes in its metadata; a file whose size or checksum is wrong is a miss
+and is deleted, never served. Two processes recording the same key each write a complete file and the
+last rename wins. LRU order is the file's mtime (touched on every open); eviction moves the oldest memory
+entries to disk under an inter-process lock; promotion copies a disk entry back (optionally in a thread
+while the request still queues).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+log = logging.getLogger(__name__)
+SUFFIX = ".safetensors"
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "U8": np.uint8, "I64": np.int64, "I32": np.int32}
+_STALE_TMP_S = 600.0
+
+
+@dataclass
+class Entry:
+    """An opened entry: arrays are read-only views on the mapped file (no copy)."""
+
+    key: str
+    path: Path
+    tier: str
+    meta: dict
+    arrays: dict[str, np.ndarray]
+    nbytes: int
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    corrupt: int = 0
+    inserts: int = 0
+    dropped: int = 0  # evicted from the disk tier (gone)
+    extra: dict = field(default_factory=dict)
+
+
+class CorruptEntry(Exception):
+    pass
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CorruptEntry("shorter than a header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise CorruptEntry("header length is implausible")
+        header = f.read(n)
+    if len(header) != n:
+        raise CorruptEntry("truncated header")
+    try:
+        return json.loads(header), 8 + n
+    except ValueError as e:
+        raise CorruptEntry(f"bad header: {e}") from None
+
+
+def _crc(arrays: dict[str, np.ndarray]) -> int:
+    crc = 0
+    for name in sorted(arrays):
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(arrays[name])).cast("B"), crc)
+    return crc
+
+
+def open_file(path: Path, verify: bool = True) -> tuple[dict, dict[str, np.ndarray], int]:
+    """Map a safetensors file; check its size always and its checksum when ``verify``."""
+    header, data_start = _read_header(path)
+    meta = header.pop("__metadata__", {}) or {}
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    size = path.stat().st_size
+    if size != data_start + end:
+        raise CorruptEntry(f"size {size} != {data_start + end} expected from the header")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    arrays = {}
+    for name, t in header.items():
+        dt = _DTYPES.get(t["dtype"])
+        if dt is None:
+            raise CorruptEntry(f"unsupported dtype {t['dtype']}")
+        a, b = t["data_offsets"]
+        arrays[name] = mm[data_start + a:data_start + b].view(dt).reshape(t["shape"])
+    info = json.loads(meta.get("maskedit", "{}"))
+    if verify and info.get("crc32") is not None and _crc(arrays) != int(info["crc32"]):
+        raise CorruptEntry("checksum mismatch")
+    return info, arrays, size
+
+
+class ActivationStore:
+    def __init__(self, mem_dir: str | Path, disk_dir: str | Path, mem_bytes: int, disk_bytes: int):
+        self.mem_dir, self.disk_dir = Path(mem_dir), Path(disk_dir)
+        self.mem_bytes, self.disk_bytes = int(mem_bytes), int(disk_bytes)
+        for d in (self.mem_dir, self.disk_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.stats = StoreStats()
+        self._verified: dict[tuple, bool] = {}  # (path, inode, mtime_ns) checked in this process
+        self._promoting: dict[str, threading.Thread] = {}
+        self._mu = threading.Lock()
+        self._sweep_tmp()
+
+    # -- paths and locking --------------------------------------------------------------------------
+    def _path(self, tier_dir: Path, key: str) -> Path:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"bad cache key {key!r}")
+        return tier_dir / f"{key}{SUFFIX}"
+
+    @contextlib.contextmanager
+    def _lock(self):
+        """Inter-process lock for eviction and promotion (flock on a file in the memory tier)."""
+        with open(self.mem_dir / ".lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _sweep_tmp(self) -> None:
+        now = time.time()
+        for d in (self.mem_dir, self.disk_dir):
+            for p in d.glob(".tmp-*"):
+                pid = p.name.split("-")[2] if p.name.count("-") >= 3 else ""
+                alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
+                with contextlib.suppress(OSError):
+                    if not alive or now - p.stat().st_mtime > _STALE_TMP_S:
+                        p.unlink()
+
+    # -- queries ------------------------------------------------------------------------------------
+    def locate(self, key: str) -> str | None:
+        """'mem', 'disk' or None, without opening or counting a hit."""
+        if self._path(self.mem_dir, key).exists():
+            return "mem"
+        if self._path(self.disk_dir, key).exists():
+            return "disk"
+        return None
+
+    def entries(self, tier: str = "mem") -> list[tuple[Path, os.stat_result]]:
+        d = self.mem_dir if tier == "mem" else self.disk_dir
+        out = []
+        for p in d.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                out.append((p, p.stat()))
+        return out
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {t: sum(s.st_size for _, s in self.entries(t)) for t in ("mem", "disk")}
+
+    def metrics(self) -> dict:
+        b = self.tier_bytes()
+        s = self.stats
+        return {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "promotions": s.promotions,
+                "corrupt": s.corrupt, "inserts": s.inserts, "dropped": s.dropped, "mem_bytes": b["mem"],
+                "disk_bytes": b["disk"], "mem_entries": len(self.entries("mem")),
+                "disk_entries": len(self.entries("disk"))}
+
+    # -- reads --------------------------------------------------------------------------------------
+    def open(self, key: str, promote: bool = True) -> Entry | None:
+        """The entry for ``key`` from the memory tier (promoting it from disk first), or None (a miss)."""
+        self.wait_promotion(key)
+        path = self._path(self.mem_dir, key)
+        if not path.exists() and promote and self._path(self.disk_dir, key).exists():
+            self.promote(key)
+        entry = self._open_path(path, key, "mem")
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        with contextlib.suppress(OSError):
+            os.utime(path)  # LRU: most recently used
+        return entry
+
+    def _open_path(self, path: Path, key: str, tier: str) -> Entry | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        ident = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            info, arrays, size = open_file(path, verify=ident not in self._verified)
+        except (CorruptEntry, ValueError, OSError) as e:
+            self._discard(path, f"{e}")
+            return None
+        self._verified[ident] = True
+        return Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size)
+
+    def _discard(self, path: Path, why: str) -> None:
+        log.warning("discarding corrupt activation entry %s: %s", path.name, why)
+        self.stats.corrupt += 1
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    # -- writes -------------------------------------------------------------------------------------
+    def put(self, key: str, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+        """Write an entry atomically into the memory tier, then evict to stay within budget."""
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        info = dict(meta, crc32=_crc(arrays), key=key, created=time.time())
+        path = self._path(self.mem_dir, key)
+        tmp = self.mem_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{key}"
+        try:
+            save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
+            os.replace(tmp, path)  # the entry becomes visible complete, or not at all
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        self.stats.inserts += 1
+        self.evict()
+        return path
+
+    def delete(self, key: str) -> None:
+        for d in (self.mem_dir, self.disk_dir):
+            with contextlib.suppress(FileNotFoundError):
+                self._path(d, key).unlink()
+
+    def evict(self) -> None:
+        """Move least recently used memory entries to disk until the memory tier fits; trim the disk tier."""
+        with self._lock():
+            mem = sorted(self.entries("mem"), key=lambda e: e[1].st_mtime_ns)
+            total = sum(s.st_size for _, s in mem)
+            for p, s in mem:
+                if total <= self.mem_bytes:
+                    break
+                self._copy_atomic(p, self.disk_dir / p.name)
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                total -= s.st_size
+                self.stats.evictions += 1
+            disk = sorted(self.entries("disk"), key=lambda e: e[1].st_mtime_ns)
+            total = sum(s.st_size for _, s in disk)
+            for p, s in disk:
+                if total <= self.disk_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                total -= s.st_size
+                self.stats.dropped += 1
+
+    def _copy_atomic(self, src: Path, dst: Path) -> None:
+        tmp = dst.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{dst.name}"
+        try:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.utime(tmp, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns))
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def promote(self, key: str) -> bool:
+        """Copy a disk entry into the memory tier (verifying it on the way); True if it is now in memory."""
+        src, dst = self._path(self.disk_dir, key), self._path(self.mem_dir, key)
+        with self._lock():
+            if dst.exists():
+                return True
+            if not src.exists():
+                return False
+            try:
+                open_file(src, verify=True)
+            except (CorruptEntry, ValueError, OSError) as e:
+                self._discard(src, str(e))
+                return False
+            self._copy_atomic(src, dst)
+            os.utime(dst)
+            with contextlib.suppress(FileNotFoundError):
+                src.unlink()
+        self.stats.promotions += 1
+        self.evict()
+        return True
+
+    def prefetch(self, key: str) -> str | None:
+        """Start promoting ``key`` in a background thread if it is on disk; returns where it is now."""
+        where = self.locate(key)
+        if where == "disk":
+            with self._mu:
+                if key not in self._promoting:
+                    t = threading.Thread(target=self.promote, args=(key,), name=f"promote-{key[:8]}", daemon=True)
+                    self._promoting[key] = t
+                    t.start()
+        return where
+
+    def wait_promotion(self, key: str, timeout: float = 60.0) -> None:
+        with self._mu:
+            t = self._promoting.get(key)
+        if t is not None:
+            t.join(timeout)
+            with self._mu:
+                self._promoting.pop(key, None)
+
+
+def from_env(env: dict | None = None) -> ActivationStore:
+    """The store configured by MASKEDIT_CACHE_* (the same in every model process, so they share it)."""
+    env = os.environ if env is None else env
+    uid = os.getuid()
+    mem = env.get("MASKEDIT_CACHE_MEM_DIR", f"/dev/shm/maskedit-{uid}/activations")
+    disk = env.get("MASKEDIT_CACHE_DISK_DIR", str(Path.home() / ".cache" / "maskedit" / "activations"))
+    return ActivationStore(mem, disk, int(float(env.get("MASKEDIT_CACHE_MEM_BYTES", 4 << 30))),
+                           int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))))

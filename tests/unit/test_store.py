@@ -1,0 +1,148 @@
+"""Activation store: tiers, LRU, crash safety, corruption, concurrent writers, several processes."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from maskedit.cache.store import ActivationStore, open_file
+
+
+def mk(tmp_path, mem=10_000_000, disk=10_000_000):
+    return ActivationStore(tmp_path / "mem", tmp_path / "disk", mem, disk)
+
+
+def arrays(seed=0, n=1000):
+    rng = np.random.default_rng(seed)
+    return {"y": rng.standard_normal((2, 3, n), dtype=np.float32), "valid": np.ones(n, np.uint8)}
+
+
+def test_put_open_roundtrip_zero_copy(tmp_path):
+    s = mk(tmp_path)
+    a = arrays()
+    s.put("k1", a, {"steps": 2})
+    e = s.open("k1")
+    assert e.tier == "mem" and e.meta["steps"] == 2 and isinstance(e.arrays["y"], np.memmap)
+    np.testing.assert_array_equal(e.arrays["y"], a["y"])
+    assert s.open("nope") is None
+    assert (s.stats.hits, s.stats.misses) == (1, 1)
+
+
+def test_lru_eviction_to_disk_and_promotion(tmp_path):
+    one = os.path.getsize(mk(tmp_path / "probe").put("x", arrays(), {}))
+    s = mk(tmp_path, mem=int(one * 2.5))
+    for i, k in enumerate(["a", "b", "c"]):
+        s.put(k, arrays(i), {})
+        time.sleep(0.01)
+    assert s.locate("a") == "disk" and s.locate("b") == "mem" and s.locate("c") == "mem"
+    assert s.stats.evictions == 1
+    e = s.open("a")  # promoted back; now "b" is the least recently used
+    np.testing.assert_array_equal(e.arrays["y"], arrays(0)["y"])
+    assert s.locate("a") == "mem" and s.locate("b") == "disk" and s.stats.promotions == 1
+    m = s.metrics()
+    assert m["mem_entries"] == 2 and m["disk_entries"] == 1 and m["mem_bytes"] <= s.mem_bytes
+
+
+def test_prefetch_promotes_in_background(tmp_path):
+    s = mk(tmp_path, mem=1)  # everything is evicted at once
+    s.put("a", arrays(), {})
+    assert s.locate("a") == "disk"
+    s.mem_bytes = 10_000_000
+    assert s.prefetch("a") == "disk"
+    s.wait_promotion("a")
+    assert s.locate("a") == "mem"
+
+
+def test_disk_tier_is_trimmed(tmp_path):
+    s = mk(tmp_path, mem=1, disk=1)
+    s.put("a", arrays(), {})
+    assert s.locate("a") is None and s.stats.dropped == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_damaged_entry_is_a_miss_and_removed(tmp_path, damage):
+    s = mk(tmp_path)
+    path = s.put("k", arrays(), {})
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) - 100]
+    elif damage == "flip":
+        raw[-10] ^= 0xFF
+    else:
+        raw = bytearray(b"\x00" * 64)
+    path.write_bytes(bytes(raw))
+    fresh = mk(tmp_path)  # a new process has not verified it yet
+    assert fresh.open("k") is None and fresh.stats.corrupt == 1 and not path.exists()
+
+
+def _writer(mem, disk, key, ready):
+    import maskedit.cache.store as store_mod
+
+    real = store_mod.save_file
+
+    def stalled_save(arrays, path, metadata=None):  # write the file for real, then hang before returning
+        real(arrays, path, metadata=metadata)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)  # and leave it half-written, as a crash mid-write would
+        ready.set()
+        time.sleep(600)
+
+    store_mod.save_file = stalled_save
+    s = ActivationStore(mem, disk, 1 << 40, 1 << 40)
+    s.put(key, {"y": np.ones((4, 1024, 1024), np.float32)}, {})
+
+
+def test_killed_writer_leaves_no_visible_entry(tmp_path):
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_writer, args=(tmp_path / "mem", tmp_path / "disk", "big", ready))
+    p.start()
+    assert ready.wait(30)
+    assert list((tmp_path / "mem").glob(".tmp-*")), "the writer is mid-write"
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    s = mk(tmp_path)
+    assert s.locate("big") is None and s.open("big") is None
+    assert not list((tmp_path / "mem").glob(".tmp-*")), "the dead writer's temporary file is swept"
+    s.put("small", arrays(), {})  # the store keeps working
+    assert s.open("small") is not None
+
+
+def _record(mem, disk, seed, barrier):
+    s = ActivationStore(mem, disk, 1 << 40, 1 << 40)
+    barrier.wait()
+    for _ in range(5):
+        s.put("same", arrays(seed, 200_000), {"writer": seed})
+
+
+def test_concurrent_writers_of_the_same_key(tmp_path):
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_record, args=(tmp_path / "mem", tmp_path / "disk", i, barrier)) for i in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    info, arr, _ = open_file(tmp_path / "mem" / "same.safetensors", verify=True)
+    np.testing.assert_array_equal(arr["y"], arrays(info["writer"], 200_000)["y"])
+
+
+def _reader(mem, disk, q):
+    s = ActivationStore(mem, disk, 1 << 40, 1 << 40)
+    e = s.open("shared")
+    q.put(float(e.arrays["y"].sum()) if e else None)
+
+
+def test_other_processes_read_the_same_entry(tmp_path):
+    s = mk(tmp_path)
+    s.put("shared", arrays(3), {})
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_reader, args=(tmp_path / "mem", tmp_path / "disk", q))
+    p.start()
+    assert q.get(timeout=60) == pytest.approx(float(arrays(3)["y"].sum()), rel=1e-6)
+    p.join(10)
