@@ -146,7 +146,8 @@ class EditClient:
         return m.group(1) if m else None
 
     def submit(self, template, mask, prompt: str, seed: int | None = None, steps: int | None = None,
-               guidance: float | None = None, raw_output: bool = False,
+               guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
+               use_cache: bool | None = None, register: bool = False,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None) -> Future:
         inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
                   _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
@@ -158,6 +159,12 @@ class EditClient:
             inputs.append(_scalar_input("GUIDANCE", guidance, "FP32", np.float32))
         if raw_output:
             inputs.append(_scalar_input("RAW_OUTPUT", True, "BOOL", np.bool_))
+        if template_seed is not None:
+            inputs.append(_scalar_input("TEMPLATE_SEED", template_seed, "INT64", np.int64))
+        if use_cache is not None:
+            inputs.append(_scalar_input("USE_CACHE", bool(use_cache), "BOOL", np.bool_))
+        if register:
+            inputs.append(_scalar_input("REGISTER", True, "BOOL", np.bool_))
         inputs += extra_inputs or []
         return self.submit_inputs(inputs, on_progress)
 
@@ -179,6 +186,21 @@ class EditClient:
         result = self.submit(template, mask, prompt, **kw).result(timeout=timeout_s or self.timeout_s)
         result.latency_s = time.perf_counter() - t0
         return result
+
+    def register_template(self, template, prompt: str = "a photo", steps: int | None = None,
+                          guidance: float | None = None, template_seed: int | None = None,
+                          timeout_s: float | None = None) -> EditResult:
+        """Warm the activation cache for ``template`` before traffic: runs the template once (no edit) and
+        records its activations for the given steps/guidance/template seed. Later edits with the same
+        settings compute only their masked tokens."""
+        import numpy as _np
+        from PIL import Image as _Image
+
+        img = _Image.open(io.BytesIO(encode_image(template)))
+        empty = _np.zeros((img.size[1], img.size[0]), _np.uint8)
+        fut = self.submit(template, empty, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
+                          register=True)
+        return fut.result(timeout=timeout_s or self.timeout_s)
 
     def close(self) -> None:
         with self._lock:

@@ -37,6 +37,8 @@ class DenoiseInputs:
     model_h: int
     steps: int
     guidance: float
+    cache_key: str | None = None  # activation-cache key (None: caching off for this request)
+    register: bool = False  # a template run: record even if an entry exists
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -72,7 +74,8 @@ class DenoiseJob:
 class ModelRunner:
     """Holds the transformer; turns jobs into transformer calls and scheduler steps."""
 
-    def __init__(self, settings: Settings, transformer=None):
+    def __init__(self, settings: Settings, transformer=None, cache=None):
+        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None."""
         self.settings = settings
         self.device = torch.device(settings.torch_device)
         self.dtype = torch_dtype(settings)
@@ -80,6 +83,7 @@ class ModelRunner:
         self.scheduler_config = load_scheduler_config(settings)
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self.pixels_per_token = 2 * vae_scale_factor(settings)  # Flux packs 2x2 latents into one token
+        self.cache = cache
 
     def prepare(self, job: DenoiseJob) -> None:
         """Move a newly admitted job's tensors to the device and give it its own scheduler."""
@@ -97,7 +101,14 @@ class ModelRunner:
         job.state["guidance"] = (
             torch.full([1], x.guidance, device=self.device, dtype=torch.float32) if self.guidance_embeds else None)
         job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
+        if self.cache is not None:
+            self.cache.admit(job)
         job.started_at = time.perf_counter()
+
+    def release(self, job: DenoiseJob, ok: bool) -> None:
+        """The job left the batch (finished, failed or cancelled)."""
+        if self.cache is not None:
+            self.cache.finish(job, ok)
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -108,7 +119,7 @@ class ModelRunner:
             latents = torch.cat([j.latents for j in group], dim=0)
             timestep = torch.stack([t.to(self.device) for t in timesteps]).to(latents.dtype)
             guidance = cat("guidance") if self.guidance_embeds else None
-            noise_pred = self.transformer(
+            forward = lambda: self.transformer(  # noqa: E731
                 hidden_states=torch.cat((latents, cat("cond")), dim=2),
                 timestep=timestep / 1000,
                 guidance=guidance,
@@ -119,6 +130,11 @@ class ModelRunner:
                 joint_attention_kwargs=None,
                 return_dict=False,
             )[0]
+            if self.cache is not None:
+                noise_pred = self.cache.hooks.run(self.cache.context(group), forward)
+                self.cache.after_step(group)
+            else:
+                noise_pred = forward()
             for i, (job, t) in enumerate(zip(group, timesteps)):
                 job.latents = job.scheduler.step(noise_pred[i : i + 1], t, job.latents, return_dict=False)[0]
                 job.step_index += 1

@@ -66,7 +66,8 @@ class DenoiseEngine:
             try:
                 self.runner.prepare(job)
             except Exception as e:  # bad tensors fail this request only
-                log.exception("could not prepare request %s", job.id)
+                log.warning("could not prepare request %s: %s", job.id, e)
+                self.runner.release(job, ok=False)
                 _fail(job, e)
                 continue
             self._running.append(job)
@@ -109,6 +110,10 @@ class DenoiseEngine:
             self._running = [j for j in self._running if j not in jobs]
         for job in jobs:
             job.finished_at = time.perf_counter()
+            try:
+                self.runner.release(job, ok=error is None)
+            except Exception:
+                log.exception("releasing request %s failed", job.id)
             if error is not None:
                 _fail(job, error)
                 continue

@@ -19,7 +19,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
     return DenoiseInputs(
         latents=p.latents, cond=p.cond, prompt_embeds=p.prompt_embeds, pooled_embeds=p.pooled_embeds,
         token_mask=p.token_mask, model_w=p.model_w, model_h=p.model_h, steps=p.params.steps,
-        guidance=p.params.guidance,
+        guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register,
     )
 
 
@@ -38,18 +38,23 @@ def run_job(engine: DenoiseEngine, inputs: DenoiseInputs, timeout: float = 600.0
 
 
 class LocalEditor:
-    def __init__(self, settings: Settings | None = None, max_batch: int = 1):
+    def __init__(self, settings: Settings | None = None, max_batch: int = 1, cache=None, store=None):
+        """``cache``: a callable (transformer -> CacheRuntime) to enable activation caching."""
         self.settings = settings or load_settings()
-        self.pre = Preprocessor(self.settings)
+        self.pre = Preprocessor(self.settings, store=store)
         self.runner = ModelRunner(self.settings)
+        if cache is not None:
+            self.runner.cache = cache(self.runner.transformer)
         self.engine = DenoiseEngine(self.runner, max_batch=max_batch)
         self.dec = Decoder(self.settings)
 
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
-             raw_output=False) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
-        params = parse_params(self.settings, prompt, seed, steps, guidance, raw_output)
+             raw_output=False, template_seed=None, register=False,
+             use_cache=True) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+        params = parse_params(self.settings, prompt, seed, steps, guidance, raw_output, template_seed, register,
+                              use_cache)
         p = self.pre(template, mask, params)
-        if p.empty_mask:
+        if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None
         job = run_job(self.engine, denoise_inputs(p))
         img = self.dec.decode_latents(job.result(), p.model_w, p.model_h)
@@ -57,3 +62,5 @@ class LocalEditor:
 
     def close(self) -> None:
         self.engine.shutdown()
+        if self.runner.cache is not None:
+            self.runner.cache.close()

@@ -18,6 +18,9 @@ class EditParams:
     steps: int
     guidance: float
     raw_output: bool = False
+    template_seed: int = 0  # noise of the unmasked tokens and VAE sampling of the template; part of the cache key
+    register: bool = False  # run the template (no edit) to record its activations for later edits
+    use_cache: bool = True  # False: full computation, nothing read from or written to the activation cache
 
 
 def parse_params(
@@ -27,6 +30,9 @@ def parse_params(
     steps: int | None = None,
     guidance: float | None = None,
     raw_output: bool | None = None,
+    template_seed: int | None = None,
+    register: bool | None = None,
+    use_cache: bool | None = None,
 ) -> EditParams:
     if isinstance(prompt, bytes):
         try:
@@ -40,10 +46,15 @@ def parse_params(
     seed = 0 if seed is None else int(seed)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {seed}", "SEED")
+    template_seed = 0 if template_seed is None else int(template_seed)
+    if not 0 <= template_seed <= MAX_SEED:
+        raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {template_seed}", "TEMPLATE_SEED")
     steps = settings.steps if steps is None else int(steps)
     if not 1 <= steps <= settings.max_steps:
         raise InvalidInput(f"must be between 1 and {settings.max_steps}, got {steps}", "STEPS")
     guidance = settings.guidance if guidance is None else float(guidance)
     if not (math.isfinite(guidance) and 0.0 <= guidance <= settings.max_guidance):
         raise InvalidInput(f"must be between 0 and {settings.max_guidance}, got {guidance}", "GUIDANCE")
-    return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output))
+    return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output),
+                      template_seed=template_seed, register=bool(register),
+                      use_cache=True if use_cache is None else bool(use_cache))

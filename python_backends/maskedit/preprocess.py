@@ -16,6 +16,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from . import imaging
+from .cache.key import cache_key, model_fingerprint
 from .components import load_pipeline
 from .errors import InvalidInput
 from .params import EditParams
@@ -37,6 +38,7 @@ class PreparedEdit:
     token_mask: np.ndarray  # (tokens,) bool, packed token order
     template_hash: str
     was_base64: bool
+    cache_key: str = ""
     # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
     latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
@@ -51,12 +53,20 @@ class PreparedEdit:
     def empty_mask(self) -> bool:
         return not self.token_mask.any()
 
+    @property
+    def skip_model(self) -> bool:
+        """Nothing to edit and nothing to record: the template comes back as is."""
+        return self.empty_mask and not self.params.register
+
 
 class Preprocessor:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, store=None):
+        """``store``: the activation store to check and prefetch from (``maskedit.cache.store``), or None."""
         self.settings = settings
         self.pipe = load_pipeline(settings, with_transformer=False)
         self.scheduler_config = dict(self.pipe.scheduler.config)
+        self.fingerprint = model_fingerprint(settings.model_dir)
+        self.store = store
         self.scale = self.pipe.vae_scale_factor  # 8 for Flux: pixels per latent
         self.patch = self.scale * 2  # pixels per packed token side
 
@@ -86,11 +96,18 @@ class Preprocessor:
             alpha=imaging.soft_mask(binary, s.feather_px), token_mask=tokens,
             template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64,
         )
-        if prepared.empty_mask:
+        if params.use_cache:
+            prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
+                                           params.guidance, params.template_seed, self.scheduler_config, s.dtype)
+        if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
+        if self.store is not None and prepared.cache_key:
+            self.store.prefetch(prepared.cache_key)  # promote from disk while the request queues
 
         pipe, device = self.pipe, s.torch_device
-        generator = torch.Generator("cpu").manual_seed(params.seed)
+        # One generator seeded with TEMPLATE_SEED is consumed exactly as FluxFillPipeline consumes its generator
+        # (image sample, noise, masked-image sample); the masked tokens then take noise drawn from SEED.
+        generator = torch.Generator("cpu").manual_seed(params.template_seed)
         init_image = pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
         prompt_embeds, pooled, _ = pipe.encode_prompt(
             prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1,
@@ -106,6 +123,13 @@ class Preprocessor:
         noise = randn_tensor((1, c, latent_h, latent_w), generator=generator, device=torch.device(device), dtype=dtype)
         latents = scheduler.scale_noise(image_latents, scheduler.timesteps[:1], noise)
         latents = pipe._pack_latents(latents, 1, c, latent_h, latent_w)
+        if params.seed != params.template_seed:
+            own = randn_tensor((1, c, latent_h, latent_w), generator=torch.Generator("cpu").manual_seed(params.seed),
+                               device=torch.device(device), dtype=dtype)
+            own = pipe._pack_latents(scheduler.scale_noise(image_latents, scheduler.timesteps[:1], own), 1, c,
+                                     latent_h, latent_w)
+            rows = torch.from_numpy(tokens).to(latents.device)
+            latents[:, rows] = own[:, rows]
         # FluxFillPipeline.__call__ step 6: masked image latents + packed mask as the conditioning channels.
         masked_image = (init_image * (1 - mask_t)).to(device=device, dtype=dtype)
         mask_packed, masked_latents = pipe.prepare_mask_latents(

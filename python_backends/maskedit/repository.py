@@ -34,6 +34,9 @@ EDIT_INPUTS = [
     T("STEPS", "INT32", (1,), optional=True),
     T("GUIDANCE", "FP32", (1,), optional=True),
     T("RAW_OUTPUT", "BOOL", (1,), optional=True),
+    T("TEMPLATE_SEED", "INT64", (1,), optional=True),
+    T("REGISTER", "BOOL", (1,), optional=True),
+    T("USE_CACHE", "BOOL", (1,), optional=True),
 ]
 EDIT_OUTPUTS = [T("IMAGE", "STRING", (1,)), T("EDIT_INFO", "STRING", (1,))]
 

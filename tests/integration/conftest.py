@@ -13,8 +13,10 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def server(settings, tmp_path_factory):
     """One real tritonserver for the whole integration session, stopped by pid at the end."""
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    s = TritonServer(log_path=log, env={"MASKEDIT_MODEL_DIR": str(settings.model_dir)})
+    d = tmp_path_factory.mktemp("triton")
+    s = TritonServer(log_path=d / "tritonserver.log", env={
+        "MASKEDIT_MODEL_DIR": str(settings.model_dir),
+        "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(d / "disk")})
     s.start(timeout=300)
     yield s
     s.stop()

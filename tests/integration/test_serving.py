@@ -49,7 +49,8 @@ def test_repository_loads_cleanly(server):
 
 
 def test_served_image_equals_stock_flux_fill(client, stock, settings, template_img, box_mask):
-    r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=4, guidance=20.0, raw_output=True)
+    r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=4, guidance=20.0, raw_output=True,
+                    template_seed=11, use_cache=False)
     ref = stock(prompt="a red hat", image=template_img, mask_image=Image.fromarray(box_mask), height=256,
                 width=256, num_inference_steps=4, guidance_scale=20.0, max_sequence_length=settings.max_sequence_length,
                 generator=torch.Generator("cpu").manual_seed(11)).images[0]
@@ -68,8 +69,9 @@ def test_served_latents_equal_stock_within_1e4(server, stock, settings, template
             t = grpcclient.InferInput(name, [1], dtype)
             t.set_data_from_numpy(np.array([value], dtype=np.object_))
             ins.append(t)
-        for name, value, dtype, np_t in [("SEED", 11, "INT64", np.int64), ("STEPS", 4, "INT32", np.int32),
-                                         ("GUIDANCE", 20.0, "FP32", np.float32)]:
+        for name, value, dtype, np_t in [("SEED", 11, "INT64", np.int64), ("TEMPLATE_SEED", 11, "INT64", np.int64),
+                                         ("STEPS", 4, "INT32", np.int32), ("GUIDANCE", 20.0, "FP32", np.float32),
+                                         ("USE_CACHE", False, "BOOL", np.bool_)]:
             t = grpcclient.InferInput(name, [1], dtype)
             t.set_data_from_numpy(np.array([value], dtype=np_t))
             ins.append(t)

@@ -33,7 +33,7 @@ def reference(stock, settings, img, mask, prompt, seed, steps, guidance, output_
 
 def test_latents_and_png_equal_stock_pipeline(editor, stock, settings, template_img, box_mask):
     out, prepared, job = editor.edit(png(template_img), png(box_mask), "a red hat", seed=5, steps=4,
-                                     guidance=12.0, raw_output=True)
+                                     guidance=12.0, raw_output=True, template_seed=5)
     ref_latents = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "latent")
     np.testing.assert_allclose(job.result(), ref_latents[0].numpy(), atol=1e-5, rtol=0)
     ref_img = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "pil")[0]
@@ -51,3 +51,18 @@ def test_empty_mask_returns_template_without_running(editor, template_img):
     out, prepared, job = editor.edit(png(template_img), png(np.zeros((256, 256), np.uint8)), "x")
     assert job is None and prepared.empty_mask
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(out))), np.asarray(template_img))
+
+
+def test_seed_varies_only_the_masked_noise(settings, template_img, box_mask):
+    """SEED draws the masked tokens' noise; TEMPLATE_SEED the rest (and the VAE sampling)."""
+    from maskedit.params import parse_params
+    from maskedit.preprocess import Preprocessor
+
+    pre = Preprocessor(settings)
+    a = pre(png(template_img), png(box_mask), parse_params(settings, "x", seed=1, template_seed=0))
+    b = pre(png(template_img), png(box_mask), parse_params(settings, "x", seed=2, template_seed=0))
+    c = pre(png(template_img), png(box_mask), parse_params(settings, "x", seed=2, template_seed=2))
+    m = a.token_mask
+    assert np.array_equal(a.latents[~m], b.latents[~m]) and not np.array_equal(a.latents[m], b.latents[m])
+    assert not np.array_equal(b.latents[~m], c.latents[~m])  # SEED == TEMPLATE_SEED: stock Diffusers' draw
+    assert np.array_equal(a.cond, b.cond) and a.cache_key == b.cache_key != c.cache_key

@@ -26,7 +26,7 @@ class TritonPythonModel:
             info = json.loads(io.blob(request, "REQUEST_INFO_OUT"))
             size = io.array(request, "MODEL_SIZE_OUT")
             generated = None
-            if not info.get("empty_mask"):
+            if not info.get("skip_model"):
                 generated = self.decoder.decode_latents(io.array(request, "DENOISED"), int(size[0]), int(size[1]))
             image = self.decoder.finish(generated, io.array(request, "TEMPLATE_RGB_OUT"),
                                         io.array(request, "ALPHA_OUT"), info["raw_output"], info["base64"])

@@ -18,6 +18,7 @@ from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from ..engine import DenoiseEngine
 from ..settings import load_settings
 from . import io
+from .cache_setup import CacheMetrics, cache_runtime
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -27,12 +28,16 @@ class TritonPythonModel:
         self.log = logs.setup("masked_denoise")
         io.limit_threads(args, default=max(1, os.cpu_count() or 1))
         self.settings = load_settings()
+        runner = ModelRunner(self.settings)
+        runner.cache = cache_runtime(runner.transformer, self.settings, self.log)
         self.engine = DenoiseEngine(
-            ModelRunner(self.settings),
+            runner,
             max_batch=int(os.environ.get("MASKEDIT_MAX_BATCH", 1)),
             max_queue=int(os.environ.get("MASKEDIT_MAX_QUEUE", 64)),
         )
-        logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue)
+        self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
+        logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
+                   cache=runner.cache.policy if runner.cache else "off")
 
     def execute(self, requests):
         for request in requests:
@@ -48,8 +53,8 @@ class TritonPythonModel:
         info = json.loads(io.blob(request, "REQUEST_INFO"))
         relay = {f"{k}_OUT": io.array(request, k) for k in ("TEMPLATE_RGB", "ALPHA")}
         size = io.array(request, "MODEL_SIZE").astype(np.int32)
-        if info.get("empty_mask"):
-            info.update(denoise_s=0.0, cache_hit=False)
+        if info.get("skip_model"):
+            info.update(denoise_s=0.0, cache_hit=False, cache="skipped")
             sender.send(self._result(np.zeros((0, 0), np.float32), size, relay, info), flags=FINAL)
             return
         inputs = DenoiseInputs(
@@ -57,11 +62,16 @@ class TritonPythonModel:
             prompt_embeds=io.array(request, "PROMPT_EMBEDS"), pooled_embeds=io.array(request, "POOLED_EMBEDS"),
             token_mask=io.array(request, "TOKEN_MASK").astype(bool), model_w=int(size[0]), model_h=int(size[1]),
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
+            cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
         )
 
         def done(job: DenoiseJob):
             info.update(denoise_s=round(job.finished_at - job.started_at, 6),
-                        queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False)
+                        queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off")
+            jc = job.state.get("cache")
+            if jc is not None:
+                info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
+            self.metrics.observe(info)
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
 
         def failed(job: DenoiseJob, e: BaseException):
@@ -75,3 +85,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))
+        if self.engine.runner.cache is not None:
+            self.engine.runner.cache.close()

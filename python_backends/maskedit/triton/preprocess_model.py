@@ -11,6 +11,7 @@ from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
 from . import io
+from .cache_setup import cache_store
 
 
 class TritonPythonModel:
@@ -18,7 +19,7 @@ class TritonPythonModel:
         self.log = logs.setup("preprocess")
         io.limit_threads(args, default=1)
         self.settings = load_settings()
-        self.pre = Preprocessor(self.settings)
+        self.pre = Preprocessor(self.settings, store=cache_store(self.log))
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
@@ -29,7 +30,8 @@ class TritonPythonModel:
         try:
             params = parse_params(
                 self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
-                io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"),
+                io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"), io.scalar(request, "TEMPLATE_SEED"),
+                io.scalar(request, "REGISTER"), io.scalar(request, "USE_CACHE"),
             )
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
@@ -37,7 +39,9 @@ class TritonPythonModel:
             return io.error_response(e)
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
-            "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "template_hash": p.template_hash,
+            "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
+            "template_hash": p.template_hash, "cache_key": p.cache_key, "template_seed": params.template_seed,
+            "register": params.register,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6),

@@ -1,0 +1,34 @@
+"""FLOP model of one Flux denoising step: the ideal speedup a masked mode can reach.
+
+Counts multiply-adds x2 of the token-wise projections and of attention (QK^T and AV). Per token, both
+block kinds do 24*D^2 of projections (dual: qkv 6, out 2, MLP 16; single: qkv 6, MLP-in 8, out 10); the
+cached tokens of a ``y`` block still pay their key/value projections (4*D^2).
+"""
+
+from __future__ import annotations
+
+from .planner import FULL, KV, Y
+
+
+def block_flops(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> float:
+    """FLOPs of one block with ``n`` image tokens of which ``c`` are computed."""
+    d2 = dim * dim
+    if mode == FULL:
+        c = n
+    u = n - c
+    q = text + c  # query rows
+    proj = 24 * d2 * (text + c) + (4 * d2 * u if mode == Y else 0)
+    attn = 4 * q * (text + n) * dim
+    if mode not in (FULL, Y, KV):  # noctx: keys are only the text and the computed rows
+        attn = 4 * q * (text + c) * dim
+    return float(proj + attn)
+
+
+def step_flops(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int, in_channels: int = 64) -> float:
+    edges = 2 * n * dim * in_channels + 2 * n * dim * 64  # x_embedder + proj_out on every token
+    return edges + sum(block_flops(m, i < n_dual, n, c, text, dim) for i, m in enumerate(modes))
+
+
+def ideal_speedup(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int) -> float:
+    full = step_flops(["full"] * len(modes), n_dual, n, n, text, dim)
+    return full / step_flops(modes, n_dual, n, c, text, dim)

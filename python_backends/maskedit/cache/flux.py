@@ -1,0 +1,326 @@
+"""Mask-aware computation of Flux transformer blocks, attached to Diffusers' blocks as hooks.
+
+Each ``FluxTransformerBlock`` / ``FluxSingleTransformerBlock`` gets a ``MaskedBlockHook`` (Diffusers'
+``HookRegistry``). With no context set the hook calls the block's own forward: plain Diffusers behaviour
+is untouched. During a denoise step the runner sets a ``StepContext`` holding one ``RowView`` per batch
+row (per request), so state is per request, not per module: requests at different steps and with
+different masks share one transformer call.
+
+Per row and block the plan says:
+- ``full``: the block's own forward on every token (and, for a recording row, its outputs are recorded);
+- ``y``: queries, attention output, MLP and norms for the computed tokens only; keys/values of the
+  cached tokens projected from their cached input rows; output rows of cached tokens from the store;
+- ``kv``: as ``y`` but keys/values of cached tokens come from the store (no projection at all);
+- ``noctx``: computed tokens attend only to themselves and the text (the naive shortcut; a fidelity
+  lower bound for benchmarks).
+Text tokens are always computed. Rotary embeddings follow the gathered token positions. Token-wise work
+(norms, projections, MLP) runs on the computed tokens of all rows concatenated, with no padding; attention
+runs per row.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+HOOK_NAME = "maskedit_masked_block"
+FULL, Y, KV, NOCTX = "full", "y", "kv", "noctx"
+
+
+@dataclass
+class RowView:
+    """What one request contributes to one transformer call."""
+
+    modes: list[str]  # per block (all blocks, dual then single)
+    idx_c: torch.Tensor | None = None  # image tokens computed (sorted, long)
+    idx_u: torch.Tensor | None = None  # image tokens taken from the cache
+    # (block, kind) -> loaded tensor: "y" the block's recorded output (N, D); "kbuf"/"vbuf" a (1, L+N, H, hd)
+    # buffer whose image part holds the recorded keys/values (rotary applied).
+    rows: Callable[[int, str], torch.Tensor] | None = None
+    needs_output: list[bool] = field(default_factory=list)  # per block: write cached output rows?
+    recorder: "Recorder | None" = None  # set on a recording (template) run
+    _memo: dict = field(default_factory=dict)  # per step: positions and rotary tables shared by all blocks
+
+    def pos_tc(self, L: int) -> torch.Tensor:
+        """Sequence positions of [text; computed image tokens]."""
+        if "pos" not in self._memo:
+            self._memo["pos"] = torch.cat([torch.arange(L, device=self.idx_c.device), self.idx_c + L])
+        return self._memo["pos"]
+
+    def rope_at(self, rope, L: int):
+        if "cs" not in self._memo:
+            pos = self.pos_tc(L)
+            self._memo["cs"] = (rope[0][pos], rope[1][pos])
+        return self._memo["cs"]
+
+    def rope_u(self, rope, L: int):
+        if "cs_u" not in self._memo:
+            pos = self.idx_u + L
+            self._memo["cs_u"] = (rope[0][pos], rope[1][pos])
+        return self._memo["cs_u"]
+
+    @property
+    def all_full(self) -> bool:
+        return all(m == FULL for m in self.modes)
+
+
+@dataclass
+class StepContext:
+    rows: list[RowView | None]  # per batch row; None = plain full compute
+
+
+class Recorder:
+    """Collects a template run's block outputs (and keys/values within budget) for every step."""
+
+    def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int]):
+        self.step = 0
+        self.y_slot = {b: i for i, b in enumerate(y_blocks)}
+        self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
+        self.y = np.zeros((steps, len(y_blocks), tokens, dim), np.float32)
+        self.k = np.zeros((steps, len(kv_blocks), tokens, inner), np.float32)
+        self.v = np.zeros((steps, len(kv_blocks), tokens, inner), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.y.nbytes + self.k.nbytes + self.v.nbytes
+
+    def put_y(self, block: int, hidden: torch.Tensor) -> None:
+        if block in self.y_slot:
+            self.y[self.step, self.y_slot[block]] = hidden.detach().to("cpu", torch.float32).numpy()
+
+    def wants_kv(self, block: int) -> bool:
+        return block in self.kv_slot
+
+    def put_kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slot = self.kv_slot[block]
+        self.k[self.step, slot] = k.detach().flatten(-2).to("cpu", torch.float32).numpy()
+        self.v[self.step, slot] = v.detach().flatten(-2).to("cpu", torch.float32).numpy()
+
+
+class FluxCacheHooks:
+    """Attach / detach the masked-block hooks on a ``FluxTransformer2DModel`` and hold the step context."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+        self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+        self.n_dual = len(transformer.transformer_blocks)
+        self._local = threading.local()
+        for i, block in enumerate(self.blocks):
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedBlockHook(self, i), HOOK_NAME)
+
+    @property
+    def context(self) -> StepContext | None:
+        return getattr(self._local, "ctx", None)
+
+    def run(self, ctx: StepContext, fn: Callable):
+        """Call ``fn`` (the transformer forward) with ``ctx`` active on this thread."""
+        self._local.ctx = ctx
+        try:
+            return fn()
+        finally:
+            self._local.ctx = None
+
+    def detach(self) -> None:
+        for block in self.blocks:
+            HookRegistry.check_if_exists_or_initialize(block).remove_hook(HOOK_NAME, recurse=False)
+
+    @property
+    def dim(self) -> int:
+        return self.transformer.inner_dim if hasattr(self.transformer, "inner_dim") else \
+            self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
+
+
+class MaskedBlockHook(ModelHook):
+    def __init__(self, owner: FluxCacheHooks, index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+
+    def new_forward(self, module, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                    joint_attention_kwargs=None):
+        forward = self.fn_ref.original_forward
+        ctx = self.owner.context
+        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
+            return forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                           image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs)
+        b = self.index
+        out_txt = torch.empty_like(encoder_hidden_states)
+        out_img = torch.empty_like(hidden_states)
+        full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
+        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        if full_rows:
+            sel = torch.tensor(full_rows, device=hidden_states.device)
+            t, h = forward(hidden_states=hidden_states[sel], encoder_hidden_states=encoder_hidden_states[sel],
+                           temb=temb[sel], image_rotary_emb=image_rotary_emb,
+                           joint_attention_kwargs=joint_attention_kwargs)
+            out_txt[sel], out_img[sel] = t, h
+            for j, i in enumerate(full_rows):
+                rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
+                if rec is not None:
+                    rec.put_y(b, h[j])
+                    if rec.wants_kv(b):
+                        k, v = image_kv(module, hidden_states[i:i + 1], temb[i:i + 1], image_rotary_emb,
+                                        encoder_hidden_states.shape[1])
+                        rec.put_kv(b, k[0], v[0])
+        if masked_rows:
+            views = [ctx.rows[i] for i in masked_rows]
+            masked_block(module, b, masked_rows, views, hidden_states, encoder_hidden_states, temb,
+                         image_rotary_emb, out_img, out_txt)
+        return out_txt, out_img
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The math. It mirrors FluxTransformerBlock.forward / FluxSingleTransformerBlock.forward / FluxAttnProcessor
+# in diffusers 0.42 on gathered tokens; tests check it against the blocks' own forward.
+
+def _modulation(norm, temb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """AdaLayerNormZero(Single) modulation vectors for each row: n chunks of (rows, dim)."""
+    return norm.linear(norm.silu(temb)).chunk(n, dim=1)
+
+
+def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (1, S, H, hd) at sequence positions ``pos``."""
+    return apply_rotary_emb(x, (rope[0][pos], rope[1][pos]), sequence_dim=1)
+
+
+def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, hd))
+
+
+def image_kv(block, hidden: torch.Tensor, temb: torch.Tensor, rope, txt_len: int):
+    """Keys/values of every image token of one row (as the block computes them), rotary applied."""
+    attn = block.attn
+    if isinstance(block, FluxTransformerBlock):
+        shift, scale = _modulation(block.norm1, temb, 6)[:2]
+        normed = block.norm1.norm(hidden) * (1 + scale[:, None]) + shift[:, None]
+    else:
+        shift, scale = _modulation(block.norm, temb, 3)[:2]
+        normed = block.norm.norm(hidden) * (1 + scale[:, None]) + shift[:, None]
+    k = attn.norm_k(_heads(attn.to_k(normed), attn.head_dim))
+    v = _heads(attn.to_v(normed), attn.head_dim)
+    pos = torch.arange(hidden.shape[1], device=hidden.device) + txt_len
+    return _rope(k, rope, pos), v
+
+
+def _sdpa(q, k, v):
+    """(1, S, H, hd) layout like Diffusers' dispatch_attention_fn."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).flatten(2, 3)
+
+
+def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, enc, temb, rope, out_img, out_txt):
+    """Compute ``rows`` of the batch in their cached modes and write ``out_img`` / ``out_txt``."""
+    dual = isinstance(block, FluxTransformerBlock)
+    attn = block.attn
+    hd = attn.head_dim
+    dev = hidden.device
+    L = enc.shape[1]
+    sel = torch.tensor(rows, device=dev)
+    temb_r = temb[sel]
+    counts_c = [int(v.idx_c.numel()) for v in views]
+    # Tokens each row computes: image tokens idx_c (dual: text goes through its own stream; single: text rows
+    # are part of the same sequence and come first).
+    x_img = torch.cat([hidden[i, v.idx_c] for i, v in zip(rows, views)], 0)
+    if dual:
+        mods = _modulation(block.norm1, temb_r, 6)
+        cmods = _modulation(block.norm1_context, temb_r, 6)
+        shift, scale, gate, shift_m, scale_m, gate_m = mods
+        counts = counts_c
+        x = x_img
+        norm = block.norm1.norm
+    else:
+        shift, scale, gate = _modulation(block.norm, temb_r, 3)
+        counts = [L + c for c in counts_c]
+        x = torch.cat([torch.cat([enc[i], hidden[i, v.idx_c]], 0) for i, v in zip(rows, views)], 0)
+        norm = block.norm.norm
+    n = torch.tensor(counts, device=dev)
+    if len(rows) == 1:
+        E = lambda t: t  # noqa: E731  one request: its (1, D) vectors broadcast over its tokens
+    else:
+        E = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731  per-row vectors to per-token
+    normed = norm(x) * (1 + E(scale)) + E(shift)
+    q = attn.norm_q(_heads(attn.to_q(normed), hd))
+    k = attn.norm_k(_heads(attn.to_k(normed), hd))
+    v = _heads(attn.to_v(normed), hd)
+    if dual:
+        t_norm = block.norm1_context.norm(enc[sel]) * (1 + cmods[1][:, None]) + cmods[0][:, None]
+        tq = attn.norm_added_q(_heads(attn.add_q_proj(t_norm), hd))
+        tk = attn.norm_added_k(_heads(attn.add_k_proj(t_norm), hd))
+        tv = _heads(attn.add_v_proj(t_norm), hd)
+    else:
+        mlp = block.act_mlp(block.proj_mlp(normed))
+
+    # Keys/values of cached tokens projected from their cached input rows (y mode), for all such rows at once.
+    y_rows = [j for j, vw in enumerate(views) if vw.modes[b] == Y]
+    ku = vu = None
+    if y_rows:
+        xu = torch.cat([hidden[rows[j], views[j].idx_u] for j in y_rows], 0)
+        nu = torch.tensor([views[j].idx_u.numel() for j in y_rows], device=dev)
+        Eu = (lambda t: t[y_rows]) if len(y_rows) == 1 else (lambda t: t[y_rows].repeat_interleave(nu, dim=0))
+        nxu = norm(xu) * (1 + Eu(scale)) + Eu(shift)
+        ku = attn.norm_k(_heads(attn.to_k(nxu), hd)).split(nu.tolist())
+        vu = _heads(attn.to_v(nxu), hd).split(nu.tolist())
+
+    N = hidden.shape[1]
+    H = k.shape[1]
+    outs = []
+    offs = np.cumsum([0] + counts)
+    for j, (i, vw) in enumerate(zip(rows, views)):
+        s0, s1 = int(offs[j]), int(offs[j + 1])
+        cs = vw.rope_at(rope, L)  # cos/sin at [text; computed] positions, once per request and step
+        if dual:
+            q_r = apply_rotary_emb(torch.cat([tq[j:j + 1], q[None, s0:s1]], 1), cs, sequence_dim=1)
+            k_tc = apply_rotary_emb(torch.cat([tk[j:j + 1], k[None, s0:s1]], 1), cs, sequence_dim=1)
+            v_tc = torch.cat([tv[j:j + 1], v[None, s0:s1]], 1)
+        else:
+            q_r = apply_rotary_emb(q[None, s0:s1], cs, sequence_dim=1)
+            k_tc = apply_rotary_emb(k[None, s0:s1], cs, sequence_dim=1)
+            v_tc = v[None, s0:s1]
+        mode = vw.modes[b]
+        if mode == NOCTX:
+            keys, vals = k_tc, v_tc
+        else:
+            # One (1, L+N, H, hd) buffer per tensor: text rows, computed rows and cached rows written in place.
+            if mode == KV:  # the loader already filled the image part with cached, rotary-applied keys/values
+                keys, vals = vw.rows(b, "kbuf"), vw.rows(b, "vbuf")
+            else:
+                keys, vals = k.new_empty((1, L + N, H, hd)), v.new_empty((1, L + N, H, hd))
+                jj = y_rows.index(j)
+                keys[:, L + vw.idx_u] = apply_rotary_emb(ku[jj][None], vw.rope_u(rope, L), sequence_dim=1)
+                vals[:, L + vw.idx_u] = vu[jj][None]
+            keys[:, vw.pos_tc(L)], vals[:, vw.pos_tc(L)] = k_tc, v_tc
+        outs.append(_sdpa(q_r, keys, vals)[0])
+
+    if dual:
+        txt_o = torch.stack([o[:L] for o in outs])  # (R, L, inner)
+        img_o = torch.cat([o[L:] for o in outs], 0)  # (sum c, inner)
+        xi = x + E(gate) * attn.to_out[0](img_o)
+        n2 = block.norm2(xi) * (1 + E(scale_m)) + E(shift_m)
+        xi = xi + E(gate_m) * block.ff(n2)
+        c_shift, c_scale, c_gate, c_shift_m, c_scale_m, c_gate_m = cmods
+        xt = enc[sel] + c_gate[:, None] * attn.to_add_out(txt_o)
+        n2c = block.norm2_context(xt) * (1 + c_scale_m[:, None]) + c_shift_m[:, None]
+        xt = xt + c_gate_m[:, None] * block.ff_context(n2c)
+        img_chunks = xi.split(counts_c)
+        txt_rows = list(xt)
+    else:
+        h = torch.cat([torch.cat(outs, 0), mlp], dim=1)
+        xs = x + E(gate) * block.proj_out(h)
+        chunks = xs.split(counts)
+        txt_rows = [c[:L] for c in chunks]
+        img_chunks = [c[L:] for c in chunks]
+
+    for j, (i, vw) in enumerate(zip(rows, views)):
+        out_txt[i] = txt_rows[j]
+        if vw.needs_output[b]:
+            out_img[i] = vw.rows(b, "y")  # every row from the store; computed rows overwritten below
+        else:
+            out_img[i] = hidden[i]  # cached rows are not read by the next (kv) block; keep the buffer defined
+        out_img[i, vw.idx_c] = img_chunks[j]

@@ -1,0 +1,259 @@
+"""Per-engine glue of the activation cache: admit a request (hit / record / off), plan its blocks, stream
+its cached rows in while earlier blocks compute, and write template runs into the store.
+
+The loader is one background thread: at the start of a step it queues every cached row the batch will
+need, in block order, so block ``i``'s rows arrive while block ``i-1`` computes (on CUDA this would be a
+copy stream with pinned buffers). ``overlap=False`` loads inside the block instead (the naive baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .cost_model import CostModel
+from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
+from .planner import MODES, plan
+from .store import ActivationStore, Entry
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("off", "planner", "planner_y", "all_y", "all_kv", "noctx")
+
+
+@dataclass
+class JobCache:
+    status: str  # off | hit | record | full (nothing cacheable)
+    key: str | None = None
+    entry: Entry | None = None
+    modes: list[str] = field(default_factory=list)
+    needs_output: list[bool] = field(default_factory=list)
+    idx_c: torch.Tensor | None = None
+    idx_u: torch.Tensor | None = None
+    idx_u_np: np.ndarray | None = None
+    recorder: Recorder | None = None
+    valid: np.ndarray | None = None
+    predicted_ms: float | None = None
+    futures: dict = field(default_factory=dict)
+    load_s: float = 0.0
+    text_len: int = 0
+
+    def info(self) -> dict:
+        cached = [i for i, m in enumerate(self.modes) if m != FULL] if self.status == "hit" else []
+        return {"cache": self.status, "cache_hit": self.status == "hit", "cached_blocks": cached,
+                "block_modes": "".join({FULL: "F", Y: "Y", KV: "K", NOCTX: "N"}[m] for m in self.modes)
+                if self.status == "hit" else "",
+                "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None}
+
+
+class CacheRuntime:
+    def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
+                 policy: str = "planner", overlap: bool = True, budget_bytes: int = 1 << 30, record: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}")
+        self.hooks, self.store, self.policy = hooks, store, policy
+        self.cost = cost or CostModel.fallback()
+        self.budget_bytes, self.record = int(budget_bytes), record
+        cfg = hooks.transformer.config
+        self.dim = cfg.num_attention_heads * cfg.attention_head_dim
+        self.heads = cfg.num_attention_heads
+        self.kinds = ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
+        self._recording: set[str] = set()
+        self._mu = threading.Lock()
+
+    # -- admission ----------------------------------------------------------------------------------
+    def admit(self, job) -> JobCache:
+        x = job.inputs
+        key = getattr(x, "cache_key", None)
+        if self.policy == "off" or self.store is None or not key:
+            jc = JobCache("off")
+        else:
+            try:
+                jc = self._admit(job, key)
+            except Exception:  # bad cache state never fails a request: compute in full
+                log.exception("activation cache unusable for %s; running in full", key)
+                jc = JobCache("off", key=key)
+        if not jc.modes:
+            jc.modes = [FULL] * len(self.kinds)
+        job.state["cache"] = jc
+        return jc
+
+    def _admit(self, job, key: str) -> JobCache:
+        x = job.inputs
+        n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
+        entry = None if getattr(x, "register", False) else self.store.open(key)
+        if entry is not None and not self._compatible(entry, n, x.steps):
+            log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
+            entry = None
+        if entry is None:
+            return self._start_recording(job, key, n)
+        valid = np.asarray(entry.arrays["valid"], dtype=bool)
+        computed = np.asarray(x.token_mask, bool) | ~valid
+        if computed.all():
+            return JobCache("full", key=key, entry=entry)
+        dev = job.latents.device if job.latents is not None else "cpu"
+        jc = JobCache("hit", key=key, entry=entry, valid=valid, text_len=text)
+        jc.idx_c = torch.from_numpy(np.flatnonzero(computed)).to(dev)
+        jc.idx_u_np = np.flatnonzero(~computed)
+        jc.idx_u = torch.from_numpy(jc.idx_u_np).to(dev)
+        jc.modes, jc.predicted_ms = self._plan(entry, n, int(computed.sum()), text)
+        jc.needs_output = self._needs_output(jc.modes)
+        return jc
+
+    def _compatible(self, entry: Entry, n: int, steps: int) -> bool:
+        m = entry.meta
+        return m.get("tokens") == n and m.get("steps") == steps and m.get("dim") == self.dim and \
+            m.get("blocks") == len(self.kinds)
+
+    def _start_recording(self, job, key: str, n: int) -> JobCache:
+        with self._mu:
+            if not self.record or key in self._recording:
+                return JobCache("off", key=key)  # someone is already recording this template
+            self._recording.add(key)
+        x = job.inputs
+        inner = self.dim
+        per_y = x.steps * n * self.dim * 4
+        per_kv = x.steps * n * inner * 4 * 2
+        budget = self.budget_bytes
+        y_blocks, kv_blocks = [], []
+        for b in range(len(self.kinds)):
+            if budget >= per_y:
+                y_blocks.append(b)
+                budget -= per_y
+        for b in range(len(self.kinds)):
+            if budget >= per_kv:
+                kv_blocks.append(b)
+                budget -= per_kv
+        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks)
+        jc = JobCache("record", key=key, recorder=rec)
+        jc.valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
+        return jc
+
+    def _plan(self, entry: Entry, n: int, c: int, text: int) -> tuple[list[str], float | None]:
+        m = entry.meta
+        has_y = [b in m["y_blocks"] for b in range(len(self.kinds))]
+        has_kv = [b in m["kv_blocks"] for b in range(len(self.kinds))]
+        if self.policy in ("planner", "planner_y"):
+            costs = self.cost.block_costs(self.kinds, n, c, text, self.dim, n * self.dim * 4,
+                                          2 * n * self.dim * 4, has_y, has_kv)
+            p = plan(costs, MODES if self.policy == "planner" else (FULL, Y))
+            return list(p.modes), p.latency_ms
+        if self.policy == "all_y":
+            return [Y if h else FULL for h in has_y], None
+        if self.policy == "noctx":
+            return [NOCTX if h else FULL for h in has_y], None
+        # all_kv: kv where recorded; a kv block before a full/y block also needs its output rows
+        modes = [KV if k else (Y if y else FULL) for y, k in zip(has_y, has_kv)]
+        return modes, None
+
+    @staticmethod
+    def _needs_output(modes: list[str]) -> list[bool]:
+        out = []
+        for b, m in enumerate(modes):
+            nxt = modes[b + 1] if b + 1 < len(modes) else None
+            out.append(m in (Y, NOCTX) or (m == KV and (nxt is None or nxt in (FULL, Y, NOCTX))))
+        return out
+
+    # -- per step -----------------------------------------------------------------------------------
+    def context(self, jobs) -> StepContext:
+        views = []
+        for job in jobs:
+            jc: JobCache = job.state["cache"]
+            if jc.status == "record":
+                views.append(RowView(modes=jc.modes, recorder=jc.recorder))
+            elif jc.status == "hit":
+                views.append(RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
+                                     rows=self._rows_fn(jc, job.step_index)))
+            else:
+                views.append(None)
+        if self._loader is not None:
+            self._schedule([(job.state["cache"], job.step_index) for job in jobs])
+        return StepContext(views)
+
+    def _needed(self, jc: JobCache, b: int) -> list[str]:
+        m = jc.modes[b]
+        kinds = ["kbuf", "vbuf"] if m == KV else []
+        if jc.needs_output[b]:
+            kinds.append("y")
+        return kinds
+
+    def _schedule(self, items: list[tuple[JobCache, int]]) -> None:
+        hits = [(jc, s) for jc, s in items if jc.status == "hit"]
+        for b in range(len(self.kinds)):
+            for jc, step in hits:
+                for kind in self._needed(jc, b):
+                    jc.futures[(step, b, kind)] = self._loader.submit(self._load, jc, step, b, kind)
+
+    def _rows_fn(self, jc: JobCache, step: int):
+        def rows(b: int, kind: str) -> torch.Tensor:
+            fut: Future | None = jc.futures.pop((step, b, kind), None)
+            return fut.result() if fut is not None else self._load(jc, step, b, kind)
+        return rows
+
+    def _load(self, jc: JobCache, step: int, b: int, kind: str) -> torch.Tensor:
+        """One contiguous copy out of the shared mapping into a tensor the block uses as is."""
+        t0 = time.perf_counter()
+        m = jc.entry.meta
+        if kind == "y":
+            src = jc.entry.arrays["y"][step, m["y_blocks"].index(b)]
+            out = torch.empty(src.shape, dtype=torch.float32)
+            out.numpy()[...] = src
+        else:
+            src = jc.entry.arrays[kind[0]][step, m["kv_blocks"].index(b)]  # (N, inner)
+            n = src.shape[0]
+            out = torch.empty((1, jc.text_len + n, self.heads, self.dim // self.heads), dtype=torch.float32)
+            out[0, jc.text_len:].view(n, -1).numpy()[...] = src
+        jc.load_s += time.perf_counter() - t0
+        return out
+
+    def after_step(self, jobs) -> None:
+        for job in jobs:
+            jc = job.state.get("cache")
+            if jc is not None and jc.recorder is not None:
+                jc.recorder.step += 1
+
+    def finish(self, job, ok: bool) -> None:
+        """A job left the batch: save its recording (in the background) if it completed."""
+        jc: JobCache | None = job.state.get("cache")
+        if jc is None:
+            return
+        jc.futures.clear()
+        if jc.status == "record":
+            if ok and self.store is not None:
+                self._writer.submit(self._save, jc, job.inputs)
+            else:
+                with self._mu:
+                    self._recording.discard(jc.key)
+
+    def _save(self, jc: JobCache, x) -> None:
+        rec = jc.recorder
+        try:
+            meta = {"tokens": int(rec.y.shape[2]), "steps": int(rec.y.shape[0]), "dim": self.dim,
+                    "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
+                    "y_blocks": sorted(rec.y_slot), "kv_blocks": sorted(rec.kv_slot),
+                    "valid_tokens": int(jc.valid.sum())}
+            self.store.put(jc.key, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": jc.valid.astype(np.uint8)}, meta)
+            log.info("recorded activations for %s: %d bytes", jc.key, rec.nbytes)
+        except Exception:
+            log.exception("could not save activations for %s", jc.key)
+        finally:
+            with self._mu:
+                self._recording.discard(jc.key)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait for pending recordings to be written (tests, shutdown)."""
+        self._writer.submit(lambda: None).result(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)

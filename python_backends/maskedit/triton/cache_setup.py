@@ -1,0 +1,89 @@
+"""Activation-cache wiring inside the Triton processes: store, runtime and Triton custom metrics.
+
+``MASKEDIT_CACHE`` selects the policy (``planner`` by default, ``off`` disables caching); the store's
+directories and sizes come from ``MASKEDIT_CACHE_*`` (see ``maskedit.cache.store.from_env``), identical in
+every model process so they share one store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import triton_python_backend_utils as pb_utils
+
+from ..cache.cost_model import CostModel
+from ..cache.flux import FluxCacheHooks
+from ..cache.runtime import CacheRuntime
+from ..cache.store import from_env
+from ..settings import REPO_ROOT, Settings
+
+
+def enabled() -> bool:
+    return os.environ.get("MASKEDIT_CACHE", "planner") != "off"
+
+
+def cache_store(log: logging.Logger):
+    if not enabled():
+        return None
+    try:
+        return from_env()
+    except OSError as e:  # no usable shared memory: serve without the cache rather than not at all
+        log.warning("activation store unavailable (%s); caching off", e)
+        return None
+
+
+def cost_model(settings: Settings, log: logging.Logger) -> CostModel:
+    path = os.environ.get("MASKEDIT_COST_PROFILE") or REPO_ROOT / "perf_profiles" / f"cost_model_{settings.model_dir.name}.json"
+    try:
+        model = CostModel.load_file(path)
+        log.info("cost model from %s", path)
+        return model
+    except (OSError, ValueError, KeyError):
+        log.info("no cost profile at %s (run maskedit-calibrate); using the FLOP fallback", path)
+        return CostModel.fallback()
+
+
+def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> CacheRuntime | None:
+    store = cache_store(log)
+    if store is None:
+        return None
+    return CacheRuntime(FluxCacheHooks(transformer), store, cost_model(settings, log),
+                        policy=os.environ.get("MASKEDIT_CACHE", "planner"),
+                        budget_bytes=int(float(os.environ.get("MASKEDIT_CACHE_BUDGET_BYTES", 1 << 30))))
+
+
+class CacheMetrics:
+    """Triton custom metrics (served on the metrics port): cache outcomes and store bytes per tier."""
+
+    def __init__(self, store):
+        self.store = store
+        self.requests = pb_utils.MetricFamily(
+            name="maskedit_cache_requests_total", description="denoise requests by activation-cache outcome",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.events = pb_utils.MetricFamily(
+            name="maskedit_cache_events_total", description="activation store events in this process",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.bytes = pb_utils.MetricFamily(
+            name="maskedit_cache_bytes", description="activation store bytes per tier",
+            kind=pb_utils.MetricFamily.GAUGE)
+        self._req = {k: self.requests.Metric(labels={"outcome": k}) for k in ("hit", "record", "off", "full")}
+        self._ev = {k: self.events.Metric(labels={"event": k})
+                    for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts")}
+        self._bytes = {t: self.bytes.Metric(labels={"tier": t}) for t in ("mem", "disk")}
+        self._seen = {k: 0 for k in self._ev}
+
+    def observe(self, info: dict) -> None:
+        outcome = info.get("cache", "off")
+        if outcome in self._req:
+            self._req[outcome].increment(1)
+        if self.store is None:
+            return
+        m = self.store.metrics()
+        for k, metric in self._ev.items():
+            delta = m[k] - self._seen[k]
+            if delta > 0:
+                metric.increment(delta)
+                self._seen[k] = m[k]
+        self._bytes["mem"].set(m["mem_bytes"])
+        self._bytes["disk"].set(m["disk_bytes"])
