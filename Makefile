@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu bench-engine clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine clean
 
 setup: $(STAMP)
 
@@ -45,3 +45,9 @@ render-gpu: $(STAMP)
 
 clean:
 	rm -rf out build
+
+calibrate: $(STAMP)
+	$(VENV)/bin/maskedit-calibrate
+
+bench-engine: $(STAMP)
+	$(VENV)/bin/maskedit-bench-engine

@@ -1,0 +1,163 @@
+"""`maskedit-bench-engine`: mask-aware caching against full computation, side by side in one run.
+
+On the benchmark-size model (~18M transformer parameters, 1024 image tokens), for each mask ratio (fraction
+of image tokens edited) it times the denoising of one image with:
+  full       stock computation (cache off)
+  naive      every block from the cache (y mode), rows loaded inside the block (no overlap)
+  overlap    every block from the cache (y mode), rows loaded by the loader thread (the strawman pipeline)
+  planner_y  Algorithm 1 choosing full / y per block, loader thread
+  planner    Algorithm 1 choosing full / y / kv per block, loader thread
+  noctx      masked tokens computed without the unmasked context (the naive shortcut; a fidelity lower bound)
+and reports speedup over full, the FLOP-model ideal speedup of the plan used, and fidelity against full
+(SSIM/PSNR of the decoded images, whole image and unmasked region). Writes JSON and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .cache.cost_model import CostModel
+from .cache.flops import ideal_speedup
+from .cache.harness import Harness
+from .decode import Decoder
+from .local import run_job
+from .settings import REPO_ROOT
+
+RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+MODES = {  # name -> (cache policy, loader overlap)
+    "full": ("off", True), "naive": ("all_y", False), "overlap": ("all_y", True),
+    "planner_y": ("planner_y", True), "planner": ("planner", True), "noctx": ("noctx", True),
+}
+RESULTS = REPO_ROOT / "perf_profiles" / "results"
+
+
+def fidelity(ref: np.ndarray, img: np.ndarray, keep: np.ndarray) -> dict:
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    ssim, smap = structural_similarity(ref, img, channel_axis=2, data_range=255, full=True)
+    out = {"ssim": float(ssim), "psnr": float(peak_signal_noise_ratio(ref, img, data_range=255))}
+    if keep.any():
+        mse = float(((ref[keep].astype(np.float64) - img[keep]) ** 2).mean())
+        out["ssim_unmasked"] = float(smap[keep].mean())
+        out["psnr_unmasked"] = float("inf") if mse == 0 else float(10 * np.log10(255.0 ** 2 / mse))
+    return out
+
+
+def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = None, model_dir=None) -> list[dict]:
+    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
+    h = Harness.create(model_dir, steps=steps, cost=cost)
+    base = h.register()
+    decoder = Decoder(h.settings)
+    engines = {m: h.engine(*MODES[m]) for m in modes}
+    cfg = h.runner.transformer.config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    n_blocks = cfg.num_layers + cfg.num_single_layers
+    rows = []
+    try:
+        for ratio in tqdm(ratios, desc="mask ratios"):
+            mask = h.mask(ratio, seed=int(ratio * 1000))
+            x = h.inputs(mask)
+            n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
+            times = {m: [] for m in modes}
+            jobs = {}
+            for _ in range(reps):  # interleaved, so drift in machine speed hits every mode alike
+                for m in modes:
+                    job = run_job(engines[m][0], x)
+                    times[m].append(job.finished_at - job.started_at)
+                    jobs[m] = job
+            keep = np.kron((~np.asarray(x.token_mask, bool)).reshape(x.model_h // h.pre.patch, -1),
+                           np.ones((h.pre.patch, h.pre.patch), bool)).astype(bool)
+            images = {m: np.asarray(decoder.decode_latents(j.result(), x.model_w, x.model_h)) for m, j in jobs.items()}
+            full_s = statistics.median(times["full"]) if "full" in times else None
+            for m in modes:
+                jc = jobs[m].state.get("cache")
+                plan_modes = jc.modes if jc is not None and jc.status == "hit" else ["full"] * n_blocks
+                c = int(jc.idx_c.numel()) if jc is not None and jc.idx_c is not None else n
+                d = statistics.median(times[m])
+                row = {
+                    "mask_ratio": ratio, "mode": m, "denoise_s": round(d, 5), "steps": h.steps,
+                    "speedup": round(full_s / d, 3) if full_s else None,
+                    "ideal_speedup": round(ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim), 3),
+                    "computed_tokens": c, "tokens": n, "block_modes": jc.info()["block_modes"] if jc else "",
+                    "cache": jc.status if jc else "off", "load_s": round(jc.load_s, 5) if jc else 0.0,
+                    **{k: (round(v, 4) if np.isfinite(v) else None)  # identical images: PSNR is infinite
+                       for k, v in fidelity(images.get("full", images[m]), images[m], keep).items()},
+                }
+                row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3) if row["speedup"] else None
+                rows.append(row)
+    finally:
+        for eng, rt in engines.values():
+            eng.shutdown()
+            if rt is not None:
+                rt.close()
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == m]
+        xs = [r["mask_ratio"] for r in rs]
+        ax1.plot(xs, [r["speedup"] for r in rs], marker="o", label=m)
+        if m in ("planner", "planner_y"):
+            ax1.plot(xs, [r["ideal_speedup"] for r in rs], linestyle=":", label=f"{m} FLOP ideal")
+        if m != "full":
+            ax2.plot(xs, [r["ssim"] for r in rs], marker="o", label=f"{m} (whole)")
+    ax1.set(xlabel="mask ratio (edited tokens / all)", ylabel="speedup over full", title="denoise latency per image")
+    ax1.set_yscale("log")
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set(xlabel="mask ratio", ylabel="SSIM vs full computation", title="fidelity of the decoded image")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    lines = ["| mask ratio | mode | denoise s/image | speedup | FLOP ideal | of ideal | SSIM | PSNR dB | SSIM unmasked "
+             "| PSNR unmasked | blocks (F/Y/K/N) |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['mask_ratio']:.2f} | {r['mode']} | {r['denoise_s']:.3f} | {fmt(r['speedup'], '.2f')} | "
+                     f"{r['ideal_speedup']:.2f} | {fmt(r['efficiency'], '.0%')} | {r['ssim']:.3f} | {fmt(r['psnr'], '.1f')} | "
+                     f"{fmt(r.get('ssim_unmasked'), '.3f')} | {fmt(r.get('psnr_unmasked'), '.1f')} | "
+                     f"{r['block_modes'] or 'all F'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="default: the model's (8 for the bench preset)")
+    ap.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS))
+    ap.add_argument("--out", type=Path, default=RESULTS / "engine.json")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    rows = run(args.ratios, reps=args.reps, steps=args.steps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(markdown_table(rows))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`maskedit-calibrate`: measure block compute and cache-load latencies on this machine and model, fit the
+cost model the planner and the router use, print each fit's R², and write it under ``perf_profiles/``.
+
+    maskedit-calibrate                         # the benchmark-size model (built if missing)
+    maskedit-calibrate --model-dir models/tiny-flux-fill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from tqdm import tqdm
+
+from ..denoise import DenoiseJob
+from ..settings import REPO_ROOT
+from .cost_model import CostModel, LinearFit, features
+from .harness import Harness
+from .planner import FULL, KV, Y
+from .runtime import CacheRuntime
+
+RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
+
+
+class BlockTimer(ModelHook):
+    """Wall time of each block call (CPU is synchronous; on CUDA this would synchronise first)."""
+
+    def __init__(self, sink: list, index: int):
+        super().__init__()
+        self.sink, self.index = sink, index
+
+    def new_forward(self, module, *args, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = self.fn_ref.original_forward(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.sink.append((self.index, (time.perf_counter() - t0) * 1000.0))
+        return out
+
+
+def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
+    base = h.register()
+    n = base.latents.shape[0]
+    text = base.prompt_embeds.shape[0]
+    samples_ = defaultdict(list)  # (kind, mode) -> [(features, ms)]
+    sink: list = []
+    blocks = h.hooks.blocks
+    for i, b in enumerate(blocks):  # outermost: wraps our masked-block hook
+        HookRegistry.check_if_exists_or_initialize(b).register_hook(BlockTimer(sink, i), "maskedit_timer")
+    kinds = ["dual"] * h.hooks.n_dual + ["single"] * (len(blocks) - h.hooks.n_dual)
+    loads = defaultdict(list)
+    try:
+        plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in RATIOS]
+        for mode, ratio in tqdm(plan, desc="calibrating", unit="point"):
+            x = h.inputs(h.mask(ratio, seed=1)) if mode != FULL else base
+            rt = CacheRuntime(h.hooks, h.store, h.cost, policy={FULL: "off", Y: "all_y", KV: "all_kv"}[mode],
+                              overlap=False)
+            h.runner.cache = rt
+            job = DenoiseJob(x)
+            h.runner.prepare(job)
+            jc = job.state["cache"]
+            c = n if mode == FULL else int(jc.idx_c.numel())
+            h.runner.step([job])  # warm-up
+            for _ in range(reps):
+                sink.clear()
+                if job.step_index >= job.steps:
+                    break
+                h.runner.step([job])
+                for i, ms in sink:
+                    samples_[(kinds[i], mode)].append((features(mode, n, c, text), ms))
+            h.runner.release(job, ok=False)
+            h.runner.cache = None
+    finally:
+        for b in blocks:
+            HookRegistry.check_if_exists_or_initialize(b).remove_hook("maskedit_timer", recurse=False)
+    # Memory tier: copies of 1..16 blocks' rows out of the shared mapping, as the loader does.
+    entry = h.store.open(base.cache_key)
+    flat = entry.arrays["y"].reshape(-1, entry.arrays["y"].shape[-1])
+    for blocks_ in (1, 2, 3, 4, 6, 8, 12, 16):
+        rows_ = min(flat.shape[0], blocks_ * n)
+        out = np.empty((rows_, flat.shape[1]), np.float32)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            out[...] = flat[:rows_]
+            times.append((time.perf_counter() - t0) * 1000.0)
+        loads["mem"].append((out.nbytes, float(np.median(times))))
+    # Disk tier: reading an entry's slice from a file on disk (page cache permitting).
+    entry_path = next(h.store.mem_dir.glob("*.safetensors"))
+    disk_copy = h.store.disk_dir / "calibration.bin"
+    disk_copy.write_bytes(entry_path.read_bytes())
+    size = disk_copy.stat().st_size
+    for frac in (0.01, 0.02, 0.05, 0.1, 0.2):
+        nbytes = int(size * frac)
+        t0 = time.perf_counter()
+        with open(disk_copy, "rb") as f:
+            f.read(nbytes)
+        loads["disk"].append((nbytes, (time.perf_counter() - t0) * 1000.0))
+    disk_copy.unlink()
+    return samples_, loads
+
+
+def fit(samples_: dict, loads: dict, meta: dict) -> CostModel:
+    compute = defaultdict(dict)
+    for (kind, mode), pts in samples_.items():
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if mode == FULL:  # one size only: a constant is all the data supports
+            compute[kind][mode] = LinearFit([float(np.median(ys)), 0.0, 0.0, 0.0], 1.0)
+        else:
+            compute[kind][mode] = LinearFit.fit(xs, ys)
+    load = {t: LinearFit.fit([[1.0, b / 1e6] for b, _ in pts], [ms for _, ms in pts]) for t, pts in loads.items()}
+    return CostModel(compute=dict(compute), load=load, meta=meta)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: models/bench-flux-fill (built if missing)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    h = Harness.create(args.model_dir, steps=args.steps)
+    samples_, loads = measure(h)
+    model = fit(samples_, loads, {
+        "model_dir": str(h.settings.model_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "threads": torch.get_num_threads(), "device": h.settings.torch_device,
+    })
+    out = args.out or REPO_ROOT / "perf_profiles" / f"cost_model_{h.settings.model_dir.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(model.to_json(), indent=2))
+    for kind, d in model.compute.items():
+        for mode, f in d.items():
+            print(f"{kind:6s} {mode:4s} R²={f.r2:.3f}  n={len(samples_[(kind, mode)])}")
+    for tier, f in model.load.items():
+        print(f"load {tier:4s} R²={f.r2:.3f}  {f.coef[1]:.3f} ms/MB + {f.coef[0]:.3f} ms")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

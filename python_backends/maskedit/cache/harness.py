@@ -1,0 +1,104 @@
+"""In-process set-up shared by the calibration command and the engine benchmark: a model, a store in a
+temporary directory, a registered template and requests with exact token-level mask ratios."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from .. import samples
+from ..denoise import DenoiseInputs, ModelRunner
+from ..engine import DenoiseEngine
+from ..local import denoise_inputs, run_job
+from ..params import parse_params
+from ..preprocess import Preprocessor
+from ..settings import REPO_ROOT, load_settings
+from ..tiny_model import build
+from .cost_model import CostModel
+from .flux import FluxCacheHooks
+from .runtime import CacheRuntime
+from .store import ActivationStore
+
+
+def png(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    (img if isinstance(img, Image.Image) else Image.fromarray(img)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def token_mask_image(grid_w: int, grid_h: int, patch: int, ratio: float, seed: int) -> np.ndarray:
+    """A blob mask covering exactly round(ratio * tokens) tokens, drawn at token resolution."""
+    rng = np.random.default_rng(seed)
+    field = samples.blob_mask(grid_w * 4, grid_h * 4, 0.5, rng).astype(np.float32)
+    field = np.asarray(Image.fromarray(field.astype(np.uint8)).resize((grid_w, grid_h), Image.BILINEAR), np.float32)
+    yy, xx = np.mgrid[0:grid_h, 0:grid_w]
+    field = field - 40 * np.hypot(yy / grid_h - 0.5, xx / grid_w - 0.5) + rng.random(field.shape)  # break ties
+    k = int(round(ratio * grid_w * grid_h))
+    grid = np.zeros(grid_w * grid_h, np.uint8)
+    if k:
+        grid[np.argsort(-field.reshape(-1), kind="stable")[:k]] = 255
+    return np.kron(grid.reshape(grid_h, grid_w), np.ones((patch, patch), np.uint8))
+
+
+@dataclass
+class Harness:
+    pre: Preprocessor
+    runner: ModelRunner
+    hooks: FluxCacheHooks
+    store: ActivationStore
+    template: Image.Image
+    steps: int
+    cost: CostModel
+
+    @classmethod
+    def create(cls, model_dir: Path | None = None, preset: str = "bench", steps: int | None = None,
+               cost: CostModel | None = None, budget_bytes: int = 8 << 30) -> "Harness":
+        model_dir = Path(model_dir or REPO_ROOT / "models" / f"{preset}-flux-fill")
+        if not (model_dir / "model_index.json").exists():
+            build(model_dir, preset)
+        settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)})
+        tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-"))
+        store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
+        pre = Preprocessor(settings, store=store)
+        runner = ModelRunner(settings)
+        h = cls(pre, runner, FluxCacheHooks(runner.transformer), store,
+                samples.template(settings.resolution, settings.resolution, seed=3), steps or settings.steps,
+                cost or CostModel.fallback())
+        h.budget_bytes = budget_bytes
+        return h
+
+    @property
+    def settings(self):
+        return self.runner.settings
+
+    def inputs(self, mask: np.ndarray, register: bool = False, seed: int = 0) -> DenoiseInputs:
+        params = parse_params(self.settings, "a red dress", seed=seed, steps=self.steps, register=register)
+        return denoise_inputs(self.pre(png(self.template), png(mask), params))
+
+    def mask(self, ratio: float, seed: int = 0) -> np.ndarray:
+        w, h = self.template.size
+        patch = self.pre.patch
+        return token_mask_image(w // patch, h // patch, patch, ratio, seed)
+
+    def engine(self, policy: str, overlap: bool = True) -> tuple[DenoiseEngine, CacheRuntime | None]:
+        rt = None if policy == "off" else CacheRuntime(self.hooks, self.store, self.cost, policy=policy,
+                                                       overlap=overlap, budget_bytes=self.budget_bytes)
+        return DenoiseEngine(ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt)), rt
+
+    def register(self) -> DenoiseInputs:
+        """Record the template (empty mask) so every later mask can hit."""
+        x = self.inputs(np.zeros(self.template.size[::-1], np.uint8), register=True)
+        eng, rt = self.engine("planner")
+        try:
+            run_job(eng, x)
+            rt.flush()
+        finally:
+            eng.shutdown()
+            rt.close()
+        return replace(x, register=False)

@@ -1,0 +1,171 @@
+"""Invariants of mask-aware caching, on the tiny model with a real store (in a temp dir)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from maskedit import samples
+from maskedit.cache.flux import FluxCacheHooks
+from maskedit.cache.runtime import POLICIES, CacheRuntime
+from maskedit.cache.store import ActivationStore
+from maskedit.denoise import ModelRunner
+from maskedit.engine import DenoiseEngine
+from maskedit.local import denoise_inputs, run_job
+from maskedit.params import parse_params
+from maskedit.preprocess import Preprocessor
+from tests.conftest import png
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def env(settings, tmp_path_factory):
+    d = tmp_path_factory.mktemp("store")
+    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
+    pre = Preprocessor(settings, store=store)
+    runner = ModelRunner(settings)
+    hooks = FluxCacheHooks(runner.transformer)
+    engines = {}
+
+    def run(inputs, policy="planner"):
+        if policy not in engines:
+            rt = CacheRuntime(hooks, store, policy=policy)
+            r = ModelRunner(settings, transformer=runner.transformer, cache=rt)
+            engines[policy] = (DenoiseEngine(r), rt)
+        eng, rt = engines[policy]
+        job = run_job(eng, inputs)
+        rt.flush()
+        return job
+
+    yield pre, run, store, runner
+    for eng, rt in engines.values():
+        eng.shutdown()
+        rt.close()
+
+
+def prepared(pre, settings, tpl, mask, **kw):
+    params = parse_params(settings, "a hat", steps=STEPS, **kw)
+    return denoise_inputs(pre(png(tpl), png(mask), params))
+
+
+def plain(runner, inputs):
+    eng = DenoiseEngine(ModelRunner(runner.settings, transformer=runner.transformer))
+    try:
+        return run_job(eng, replace(inputs, cache_key=None))
+    finally:
+        eng.shutdown()
+
+
+def test_record_then_same_mask_is_exact_in_every_mode(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=21)
+    mask = samples.mask(256, 256, 0.2, "box", seed=21)
+    x = prepared(pre, settings, tpl, mask)
+    first = run(x)
+    assert first.state["cache"].status == "record" and store.locate(x.cache_key) == "mem"
+    np.testing.assert_array_equal(first.result(), plain(runner, x).result())  # recording changes nothing
+    for policy in ("planner", "planner_y", "all_y", "all_kv"):
+        again = run(x, policy)
+        jc = again.state["cache"]
+        assert jc.status == "hit" and jc.idx_c.numel() == int(mask_tokens(x).sum())
+        # Cached rows are this very run's rows, so computing only the masked tokens reproduces it.
+        np.testing.assert_allclose(again.result(), first.result(), atol=1e-5)
+
+
+def mask_tokens(x):
+    return np.asarray(x.token_mask, bool)
+
+
+def test_full_mask_on_cached_template_equals_full_computation(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=22)
+    run(prepared(pre, settings, tpl, samples.mask(256, 256, 0.1, "blob", seed=1), register=True))
+    x = prepared(pre, settings, tpl, np.full((256, 256), 255, np.uint8))
+    job = run(x)
+    assert job.state["cache"].status == "full"
+    np.testing.assert_array_equal(job.result(), plain(runner, x).result())
+
+
+def test_empty_mask_on_cached_template_equals_the_template_run(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=23)
+    reg = prepared(pre, settings, tpl, np.zeros((256, 256), np.uint8), register=True)
+    template_run = run(reg)
+    assert template_run.state["cache"].status == "record"
+    job = run(replace(reg, register=False))  # nothing masked: every block output comes from the store
+    jc = job.state["cache"]
+    assert jc.status == "hit" and jc.idx_c.numel() == 0
+    np.testing.assert_array_equal(job.result(), template_run.result())
+
+
+def test_cache_off_and_miss_give_the_stock_result(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=24)
+    x = prepared(pre, settings, tpl, samples.mask(256, 256, 0.3, "blob", seed=2))
+    off = run(x, "off")
+    assert off.state["cache"].status == "off"
+    miss = run(x)
+    assert miss.state["cache"].status == "record"
+    np.testing.assert_array_equal(off.result(), miss.result())
+
+
+def test_other_mask_uses_context_better_than_the_shortcut(env, settings):
+    """A hit for a new mask approximates the full computation; dropping the cached context is worse."""
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=25)
+    run(prepared(pre, settings, tpl, np.zeros((256, 256), np.uint8), register=True))
+    x = prepared(pre, settings, tpl, samples.mask(256, 256, 0.2, "blob", seed=5))
+    full = plain(runner, x).result()
+    m = mask_tokens(x)
+    err = {}
+    for policy in ("planner", "noctx"):
+        job = run(x, policy)
+        assert job.state["cache"].status == "hit"
+        err[policy] = float(np.abs(job.result()[m] - full[m]).mean())
+    assert err["planner"] < err["noctx"]
+
+
+def test_recording_rows_of_the_edit_are_recomputed_later(env, settings):
+    """Tokens the recording request edited are not template context: later hits compute them."""
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=26)
+    m0 = samples.mask(256, 256, 0.1, "box", seed=3)
+    x0 = prepared(pre, settings, tpl, m0)
+    run(x0)
+    x1 = prepared(pre, settings, tpl, samples.mask(256, 256, 0.1, "box", seed=4))
+    jc = run(x1).state["cache"]
+    expect = mask_tokens(x0) | mask_tokens(x1)
+    assert jc.status == "hit" and jc.idx_c.numel() == int(expect.sum())
+
+
+def test_settings_in_the_key_miss(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=27)
+    mask = samples.mask(256, 256, 0.1, "box", seed=3)
+    base = prepared(pre, settings, tpl, mask)
+    run(base)
+    for kw in ({"guidance": 7.0}, {"template_seed": 9}):
+        x = prepared(pre, settings, tpl, mask, **kw)
+        assert x.cache_key != base.cache_key and run(x).state["cache"].status == "record"
+    x = prepared(pre, settings, tpl, mask, seed=99)  # SEED only varies the masked noise: same entry
+    assert x.cache_key == base.cache_key and run(x).state["cache"].status == "hit"
+
+
+def test_corrupt_entry_falls_back_to_full(env, settings):
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=28)
+    x = prepared(pre, settings, tpl, samples.mask(256, 256, 0.1, "box", seed=3))
+    run(x)
+    path = store.mem_dir / f"{x.cache_key}.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    store._verified.clear()  # as in a process that has not read it yet
+    job = run(x)
+    assert job.state["cache"].status == "record"  # treated as a miss, recorded afresh
+    np.testing.assert_array_equal(job.result(), plain(runner, x).result())
+
+
+def test_policies_are_known():
+    assert set(POLICIES) >= {"off", "planner", "planner_y", "all_y", "all_kv", "noctx"}
