@@ -29,13 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--raw", action="store_true", help="return the model's output without keeping the template")
     ap.add_argument("--out", type=Path, default=Path("result.png"))
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--deadline-ms", type=int, help="fail fast (DEADLINE_EXCEEDED) if it cannot finish in time")
     args = ap.parse_args(argv)
 
     for p in (args.template, args.mask):
         if not p.is_file():
             print(f"error: {p} is not a file", file=sys.stderr)
             return 2
-    bar = tqdm(total=None, desc="edit", unit="step", leave=False)
+    bar = tqdm(total=None, desc="denoising", unit="step", leave=False)
     stop = threading.Event()
 
     def progress(step: int, total: int) -> None:  # step-level progress when the server streams it
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     try:
         with EditClient(args.url, timeout_s=args.timeout) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
-                                 guidance=args.guidance, raw_output=args.raw, on_progress=progress)
+                                 guidance=args.guidance, raw_output=args.raw, on_progress=progress,
+                                 deadline_ms=args.deadline_ms)
     except EditError as e:
         stop.set()
         bar.close()

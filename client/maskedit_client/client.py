@@ -107,6 +107,17 @@ class EditClient:
                 self._stream_open = True
 
     def _on_response(self, result, error) -> None:
+        # Runs on tritonclient's stream thread: an exception here would kill the stream for every request.
+        try:
+            self._handle(result, error)
+        except Exception as e:  # a malformed response fails its own request only
+            rid = result.get_response().id if result is not None else None
+            with self._lock:
+                entry = self._pending.pop(rid, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(EditError(f"bad response from server: {e!r}", "INTERNAL"))
+
+    def _handle(self, result, error) -> None:
         if error is not None:
             rid = self._error_request_id(error)
             with self._lock:
@@ -125,18 +136,21 @@ class EditClient:
         if entry is None:
             return
         fut, state = entry
-        image = result.as_numpy("IMAGE")
-        if image is not None:
-            state["png"] = image.reshape(-1)[0]
-            state["info"] = json.loads(result.as_numpy("EDIT_INFO").reshape(-1)[0])
-        progress = result.as_numpy("PROGRESS") if any(o.name == "PROGRESS" for o in resp.outputs) else None
-        if progress is not None and state.get("on_progress"):
-            state["on_progress"](*progress.reshape(-1)[:2].tolist())
+        info_t = result.as_numpy("EDIT_INFO")
+        if info_t is not None:
+            info = json.loads(info_t.reshape(-1)[0])
+            if isinstance(info.get("progress"), list):  # "step i of N" while denoising
+                state.setdefault("progress", []).append(tuple(info["progress"]))
+                if state.get("on_progress"):
+                    state["on_progress"](*info["progress"])
+            else:
+                state["png"] = result.as_numpy("IMAGE").reshape(-1)[0]
+                state["info"] = info
         if final:
             with self._lock:
                 self._pending.pop(rid, None)
             if "png" in state:
-                fut.set_result(EditResult(state["png"], state["info"]))
+                fut.set_result(EditResult(state["png"], state["info"], progress=state.get("progress", [])))
             else:
                 fut.set_exception(EditError("stream ended without an image", "INTERNAL"))
 
@@ -147,8 +161,11 @@ class EditClient:
 
     def submit(self, template, mask, prompt: str, seed: int | None = None, steps: int | None = None,
                guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
-               use_cache: bool | None = None, register: bool = False,
+               use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None) -> Future:
+        """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
+
+        ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each."""
         inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
                   _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
         if seed is not None:
@@ -165,6 +182,10 @@ class EditClient:
             inputs.append(_scalar_input("USE_CACHE", bool(use_cache), "BOOL", np.bool_))
         if register:
             inputs.append(_scalar_input("REGISTER", True, "BOOL", np.bool_))
+        if deadline_ms is not None:
+            inputs.append(_scalar_input("DEADLINE_MS", int(deadline_ms), "INT64", np.int64))
+        if on_progress is not None:
+            inputs.append(_scalar_input("PROGRESS", True, "BOOL", np.bool_))
         inputs += extra_inputs or []
         return self.submit_inputs(inputs, on_progress)
 

@@ -39,6 +39,7 @@ class DenoiseInputs:
     guidance: float
     cache_key: str | None = None  # activation-cache key (None: caching off for this request)
     register: bool = False  # a template run: record even if an entry exists
+    deadline: float | None = None  # absolute time.time() by which the request must finish, if any
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -48,8 +49,10 @@ class DenoiseJob:
     on_error: Callable[["DenoiseJob", BaseException], None] = lambda job, e: None
     on_step: Callable[["DenoiseJob"], None] | None = None
     is_cancelled: Callable[[], bool] = lambda: False
+    before_admit: Callable[["DenoiseJob"], None] | None = None  # run in the loop thread at admission (naive mode)
     tag: Any = None  # opaque to the engine: the Triton shim keeps its response sender here
     id: int = field(default_factory=lambda: next(_ids))
+    tokens: int | None = None  # image tokens this request computes per step (estimated at submit)
     # Filled in by the runner.
     step_index: int = 0
     latents: torch.Tensor | None = None
@@ -62,6 +65,10 @@ class DenoiseJob:
     @property
     def steps(self) -> int:
         return self.inputs.steps
+
+    @property
+    def deadline(self) -> float | None:
+        return self.inputs.deadline
 
     @property
     def done(self) -> bool:
@@ -101,9 +108,21 @@ class ModelRunner:
         job.state["guidance"] = (
             torch.full([1], x.guidance, device=self.device, dtype=torch.float32) if self.guidance_embeds else None)
         job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
+        job.tokens = x.latents.shape[0]
         if self.cache is not None:
-            self.cache.admit(job)
+            jc = self.cache.admit(job)
+            if jc.status == "hit":
+                job.tokens = max(1, int(jc.idx_c.numel()))
         job.started_at = time.perf_counter()
+
+    def estimate_tokens(self, job: DenoiseJob) -> int:
+        """Image tokens the job will compute per step: its masked tokens on a likely cache hit, else all."""
+        x = job.inputs
+        n = int(x.latents.shape[0])
+        if self.cache is not None and x.cache_key and not x.register and self.cache.store is not None \
+                and self.cache.store.locate(x.cache_key):
+            return max(1, int(np.count_nonzero(x.token_mask)))
+        return n
 
     def release(self, job: DenoiseJob, ok: bool) -> None:
         """The job left the batch (finished, failed or cancelled)."""

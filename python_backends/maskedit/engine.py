@@ -1,35 +1,43 @@
 """The denoise loop: a background thread that keeps a running batch and advances it one step at a time.
 
-Requests are submitted from Triton's ``execute`` (which returns at once: the model is decoupled) and
-join the running batch at the next step boundary; finished requests leave at once. Every submitted job
-ends in ``on_done`` or ``on_error``, including at shutdown.
+Requests are submitted from Triton's ``execute`` (which returns at once: the model is decoupled) and join the
+running batch at the next step boundary, as the scheduler decides; finished requests leave at once. Every
+submitted job ends in ``on_done`` or ``on_error``: cancelled jobs at the next step, jobs that cannot meet
+their deadline before they start, and everything still queued or running at shutdown.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 
 from .denoise import DenoiseJob, ModelRunner
 from .errors import Cancelled, ResourceExhausted, Unavailable
+from .scheduler import BatchScheduler
 
 log = logging.getLogger(__name__)
 
 
 class DenoiseEngine:
-    def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64):
+    def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64,
+                 scheduler: BatchScheduler | None = None):
         self.runner = runner
-        self.max_batch = max_batch
+        self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
-        self._waiting: collections.deque[DenoiseJob] = collections.deque()
+        self._waiting: list[DenoiseJob] = []
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
         self._stopping = False
         self.steps_run = 0
+        self.overhead_s = 0.0  # loop time outside the model's step: admission, retiring, callbacks
+        self.max_running = 0
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
 
     # -- called from other threads ------------------------------------------------------------------
     def submit(self, job: DenoiseJob) -> None:
@@ -38,18 +46,25 @@ class DenoiseEngine:
                 raise Unavailable("server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise ResourceExhausted(f"denoise queue is full ({self.max_queue} waiting); retry later")
+            if job.tokens is None:
+                job.tokens = self.runner.estimate_tokens(job)
+            err = self.scheduler.late(job, time.time())
+            if err is not None:
+                raise err
             self._waiting.append(job)
             self._cv.notify()
 
     def stats(self) -> dict:
         with self._cv:
-            return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run}
+            return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run,
+                    "step_overhead_ms": 1000 * self.overhead_s / max(1, self.steps_run),
+                    "max_running": self.max_running}
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let the running batch finish within ``timeout``, fail whatever is left."""
         with self._cv:
             self._stopping = True
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting, self._waiting = list(self._waiting), []
             self._cv.notify()
         for job in waiting:
             _fail(job, Unavailable("server is shutting down"))
@@ -57,13 +72,20 @@ class DenoiseEngine:
         with self._cv:
             running, self._running = list(self._running), []
         for job in running:
+            self.runner.release(job, ok=False)
             _fail(job, Unavailable("server shut down before the request finished"))
 
     # -- the loop -----------------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch:
-            job = self._waiting.popleft()
+        chosen, rejected = self.scheduler.admit(self._waiting, self._running)
+        gone = set(map(id, chosen)) | {id(j) for j, _ in rejected}
+        self._waiting = [j for j in self._waiting if id(j) not in gone]
+        for job, err in rejected:
+            _fail(job, err)
+        for job in chosen:
             try:
+                if job.before_admit is not None:
+                    job.before_admit(job)  # the naive baseline's inline pre-processing
                 self.runner.prepare(job)
             except Exception as e:  # bad tensors fail this request only
                 log.warning("could not prepare request %s: %s", job.id, e)
@@ -71,12 +93,15 @@ class DenoiseEngine:
                 _fail(job, e)
                 continue
             self._running.append(job)
+        self.max_running = max(self.max_running, len(self._running))
 
     def _loop(self) -> None:
         while True:
+            t0 = time.perf_counter()
             with self._cv:
                 while not self._waiting and not self._running and not self._stopping:
                     self._cv.wait()
+                    t0 = time.perf_counter()
                 if self._stopping and not self._running:
                     return
                 if not self._stopping:
@@ -85,6 +110,7 @@ class DenoiseEngine:
             batch = self._drop_cancelled(batch)
             if not batch:
                 continue
+            t1 = time.perf_counter()
             try:
                 self.runner.step(batch)
                 self.steps_run += 1
@@ -92,10 +118,13 @@ class DenoiseEngine:
                 log.exception("denoise step failed for requests %s", [j.id for j in batch])
                 self._retire(batch, error=e)
                 continue
+            t2 = time.perf_counter()
+            self.scheduler.model.observe(sum(j.tokens or 0 for j in batch), t2 - t1)
             for job in batch:
                 if job.on_step is not None and not job.done:
                     job.on_step(job)
             self._retire([j for j in batch if j.done])
+            self.overhead_s += (t1 - t0) + (time.perf_counter() - t2)
 
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         cancelled = [j for j in batch if j.is_cancelled()]

@@ -21,6 +21,8 @@ class EditParams:
     template_seed: int = 0  # noise of the unmasked tokens and VAE sampling of the template; part of the cache key
     register: bool = False  # run the template (no edit) to record its activations for later edits
     use_cache: bool = True  # False: full computation, nothing read from or written to the activation cache
+    deadline_ms: int | None = None  # finish within this many ms of arrival, or fail with DEADLINE_EXCEEDED
+    progress: bool = False  # stream "step i of N" responses before the image
 
 
 def parse_params(
@@ -33,6 +35,8 @@ def parse_params(
     template_seed: int | None = None,
     register: bool | None = None,
     use_cache: bool | None = None,
+    deadline_ms: int | None = None,
+    progress: bool | None = None,
 ) -> EditParams:
     if isinstance(prompt, bytes):
         try:
@@ -55,6 +59,11 @@ def parse_params(
     guidance = settings.guidance if guidance is None else float(guidance)
     if not (math.isfinite(guidance) and 0.0 <= guidance <= settings.max_guidance):
         raise InvalidInput(f"must be between 0 and {settings.max_guidance}, got {guidance}", "GUIDANCE")
+    if deadline_ms is not None:
+        deadline_ms = int(deadline_ms)
+        if not 1 <= deadline_ms <= 24 * 3600 * 1000:
+            raise InvalidInput(f"must be between 1 and {24 * 3600 * 1000} ms, got {deadline_ms}", "DEADLINE_MS")
     return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output),
                       template_seed=template_seed, register=bool(register),
-                      use_cache=True if use_cache is None else bool(use_cache))
+                      use_cache=True if use_cache is None else bool(use_cache), deadline_ms=deadline_ms,
+                      progress=bool(progress))

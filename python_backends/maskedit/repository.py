@@ -37,6 +37,8 @@ EDIT_INPUTS = [
     T("TEMPLATE_SEED", "INT64", (1,), optional=True),
     T("REGISTER", "BOOL", (1,), optional=True),
     T("USE_CACHE", "BOOL", (1,), optional=True),
+    T("DEADLINE_MS", "INT64", (1,), optional=True),
+    T("PROGRESS", "BOOL", (1,), optional=True),
 ]
 EDIT_OUTPUTS = [T("IMAGE", "STRING", (1,)), T("EDIT_INFO", "STRING", (1,))]
 

@@ -114,11 +114,15 @@ def test_same_inputs_same_image_and_template_size_kept(client):
 
 
 def test_concurrent_requests_on_one_stream_come_back_to_their_callers(client, template_img, box_mask):
-    seq = {s: client.edit(template_img, box_mask, "a hat", seed=s, steps=2).png for s in range(3)}
-    futs = {s: client.submit(template_img, box_mask, "a hat", seed=s, steps=2) for s in range(3)}
+    """Concurrent requests share the running batch (batched floats may differ in the last bit from solo runs)."""
+    kw = dict(steps=2, use_cache=False, raw_output=True)
+    seq = {s: np.asarray(client.edit(template_img, box_mask, "a hat", seed=s, **kw).image, int) for s in range(3)}
+    futs = {s: client.submit(template_img, box_mask, "a hat", seed=s, **kw) for s in range(3)}
     wait(futs.values(), timeout=120)
-    assert {s: f.result().png for s, f in futs.items()} == seq
-    assert len(set(seq.values())) == 3
+    for s, f in futs.items():
+        got = np.asarray(f.result().image, int)
+        assert np.abs(got - seq[s]).max() <= 2
+        assert all(np.abs(got - seq[o]).max() > 2 for o in seq if o != s)
 
 
 def _post(server, path, body):

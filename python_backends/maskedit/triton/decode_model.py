@@ -24,6 +24,8 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         try:
             info = json.loads(io.blob(request, "REQUEST_INFO_OUT"))
+            if "progress" in info:  # a progress response: pass it on, nothing to decode
+                return io.response({"IMAGE": b"", "EDIT_INFO": info})
             size = io.array(request, "MODEL_SIZE_OUT")
             generated = None
             if not info.get("skip_model"):

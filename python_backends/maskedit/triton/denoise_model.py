@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from ..engine import DenoiseEngine
+from ..scheduler import BatchScheduler
 from ..settings import load_settings
 from . import io
 from .cache_setup import CacheMetrics, cache_runtime
@@ -30,11 +31,11 @@ class TritonPythonModel:
         self.settings = load_settings()
         runner = ModelRunner(self.settings)
         runner.cache = cache_runtime(runner.transformer, self.settings, self.log)
-        self.engine = DenoiseEngine(
-            runner,
-            max_batch=int(os.environ.get("MASKEDIT_MAX_BATCH", 1)),
-            max_queue=int(os.environ.get("MASKEDIT_MAX_QUEUE", 64)),
-        )
+        env = os.environ
+        self.engine = DenoiseEngine(runner, max_queue=int(env.get("MASKEDIT_MAX_QUEUE", 64)), scheduler=BatchScheduler(
+            env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
+            max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
+            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
@@ -63,6 +64,7 @@ class TritonPythonModel:
             token_mask=io.array(request, "TOKEN_MASK").astype(bool), model_w=int(size[0]), model_h=int(size[1]),
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
+            deadline=info.get("deadline_ts"),
         )
 
         def done(job: DenoiseJob):
@@ -77,7 +79,13 @@ class TritonPythonModel:
         def failed(job: DenoiseJob, e: BaseException):
             sender.send(io.error_response(e), flags=FINAL)
 
-        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=sender.is_cancelled))
+        def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
+            sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
+                                     {"progress": [job.step_index, job.steps], "skip_model": True}))
+
+        empty_relay = {"TEMPLATE_RGB_OUT": np.zeros((0, 0, 3), np.uint8), "ALPHA_OUT": np.zeros((0, 0), np.uint8)}
+        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=sender.is_cancelled,
+                                      on_step=progress if info.get("progress_requested") else None))
 
     @staticmethod
     def _result(latents, size, relay, info):

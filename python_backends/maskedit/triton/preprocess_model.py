@@ -27,11 +27,13 @@ class TritonPythonModel:
 
     def _one(self, request):
         t0 = time.perf_counter()
+        arrived = time.time()
         try:
             params = parse_params(
                 self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
                 io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"), io.scalar(request, "TEMPLATE_SEED"),
-                io.scalar(request, "REGISTER"), io.scalar(request, "USE_CACHE"),
+                io.scalar(request, "REGISTER"), io.scalar(request, "USE_CACHE"), io.scalar(request, "DEADLINE_MS"),
+                io.scalar(request, "PROGRESS"),
             )
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
@@ -41,7 +43,8 @@ class TritonPythonModel:
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
             "template_hash": p.template_hash, "cache_key": p.cache_key, "template_seed": params.template_seed,
-            "register": params.register,
+            "register": params.register, "progress_requested": params.progress,
+            "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6),
