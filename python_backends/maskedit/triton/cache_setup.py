@@ -54,7 +54,8 @@ def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> Cache
 
 
 class CacheMetrics:
-    """Triton custom metrics (served on the metrics port): cache outcomes and store bytes per tier."""
+    """Triton custom metrics (served on the metrics port): cache outcomes, store bytes per tier, and how
+    denoise requests ended (OK, CANCELLED, DEADLINE_EXCEEDED, ...)."""
 
     def __init__(self, store):
         self.store = store
@@ -72,6 +73,15 @@ class CacheMetrics:
                     for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts")}
         self._bytes = {t: self.bytes.Metric(labels={"tier": t}) for t in ("mem", "disk")}
         self._seen = {k: 0 for k in self._ev}
+        self.outcomes = pb_utils.MetricFamily(
+            name="maskedit_denoise_requests_total", description="denoise requests by how they ended",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._out = {}
+
+    def outcome(self, code: str) -> None:
+        if code not in self._out:
+            self._out[code] = self.outcomes.Metric(labels={"code": code})
+        self._out[code].increment(1)
 
     def observe(self, info: dict) -> None:
         outcome = info.get("cache", "off")

@@ -74,9 +74,11 @@ class TritonPythonModel:
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
             self.metrics.observe(info)
+            self.metrics.outcome("OK")
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
 
         def failed(job: DenoiseJob, e: BaseException):
+            self.metrics.outcome(getattr(e, "code", "INTERNAL"))
             sender.send(io.error_response(e), flags=FINAL)
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded

@@ -1,0 +1,100 @@
+"""Drive a target with a list of requests, open loop: each request is sent at its arrival time whatever
+the state of earlier ones. Targets a Triton endpoint or the router through the project's client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from maskedit import samples
+
+from .records import Record
+from .workload import Request
+
+
+class Assets:
+    """Encoded templates and masks, made before the run so the sender never lags its schedule."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._templates: dict[int, bytes] = {}
+
+    def template(self, i: int) -> bytes:
+        if i not in self._templates:
+            from maskedit.cache.harness import png
+
+            self._templates[i] = png(samples.template(self.size, self.size, seed=1000 + i))
+        return self._templates[i]
+
+    def mask(self, r: Request) -> bytes:
+        from pathlib import Path
+
+        from maskedit.cache.harness import png
+
+        if r.mask_file:
+            return Path(r.mask_file).read_bytes()
+        return png(samples.mask(self.size, self.size, r.mask_ratio, r.mask_shape, seed=r.seed))
+
+
+def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.0, progress: bool = True,
+        register_templates: bool = False) -> tuple[list[Record], float]:
+    """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time."""
+    if register_templates:
+        for tid in sorted({r.template for r in requests}):
+            steps = {r.steps for r in requests if r.template == tid}
+            for st in steps:
+                client.register_template(assets.template(tid), steps=st)
+    payloads = [(assets.template(r.template), assets.mask(r)) for r in requests]
+    records = [Record(index=i, template=r.template, mask_ratio=r.mask_ratio, arrival_s=r.t, submit_s=0.0,
+                      deadline_ms=r.deadline_ms) for i, r in enumerate(requests)]
+    done = threading.Semaphore(0)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    t0 = time.perf_counter()
+
+    def finish(rec: Record, fut) -> None:
+        rec.done_s = time.perf_counter() - t0
+        try:
+            res = fut.result()
+            info = res.info
+            rec.queue_s, rec.denoise_s, rec.cache_hit = info.get("queue_s"), info.get("denoise_s"), info.get("cache_hit")
+        except Exception as e:
+            rec.error, rec.error_code = str(e)[:300], getattr(e, "code", type(e).__name__)
+        bar.update(1)
+        done.release()
+
+    for rec, r, (tpl, mask) in zip(records, requests, payloads):
+        delay = r.t - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        rec.submit_s = time.perf_counter() - t0
+
+        def on_progress(step, steps, rec=rec):
+            if rec.first_progress_s is None:
+                rec.first_progress_s = time.perf_counter() - t0
+
+        try:
+            fut = client.submit(tpl, mask, r.prompt, seed=r.seed, steps=r.steps, deadline_ms=r.deadline_ms,
+                                on_progress=on_progress)
+        except Exception as e:
+            rec.error, rec.error_code, rec.done_s = str(e)[:300], getattr(e, "code", "SUBMIT"), rec.submit_s
+            bar.update(1)
+            done.release()
+            continue
+        fut.add_done_callback(lambda f, rec=rec: finish(rec, f))
+    deadline = time.perf_counter() + timeout_s
+    for _ in requests:
+        if not done.acquire(timeout=max(0.0, deadline - time.perf_counter())):
+            break
+    bar.close()
+    for rec in records:
+        if rec.done_s is None:
+            rec.error, rec.error_code = "no response before the load generator's timeout", "TIMEOUT"
+    return records, time.perf_counter() - t0
+
+
+def latency_percentiles(records: list[Record]) -> dict:
+    lat = [r.latency_s for r in records if r.latency_s is not None]
+    return {p: float(np.percentile(lat, p)) for p in (50, 95, 99)} if lat else {}

@@ -1,0 +1,111 @@
+"""What to send and when: arrival processes, mask-ratio distributions, template popularity, trace files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+# InstGenIE's three workloads: mean mask ratio and the mask shapes that dominate them.
+WORKLOADS = {
+    "production": {"mean": 0.11, "shapes": ("blob", "box")},
+    "public": {"mean": 0.19, "shapes": ("blob", "box")},
+    "tryon": {"mean": 0.35, "shapes": ("person",)},
+}
+CONCENTRATION = 8.0  # Beta(mean*k, (1-mean)*k): real masks spread widely around the mean
+PROMPTS = ["a red dress", "a yellow sun hat", "a mountain lake", "a green jacket", "white sneakers",
+           "a vase of flowers", "remove the object", "a leather bag", "a blue sky with clouds", "curly hair"]
+
+
+@dataclass
+class Request:
+    t: float  # arrival, seconds from the start
+    template: int
+    mask_ratio: float
+    mask_shape: str
+    prompt: str
+    steps: int | None = None
+    deadline_ms: int | None = None
+    seed: int = 0
+    mask_file: str | None = None
+
+
+def mask_ratios(workload: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    m = WORKLOADS[workload]["mean"]
+    return np.clip(rng.beta(m * CONCENTRATION, (1 - m) * CONCENTRATION, size=n), 0.01, 0.95)
+
+
+def zipf_templates(n: int, n_templates: int, s: float, rng: np.random.Generator) -> np.ndarray:
+    """Template ids 0..n_templates-1 with P(rank r) ∝ 1/r^s (0 is the most popular)."""
+    p = 1.0 / np.arange(1, n_templates + 1) ** s
+    return rng.choice(n_templates, size=n, p=p / p.sum())
+
+
+def poisson_arrivals(rate: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def synthesize(arrivals: np.ndarray, workload: str = "public", n_templates: int = 8, zipf_s: float = 1.1,
+               steps: int | None = None, deadline_ms: int | None = None, seed: int = 0,
+               fixed_ratio: float | None = None) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    n = len(arrivals)
+    ratios = np.full(n, fixed_ratio) if fixed_ratio is not None else mask_ratios(workload, n, rng)
+    templates = zipf_templates(n, n_templates, zipf_s, rng)
+    shapes = WORKLOADS[workload]["shapes"]
+    return [Request(t=float(arrivals[i]), template=int(templates[i]), mask_ratio=float(ratios[i]),
+                    mask_shape=shapes[int(rng.integers(len(shapes)))], prompt=PROMPTS[int(rng.integers(len(PROMPTS)))],
+                    steps=steps, deadline_ms=deadline_ms, seed=int(rng.integers(1 << 31))) for i in range(n)]
+
+
+def poisson(rate: float, n: int, **kw) -> list[Request]:
+    return synthesize(poisson_arrivals(rate, n, np.random.default_rng(kw.get("seed", 0) + 1)), **kw)
+
+
+def gentd26_arrivals(path: str | Path, time_scale: float = 1.0, types: tuple[str, ...] = ("INPAINTING", "IMG_2_IMG"),
+                     limit: int | None = None, start: int = 0, seed: int = 0) -> tuple[np.ndarray, list[int]]:
+    """Arrival offsets (s) and step counts from the GenTD26 request log, compressed by ``time_scale``
+    (10 = ten times faster). Timestamps have second resolution; arrivals are spread uniformly in their second."""
+    rng = np.random.default_rng(seed)
+    times, steps = [], []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if types and row["predict_type"] not in types:
+                continue
+            times.append(datetime.strptime(row["gmt_create"], "%Y-%m-%d %H:%M:%S").timestamp())
+            steps.append(int(float(row["num_inference_steps"] or 0)))
+    order = np.argsort(times, kind="stable")
+    t = np.asarray(times, float)[order] + rng.random(len(times))
+    steps = [steps[i] for i in order]
+    t, steps = t[start:], steps[start:]
+    if limit is not None:
+        t, steps = t[:limit], steps[:limit]
+    return (t - t[0]) / time_scale, steps
+
+
+def load_trace(path: str | Path) -> list[Request]:
+    """A trace file of our own: JSON lines or CSV with the ``Request`` fields (t, template, mask_ratio or
+    mask_file, prompt, steps, deadline_ms)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    out = []
+    for r in rows:
+        out.append(Request(
+            t=float(r["t"]), template=int(r.get("template", 0)), mask_ratio=float(r.get("mask_ratio") or 0.2),
+            mask_shape=r.get("mask_shape") or "blob", prompt=r.get("prompt") or PROMPTS[0],
+            steps=int(r["steps"]) if r.get("steps") else None,
+            deadline_ms=int(r["deadline_ms"]) if r.get("deadline_ms") else None,
+            seed=int(r.get("seed") or 0), mask_file=r.get("mask_file") or None))
+    return sorted(out, key=lambda q: q.t)
+
+
+def save_trace(requests: list[Request], path: str | Path) -> None:
+    Path(path).write_text("".join(json.dumps(asdict(r)) + "\n" for r in requests))

@@ -1,0 +1,47 @@
+import numpy as np
+import pytest
+
+from loadgen import records, workload
+from maskedit.settings import REPO_ROOT
+
+TRACE = REPO_ROOT.parent / "shared" / "traces" / "gentd26_requests.csv"
+
+
+def test_poisson_rate_and_reproducible():
+    a = workload.poisson(4.0, 4000, seed=1)
+    assert len(a) / a[-1].t == pytest.approx(4.0, rel=0.05)
+    assert [r.t for r in workload.poisson(4.0, 10, seed=1)] == [r.t for r in a[:10]]
+
+
+@pytest.mark.parametrize("name", sorted(workload.WORKLOADS))
+def test_mask_ratio_means_match_the_paper(name):
+    r = workload.mask_ratios(name, 20000, np.random.default_rng(0))
+    assert r.mean() == pytest.approx(workload.WORKLOADS[name]["mean"], abs=0.01)
+    assert r.std() > 0.05  # spread, not a constant
+
+
+def test_zipf_popularity():
+    t = workload.zipf_templates(20000, 8, 1.1, np.random.default_rng(0))
+    counts = np.bincount(t, minlength=8)
+    assert list(counts) == sorted(counts, reverse=True) and counts[0] > 3 * counts[7]
+
+
+def test_gentd26_arrivals_are_replayed_in_order():
+    assert TRACE.exists(), "shared/traces must sit beside the repository"
+    t, steps = workload.gentd26_arrivals(TRACE, time_scale=60, limit=500)
+    assert len(t) == 500 and t[0] == 0 and np.all(np.diff(t) >= -1 / 60) and all(s >= 0 for s in steps)
+    t_all, _ = workload.gentd26_arrivals(TRACE, time_scale=1, types=())
+    assert len(t_all) == 26823
+
+
+def test_trace_roundtrip(tmp_path):
+    reqs = workload.poisson(2.0, 5, deadline_ms=900)
+    workload.save_trace(reqs, tmp_path / "t.jsonl")
+    assert workload.load_trace(tmp_path / "t.jsonl") == reqs
+
+
+def test_summary_counts_goodput_and_errors():
+    recs = [records.Record(i, 0, 0.2, 0, 0.0, done_s=d, deadline_ms=1000) for i, d in enumerate([0.5, 2.0])]
+    recs.append(records.Record(2, 0, 0.2, 0, 0.0, done_s=0.1, error="x", error_code="DEADLINE_EXCEEDED"))
+    s = records.summarize(recs, wall_s=10.0)
+    assert s["completed"] == 2 and s["goodput"] == pytest.approx(0.1) and s["errors"] == {"DEADLINE_EXCEEDED": 1}
