@@ -26,12 +26,16 @@ class DenoiseEngine:
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
         self._waiting: list[DenoiseJob] = []
+        self._inline: list = []  # callables the loop runs between steps (the naive baseline's CPU work)
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
         self._stopping = False
         self.steps_run = 0
-        self.overhead_s = 0.0  # loop time outside the model's step: admission, retiring, callbacks
+        self.overhead_s = 0.0  # batching machinery per step: admission decisions, joining and leaving the batch
+        self.prepare_s = 0.0  # per-request set-up when a request joins (tensors to device, scheduler, cache plan)
+        self.callback_s = 0.0  # on_done/on_error/on_step callbacks (sending responses; inline work in naive mode)
         self.max_running = 0
+        self._admit_prepare_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
 
@@ -54,11 +58,18 @@ class DenoiseEngine:
             self._waiting.append(job)
             self._cv.notify()
 
+    def call_soon(self, fn) -> None:
+        """Run ``fn()`` on the loop thread before the next step (blocking the loop, as inline work would)."""
+        with self._cv:
+            self._inline.append(fn)
+            self._cv.notify()
+
     def stats(self) -> dict:
         with self._cv:
+            n = max(1, self.steps_run)
             return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run,
-                    "step_overhead_ms": 1000 * self.overhead_s / max(1, self.steps_run),
-                    "max_running": self.max_running}
+                    "step_overhead_ms": 1000 * self.overhead_s / n, "prepare_ms_per_step": 1000 * self.prepare_s / n,
+                    "callback_ms_per_step": 1000 * self.callback_s / n, "max_running": self.max_running}
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let the running batch finish within ``timeout``, fail whatever is left."""
@@ -83,10 +94,12 @@ class DenoiseEngine:
         for job, err in rejected:
             _fail(job, err)
         for job in chosen:
+            t = time.perf_counter()
             try:
                 if job.before_admit is not None:
                     job.before_admit(job)  # the naive baseline's inline pre-processing
                 self.runner.prepare(job)
+                self.prepare_s += time.perf_counter() - t
             except Exception as e:  # bad tensors fail this request only
                 log.warning("could not prepare request %s: %s", job.id, e)
                 self.runner.release(job, ok=False)
@@ -99,13 +112,23 @@ class DenoiseEngine:
         while True:
             t0 = time.perf_counter()
             with self._cv:
-                while not self._waiting and not self._running and not self._stopping:
+                while not self._waiting and not self._running and not self._inline and not self._stopping:
                     self._cv.wait()
                     t0 = time.perf_counter()
                 if self._stopping and not self._running:
                     return
+                inline, self._inline = self._inline, []
+            for fn in inline:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("inline work failed")
+            t0 = time.perf_counter() if inline else t0  # inline work is not batching overhead
+            with self._cv:
                 if not self._stopping:
+                    p = self.prepare_s
                     self._admit()
+                    self._admit_prepare_s = self.prepare_s - p  # counted in t1 - t0 but not machinery
                 batch = list(self._running)
             batch = self._drop_cancelled(batch)
             if not batch:
@@ -120,11 +143,16 @@ class DenoiseEngine:
                 continue
             t2 = time.perf_counter()
             self.scheduler.model.observe(sum(j.tokens or 0 for j in batch), t2 - t1)
+            p0, c0 = self.prepare_s, self.callback_s
+            tc = time.perf_counter()
             for job in batch:
                 if job.on_step is not None and not job.done:
                     job.on_step(job)
+            self.callback_s += time.perf_counter() - tc
             self._retire([j for j in batch if j.done])
-            self.overhead_s += (t1 - t0) + (time.perf_counter() - t2)
+            self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
+                (self.callback_s - c0) - self._admit_prepare_s
+            self._admit_prepare_s = 0.0
 
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         cancelled = [j for j in batch if j.is_cancelled()]
@@ -143,13 +171,15 @@ class DenoiseEngine:
                 self.runner.release(job, ok=error is None)
             except Exception:
                 log.exception("releasing request %s failed", job.id)
+            t = time.perf_counter()
             if error is not None:
                 _fail(job, error)
-                continue
-            try:
-                job.on_done(job)
-            except Exception:
-                log.exception("on_done failed for request %s", job.id)
+            else:
+                try:
+                    job.on_done(job)
+                except Exception:
+                    log.exception("on_done failed for request %s", job.id)
+            self.callback_s += time.perf_counter() - t
 
 
 def _fail(job: DenoiseJob, error: BaseException) -> None:

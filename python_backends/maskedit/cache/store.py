@@ -8,7 +8,7 @@ Crash safety: a writer fills a hidden temporary file and ``os.replace``-s it int
 visible only when complete; a writer killed mid-way leaves only a temporary file, swept later. Each entry
 carries the CRC32 of its tensor bytes in its metadata; a file whose size or checksum is wrong is a miss
 and is deleted, never served. Two processes recording the same key each write a complete file and the
-last rename wins. LRU order is the file's mtime (touched on every open); eviction moves the oldest memory
+last rename wins. LRU order is the file's access time (set on every open); eviction moves the oldest memory
 entries to disk under an inter-process lock; promotion copies a disk entry back (optionally in a thread
 while the request still queues).
 """
@@ -120,6 +120,7 @@ class ActivationStore:
             d.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
         self._verified: dict[tuple, bool] = {}  # (path, inode, mtime_ns) checked in this process
+        self._mapped: dict[tuple, Entry] = {}  # entries this process has mapped, by the same identity
         self._promoting: dict[str, threading.Thread] = {}
         self._mu = threading.Lock()
         self._sweep_tmp()
@@ -190,23 +191,35 @@ class ActivationStore:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        with contextlib.suppress(OSError):
-            os.utime(path)  # LRU: most recently used
+        self._touch(path)
         return entry
+
+    @staticmethod
+    def _touch(path: Path) -> None:
+        """LRU order is the access time, set explicitly (mtime stays the write time: it identifies content)."""
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
 
     def _open_path(self, path: Path, key: str, tier: str) -> Entry | None:
         try:
             st = path.stat()
         except FileNotFoundError:
             return None
-        ident = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        ident = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        if ident in self._mapped:  # the same bytes as last time (any rewrite changes inode or mtime): reuse
+            return self._mapped[ident]
         try:
             info, arrays, size = open_file(path, verify=ident not in self._verified)
         except (CorruptEntry, ValueError, OSError) as e:
             self._discard(path, f"{e}")
             return None
         self._verified[ident] = True
-        return Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size)
+        entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size)
+        if len(self._mapped) > 64:
+            self._mapped.pop(next(iter(self._mapped)))
+        self._mapped[ident] = entry
+        return entry
 
     def _discard(self, path: Path, why: str) -> None:
         log.warning("discarding corrupt activation entry %s: %s", path.name, why)
@@ -239,7 +252,7 @@ class ActivationStore:
     def evict(self) -> None:
         """Move least recently used memory entries to disk until the memory tier fits; trim the disk tier."""
         with self._lock():
-            mem = sorted(self.entries("mem"), key=lambda e: e[1].st_mtime_ns)
+            mem = sorted(self.entries("mem"), key=lambda e: e[1].st_atime_ns)
             total = sum(s.st_size for _, s in mem)
             for p, s in mem:
                 if total <= self.mem_bytes:
@@ -249,7 +262,7 @@ class ActivationStore:
                     p.unlink()
                 total -= s.st_size
                 self.stats.evictions += 1
-            disk = sorted(self.entries("disk"), key=lambda e: e[1].st_mtime_ns)
+            disk = sorted(self.entries("disk"), key=lambda e: e[1].st_atime_ns)
             total = sum(s.st_size for _, s in disk)
             for p, s in disk:
                 if total <= self.disk_bytes:
@@ -285,7 +298,7 @@ class ActivationStore:
                 self._discard(src, str(e))
                 return False
             self._copy_atomic(src, dst)
-            os.utime(dst)
+            self._touch(dst)
             with contextlib.suppress(FileNotFoundError):
                 src.unlink()
         self.stats.promotions += 1

@@ -1,0 +1,271 @@
+"""`maskedit-bench-batching`: static vs naive continuous vs disaggregated continuous batching, side by side.
+
+One process serves the same Poisson workload (InstGenIE's "public" mask ratios, Zipf-popular templates whose
+activations are registered first, the benchmark-size model) three ways at three offered rates:
+  static         batches form only when the running batch is empty and run to completion; pre/post-processing
+                 (image decode, text + VAE encode / VAE decode + PNG) in worker processes
+  naive          continuous batching, but pre/post-processing runs inline on the denoise loop's thread
+  disaggregated  continuous batching with pre/post-processing in worker processes (what the Triton ensemble does)
+It also measures closed-loop throughput at batch size 1 vs 4 at mask ratio 0.2. Writes JSON and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import multiprocessing as mp
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .cache.cost_model import CostModel
+from .cache.harness import Harness, png
+from .denoise import DenoiseJob
+from .engine import DenoiseEngine
+from .local import denoise_inputs
+from .params import parse_params
+from .scheduler import BatchScheduler
+from .settings import REPO_ROOT
+
+RESULTS = REPO_ROOT / "perf_profiles" / "results"
+_worker: dict = {}
+
+
+def _init_worker(model_dir: str, kind: str, mem: str, disk: str) -> None:
+    torch.set_num_threads(1)
+    from .cache.store import ActivationStore
+    from .decode import Decoder
+    from .preprocess import Preprocessor
+    from .settings import load_settings
+
+    s = load_settings({"MASKEDIT_MODEL_DIR": model_dir})
+    if kind == "pre":
+        _worker["pre"] = Preprocessor(s, store=ActivationStore(mem, disk, 64 << 30, 64 << 30))
+    else:
+        _worker["dec"] = Decoder(s)
+
+
+def _preprocess(template: bytes, mask: bytes, prompt: str, seed: int, steps: int):
+    pre = _worker["pre"]
+    p = pre(template, mask, parse_params(pre.settings, prompt, seed=seed, steps=steps))
+    return denoise_inputs(p), p.template_rgb, p.alpha
+
+
+def _decode(latents, w: int, h: int, template_rgb, alpha) -> int:
+    dec = _worker["dec"]
+    return len(dec.finish(dec.decode_latents(latents, w, h), template_rgb, alpha, False, False))
+
+
+class Server:
+    """The three stages in one process, wired as one of the three modes."""
+
+    def __init__(self, h: Harness, mode: str, max_batch: int = 4):
+        self.h, self.mode = h, mode
+        policy = "static" if mode == "static" else "continuous"
+        rt = h.engine("planner")[1]
+        from .denoise import ModelRunner
+
+        self.rt = rt
+        self.engine = DenoiseEngine(ModelRunner(h.settings, transformer=h.runner.transformer, cache=rt),
+                                    scheduler=BatchScheduler(policy, max_batch=max_batch))
+        self.inline = mode == "naive"
+        if not self.inline:
+            ctx = mp.get_context("spawn")
+            args = (str(h.settings.model_dir), None, str(h.store.mem_dir), str(h.store.disk_dir))
+            self.pre = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(args[0], "pre", *args[2:]))
+            self.dec = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(args[0], "dec", *args[2:]))
+            # Warm both workers (model load) before timing.
+            self.pre.submit(int).result()
+            self.dec.submit(int).result()
+        else:
+            from .decode import Decoder
+
+            self.decoder = Decoder(h.settings)
+
+    def submit(self, template: bytes, mask: bytes, prompt: str, seed: int, steps: int, on_done) -> None:
+        t_arrive = time.perf_counter()
+
+        def start(inputs, template_rgb, alpha):
+            def finished(job: DenoiseJob):
+                latents = job.result()
+                meta = {"queue_s": job.started_at - job.submitted_at, "denoise_s": job.finished_at - job.started_at}
+                if self.inline:  # on the loop thread: the batch waits for this decode
+                    self.decoder.finish(self.decoder.decode_latents(latents, inputs.model_w, inputs.model_h),
+                                        template_rgb, alpha, False, False)
+                    on_done(t_arrive, meta, None)
+                else:
+                    f = self.dec.submit(_decode, latents, inputs.model_w, inputs.model_h, template_rgb, alpha)
+                    f.add_done_callback(lambda f: on_done(t_arrive, meta, f.exception()))
+
+            self.engine.submit(DenoiseJob(inputs, on_done=finished, on_error=lambda j, e: on_done(t_arrive, {}, e)))
+
+        if self.inline:
+            def pre_inline():
+                p = self.h.pre(template, mask, parse_params(self.h.settings, prompt, seed=seed, steps=steps))
+                start(denoise_inputs(p), p.template_rgb, p.alpha)
+            self.engine.call_soon(pre_inline)
+        else:
+            f = self.pre.submit(_preprocess, template, mask, prompt, seed, steps)
+            f.add_done_callback(lambda f: start(*f.result()) if not f.exception() else on_done(t_arrive, {}, f.exception()))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.rt.close()
+        if not self.inline:
+            self.pre.shutdown()
+            self.dec.shutdown()
+
+
+def run_workload(server: Server, requests, assets) -> dict:
+    lat, queue, errors = [], [], 0
+    done = threading.Semaphore(0)
+    lock = threading.Lock()
+
+    def on_done(t_arrive, meta, err):
+        nonlocal errors
+        with lock:
+            if err is None:
+                lat.append(time.perf_counter() - t_arrive)
+                queue.append(meta.get("queue_s", 0.0))
+            else:
+                errors += 1
+        done.release()
+
+    steps0 = server.engine.steps_run
+    over0, cb0, pr0 = server.engine.overhead_s, server.engine.callback_s, server.engine.prepare_s
+    t0 = time.perf_counter()
+    for r, (tpl, mask) in zip(requests, assets):
+        delay = r.t - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        server.submit(tpl, mask, r.prompt, r.seed, r.steps, on_done)
+    for _ in requests:
+        done.acquire(timeout=600)
+    wall = time.perf_counter() - t0
+    steps = server.engine.steps_run - steps0
+    return {
+        "mean_s": statistics.mean(lat), "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
+        "queue_s": statistics.mean(queue), "throughput": len(lat) / wall, "errors": errors,
+        "step_overhead_ms": 1000 * (server.engine.overhead_s - over0) / max(1, steps),
+        "inline_ms_per_step": 1000 * (server.engine.callback_s - cb0) / max(1, steps),
+        "prepare_ms_per_step": 1000 * (server.engine.prepare_s - pr0) / max(1, steps),
+        "steps_run": steps, "max_running": server.engine.max_running,
+    }
+
+
+def closed_loop_throughput(h: Harness, base, batch: int, n: int = 16) -> float:
+    from .denoise import ModelRunner
+
+    rt = h.engine("planner")[1]
+    eng = DenoiseEngine(ModelRunner(h.settings, transformer=h.runner.transformer, cache=rt),
+                        scheduler=BatchScheduler("continuous", max_batch=batch), max_queue=n)
+    x = h.inputs(h.mask(0.2, seed=7))
+    left = threading.Semaphore(0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        eng.submit(DenoiseJob(x, on_done=lambda j: left.release(), on_error=lambda j, e: left.release()))
+    for _ in range(n):
+        left.acquire(timeout=600)
+    wall = time.perf_counter() - t0
+    eng.shutdown()
+    rt.close()
+    return n / wall
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--rates", type=float, nargs="*", help="req/s; default: 0.4x, 0.9x, 1.5x of measured capacity")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=RESULTS / "batching.json")
+    args = ap.parse_args(argv)
+    from loadgen import workload
+
+    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    h = Harness.create(steps=args.steps, cost=CostModel.load_file(profile) if profile.exists() else None)
+    size = h.settings.resolution
+    n_templates = 4
+    templates = []
+    for t in range(n_templates):  # register every template so requests hit the activation cache
+        h.template = __import__("maskedit.samples", fromlist=["x"]).template(size, size, seed=1000 + t)
+        h.register()
+        templates.append(png(h.template))
+    base = h.inputs(h.mask(0.2, seed=7))
+    rows = []
+    thr1 = closed_loop_throughput(h, base, 1)
+    thr4 = closed_loop_throughput(h, base, 4)
+    rows += [{"mode": "closed_loop", "rate": None, "batch": 1, "throughput": thr1},
+             {"mode": "closed_loop", "rate": None, "batch": 4, "throughput": thr4, "vs_batch1": thr4 / thr1}]
+    rates = args.rates or [round(f * thr1, 3) for f in (0.4, 0.9, 1.5)]
+    reqs_by_rate = {}
+    for rate in rates:
+        reqs = workload.poisson(rate, args.requests, workload="public", n_templates=n_templates, steps=args.steps,
+                                seed=int(rate * 1000))
+        from . import samples
+
+        assets = [(templates[r.template], png(samples.mask(size, size, r.mask_ratio, r.mask_shape, seed=r.seed)))
+                  for r in reqs]
+        reqs_by_rate[rate] = (reqs, assets)
+    for mode in tqdm(("static", "naive", "disaggregated"), desc="modes"):
+        server = Server(h, mode)
+        try:
+            for rate in rates:
+                reqs, assets = reqs_by_rate[rate]
+                res = run_workload(server, reqs, assets)
+                rows.append({"mode": mode, "rate": rate, **{k: (round(v, 4) if isinstance(v, float) else v)
+                                                            for k, v in res.items()}})
+                print(rows[-1], flush=True)
+        finally:
+            server.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": {"requests_per_run": args.requests, "steps": args.steps,
+                                             "workload": "public", "templates": n_templates}, "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(markdown(rows))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def markdown(rows) -> str:
+    out = ["| mode | rate req/s | mean s | P95 s | queue s | throughput req/s | batching overhead ms/step | "
+           "callbacks + inline work ms/step |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["mode"] == "closed_loop":
+            continue
+        out.append(f"| {r['mode']} | {r['rate']:.2f} | {r['mean_s']:.2f} | {r['p95_s']:.2f} | {r['queue_s']:.2f} | "
+                   f"{r['throughput']:.2f} | {r['step_overhead_ms']:.2f} | {r['inline_ms_per_step']:.1f} |")
+    cl = {r["batch"]: r["throughput"] for r in rows if r["mode"] == "closed_loop"}
+    out.append(f"\nclosed loop at mask ratio 0.2: batch 1 {cl[1]:.2f} req/s, batch 4 {cl[4]:.2f} req/s "
+               f"({cl[4] / cl[1]:.2f}x)")
+    return "\n".join(out)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    for mode in ("static", "naive", "disaggregated"):
+        rs = sorted([r for r in rows if r["mode"] == mode], key=lambda r: r["rate"])
+        x = [r["rate"] for r in rs]
+        axes[0].plot(x, [r["p95_s"] for r in rs], marker="o", label=mode)
+        axes[1].plot(x, [r["mean_s"] for r in rs], marker="o", label=mode)
+        axes[2].plot(x, [r["throughput"] for r in rs], marker="o", label=mode)
+    for ax, t in zip(axes, ("P95 latency (s)", "mean latency (s)", "throughput (req/s)")):
+        ax.set(xlabel="offered rate (req/s)", title=t)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
