@@ -11,6 +11,7 @@ import itertools
 import json
 import re
 import threading
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ class EditClient:
         self._pending: dict[str, tuple[Future, dict]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
 
     def _ensure_stream(self) -> None:
@@ -192,8 +194,9 @@ class EditClient:
     def submit_inputs(self, inputs: list, on_progress=None) -> Future:
         """Send prepared ``InferInput``s (lets tests send malformed requests through the same path)."""
         self._ensure_stream()
-        rid = f"r{next(self._ids)}"
+        rid = f"{self._prefix}-{next(self._ids)}"
         fut: Future = Future()
+        fut.request_id = rid
         with self._lock:
             self._pending[rid] = (fut, {"on_progress": on_progress})
         self._client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
@@ -223,7 +226,33 @@ class EditClient:
                           register=True)
         return fut.result(timeout=timeout_s or self.timeout_s)
 
+    def cancel(self, *futures: Future) -> int:
+        """Cancel submitted requests: the server drops them from its running batch at the next step.
+
+        Triton 2.51 does not pass a client's cancel into a step of an ensemble, so this also calls the
+        service's ``cancel`` model with the request ids. Returns how many the server marked."""
+        ids = [getattr(f, "request_id", None) for f in futures]
+        ids = [i for i in ids if i]
+        if not ids:
+            return 0
+        try:
+            t = grpcclient.InferInput("REQUEST_IDS", [len(ids)], "BYTES")
+            t.set_data_from_numpy(np.array([i.encode() for i in ids], dtype=np.object_))
+            n = int(self._client.infer("cancel", [t], client_timeout=10).as_numpy("CANCELLED")[0])
+        except Exception:  # an endpoint without the cancel model: the stream cancel is all we have
+            n = 0
+        with self._lock:
+            entries = [self._pending.pop(i, None) for i in ids]
+        for entry in entries:
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(EditError("cancelled by the client", "CANCELLED"))
+        return n
+
     def close(self) -> None:
+        with self._lock:
+            futs = [f for f, _ in self._pending.values()]
+        if futs:
+            self.cancel(*futs)
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for fut, _ in pending:

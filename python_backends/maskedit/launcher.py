@@ -30,7 +30,7 @@ from .repository import REPOSITORY
 from .settings import REPO_ROOT
 
 log = logging.getLogger(__name__)
-MODELS = ("preprocess", "masked_denoise", "vae_decode", "edit")
+MODELS = ("preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
 
 
 def pytriton_root() -> Path:

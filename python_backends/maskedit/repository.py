@@ -77,6 +77,7 @@ def models() -> list[Model]:
         Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1),
         Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
         Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
+        Model("cancel", [T("REQUEST_IDS", "STRING", (-1,))], [T("CANCELLED", "INT32", (1,))]),
     ]
 
 

@@ -101,3 +101,21 @@ def test_cancelled_request_leaves_the_batch_at_the_next_step(server, template_im
     assert len(got) < 100  # it did not run its 100 steps
     with EditClient(server.grpc_url) as c2:
         assert c2.edit(template_img, box_mask, "a hat", steps=2).image
+
+
+def test_closing_the_client_cancels_through_the_ensemble(server, template_img, box_mask):
+    before = _cancelled(server)
+    c = EditClient(server.grpc_url)
+    started = [threading.Event() for _ in range(2)]
+    futs = [c.submit(template_img, box_mask, "a hat", steps=100, use_cache=False,
+                     on_progress=lambda i, n, e=e: e.set()) for e in started]
+    assert all(e.wait(30) for e in started)  # both are in the running batch
+    c.close()  # cancels them with the cancel model, then closes the stream
+    for f in futs:
+        with pytest.raises(EditError) as e:
+            f.result(10)
+        assert e.value.code == "CANCELLED"
+    deadline = time.time() + 10
+    while _cancelled(server) < before + 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(server) == before + 2

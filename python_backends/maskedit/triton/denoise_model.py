@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..cancel import CancelBoard
 from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
 from ..settings import load_settings
@@ -36,6 +37,7 @@ class TritonPythonModel:
             env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
             reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
+        self.cancels = CancelBoard()
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
@@ -86,7 +88,12 @@ class TritonPythonModel:
                                      {"progress": [job.step_index, job.steps], "skip_model": True}))
 
         empty_relay = {"TEMPLATE_RGB_OUT": np.zeros((0, 0, 3), np.uint8), "ALPHA_OUT": np.zeros((0, 0), np.uint8)}
-        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=sender.is_cancelled,
+        rid = request.request_id()
+
+        def cancelled() -> bool:  # the stream's own cancel, or a cancel sent through the `cancel` model
+            return sender.is_cancelled() or self.cancels.is_cancelled(rid)
+
+        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
                                       on_step=progress if info.get("progress_requested") else None))
 
     @staticmethod

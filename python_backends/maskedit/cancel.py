@@ -1,0 +1,51 @@
+"""Cancelling requests that run inside the ``edit`` ensemble.
+
+Triton 2.51 does not forward a client's cancel (or a closed stream) to a step of an ensemble, so the
+denoise loop would finish work nobody waits for. Clients therefore also call the small ``cancel`` model
+with the ids of the requests they abandon (the ensemble passes the client's request id to its steps);
+it drops a marker file per id in a shared-memory directory, and the denoise loop checks the marker of
+each running request at every step (a ``stat``, microseconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_AGE_S = 600.0
+
+
+def cancel_dir(env: dict | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("MASKEDIT_CANCEL_DIR", f"/dev/shm/maskedit-{os.getuid()}/cancel"))
+
+
+class CancelBoard:
+    def __init__(self, directory: Path | None = None):
+        self.dir = Path(directory or cancel_dir())
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def cancel(self, request_id: str) -> bool:
+        if not _SAFE.match(request_id or ""):
+            return False
+        (self.dir / request_id).touch()
+        return True
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return bool(request_id) and _SAFE.match(request_id) is not None and (self.dir / request_id).exists()
+
+    def clear(self, request_id: str) -> None:
+        if request_id and _SAFE.match(request_id):
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / request_id).unlink()
+
+    def sweep(self, max_age_s: float = MAX_AGE_S) -> None:
+        now = time.time()
+        for p in self.dir.iterdir():
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > max_age_s:
+                    p.unlink()
