@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching clean
 
 setup: $(STAMP)
 
@@ -51,3 +51,6 @@ calibrate: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(VENV)/bin/maskedit-bench-engine
+
+bench-batching: $(STAMP)
+	$(VENV)/bin/maskedit-bench-batching
