@@ -1,0 +1,93 @@
+"""`python -m maskedit_router`: the mask-aware router in front of Triton instances.
+
+    python -m maskedit_router --backends 127.0.0.1:8001,127.0.0.1:9001 --port 7001 --http-port 7002
+    python -m maskedit_router --backends-file backends.txt   # one host:port a line, re-read every 5 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from maskedit.cache.cost_model import CostModel
+from maskedit.logs import JsonFormatter
+from maskedit.settings import REPO_ROOT
+
+from . import policies
+from .health import HealthChecker
+from .metrics import RouterMetrics, serve_http
+from .server import CHANNEL_OPTIONS, Router
+
+
+def build(addrs, policy="predicted", profile: Path | None = None):
+    path = profile or REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
+    est = policies.Estimator(cost)
+    return Router(addrs, policies.make(policy, est), est)
+
+
+def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1", workers: int = 64):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(router, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+
+    def health():
+        bs = [{"addr": b.addr, "healthy": b.load.healthy, "inflight": b.load.inflight,
+               "backlog_ms": round(b.load.backlog_ms, 1), "circuit_open": b.open_until > time.monotonic()}
+              for b in router.backends.values()]
+        return {"ready": any(b["healthy"] and not b["circuit_open"] for b in bs), "policy": router.policy.name,
+                "backends": bs}
+
+    httpd = serve_http(http_port, router.metrics, health, host) if http_port is not None else None
+    return server, bound, httpd
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--backends", help="comma-separated host:port of Triton gRPC endpoints")
+    src.add_argument("--backends-file", type=Path)
+    ap.add_argument("--port", type=int, default=7001)
+    ap.add_argument("--http-port", type=int, default=7002)
+    ap.add_argument("--policy", default="predicted",
+                    choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
+    ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
+    args = ap.parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter("router"))
+    logging.getLogger("maskedit").addHandler(handler)
+    logging.getLogger("maskedit").setLevel(logging.INFO)
+
+    def read_backends():
+        if args.backends:
+            return [a.strip() for a in args.backends.split(",") if a.strip()]
+        return [line.strip() for line in args.backends_file.read_text().splitlines() if line.strip()]
+
+    router = build(read_backends(), args.policy, args.profile)
+    server, port, httpd = serve(router, args.port, args.http_port)
+    HealthChecker(router).start()
+    print(json.dumps({"router": f"127.0.0.1:{port}", "http": args.http_port, "policy": args.policy,
+                      "backends": list(router.backends)}), flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(5.0):
+        if args.backends_file:
+            router.set_backends(read_backends())
+    server.stop(grace=5).wait(10)
+    if httpd:
+        httpd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

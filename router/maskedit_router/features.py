@@ -1,0 +1,80 @@
+"""What the router reads from an edit request without running the model: template identity, mask ratio, steps."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+TOKEN_PX = 16  # Flux: one image token per 16x16 pixels
+
+
+@dataclass(frozen=True)
+class EditFeatures:
+    template_key: str | None  # hash of the template bytes and the settings that key the activation cache
+    mask_ratio: float  # fraction of image tokens the mask touches
+    tokens: int
+    steps: int | None
+
+
+def _tensor_bytes(request, index: int, raw: bool) -> bytes | None:
+    if raw:
+        blob = request.raw_input_contents[index]
+        if len(blob) < 4:
+            return None
+        (n,) = struct.unpack("<I", blob[:4])  # BYTES tensors: 4-byte length, then the bytes
+        return blob[4:4 + n]
+    contents = request.inputs[index].contents.bytes_contents
+    return contents[0] if contents else None
+
+
+def _scalar(request, index: int, raw: bool, dtype) -> float | None:
+    if raw:
+        a = np.frombuffer(request.raw_input_contents[index], dtype=dtype)
+        return a[0].item() if a.size else None
+    c = request.inputs[index].contents
+    for field in ("int_contents", "int64_contents", "fp32_contents", "bool_contents"):
+        vals = getattr(c, field)
+        if len(vals):
+            return vals[0]
+    return None
+
+
+def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
+    """Token-level ratio of an encoded mask (white = edit, thresholded at 128) on a grid like the model's:
+    a token counts if any pixel of its cell is edited."""
+    from PIL import Image
+
+    from maskedit.imaging import maybe_base64
+
+    raw, _ = maybe_base64(mask)
+    img = Image.open(io.BytesIO(raw)).convert("L")
+    w, h = img.size
+    scale = (resolution * resolution / (w * h)) ** 0.5
+    gw, gh = max(1, round(w * scale / TOKEN_PX)), max(1, round(h * scale / TOKEN_PX))
+    binary = Image.fromarray(((np.asarray(img) >= 128) * 255).astype(np.uint8))
+    cells = np.asarray(binary.resize((gw, gh), Image.BOX))
+    return float((cells > 0).mean()), gw * gh
+
+
+def extract(request) -> EditFeatures:
+    """Features of a ``ModelInferRequest`` for the ``edit`` ensemble (None/defaults where absent)."""
+    raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
+    names = {t.name: i for i, t in enumerate(request.inputs)}
+    template = _tensor_bytes(request, names["TEMPLATE"], raw) if "TEMPLATE" in names else None
+    steps = _scalar(request, names["STEPS"], raw, np.int32) if "STEPS" in names else None
+    extra = b""
+    for name, dt in (("STEPS", np.int32), ("GUIDANCE", np.float32), ("TEMPLATE_SEED", np.int64)):
+        if name in names:
+            extra += f"{name}={_scalar(request, names[name], raw, dt)};".encode()
+    key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
+    ratio, tokens = 1.0, 4096
+    if "MASK" in names:
+        try:
+            ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"")
+        except Exception:
+            ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
+    return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None)

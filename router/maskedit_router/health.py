@@ -1,0 +1,78 @@
+"""Backend health: cheap readiness checks often, and a real request through every stage now and then.
+
+Triton 2.51 does not restart a crashed decoupled Python stub and its health endpoints keep saying ready, so
+readiness alone cannot see a backend that accepts requests but never answers; the probe is a real ``edit``
+request (an empty mask: every stage runs, the model does not) that must answer within a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from .server import Router, probe_edit_request
+
+log = logging.getLogger("maskedit.router")
+
+
+def probe(backend, timeout_s: float) -> bool:
+    answers: queue.Queue = queue.Queue()
+
+    def requests():
+        yield probe_edit_request()
+        answers.get(timeout=timeout_s + 1)  # keep the stream open until the answer (or give up)
+
+    try:
+        call = backend.stub.ModelStreamInfer(requests(), timeout=timeout_s)
+        for resp in call:
+            ok = not resp.error_message
+            answers.put(True)
+            call.cancel()
+            return ok
+    except grpc.RpcError:
+        return False
+    return False
+
+
+class HealthChecker:
+    def __init__(self, router: Router, interval_s: float = 1.0, probe_every_s: float = 5.0, probe_timeout_s: float = 5.0):
+        self.r, self.interval, self.probe_every, self.probe_timeout = router, interval_s, probe_every_s, probe_timeout_s
+        self._stop = threading.Event()
+        self._last_probe: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True, name="router-health")
+
+    def start(self) -> "HealthChecker":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self, backend) -> bool:
+        try:
+            ready = backend.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=2).ready
+        except grpc.RpcError:
+            ready = False
+        now = time.monotonic()
+        if ready and now - self._last_probe.get(backend.addr, 0) >= self.probe_every:
+            self._last_probe[backend.addr] = now
+            ready = probe(backend, self.probe_timeout)
+        return ready
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for backend in list(self.r.backends.values()):
+                ok = self.check(backend)
+                if ok != backend.load.healthy:
+                    log.warning("backend %s is now %s", backend.addr, "healthy" if ok else "UNHEALTHY")
+                backend.load.healthy = ok
+                if not ok:
+                    backend.load.templates.clear()  # a dead backend's cache entries are purged at once
+                else:
+                    backend.succeeded()
+                self.r.metrics.healthy.labels(backend.addr).set(1 if ok else 0)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of the router (prometheus-client), served with a JSON health view on one HTTP port."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("maskedit_router_requests_total", "requests routed", ["backend", "policy"], registry=r)
+        self.latency = Histogram("maskedit_router_latency_seconds", "end-to-end latency through the router",
+                                 ["backend", "policy"], registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+        self.decision_s = Histogram("maskedit_router_decision_seconds", "time to choose a backend", ["policy"],
+                                    registry=r, buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))
+        self.error = Histogram("maskedit_router_prediction_error_ratio", "|observed - predicted| / observed",
+                               registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
+        self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend", ["backend"],
+                               registry=r)
+        self.healthy = Gauge("maskedit_router_backend_healthy", "1 if the backend is in rotation", ["backend"],
+                             registry=r)
+
+    def decision(self, policy: str, backend: str, seconds: float) -> None:
+        self.decision_s.labels(policy).observe(seconds)
+        self.requests.labels(backend, policy).inc()
+
+    def completed(self, backend: str, policy: str, observed_s: float, predicted_s: float) -> None:
+        self.latency.labels(backend, policy).observe(observed_s)
+        if observed_s > 0:
+            self.error.observe(abs(observed_s - predicted_s) / observed_s)
+
+    def retried(self, backend: str) -> None:
+        self.retries.labels(backend).inc()
+
+
+def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path.startswith("/metrics"):
+                body, ctype, code = generate_latest(metrics.registry), CONTENT_TYPE_LATEST, 200
+            elif self.path.startswith("/health"):
+                h = health_fn()
+                body, ctype = json.dumps(h).encode(), "application/json"
+                code = 200 if h.get("ready") else 503
+            else:
+                body, ctype, code = b"not found", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="router-http").start()
+    return httpd

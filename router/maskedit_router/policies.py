@@ -1,0 +1,122 @@
+"""Routing policies. The default predicts each backend's completion latency for the new request.
+
+Cost of sending request r to backend b, in milliseconds (InstGenIE Algorithm 2, made explicit):
+    backlog(b)                         predicted remaining work of b's in-flight requests
+  + compute(r)                         r's denoising at its mask ratio: cached blocks (kv) when b is likely to
+                                       hold the template's activations, full blocks otherwise (a template run)
+  + load(r, b)                         bringing the activations in: ~0 in host memory, disk copy otherwise
+The router keeps its own account (adds predicted work when it routes, removes it on completion) and an index of
+templates it routed recently per backend, so bursts of one template stay together before any report arrives.
+A hot-spot guard lets load win over affinity when the preferred backend is far busier than the least loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from maskedit.cache.cost_model import CostModel
+
+from .features import EditFeatures
+
+
+@dataclass
+class BackendLoad:
+    """What the router knows about one backend."""
+
+    name: str
+    inflight: int = 0
+    masked_tokens: int = 0  # sum over in-flight requests
+    backlog_ms: float = 0.0  # predicted remaining work of in-flight requests
+    templates: dict = field(default_factory=dict)  # template key -> expiry (monotonic seconds)
+    healthy: bool = True
+
+    def holds(self, key: str | None, now: float) -> bool:
+        exp = self.templates.get(key) if key else None
+        return exp is not None and exp > now
+
+
+@dataclass
+class Estimator:
+    """Predicted denoise milliseconds of one request from the cost model (the engine's profile)."""
+
+    cost: CostModel
+    dual: int = 4
+    single: int = 8
+    dim: int = 256
+    text: int = 64
+    default_steps: int = 8
+    scale: float = 1.0  # refitted online: observed / predicted
+
+    def request_ms(self, f: EditFeatures, cached: bool) -> float:
+        steps = f.steps or self.default_steps
+        n = f.tokens
+        c = max(1, int(round(f.mask_ratio * n))) if cached else n
+        mode = "kv" if cached else "full"
+        per_step = sum(self.cost.block_ms(k, mode, n, c, self.text, self.dim)
+                       for k in ["dual"] * self.dual + ["single"] * self.single)
+        return self.scale * steps * per_step
+
+    def observe(self, predicted_ms: float, observed_ms: float, alpha: float = 0.1) -> None:
+        if predicted_ms > 0 and observed_ms > 0:
+            self.scale += alpha * (observed_ms / predicted_ms * self.scale - self.scale)
+
+
+class Policy:
+    name = "base"
+
+    def choose(self, backends: list[BackendLoad], f: EditFeatures) -> BackendLoad:
+        raise NotImplementedError
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._n = itertools.count()
+
+    def choose(self, backends, f):
+        return backends[next(self._n) % len(backends)]
+
+
+class LeastRequests(Policy):
+    name = "least_requests"
+
+    def choose(self, backends, f):
+        return min(backends, key=lambda b: (b.inflight, b.name))
+
+
+class LeastMaskedTokens(Policy):
+    name = "least_masked_tokens"
+
+    def choose(self, backends, f):
+        return min(backends, key=lambda b: (b.masked_tokens, b.inflight, b.name))
+
+
+class PredictedLatency(Policy):
+    """Lowest predicted completion latency, with cache affinity and a hot-spot guard."""
+
+    name = "predicted"
+
+    def __init__(self, estimator: Estimator, abs_gate_ms: float = 2000.0, rel_gate: float = 2.0,
+                 disk_load_ms: float = 50.0):
+        self.est, self.abs_gate_ms, self.rel_gate, self.disk_load_ms = estimator, abs_gate_ms, rel_gate, disk_load_ms
+
+    def score(self, b: BackendLoad, f: EditFeatures, now: float) -> float:
+        cached = b.holds(f.template_key, now)
+        return b.backlog_ms + self.est.request_ms(f, cached)
+
+    def choose(self, backends, f):
+        now = time.monotonic()
+        best = min(backends, key=lambda b: (self.score(b, f, now), b.inflight, b.name))
+        least = min(backends, key=lambda b: (b.backlog_ms, b.inflight, b.name))
+        if best is not least and best.backlog_ms - least.backlog_ms > self.abs_gate_ms and \
+                best.backlog_ms > self.rel_gate * max(least.backlog_ms, 1.0):
+            return least  # affinity gives way to load on a hot spot
+        return best
+
+
+def make(name: str, estimator: Estimator) -> Policy:
+    return {"round_robin": RoundRobin, "least_requests": LeastRequests,
+            "least_masked_tokens": LeastMaskedTokens}.get(name, lambda: PredictedLatency(estimator))()

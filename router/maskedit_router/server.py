@@ -1,0 +1,462 @@
+"""The router: a ``GRPCInferenceService`` server that forwards every call to one backend Triton and relays
+every response back, so tritonclient and perf_analyzer work against it unchanged.
+
+Streams: each client stream gets one stream per backend it uses; request ids are remapped to ids unique across
+the router and mapped back on the way out (error texts included). The router asks backends for the empty final
+response so it always knows when a request ended, and drops it again if the client did not ask for it.
+Reliability: a request that has had no response yet is retried on another backend when its backend's stream
+breaks; one that has streamed responses is never replayed and ends with a clear error. Cancelling the client
+stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
+does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from .features import EditFeatures, extract
+from .metrics import RouterMetrics
+from .policies import BackendLoad, Estimator, Policy
+
+log = logging.getLogger("maskedit.router")
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+FINAL = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+class Backend:
+    def __init__(self, addr: str, failure_threshold: int = 3, cooldown_s: float = 5.0):
+        self.addr = addr
+        self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.load = BackendLoad(addr)
+        self.failures, self.threshold, self.cooldown_s = 0, failure_threshold, cooldown_s
+        self.open_until = 0.0  # circuit breaker: no traffic before this time
+
+    def available(self, now: float) -> bool:
+        return self.load.healthy and now >= self.open_until
+
+    def failed(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.open_until = time.monotonic() + self.cooldown_s
+            self.load.templates.clear()  # its caches are no longer trusted
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass
+class Ticket:
+    backend: Backend
+    features: EditFeatures
+    predicted_ms: float
+    masked: int
+    t0: float = field(default_factory=time.monotonic)
+
+
+class NoBackend(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
+                 max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0):
+        self.backends = {a: Backend(a) for a in addrs}
+        self.policy, self.est = policy, estimator
+        self.metrics = metrics or RouterMetrics()
+        self.max_per_backend, self.max_inflight, self.ttl = max_inflight_per_backend, max_inflight, template_ttl_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # -- backend set --------------------------------------------------------------------------------
+    def set_backends(self, addrs: list[str]) -> None:
+        with self._lock:
+            for a in addrs:
+                self.backends.setdefault(a, Backend(a))
+            for a in [a for a in self.backends if a not in addrs]:
+                self.backends.pop(a).close()
+
+    def available(self, exclude=()) -> list[Backend]:
+        now = time.monotonic()
+        with self._lock:
+            return [b for b in self.backends.values() if b.available(now) and b.addr not in exclude]
+
+    # -- routing and accounting ---------------------------------------------------------------------
+    def route(self, f: EditFeatures, exclude=()) -> Ticket:
+        t0 = time.perf_counter()
+        cands = self.available(exclude)
+        if not cands:
+            raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+        with self._lock:
+            total = sum(b.load.inflight for b in self.backends.values())
+            if total >= self.max_inflight:
+                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router has {total} requests in flight")
+            open_ = [b for b in cands if b.load.inflight < self.max_per_backend]
+            if not open_:
+                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "every backend is at its in-flight limit")
+            by_load = {b.load.name: b for b in open_}
+            choice = by_load[self.policy.choose([b.load for b in open_], f).name]
+            now = time.monotonic()
+            cached = choice.load.holds(f.template_key, now)
+            predicted = self.est.request_ms(f, cached)
+            masked = int(round(f.mask_ratio * f.tokens))
+            choice.load.inflight += 1
+            choice.load.masked_tokens += masked
+            choice.load.backlog_ms += predicted
+            if f.template_key:  # "just routed this template here": its activations will be there
+                choice.load.templates[f.template_key] = now + self.ttl
+        self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
+        return Ticket(choice, f, predicted, masked)
+
+    def release(self, t: Ticket, ok: bool) -> None:
+        with self._lock:
+            ld = t.backend.load
+            ld.inflight = max(0, ld.inflight - 1)
+            ld.masked_tokens = max(0, ld.masked_tokens - t.masked)
+            ld.backlog_ms = max(0.0, ld.backlog_ms - t.predicted_ms)
+        observed = (time.monotonic() - t.t0) * 1000
+        if ok:
+            t.backend.succeeded()
+            self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.predicted_ms / 1000)
+            self.est.observe(t.predicted_ms, observed)
+
+    # -- plain calls: forwarded to a healthy backend ------------------------------------------------
+    def _forward(self, method: str, request, context):
+        last = None
+        for b in self.available() or list(self.backends.values()):
+            try:
+                return getattr(b.stub, method)(request, timeout=_timeout(context, 30.0))
+            except grpc.RpcError as e:
+                last = e
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    context.abort(e.code(), e.details())
+                b.failed()
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"no backend answered {method}: {last}")
+
+    def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=bool(self.available()))
+
+    def ModelReady(self, request, context):
+        return self._forward("ModelReady", request, context)
+
+    def ServerMetadata(self, request, context):
+        return self._forward("ServerMetadata", request, context)
+
+    def ModelMetadata(self, request, context):
+        return self._forward("ModelMetadata", request, context)
+
+    def ModelConfig(self, request, context):
+        return self._forward("ModelConfig", request, context)
+
+    def ModelStatistics(self, request, context):
+        """Summed over every backend, so perf_analyzer's server-side view matches the traffic it sent."""
+        merged, by_key = None, {}
+        for b in self.available():
+            try:
+                resp = b.stub.ModelStatistics(request, timeout=_timeout(context, 10.0))
+            except grpc.RpcError:
+                continue
+            if merged is None:
+                merged = resp
+                by_key = {(m.name, m.version): m for m in merged.model_stats}
+                continue
+            for m in resp.model_stats:
+                if (m.name, m.version) in by_key:
+                    _add_stats(by_key[(m.name, m.version)], m)
+                else:
+                    merged.model_stats.add().CopyFrom(m)
+        if merged is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no backend answered ModelStatistics")
+        return merged
+
+    def RepositoryIndex(self, request, context):
+        return self._forward("RepositoryIndex", request, context)
+
+    def ModelInfer(self, request, context):
+        f = _features(request)
+        tried = set()
+        while True:
+            try:
+                t = self.route(f, exclude=tried)
+            except NoBackend as e:
+                context.abort(e.code, str(e))
+            try:
+                resp = t.backend.stub.ModelInfer(request, timeout=_timeout(context, 600.0))
+                self.release(t, ok=True)
+                return resp
+            except grpc.RpcError as e:
+                self.release(t, ok=False)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # never reached the model: try another backend
+                    t.backend.failed()
+                    tried.add(t.backend.addr)
+                    continue
+                context.abort(e.code(), e.details())
+
+    # -- streams ------------------------------------------------------------------------------------
+    def ModelStreamInfer(self, request_iterator, context):
+        session = _StreamSession(self, context)
+        reader = threading.Thread(target=session.read, args=(request_iterator,), daemon=True, name="router-read")
+        reader.start()
+        while True:
+            item = session.out.get()
+            if item is None:
+                break
+            yield item
+        session.close()
+
+
+@dataclass
+class _Pending:
+    client_id: str
+    request: object  # the forwarded ModelInferRequest (kept for a retry)
+    ticket: Ticket
+    want_final: bool
+    responded: bool = False
+
+
+class _StreamSession:
+    """One client stream: its backend streams, its in-flight requests, its output queue."""
+
+    def __init__(self, router: Router, context):
+        self.r, self.context = router, context
+        self.out: queue.Queue = queue.Queue()
+        self.pending: dict[str, _Pending] = {}
+        self.streams: dict[str, _BackendStream] = {}
+        self.lock = threading.Lock()
+        self.reading = True
+        context.add_callback(self.on_client_gone)
+
+    def read(self, request_iterator) -> None:
+        try:
+            for req in request_iterator:
+                self.submit(req)
+        except Exception as e:  # the client went away mid-read
+            log.info("client stream ended: %s", e)
+        finally:
+            self.reading = False
+            self._maybe_finish()
+
+    def submit(self, req, exclude=()) -> None:
+        client_id = req.id
+        rid = f"{self.r._prefix}-{next(self.r._ids)}"
+        fwd = service_pb2.ModelInferRequest()
+        fwd.CopyFrom(req)
+        fwd.id = rid
+        want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
+        fwd.parameters[EMPTY_FINAL].bool_param = True
+        self._send(_Pending(client_id, fwd, None, want_final), rid, _features(req), exclude)
+
+    def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
+        try:
+            p.ticket = self.r.route(f, exclude=exclude)
+        except NoBackend as e:
+            self.out.put(_error(p.client_id, f"{e.code.name}: {e}"))
+            self._maybe_finish()
+            return
+        with self.lock:
+            self.pending[rid] = p
+            bs = self.streams.get(p.ticket.backend.addr)
+            if bs is None or bs.broken:
+                bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
+        bs.send(p.request)
+
+    def on_response(self, backend: Backend, resp) -> None:
+        rid = resp.infer_response.id
+        if not rid and resp.error_message:
+            m = re.search(r"request id: ([\w-]+)", resp.error_message)
+            rid = m.group(1) if m else ""
+        with self.lock:
+            p = self.pending.get(rid)
+        if p is None:
+            return
+        final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
+        error = bool(resp.error_message)
+        resp.infer_response.id = p.client_id
+        if error:
+            resp.error_message = resp.error_message.replace(rid, p.client_id)
+        empty_final = final and not resp.infer_response.outputs and not error
+        if not empty_final or p.want_final:
+            self.out.put(resp)
+            p.responded = True
+        if final or error:
+            with self.lock:
+                self.pending.pop(rid, None)
+            self.r.release(p.ticket, ok=not error)
+            self._maybe_finish()
+
+    def on_broken(self, backend: Backend, exc) -> None:
+        """The backend's stream failed: retry what never answered, fail what did (never replayed)."""
+        backend.failed()
+        with self.lock:
+            lost = [(rid, p) for rid, p in self.pending.items() if p.ticket.backend is backend]
+            for rid, _ in lost:
+                self.pending.pop(rid)
+        for rid, p in lost:
+            self.r.release(p.ticket, ok=False)
+            if p.responded or not self.context.is_active():
+                self.out.put(_error(p.client_id, f"UNAVAILABLE: backend {backend.addr} failed after this request "
+                                                 f"had streamed responses; it is not replayed ({exc})"))
+            else:
+                self.r.metrics.retried(backend.addr)
+                self._send(p, rid, p.ticket.features, exclude={backend.addr})
+        self._maybe_finish()
+
+    def on_client_gone(self) -> None:
+        with self.lock:
+            abandoned = list(self.pending.items())
+            self.pending.clear()
+        by_backend: dict[Backend, list[str]] = {}
+        for rid, p in abandoned:
+            by_backend.setdefault(p.ticket.backend, []).append(rid)
+            self.r.release(p.ticket, ok=False)
+        for backend, ids in by_backend.items():
+            _cancel_on_backend(backend, ids)
+        for bs in list(self.streams.values()):
+            bs.cancel()
+        self.out.put(None)
+
+    def _maybe_finish(self) -> None:
+        with self.lock:
+            done = not self.reading and not self.pending
+        if done:
+            self.out.put(None)
+
+    def close(self) -> None:
+        for bs in list(self.streams.values()):
+            bs.close()
+
+
+class _BackendStream:
+    def __init__(self, session: _StreamSession, backend: Backend):
+        self.session, self.backend = session, backend
+        self.q: queue.Queue = queue.Queue()
+        self.broken = False
+        self.call = backend.stub.ModelStreamInfer(self._requests())
+        threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
+
+    def _requests(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            yield item
+
+    def send(self, req) -> None:
+        self.q.put(req)
+
+    def _consume(self) -> None:
+        try:
+            for resp in self.call:
+                try:
+                    self.session.on_response(self.backend, resp)
+                except Exception:  # one bad response must not stop the stream's other requests
+                    log.exception("could not relay a response from %s", self.backend.addr)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.broken = True
+                self.session.on_broken(self.backend, e.code().name)
+
+    def cancel(self) -> None:
+        self.q.put(None)
+        self.call.cancel()
+
+    def close(self) -> None:
+        self.q.put(None)
+
+
+def _cancel_on_backend(backend: Backend, ids: list[str]) -> None:
+    try:
+        req = service_pb2.ModelInferRequest(model_name="cancel")
+        t = req.inputs.add()
+        t.name, t.datatype = "REQUEST_IDS", "BYTES"
+        t.shape.append(len(ids))
+        t.contents.bytes_contents.extend([i.encode() for i in ids])
+        backend.stub.ModelInfer(req, timeout=5)
+    except grpc.RpcError as e:
+        log.info("cancel on %s failed: %s", backend.addr, e.code().name)
+
+
+def _add_stats(dst, src) -> None:
+    """dst += src over every counter of a statistics message (max for timestamps)."""
+    for fd, val in src.ListFields():
+        if fd.type == fd.TYPE_MESSAGE:
+            if fd.label == fd.LABEL_REPEATED:
+                target = getattr(dst, fd.name)
+                if fd.message_type.GetOptions().map_entry:
+                    for k, v in val.items():
+                        _add_stats(target[k], v)
+                else:
+                    for i, item in enumerate(val):
+                        if i < len(target):
+                            _add_stats(target[i], item)
+                        else:
+                            target.add().CopyFrom(item)
+            else:
+                _add_stats(getattr(dst, fd.name), val)
+        elif fd.label != fd.LABEL_REPEATED and isinstance(val, int) and fd.name != "batch_size":
+            cur = getattr(dst, fd.name)
+            setattr(dst, fd.name, max(cur, val) if fd.name.startswith("last_") else cur + val)
+
+
+def _features(req) -> EditFeatures:
+    if req.model_name != "edit":
+        return EditFeatures(None, 0.0, 0, None)
+    try:
+        return extract(req)
+    except Exception:
+        return EditFeatures(None, 1.0, 4096, None)
+
+
+def _error(client_id: str, message: str):
+    resp = service_pb2.ModelStreamInferResponse(error_message=message)
+    resp.infer_response.id = client_id
+    resp.infer_response.parameters[FINAL].bool_param = True
+    return resp
+
+
+def _timeout(context, default: float) -> float:
+    remaining = context.time_remaining()
+    return default if remaining is None else max(0.1, min(default, remaining))
+
+
+def probe_edit_request() -> object:
+    """A real request through every stage that does no model work (empty mask): used as a health probe."""
+    import io
+
+    from PIL import Image
+
+    def png(arr):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        return buf.getvalue()
+
+    req = service_pb2.ModelInferRequest(model_name="edit", id="health-probe")
+    for name, value in (("TEMPLATE", png(np.full((16, 16, 3), 128, np.uint8))), ("MASK", png(np.zeros((16, 16), np.uint8))),
+                        ("PROMPT", b"health probe")):
+        t = req.inputs.add()
+        t.name, t.datatype = name, "BYTES"
+        t.shape.append(1)
+        t.contents.bytes_contents.append(value)
+    req.parameters[EMPTY_FINAL].bool_param = True
+    return req

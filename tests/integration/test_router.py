@@ -1,0 +1,126 @@
+"""The router in front of two real Triton instances, driven by tritonclient, the project's client and perf_analyzer."""
+
+import csv
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from maskedit import perf_analyzer, samples
+from maskedit.launcher import TritonServer, free_port
+from maskedit_client import EditClient, EditError
+from maskedit_router.__main__ import build, serve
+from maskedit_router.health import HealthChecker
+
+
+@pytest.fixture(scope="module")
+def cluster(settings, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cluster")
+    servers = []
+    try:
+        for i in range(2):
+            env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_CACHE_MEM_DIR": str(d / f"shm{i}"),
+                   "MASKEDIT_CACHE_DISK_DIR": str(d / f"disk{i}")}
+            servers.append(TritonServer(log_path=d / f"triton{i}.log", env=env).start())
+        router = build([s.grpc_url for s in servers], "predicted")
+        http_port = free_port()
+        grpc_server, port, httpd = serve(router, 0, http_port)
+        health = HealthChecker(router, interval_s=0.5, probe_every_s=1.0, probe_timeout_s=3.0).start()
+        yield {"servers": servers, "router": router, "url": f"127.0.0.1:{port}", "http": http_port}
+        health.stop()
+        grpc_server.stop(grace=1).wait(5)
+        httpd.shutdown()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _metric(cluster, name, **labels):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster['http']}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_tritonclient_sees_a_triton_server(cluster):
+    g = grpcclient.InferenceServerClient(cluster["url"])
+    try:
+        assert g.is_server_live() and g.is_server_ready() and g.is_model_ready("edit")
+        assert g.get_model_metadata("edit", as_json=True)["inputs"][0]["name"] == "TEMPLATE"
+        assert g.get_model_config("masked_denoise", as_json=True)["config"]["model_transaction_policy"]["decoupled"]
+        t = grpcclient.InferInput("REQUEST_IDS", [1], "BYTES")
+        t.set_data_from_numpy(np.array([b"nobody"], dtype=np.object_))
+        assert g.infer("cancel", [t]).as_numpy("CANCELLED")[0] == 1  # unary calls are forwarded too
+    finally:
+        g.close()
+    health = urllib.request.urlopen(f"http://127.0.0.1:{cluster['http']}/health", timeout=5)
+    assert health.status == 200
+
+
+def test_streams_multiplex_requests_of_many_callers(cluster):
+    tpl_a, tpl_b = samples.template(256, 256, seed=51), samples.template(256, 256, seed=52)
+    with EditClient(cluster["url"]) as c:
+        futs = [c.submit(tpl, samples.mask(256, 256, 0.1 + 0.05 * i, "box", seed=i), "a hat", seed=i, steps=2)
+                for i, tpl in enumerate([tpl_a, tpl_b, tpl_a, tpl_b, tpl_a, tpl_b])]
+        results = [f.result(120) for f in futs]
+    assert all(r.image.size == (256, 256) for r in results)
+    assert [r.info["seed"] for r in results] == list(range(6))  # every answer came back to its caller
+    assert _metric(cluster, "maskedit_router_requests_total") >= 6
+    assert _metric(cluster, "maskedit_router_decision_seconds_count") >= 6
+
+
+def test_template_affinity_turns_into_cache_hits(cluster):
+    """Edits of one template follow its activations: after the first (recording) request they all hit, which
+    only the backend that recorded can do."""
+    tpl = samples.template(256, 256, seed=53)
+    with EditClient(cluster["url"]) as c:
+        outcomes = []
+        for i in range(5):
+            r = c.edit(tpl, samples.mask(256, 256, 0.1, "box", seed=10 + i), "a hat", steps=3, seed=i)
+            outcomes.append(r.info["cache"])
+            time.sleep(0.3)  # the recording is written right after the first answer
+    assert outcomes[0] == "record" and outcomes[-3:] == ["hit"] * 3, outcomes
+
+
+def test_bad_request_errors_pass_through_with_the_clients_id(cluster, template_img, box_mask):
+    with EditClient(cluster["url"]) as c:
+        with pytest.raises(EditError) as e:
+            c.edit(template_img, box_mask, "")
+        assert e.value.code == "INVALID_ARGUMENT" and e.value.field == "PROMPT"
+        assert c.edit(template_img, box_mask, "a hat", steps=2).image
+
+
+def test_perf_analyzer_through_the_router(cluster, tmp_path):
+    proc = perf_analyzer.run(cluster["url"], tmp_path / "r.csv", concurrency="1", interval_ms=3000)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert float(next(csv.DictReader((tmp_path / "r.csv").open()))["Inferences/Second"]) > 0
+
+
+def test_killing_a_backend_under_load_ends_every_request(cluster, template_img):
+    """Every request ends in a result or a clear error; later requests go to the survivor."""
+    outcomes = []
+    with EditClient(cluster["url"]) as c:
+        futs = [c.submit(samples.template(256, 256, seed=60 + i), samples.mask(256, 256, 0.2, "blob", seed=i),
+                         "a hat", steps=40, use_cache=False) for i in range(8)]
+        time.sleep(0.5)
+        victim = cluster["servers"][1]
+        victim.stop(timeout=0.1)  # SIGTERM then SIGKILL of the whole process group
+        for f in futs:
+            try:
+                outcomes.append(("ok", f.result(120).image.size))
+            except EditError as e:
+                outcomes.append(("error", e.code))
+        assert len(outcomes) == 8
+        assert all(o[0] == "ok" or o[1] in ("UNAVAILABLE", "CANCELLED", "UNKNOWN") for o in outcomes)
+        deadline = time.time() + 20
+        while cluster["router"].backends[victim.grpc_url].load.healthy and time.time() < deadline:
+            time.sleep(0.2)
+        assert not cluster["router"].backends[victim.grpc_url].load.healthy
+        for i in range(3):
+            assert c.edit(template_img, samples.mask(256, 256, 0.1, "box", seed=i), "a hat", steps=2).image
