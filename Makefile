@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching router-sim serve-cluster clean
 
 setup: $(STAMP)
 
@@ -54,3 +54,9 @@ bench-engine: $(STAMP)
 
 bench-batching: $(STAMP)
 	$(VENV)/bin/maskedit-bench-batching
+
+router-sim: $(STAMP)
+	$(VENV)/bin/maskedit-router-sim
+
+serve-cluster: model
+	$(PY) -m maskedit_router.cluster --instances $${INSTANCES:-2}

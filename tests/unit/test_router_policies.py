@@ -1,0 +1,70 @@
+"""Routing decisions, on the router's own bookkeeping (no server)."""
+
+import time
+
+import pytest
+
+from maskedit.cache.cost_model import CostModel
+from maskedit_router.features import EditFeatures, mask_ratio
+from maskedit_router.policies import (BackendLoad, Estimator, LeastMaskedTokens, LeastRequests, PredictedLatency,
+                                      RoundRobin)
+from tests.conftest import png
+
+import numpy as np
+
+EST = Estimator(CostModel.fallback())
+F = EditFeatures("tplA", 0.2, 1024, 8)
+
+
+def loads(*backlogs, templates=()):
+    out = [BackendLoad(f"b{i}", backlog_ms=b, inflight=int(b // 100)) for i, b in enumerate(backlogs)]
+    for i in templates:
+        out[i].templates["tplA"] = time.monotonic() + 60
+    return out
+
+
+def test_cached_request_is_predicted_cheaper():
+    assert EST.request_ms(F, cached=True) < EST.request_ms(F, cached=False) / 2
+
+
+def test_affinity_wins_when_loads_are_close():
+    bs = loads(300.0, 0.0, templates=[0])
+    assert PredictedLatency(EST).choose(bs, F).name == "b0"
+
+
+def test_load_wins_when_the_affine_backend_is_far_behind():
+    bs = loads(60_000.0, 0.0, templates=[0])
+    assert PredictedLatency(EST).choose(bs, F).name == "b1"
+
+
+def test_hot_spot_guard_overrides_affinity():
+    p = PredictedLatency(EST, abs_gate_ms=500, rel_gate=2.0)
+    bs = loads(EST.request_ms(F, False) - EST.request_ms(F, True) - 1, 0.0, templates=[0])
+    bs[0].backlog_ms = max(bs[0].backlog_ms, 900.0)
+    chosen = p.choose(bs, F)
+    assert chosen.name == "b1" or p.score(bs[0], F, time.monotonic()) < p.score(bs[1], F, time.monotonic())
+
+
+def test_baselines():
+    bs = loads(500.0, 100.0, 300.0)
+    rr = RoundRobin()
+    assert [rr.choose(bs, F).name for _ in range(4)] == ["b0", "b1", "b2", "b0"]
+    assert LeastRequests().choose(bs, F).name == "b1"
+    bs[1].masked_tokens = 5000
+    assert LeastMaskedTokens().choose(bs, F).name in ("b0", "b2")
+
+
+def test_estimator_refits_online():
+    e = Estimator(CostModel.fallback())
+    p = e.request_ms(F, True)
+    for _ in range(50):
+        e.observe(e.request_ms(F, True), 2 * p)
+    assert e.request_ms(F, True) == pytest.approx(2 * p, rel=0.05)
+
+
+def test_mask_ratio_from_the_encoded_mask():
+    m = np.zeros((512, 512), np.uint8)
+    m[:128, :] = 255  # a quarter of the rows
+    ratio, tokens = mask_ratio(png(m), resolution=512)
+    assert tokens == 1024 and ratio == pytest.approx(0.25)
+    assert mask_ratio(png(np.zeros((64, 64), np.uint8)), 512)[0] == 0.0
