@@ -71,10 +71,14 @@ def binary() -> str:
 
 
 def command(url: str, report: Path, concurrency: str = "1:2", interval_ms: int = 4000,
-            input_file: Path = INPUT_FILE, model: str = "edit") -> list[str]:
+            input_file: Path = INPUT_FILE, model: str = "edit", request_count: int | None = None) -> list[str]:
+    """``request_count``: measure windows of that many requests instead of time windows (steadier when the
+    machine is shared with other work, as in CI)."""
+    window = (["--measurement-mode", "count_windows", "--measurement-request-count", str(request_count)]
+              if request_count else ["--measurement-interval", str(interval_ms)])
     return [
         binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming", "--input-data", str(input_file),
-        "--concurrency-range", concurrency, "--measurement-interval", str(interval_ms),
+        "--concurrency-range", concurrency, *window,
         "--stability-percentage", "50", "--max-trials", "6", "-f", str(report), "--verbose-csv",
     ]
 
