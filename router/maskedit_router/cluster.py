@@ -6,6 +6,7 @@ Each instance gets its own ports and activation-store directories (as separate m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import threading
@@ -18,6 +19,33 @@ from .__main__ import build, serve
 from .health import HealthChecker
 
 
+@contextlib.contextmanager
+def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
+                    policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None):
+    """Start ``instances`` Triton servers (own ports and store directories each) and the router in front of
+    them; yield ``(router, router_grpc_url, servers)``; stop everything, by pid, on the way out."""
+    servers = []
+    try:
+        for i in range(instances):
+            d = Path(out) / f"instance{i}"
+            servers.append(TritonServer(log_path=d / "tritonserver.log", env={
+                **(env or {}), "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(d / "cache"),
+            }).start())
+        router = build([s.grpc_url for s in servers], policy)
+        grpc_server, bound, httpd = serve(router, port, http_port)
+        checker = HealthChecker(router, **(health or {})).start()
+        try:
+            yield router, f"127.0.0.1:{bound}", servers
+        finally:
+            checker.stop()
+            grpc_server.stop(grace=1).wait(10)
+            if httpd:
+                httpd.shutdown()
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=2)
@@ -26,28 +54,13 @@ def main(argv=None) -> None:
     ap.add_argument("--policy", default="predicted")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "cluster")
     args = ap.parse_args(argv)
-    servers = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        for i in range(args.instances):
-            d = args.out / f"instance{i}"
-            servers.append(TritonServer(log_path=d / "tritonserver.log", env={
-                "MASKEDIT_CACHE_MEM_DIR": f"/dev/shm/maskedit-cluster/{i}", "MASKEDIT_CACHE_DISK_DIR": str(d / "cache")},
-            ).start())
-        router = build([s.grpc_url for s in servers], args.policy)
-        grpc_server, port, httpd = serve(router, args.port, args.http_port)
-        health = HealthChecker(router).start()
-        print(json.dumps({"router_grpc": f"127.0.0.1:{port}", "router_http": args.http_port,
+    with running_cluster(args.instances, args.out, args.port, args.http_port, args.policy) as (router, url, servers):
+        print(json.dumps({"router_grpc": url, "router_http": args.http_port,
                           "backends": [s.grpc_url for s in servers]}), flush=True)
         stop.wait()
-        health.stop()
-        grpc_server.stop(grace=5).wait(10)
-        httpd.shutdown()
-    finally:
-        for s in servers:
-            s.stop()
 
 
 if __name__ == "__main__":

@@ -11,32 +11,18 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from maskedit import perf_analyzer, samples
-from maskedit.launcher import TritonServer, free_port
+from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_router.__main__ import build, serve
-from maskedit_router.health import HealthChecker
+from maskedit_router.cluster import running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(settings, tmp_path_factory):
-    d = tmp_path_factory.mktemp("cluster")
-    servers = []
-    try:
-        for i in range(2):
-            env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_CACHE_MEM_DIR": str(d / f"shm{i}"),
-                   "MASKEDIT_CACHE_DISK_DIR": str(d / f"disk{i}")}
-            servers.append(TritonServer(log_path=d / f"triton{i}.log", env=env).start())
-        router = build([s.grpc_url for s in servers], "predicted")
-        http_port = free_port()
-        grpc_server, port, httpd = serve(router, 0, http_port)
-        health = HealthChecker(router, interval_s=0.5, probe_every_s=1.0, probe_timeout_s=3.0).start()
-        yield {"servers": servers, "router": router, "url": f"127.0.0.1:{port}", "http": http_port}
-        health.stop()
-        grpc_server.stop(grace=1).wait(5)
-        httpd.shutdown()
-    finally:
-        for s in servers:
-            s.stop()
+    http_port = free_port()
+    health = {"interval_s": 0.5, "probe_every_s": 1.0, "probe_timeout_s": 3.0}
+    with running_cluster(2, tmp_path_factory.mktemp("cluster"), http_port=http_port,
+                         env={"MASKEDIT_MODEL_DIR": str(settings.model_dir)}, health=health) as (router, url, servers):
+        yield {"servers": servers, "router": router, "url": url, "http": http_port}
 
 
 def _metric(cluster, name, **labels):
