@@ -17,7 +17,6 @@ import statistics
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import multiprocessing as mp
@@ -25,10 +24,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import samples
 from .cache.cost_model import CostModel
 from .cache.harness import Harness, png
 from .denoise import DenoiseJob
-from .engine import DenoiseEngine
 from .local import denoise_inputs
 from .params import parse_params
 from .scheduler import BatchScheduler
@@ -69,18 +68,13 @@ class Server:
     def __init__(self, h: Harness, mode: str, max_batch: int = 4):
         self.h, self.mode = h, mode
         policy = "static" if mode == "static" else "continuous"
-        rt = h.engine("planner")[1]
-        from .denoise import ModelRunner
-
-        self.rt = rt
-        self.engine = DenoiseEngine(ModelRunner(h.settings, transformer=h.runner.transformer, cache=rt),
-                                    scheduler=BatchScheduler(policy, max_batch=max_batch))
+        self.engine, self.rt = h.engine("planner", scheduler=BatchScheduler(policy, max_batch=max_batch))
         self.inline = mode == "naive"
         if not self.inline:
             ctx = mp.get_context("spawn")
-            args = (str(h.settings.model_dir), None, str(h.store.mem_dir), str(h.store.disk_dir))
-            self.pre = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(args[0], "pre", *args[2:]))
-            self.dec = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(args[0], "dec", *args[2:]))
+            dirs = (str(h.settings.model_dir), str(h.store.mem_dir), str(h.store.disk_dir))
+            self.pre = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(dirs[0], "pre", *dirs[1:]))
+            self.dec = ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(dirs[0], "dec", *dirs[1:]))
             # Warm both workers (model load) before timing.
             self.pre.submit(int).result()
             self.dec.submit(int).result()
@@ -160,12 +154,8 @@ def run_workload(server: Server, requests, assets) -> dict:
     }
 
 
-def closed_loop_throughput(h: Harness, base, batch: int, n: int = 16) -> float:
-    from .denoise import ModelRunner
-
-    rt = h.engine("planner")[1]
-    eng = DenoiseEngine(ModelRunner(h.settings, transformer=h.runner.transformer, cache=rt),
-                        scheduler=BatchScheduler("continuous", max_batch=batch), max_queue=n)
+def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
+    eng, rt = h.engine("planner", scheduler=BatchScheduler("continuous", max_batch=batch), max_queue=n)
     x = h.inputs(h.mask(0.2, seed=7))
     left = threading.Semaphore(0)
     t0 = time.perf_counter()
@@ -194,13 +184,12 @@ def main(argv=None) -> None:
     n_templates = 4
     templates = []
     for t in range(n_templates):  # register every template so requests hit the activation cache
-        h.template = __import__("maskedit.samples", fromlist=["x"]).template(size, size, seed=1000 + t)
+        h.template = samples.template(size, size, seed=1000 + t)
         h.register()
         templates.append(png(h.template))
-    base = h.inputs(h.mask(0.2, seed=7))
     rows = []
-    thr1 = closed_loop_throughput(h, base, 1)
-    thr4 = closed_loop_throughput(h, base, 4)
+    thr1 = closed_loop_throughput(h, 1)
+    thr4 = closed_loop_throughput(h, 4)
     rows += [{"mode": "closed_loop", "rate": None, "batch": 1, "throughput": thr1},
              {"mode": "closed_loop", "rate": None, "batch": 4, "throughput": thr4, "vs_batch1": thr4 / thr1}]
     rates = args.rates or [round(f * thr1, 3) for f in (0.4, 0.9, 1.5)]
@@ -208,8 +197,6 @@ def main(argv=None) -> None:
     for rate in rates:
         reqs = workload.poisson(rate, args.requests, workload="public", n_templates=n_templates, steps=args.steps,
                                 seed=int(rate * 1000))
-        from . import samples
-
         assets = [(templates[r.template], png(samples.mask(size, size, r.mask_ratio, r.mask_shape, seed=r.seed)))
                   for r in reqs]
         reqs_by_rate[rate] = (reqs, assets)

@@ -56,7 +56,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     h = Harness.create(model_dir, steps=steps, cost=cost)
-    base = h.register()
+    h.register()
     decoder = Decoder(h.settings)
     engines = {m: h.engine(*MODES[m]) for m in modes}
     cfg = h.runner.transformer.config

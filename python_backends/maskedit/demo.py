@@ -11,7 +11,6 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 

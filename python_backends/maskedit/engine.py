@@ -35,7 +35,6 @@ class DenoiseEngine:
         self.prepare_s = 0.0  # per-request set-up when a request joins (tensors to device, scheduler, cache plan)
         self.callback_s = 0.0  # on_done/on_error/on_step callbacks (sending responses; inline work in naive mode)
         self.max_running = 0
-        self._admit_prepare_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
 
@@ -124,11 +123,11 @@ class DenoiseEngine:
                 except Exception:
                     log.exception("inline work failed")
             t0 = time.perf_counter() if inline else t0  # inline work is not batching overhead
+            # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
+            p0, c0 = self.prepare_s, self.callback_s
             with self._cv:
                 if not self._stopping:
-                    p = self.prepare_s
                     self._admit()
-                    self._admit_prepare_s = self.prepare_s - p  # counted in t1 - t0 but not machinery
                 batch = list(self._running)
             batch = self._drop_cancelled(batch)
             if not batch:
@@ -143,7 +142,6 @@ class DenoiseEngine:
                 continue
             t2 = time.perf_counter()
             self.scheduler.model.observe(sum(j.tokens or 0 for j in batch), t2 - t1)
-            p0, c0 = self.prepare_s, self.callback_s
             tc = time.perf_counter()
             for job in batch:
                 if job.on_step is not None and not job.done:
@@ -151,8 +149,7 @@ class DenoiseEngine:
             self.callback_s += time.perf_counter() - tc
             self._retire([j for j in batch if j.done])
             self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
-                (self.callback_s - c0) - self._admit_prepare_s
-            self._admit_prepare_s = 0.0
+                (self.callback_s - c0)
 
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         cancelled = [j for j in batch if j.is_cancelled()]

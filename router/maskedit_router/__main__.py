@@ -24,7 +24,7 @@ from maskedit.settings import REPO_ROOT
 
 from . import policies
 from .health import HealthChecker
-from .metrics import RouterMetrics, serve_http
+from .metrics import serve_http
 from .server import CHANNEL_OPTIONS, Router
 
 

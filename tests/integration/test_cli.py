@@ -1,7 +1,6 @@
 import subprocess
 import sys
 
-import numpy as np
 from PIL import Image
 
 from tests.conftest import png

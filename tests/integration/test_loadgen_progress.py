@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from loadgen import records, runner, workload
-from maskedit import samples
 from maskedit_client import EditClient, EditError
 
 

@@ -1,8 +1,6 @@
 """The router in front of two real Triton instances, driven by tritonclient, the project's client and perf_analyzer."""
 
 import csv
-import re
-import threading
 import time
 import urllib.request
 

@@ -1,7 +1,6 @@
 """End to end through a real tritonserver with tritonclient: parity with stock Diffusers, endpoints, HTTP."""
 
 import base64
-import io
 import json
 import urllib.request
 from concurrent.futures import wait

@@ -5,24 +5,14 @@ import threading
 import numpy as np
 import pytest
 
-from maskedit.denoise import DenoiseJob, ModelRunner
+from maskedit.denoise import DenoiseJob
 from maskedit.engine import DenoiseEngine
 from maskedit.errors import Cancelled, ResourceExhausted, Unavailable
-from maskedit.local import denoise_inputs
-from maskedit.params import parse_params
-from maskedit.preprocess import Preprocessor
-from tests.conftest import png
 
 
 @pytest.fixture(scope="module")
-def inputs(settings, template_img, box_mask):
-    pre = Preprocessor(settings)
-    return denoise_inputs(pre(png(template_img), png(box_mask), parse_params(settings, "a hat", steps=3)))
-
-
-@pytest.fixture(scope="module")
-def runner(settings):
-    return ModelRunner(settings)
+def inputs(make_inputs):
+    return make_inputs(3)
 
 
 class Outcome:

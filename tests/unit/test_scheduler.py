@@ -7,14 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from maskedit.denoise import DenoiseJob, ModelRunner
+from maskedit.denoise import DenoiseJob
 from maskedit.engine import DenoiseEngine
 from maskedit.errors import DeadlineExceeded
-from maskedit.local import denoise_inputs
-from maskedit.params import parse_params
-from maskedit.preprocess import Preprocessor
 from maskedit.scheduler import BatchScheduler, StepTimeModel
-from tests.conftest import png
 
 
 def fake(tokens=100, steps=4, deadline=None, t=0.0):
@@ -56,14 +52,8 @@ def test_step_time_model_learns():
 
 
 @pytest.fixture(scope="module")
-def inputs(settings, template_img, box_mask):
-    pre = Preprocessor(settings)
-    return denoise_inputs(pre(png(template_img), png(box_mask), parse_params(settings, "a hat", steps=6)))
-
-
-@pytest.fixture(scope="module")
-def runner(settings):
-    return ModelRunner(settings)
+def inputs(make_inputs):
+    return make_inputs(6)
 
 
 def _run_two(runner, inputs, policy):

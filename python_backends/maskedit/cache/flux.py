@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
 HOOK_NAME = "maskedit_masked_block"
 FULL, Y, KV, NOCTX = "full", "y", "kv", "noctx"

@@ -86,10 +86,14 @@ class Harness:
         patch = self.pre.patch
         return token_mask_image(w // patch, h // patch, patch, ratio, seed)
 
-    def engine(self, policy: str, overlap: bool = True) -> tuple[DenoiseEngine, CacheRuntime | None]:
+    def engine(self, policy: str, overlap: bool = True, scheduler=None,
+               max_queue: int = 64) -> tuple[DenoiseEngine, CacheRuntime | None]:
+        """A denoise engine on the shared transformer with cache ``policy``; stop it with ``shutdown`` and
+        ``close`` its runtime."""
         rt = None if policy == "off" else CacheRuntime(self.hooks, self.store, self.cost, policy=policy,
                                                        overlap=overlap, budget_bytes=self.budget_bytes)
-        return DenoiseEngine(ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt)), rt
+        runner = ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt)
+        return DenoiseEngine(runner, max_queue=max_queue, scheduler=scheduler), rt
 
     def register(self) -> DenoiseInputs:
         """Record the template (empty mask) so every later mask can hit."""

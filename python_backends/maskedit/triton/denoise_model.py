@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
