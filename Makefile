@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching router-sim serve-cluster clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching router-sim router-validate serve-cluster clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,9 @@ bench-batching: $(STAMP)
 
 router-sim: $(STAMP)
 	$(VENV)/bin/maskedit-router-sim
+
+router-validate: $(STAMP)
+	$(VENV)/bin/maskedit-router-validate
 
 serve-cluster: model
 	$(PY) -m maskedit_router.cluster --instances $${INSTANCES:-2}

@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from maskedit.cache.cost_model import CostModel
 from maskedit.logs import JsonFormatter
-from maskedit.settings import REPO_ROOT
+from maskedit.settings import REPO_ROOT, load_settings
 
 from . import policies
 from .health import HealthChecker
@@ -28,11 +28,27 @@ from .metrics import serve_http
 from .server import CHANNEL_OPTIONS, Router
 
 
-def build(addrs, policy="predicted", profile: Path | None = None):
+def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None):
+    """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
+    model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
+    masks are measured on."""
     path = profile or REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
+    if resolution is None:
+        resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost)
-    return Router(addrs, policies.make(policy, est), est)
+    return Router(addrs, policies.make(policy, est), est, resolution=resolution)
+
+
+def _profiled_resolution(model_dir: str | None) -> int | None:
+    """The working resolution of the model a profile was measured on, if its directory (as recorded, or by
+    name under this repository's models/) is at hand."""
+    if not model_dir:
+        return None
+    for d in (Path(model_dir), REPO_ROOT / "models" / Path(model_dir).name):
+        if (d / "maskedit.json").exists():
+            return load_settings({"MASKEDIT_MODEL_DIR": str(d)}).resolution
+    return None
 
 
 def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1", workers: int = 64):
@@ -62,6 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
+    ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
+                    "model's, else 1024)")
     args = ap.parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter("router"))
@@ -73,7 +91,7 @@ def main(argv=None) -> None:
             return [a.strip() for a in args.backends.split(",") if a.strip()]
         return [line.strip() for line in args.backends_file.read_text().splitlines() if line.strip()]
 
-    router = build(read_backends(), args.policy, args.profile)
+    router = build(read_backends(), args.policy, args.profile, args.resolution)
     server, port, httpd = serve(router, args.port, args.http_port)
     HealthChecker(router).start()
     print(json.dumps({"router": f"127.0.0.1:{port}", "http": args.http_port, "policy": args.policy,

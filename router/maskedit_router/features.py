@@ -60,8 +60,9 @@ def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
     return float((cells > 0).mean()), gw * gh
 
 
-def extract(request) -> EditFeatures:
-    """Features of a ``ModelInferRequest`` for the ``edit`` ensemble (None/defaults where absent)."""
+def extract(request, resolution: int = 1024) -> EditFeatures:
+    """Features of a ``ModelInferRequest`` for the ``edit`` ensemble (None/defaults where absent), with the mask
+    measured on the token grid of a model working at ``resolution``."""
     raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
     names = {t.name: i for i, t in enumerate(request.inputs)}
     template = _tensor_bytes(request, names["TEMPLATE"], raw) if "TEMPLATE" in names else None
@@ -71,10 +72,10 @@ def extract(request) -> EditFeatures:
         if name in names:
             extra += f"{name}={_scalar(request, names[name], raw, dt)};".encode()
     key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
-    ratio, tokens = 1.0, 4096
+    ratio, tokens = 1.0, (resolution // TOKEN_PX) ** 2
     if "MASK" in names:
         try:
-            ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"")
+            ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"", resolution)
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None)

@@ -77,8 +77,10 @@ class NoBackend(Exception):
 
 class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
-                 max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0):
+                 max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
+                 resolution: int = 1024):
         self.backends = {a: Backend(a) for a in addrs}
+        self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
         self.metrics = metrics or RouterMetrics()
         self.max_per_backend, self.max_inflight, self.ttl = max_inflight_per_backend, max_inflight, template_ttl_s
@@ -194,7 +196,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         return self._forward("RepositoryIndex", request, context)
 
     def ModelInfer(self, request, context):
-        f = _features(request)
+        f = _features(request, self.resolution)
         tried = set()
         while True:
             try:
@@ -265,7 +267,7 @@ class _StreamSession:
         fwd.id = rid
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
         fwd.parameters[EMPTY_FINAL].bool_param = True
-        self._send(_Pending(client_id, fwd, None, want_final), rid, _features(req), exclude)
+        self._send(_Pending(client_id, fwd, None, want_final), rid, _features(req, self.r.resolution), exclude)
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
@@ -419,13 +421,13 @@ def _add_stats(dst, src) -> None:
             setattr(dst, fd.name, max(cur, val) if fd.name.startswith("last_") else cur + val)
 
 
-def _features(req) -> EditFeatures:
+def _features(req, resolution: int) -> EditFeatures:
     if req.model_name != "edit":
         return EditFeatures(None, 0.0, 0, None)
     try:
-        return extract(req)
+        return extract(req, resolution)
     except Exception:
-        return EditFeatures(None, 1.0, 4096, None)
+        return EditFeatures(None, 1.0, (resolution // 16) ** 2, None)
 
 
 def _error(client_id: str, message: str):

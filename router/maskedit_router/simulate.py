@@ -63,16 +63,31 @@ class Worker:
 
 def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator, seed: int = 0,
              templates: int = 64, max_batch: int = 4, steps: int = 8, step_fixed_ms: float = 2.0) -> dict:
+    """Poisson arrivals of the public workload at ``rate`` on ``workers`` simulated workers."""
     from loadgen import workload
 
     reqs = workload.poisson(rate, n, workload="public", n_templates=templates, zipf_s=1.1, seed=seed)
+    arrivals = [(r.t, EditFeatures(f"t{r.template}", r.mask_ratio, 1024, steps)) for r in reqs]
+    done = replay(policy_name, workers, arrivals, est, max_batch=max_batch, step_fixed_ms=step_fixed_ms)
+    lat = np.array([q.done - q.arrival for q in done["requests"]])
+    return {"policy": policy_name, "workers": workers, "rate": rate, "p50_s": float(np.percentile(lat, 50)),
+            "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "simulated": True,
+            "decision_us_p50": done["decision_us_p50"], "requests": n}
+
+
+def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatures]], est: Estimator,
+           max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
+           service: Estimator | None = None) -> dict:
+    """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
+    ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
+    Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
+    service = service or est
     policy = make(policy_name, est)
-    ws = [Worker(BackendLoad(f"w{i}")) for i in range(workers)]
+    ws = [Worker(BackendLoad(f"w{i}"), cache_templates=cache_templates) for i in range(workers)]
     events: list = []  # (time, seq, kind, payload)
     seq = itertools.count()
-    for i, r in enumerate(reqs):
-        f = EditFeatures(f"t{r.template}", r.mask_ratio, 1024, steps)
-        heapq.heappush(events, (r.t, next(seq), "arrive", SimRequest(i, r.t, f)))
+    for i, (t, f) in enumerate(arrivals):
+        heapq.heappush(events, (t, next(seq), "arrive", SimRequest(i, t, f)))
     finished: list[SimRequest] = []
     decision_s = []
 
@@ -80,8 +95,8 @@ def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator
         while w.waiting and len(w.running) < max_batch:
             q = w.waiting.pop(0)
             cached = w.holds(q.f.template_key)
-            q.steps_left = steps
-            q.step_ms = est.request_ms(q.f, cached) / steps
+            q.steps_left = q.f.steps
+            q.step_ms = service.request_ms(q.f, cached) / q.f.steps
             w.touch(q.f.template_key)  # recorded by its own run (miss) or refreshed (hit)
             w.running.append(q)
         if not w.running:
@@ -118,10 +133,8 @@ def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator
                     w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
                     w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
             start_step(w, now)
-    lat = np.array([q.done - q.arrival for q in finished])
-    return {"policy": policy_name, "workers": workers, "rate": rate, "p50_s": float(np.percentile(lat, 50)),
-            "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "simulated": True,
-            "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6), "requests": n}
+    return {"requests": sorted(finished, key=lambda q: q.rid),
+            "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0}
 
 
 def main(argv=None) -> None:

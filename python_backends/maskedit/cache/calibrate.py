@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     samples_, loads = measure(h)
     model = fit(samples_, loads, {
         "model_dir": str(h.settings.model_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "threads": torch.get_num_threads(), "device": h.settings.torch_device,
+        "threads": torch.get_num_threads(), "device": h.settings.torch_device, "resolution": h.settings.resolution,
     })
     out = args.out or REPO_ROOT / "perf_profiles" / f"cost_model_{h.settings.model_dir.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -151,10 +151,12 @@ class MaskedBlockHook(ModelHook):
             return forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
                            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs)
         b = self.index
-        out_txt = torch.empty_like(encoder_hidden_states)
-        out_img = torch.empty_like(hidden_states)
         full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        out_txt = torch.empty_like(encoder_hidden_states)
+        # With no full rows the block's input (the previous block's output, ours to reuse) becomes its output:
+        # only the computed rows are scattered in, sparing a copy of every token per block.
+        out_img = torch.empty_like(hidden_states) if full_rows else hidden_states
         if full_rows:
             sel = torch.tensor(full_rows, device=hidden_states.device)
             t, h = forward(hidden_states=hidden_states[sel], encoder_hidden_states=encoder_hidden_states[sel],
@@ -321,6 +323,6 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         out_txt[i] = txt_rows[j]
         if vw.needs_output[b]:
             out_img[i] = vw.rows(b, "y")  # every row from the store; computed rows overwritten below
-        else:
+        elif out_img is not hidden:
             out_img[i] = hidden[i]  # cached rows are not read by the next (kv) block; keep the buffer defined
         out_img[i, vw.idx_c] = img_chunks[j]

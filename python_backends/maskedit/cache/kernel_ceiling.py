@@ -1,0 +1,79 @@
+"""What the stock kernels allow: a plan's speedup if every GEMM and attention call ran at the speed these
+kernels reach *at that call's shape* on this machine, and all else (norms, rotary, gathers) were free.
+
+The FLOP model (``flops.py``) assumes one throughput for all shapes. On CPU a GEMM over the ~100-300
+rows of a masked block runs 10-40% slower per FLOP than over the ~1000 rows of a full one, and so does
+attention with few queries, so part of the gap between measured and FLOP-ideal speedup is the kernels',
+not the engine's. This module times each distinct call shape once (same ops, same threads, random data)
+and sums them per plan, so the benchmark can report both ceilings side by side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .planner import FULL, KV, Y
+
+
+def _calls(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> list[tuple]:
+    """The GEMMs ("mm", rows, in, out) and attentions ("attn", queries, keys) of one block."""
+    if mode == FULL:
+        c = n
+    u = n - c
+    keys = text + (c if mode not in (FULL, Y, KV) else n)  # noctx: text and computed rows only
+    calls: list[tuple] = []
+    if dual:
+        calls += [("mm", c, dim, dim)] * 4 + [("mm", c, dim, 4 * dim), ("mm", c, 4 * dim, dim)]
+        calls += [("mm", text, dim, dim)] * 4 + [("mm", text, dim, 4 * dim), ("mm", text, 4 * dim, dim)]
+    else:
+        r = text + c
+        calls += [("mm", r, dim, dim)] * 3 + [("mm", r, dim, 4 * dim), ("mm", r, 5 * dim, dim)]
+    if mode == Y and u:
+        calls += [("mm", u, dim, dim)] * 2  # keys/values of cached tokens from their cached inputs
+    calls.append(("attn", text + c, keys))
+    return calls
+
+
+class KernelTimer:
+    """Times call shapes once each (memoized) with the model's head layout."""
+
+    def __init__(self, heads: int, reps: int = 20):
+        self.heads, self.reps = heads, reps
+        self._memo: dict[tuple, float] = {}
+
+    def _time(self, fn) -> float:
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(self.reps):
+            fn()
+        return (time.perf_counter() - t0) / self.reps
+
+    @torch.no_grad()
+    def call_s(self, call: tuple, dim: int) -> float:
+        key = (*call, dim)
+        if key not in self._memo:
+            if call[0] == "mm":
+                _, rows, d_in, d_out = call
+                x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
+                self._memo[key] = self._time(lambda: F.linear(x, w, b)) if rows else 0.0
+            else:
+                _, q_rows, k_rows = call
+                hd = dim // self.heads
+                q = torch.randn(1, self.heads, q_rows, hd)
+                k, v = torch.randn(1, self.heads, k_rows, hd), torch.randn(1, self.heads, k_rows, hd)
+                self._memo[key] = self._time(lambda: F.scaled_dot_product_attention(q, k, v))
+        return self._memo[key]
+
+    def step_s(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int,
+               in_channels: int = 64) -> float:
+        edges = [("mm", n, in_channels, dim), ("mm", n, dim, 64)]  # x_embedder and proj_out on every token
+        calls = edges + [call for i, m in enumerate(modes) for call in _calls(m, i < n_dual, n, c, text, dim)]
+        return sum(self.call_s(call, dim) for call in calls)
+
+    def ceiling_speedup(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int) -> float:
+        full = self.step_s([FULL] * len(modes), n_dual, n, n, text, dim)
+        return full / self.step_s(modes, n_dual, n, c, text, dim)

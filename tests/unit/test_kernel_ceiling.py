@@ -1,0 +1,26 @@
+"""The kernel-ceiling call lists must describe the same work as the FLOP model."""
+
+import pytest
+
+from maskedit.cache.flops import block_flops
+from maskedit.cache.kernel_ceiling import KernelTimer, _calls
+from maskedit.cache.planner import FULL, KV, Y
+
+
+def _flops(calls, dim):
+    return sum(2 * c[1] * c[2] * c[3] if c[0] == "mm" else 4 * c[1] * c[2] * dim for c in calls)
+
+
+@pytest.mark.parametrize("mode", [FULL, Y, KV, "noctx"])
+@pytest.mark.parametrize("dual", [True, False])
+@pytest.mark.parametrize("c", [0, 37, 256])
+def test_calls_match_flop_model(mode, dual, c):
+    n, text, dim = 256, 16, 64
+    assert _flops(_calls(mode, dual, n, c, text, dim), dim) == block_flops(mode, dual, n, c, text, dim)
+
+
+def test_full_plan_ceiling_is_one_and_masked_plans_are_faster():
+    timer = KernelTimer(heads=2, reps=2)
+    modes = [FULL] * 3
+    assert timer.ceiling_speedup(modes, 1, 256, 256, 16, 32) == pytest.approx(1.0)
+    assert timer.ceiling_speedup([KV] * 3, 1, 256, 16, 16, 32) > 1.0
