@@ -50,6 +50,8 @@ class Worker:
     waiting: list = field(default_factory=list)
     busy_until: float = 0.0
     stepping: bool = False
+    step_end: float = 0.0  # when the step in flight ends
+    step_token: int = 0  # identifies the current step event (an extended step supersedes its old event)
 
     def holds(self, key) -> bool:
         return key in self.cache
@@ -77,9 +79,14 @@ def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator
 
 def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatures]], est: Estimator,
            max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
-           service: Estimator | None = None) -> dict:
+           service: Estimator | None = None, host_ms: float = 0.0) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
+    ``host_ms``: CPU time a request spends outside denoising (decode, encode, PNG) on the same cores as the
+    worker's denoise loop, as on a CPU-only host; it is charged to the worker's next step (0 on GPU hosts,
+    where it runs on otherwise idle CPU cores). Half (pre-processing) lengthens the step in flight when the
+    request arrives, half (post-processing) the next step after it leaves, if any; its own latency gets the
+    host time added by the caller.
     Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
     service = service or est
     policy = make(policy_name, est)
@@ -104,7 +111,14 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             return
         w.stepping = True
         dur = (step_fixed_ms + sum(q.step_ms for q in w.running)) / 1000.0
-        heapq.heappush(events, (now + dur, next(seq), "step", w))
+        w.step_end, w.step_token = now + dur, w.step_token + 1
+        heapq.heappush(events, (w.step_end, next(seq), "step", (w, w.step_token)))
+
+    def charge_host(w: Worker) -> None:
+        """Half a request's host work runs on this worker's cores during its step in flight."""
+        if host_ms and w.stepping:
+            w.step_end, w.step_token = w.step_end + host_ms / 2000.0, w.step_token + 1
+            heapq.heappush(events, (w.step_end, next(seq), "step", (w, w.step_token)))
 
     while events:
         now, _, kind, obj = heapq.heappop(events)
@@ -119,10 +133,15 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             w.load.masked_tokens += int(obj.f.mask_ratio * obj.f.tokens)
             w.load.templates[obj.f.template_key] = now + 1e9  # router index: sim time never expires
             w.waiting.append(obj)
-            if not w.stepping:
+            if w.stepping:
+                charge_host(w)  # its pre-processing slows the step in flight
+            else:
                 start_step(w, now)
         else:
-            w = obj
+            w, token = obj
+            if token != w.step_token:
+                continue  # superseded: the step was extended
+            left = 0
             for q in list(w.running):
                 q.steps_left -= 1
                 if q.steps_left == 0:
@@ -132,7 +151,10 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     w.load.inflight -= 1
                     w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
                     w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
+                    left += 1
             start_step(w, now)
+            for _ in range(left):
+                charge_host(w)  # post-processing of those that left slows the next step
     return {"requests": sorted(finished, key=lambda q: q.rid),
             "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0}
 

@@ -11,8 +11,11 @@
 4. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
    model's token grid) in the simulator with those inputs, and compare P50/P95.
 
-Writes ``perf_profiles/results/router_validation.json`` and adds the measured and simulated rows to
-``router.json`` (``validation: true``).
+Writes ``perf_profiles/results/router_validation.json`` (calibration, every measured request, and the
+comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``--from FILE`` re-runs only
+step 4 on a saved measurement. The simulator is compared twice: as used for the scale-out table ("plain":
+workers only denoise) and with host CPU contention ("cpu_host": pre/post-processing shares the denoise
+cores, as on this CPU-only machine).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _model_dir() -> Path:
     return d
 
 
-def run(loads=(0.5, 0.75), requests: int = 60, templates: int = 4, policy: str = "predicted", seed: int = 0,
+def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy: str = "predicted", seed: int = 0,
         out_dir: Path | None = None) -> dict:
     from loadgen import runner as lg
     from loadgen import workload
@@ -74,7 +77,7 @@ def run(loads=(0.5, 0.75), requests: int = 60, templates: int = 4, policy: str =
     assets = lg.Assets(size=res)
     env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="maskedit-validate-"))
-    rows, calib = [], {}
+    runs, calib = [], {}
     with running_cluster(2, out_dir, policy=policy, env=env) as (router, url, _servers):
         with EditClient(url) as client:
             # 2. isolated requests: a template run, then hits at several mask ratios, one at a time.
@@ -86,7 +89,8 @@ def run(loads=(0.5, 0.75), requests: int = 60, templates: int = 4, policy: str =
                 mbytes = assets.mask(q)
                 ratio, tokens = mask_ratio(mbytes, res)
                 t0 = time.perf_counter()
-                result = client.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed).result(600)
+                result = client.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # as loadgen sends
+                                       on_progress=lambda *_: None).result(600)
                 latency = time.perf_counter() - t0
                 info = result.info
                 f = EditFeatures("calib", ratio, tokens, steps)
@@ -108,47 +112,78 @@ def run(loads=(0.5, 0.75), requests: int = 60, templates: int = 4, policy: str =
                 for w in warm:
                     client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
                 records, wall = lg.run(client, reqs, assets, progress=True)
-                measured = np.array([r.latency_s for r in records if r.latency_s is not None and r.error is None])
-                errors = sum(r.error is not None for r in records)
-                # 4. the same arrivals in the simulator (warm-up first, spaced so they run alone).
-                feats = lambda r: EditFeatures(f"t{r.template}", *mask_ratio(assets.mask(r), res), steps)  # noqa: E731
-                arrivals = [(-WARMUP_GAP_S * (len(warm) - i), feats(w)) for i, w in enumerate(warm)]
-                arrivals += [(r.t, feats(r)) for r in reqs]
-                sim = replay(policy, 2, arrivals, Estimator(cost), service=service)
-                simulated = np.array([q.done - q.arrival + calib["outside_s"] for q in sim["requests"][len(warm):]])
-                for kind, lat in (("measured", measured), ("simulated", simulated)):
-                    rows.append({"policy": policy, "workers": 2, "rate": rate, "load": load, "simulated": kind == "simulated",
-                                 "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-                                 "mean_s": float(lat.mean()), "requests": int(lat.size), "validation": True,
-                                 **({"errors": errors, "wall_s": round(wall, 2)} if kind == "measured" else {})})
-                m, s = rows[-2], rows[-1]
-                s["p95_error"] = round(abs(s["p95_s"] - m["p95_s"]) / m["p95_s"], 3)
-                s["p50_error"] = round(abs(s["p50_s"] - m["p50_s"]) / m["p50_s"], 3)
-                print(json.dumps({"load": load, "rate": rate, "measured_p95": round(m["p95_s"], 3),
-                                  "simulated_p95": round(s["p95_s"], 3), "p95_error": s["p95_error"],
-                                  "measured_p50": round(m["p50_s"], 3), "simulated_p50": round(s["p50_s"], 3),
-                                  "errors": errors}), flush=True)
+                feats = lambda r: mask_ratio(assets.mask(r), res)  # noqa: E731  (ratio, tokens) on the model's grid
+                runs.append({
+                    "load": load, "rate": rate, "wall_s": round(wall, 2),
+                    "warmup": [{"template": w.template, **dict(zip(("mask_ratio", "tokens"), feats(w)))} for w in warm],
+                    "requests": [{"t": r.t, "template": r.template, **dict(zip(("mask_ratio", "tokens"), feats(r))),
+                                  "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
+                                  "cache_hit": rec.cache_hit, "error": rec.error} for r, rec in zip(reqs, records)],
+                })
+                print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
+                    [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)
     return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
-                     "requests_per_load": requests, "templates": templates, "workload": "public, Zipf 1.1",
-                     "calibration": calib, "profile": profile.name}, "rows": rows}
+                     "steps": steps, "requests_per_load": requests, "templates": templates,
+                     "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name}, "runs": runs}
+
+
+def compare(measured: dict) -> list[dict]:
+    """Replay each measured run in the simulator, without and with host CPU contention; rows for both."""
+    meta, calib = measured["meta"], measured["meta"]["calibration"]
+    profile = REPO_ROOT / "perf_profiles" / meta["profile"]
+    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
+    service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
+    rows = []
+    for run_ in measured["runs"]:
+        ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
+        lat = np.array([r["latency_s"] for r in ok])
+        base = {"policy": meta["policy"], "workers": meta["instances"], "rate": run_["rate"], "load": run_["load"],
+                "validation": True}
+        m = {**base, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
+             "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
+             "errors": len(run_["requests"]) - len(ok),
+             "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
+        rows.append(m)
+        f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
+        warm = run_["warmup"]
+        arrivals = [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)]
+        arrivals += [(r["t"], f(r)) for r in run_["requests"]]
+        for model, host_ms in (("plain", 0.0), ("cpu_host", calib["outside_s"] * 1000)):
+            sim = replay(meta["policy"], meta["instances"], arrivals, Estimator(cost), service=service,
+                         host_ms=host_ms)
+            done = sim["requests"][len(warm):]
+            slat = np.array([q.done - q.arrival + calib["outside_s"] for q in done])
+            rows.append({**base, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
+                         "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
+                         "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
+                         "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3)})
+    return rows
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.75],
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.35, 0.5, 0.65],
                     help="offered load as a fraction of the two instances' all-hit capacity")
-    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--policy", default="predicted")
+    ap.add_argument("--from", dest="source", type=Path,
+                    help="re-simulate the measured runs saved in this file (no cluster)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_validation.json")
     args = ap.parse_args(argv)
-    result = run(args.loads, args.requests, policy=args.policy)
+    measured = json.loads(args.source.read_text()) if args.source else run(args.loads, args.requests,
+                                                                             policy=args.policy)
+    measured["rows"] = compare(measured)
+    for r in measured["rows"]:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                          if k in ("load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
+                                   "errors", "cache_hits")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"
     if router_json.exists():  # keep the simulation table and the validation rows in one file
         data = json.loads(router_json.read_text())
-        data["rows"] = [r for r in data["rows"] if not r.get("validation")] + result["rows"]
-        data.setdefault("meta", {})["validation"] = result["meta"]
+        data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
+        data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}
         router_json.write_text(json.dumps(data, indent=1))
     print(f"wrote {args.out}")
 
