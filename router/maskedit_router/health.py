@@ -8,35 +8,41 @@ request (an empty mask: every stage runs, the model does not) that must answer w
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .server import Router, probe_edit_request
+from .server import FINAL, Router, probe_edit_request
 
 log = logging.getLogger("maskedit.router")
 
 
 def probe(backend, timeout_s: float) -> bool:
-    answers: queue.Queue = queue.Queue()
+    """One probe request on its own stream. The stream is closed only after the final response, by ending the
+    request side: cancelling a stream while its request is still inside the decoupled ensemble stalled the
+    backend's other streams for seconds (Triton 2.51), so the probe never cancels unless it times out."""
+    answered = threading.Event()
+    ok = False
 
     def requests():
         yield probe_edit_request()
-        answers.get(timeout=timeout_s + 1)  # keep the stream open until the answer (or give up)
+        answered.wait(timeout_s + 1)  # half-close once the request has ended (or give up)
 
     try:
         call = backend.stub.ModelStreamInfer(requests(), timeout=timeout_s)
-        for resp in call:
-            ok = not resp.error_message
-            answers.put(True)
-            call.cancel()
-            return ok
+        for resp in call:  # drains until the backend ends the stream after our half-close
+            if resp.error_message:
+                answered.set()
+            elif FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param:
+                ok = True
+                answered.set()
     except grpc.RpcError:
-        return False
-    return False
+        ok = False
+    finally:
+        answered.set()
+    return ok
 
 
 class HealthChecker:
