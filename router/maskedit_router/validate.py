@@ -76,9 +76,9 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
     env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="maskedit-validate-"))
     runs, calib = [], {}
-    with running_cluster(2, out_dir, policy=policy, env=env) as (router, url, _servers):
+    with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
+            running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
         with EditClient(url) as client:
             # 2. isolated requests: a template run, then hits at several mask ratios, one at a time.
             est = Estimator(cost)

@@ -3,7 +3,9 @@ temporary directory, a registered template and requests with exact token-level m
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,6 +73,8 @@ class Harness:
                 samples.template(settings.resolution, settings.resolution, seed=3), steps or settings.steps,
                 cost or CostModel.fallback())
         h.budget_bytes = budget_bytes
+        # The store holds hundreds of MB per run: remove it when the harness goes away (or the process exits).
+        weakref.finalize(h, shutil.rmtree, tmp, True)
         return h
 
     @property
