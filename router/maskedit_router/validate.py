@@ -5,7 +5,7 @@
 2. Measure the simulator's inputs on isolated requests through the router, one at a time: how fast this
    set-up denoises relative to the cost-model profile (observed / profile-predicted denoise time, separately
    for template runs and cache hits) and the time a request spends outside denoising (pre/post-processing,
-   transport).
+   transport); then the same with both instances busy (each probe sent straight to both at once).
 3. Warm every template with one request each, then serve an open-loop Poisson workload through the router
    with the project's load generator and record each request's latency.
 4. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
@@ -99,6 +99,30 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy
                 outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
             calib = {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
                      "outside_s": statistics.median(outside), "probes": len(probe)}
+            # 2b. the same with both instances busy: each probe sent straight to both instances at once.
+            hit_r, miss_r, outside = [], [], []
+            direct = [EditClient(s.grpc_url) for s in _servers]
+            try:
+                for i, q in enumerate(probe):
+                    q = replace(q, template=901)
+                    mbytes = assets.mask(q)
+                    ratio, tokens = mask_ratio(mbytes, res)
+                    t0 = time.perf_counter()
+                    futs = [c.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,
+                                     on_progress=lambda *_: None) for c in direct]
+                    results = [fut.result(600) for fut in futs]
+                    latency = time.perf_counter() - t0
+                    for res_ in results:
+                        info = res_.info
+                        hit = bool(info.get("cache_hit"))
+                        f = EditFeatures("calib", ratio, tokens, steps)
+                        (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
+                        outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
+            finally:
+                for c in direct:
+                    c.close()
+            calib["loaded"] = {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
+                               "outside_s": statistics.median(outside)}
             service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
             mean_hit_s = service.request_ms(EditFeatures("x", 0.19, (res // 16) ** 2, steps), True) / 1000
             for li, load in enumerate(loads):
@@ -128,11 +152,18 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy
 
 
 def compare(measured: dict) -> list[dict]:
-    """Replay each measured run in the simulator, without and with host CPU contention; rows for both."""
+    """Replay each measured run in the simulator (plain; with host CPU contention; and, if measured, with the
+    speed calibrated under load); a row per variant."""
     meta, calib = measured["meta"], measured["meta"]["calibration"]
     profile = REPO_ROOT / "perf_profiles" / meta["profile"]
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
+    variants = [("plain", service, 0.0, calib["outside_s"]),
+                ("cpu_host", service, calib["outside_s"] * 1000, calib["outside_s"])]
+    if "loaded" in calib:  # speed measured with both instances busy, plus host contention
+        ld = calib["loaded"]
+        variants.append(("loaded", ScaledEstimator(cost, hit_scale=ld["hit_scale"], miss_scale=ld["miss_scale"]),
+                         ld["outside_s"] * 1000, ld["outside_s"]))
     rows = []
     for run_ in measured["runs"]:
         ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
@@ -148,11 +179,10 @@ def compare(measured: dict) -> list[dict]:
         warm = run_["warmup"]
         arrivals = [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)]
         arrivals += [(r["t"], f(r)) for r in run_["requests"]]
-        for model, host_ms in (("plain", 0.0), ("cpu_host", calib["outside_s"] * 1000)):
-            sim = replay(meta["policy"], meta["instances"], arrivals, Estimator(cost), service=service,
-                         host_ms=host_ms)
+        for model, svc, host_ms, outside_s in variants:
+            sim = replay(meta["policy"], meta["instances"], arrivals, Estimator(cost), service=svc, host_ms=host_ms)
             done = sim["requests"][len(warm):]
-            slat = np.array([q.done - q.arrival + calib["outside_s"] for q in done])
+            slat = np.array([q.done - q.arrival + outside_s for q in done])
             rows.append({**base, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
                          "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
                          "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
