@@ -20,9 +20,9 @@ log = logging.getLogger("maskedit.router")
 
 
 def probe(backend, timeout_s: float) -> bool:
-    """One probe request on its own stream. The stream is closed only after the final response, by ending the
-    request side: cancelling a stream while its request is still inside the decoupled ensemble stalled the
-    backend's other streams for seconds (Triton 2.51), so the probe never cancels unless it times out."""
+    """One probe request on its own stream, ended cleanly: the request side is closed only after the final
+    response (or an error), so the probe request is never cut off inside the decoupled ensemble; the call is
+    abandoned only on timeout."""
     answered = threading.Event()
     ok = False
 

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .features import EditFeatures, extract
+from .features import TOKEN_PX, EditFeatures, extract
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Estimator, Policy
 
@@ -427,7 +427,7 @@ def _features(req, resolution: int) -> EditFeatures:
     try:
         return extract(req, resolution)
     except Exception:
-        return EditFeatures(None, 1.0, (resolution // 16) ** 2, None)
+        return EditFeatures(None, 1.0, (resolution // TOKEN_PX) ** 2, None)
 
 
 def _error(client_id: str, message: str):

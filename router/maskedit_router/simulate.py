@@ -48,7 +48,6 @@ class Worker:
     cache_templates: int = 16
     running: list = field(default_factory=list)
     waiting: list = field(default_factory=list)
-    busy_until: float = 0.0
     stepping: bool = False
     step_end: float = 0.0  # when the step in flight ends
     step_token: int = 0  # identifies the current step event (an extended step supersedes its old event)

@@ -13,9 +13,10 @@
 
 Writes ``perf_profiles/results/router_validation.json`` (calibration, every measured request, and the
 comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``--from FILE`` re-runs only
-step 4 on a saved measurement. The simulator is compared twice: as used for the scale-out table ("plain":
-workers only denoise) and with host CPU contention ("cpu_host": pre/post-processing shares the denoise
-cores, as on this CPU-only machine).
+step 4 on a saved measurement. Three simulator variants are compared: as used for the scale-out table
+("plain": workers only denoise), with host CPU contention ("cpu_host": pre/post-processing shares the denoise
+cores, as on this CPU-only machine), and "loaded": cpu_host with the speeds measured while both instances are
+busy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from maskedit.cache.cost_model import CostModel
 from maskedit.settings import REPO_ROOT, load_settings
 
-from .features import EditFeatures, mask_ratio
+from .features import TOKEN_PX, EditFeatures, mask_ratio
 from .policies import Estimator
 from .simulate import replay
 
@@ -61,6 +62,26 @@ def _model_dir() -> Path:
     return d
 
 
+def _calibrate(clients, probes, assets, est: Estimator, res: int, steps: int) -> dict:
+    """Send each probe to every client at once and wait for all. Medians of observed / profile-predicted denoise
+    time (hits and template runs apart) and of the time outside denoising and queueing."""
+    hit_r, miss_r, outside = [], [], []
+    for q in probes:
+        mbytes = assets.mask(q)
+        f = EditFeatures("calib", *mask_ratio(mbytes, res), steps)
+        t0 = time.perf_counter()
+        futs = [c.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen sends
+                         on_progress=lambda *_: None) for c in clients]
+        infos = [fut.result(600).info for fut in futs]
+        latency = time.perf_counter() - t0
+        for info in infos:
+            hit = bool(info.get("cache_hit"))
+            (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
+            outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
+    return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
+            "outside_s": statistics.median(outside)}
+
+
 def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy: str = "predicted", seed: int = 0,
         out_dir: Path | None = None) -> dict:
     from loadgen import runner as lg
@@ -76,55 +97,25 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 100, templates: int = 4, policy
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
     env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
-    runs, calib = [], {}
+    runs = []
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
             running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
         with EditClient(url) as client:
             # 2. isolated requests: a template run, then hits at several mask ratios, one at a time.
             est = Estimator(cost)
-            hit_r, miss_r, outside = [], [], []
-            probe = [workload.Request(0.0, 900, r, "blob", "calibration", seed=i)
-                     for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
-            for i, q in enumerate(probe):
-                mbytes = assets.mask(q)
-                ratio, tokens = mask_ratio(mbytes, res)
-                t0 = time.perf_counter()
-                result = client.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # as loadgen sends
-                                       on_progress=lambda *_: None).result(600)
-                latency = time.perf_counter() - t0
-                info = result.info
-                f = EditFeatures("calib", ratio, tokens, steps)
-                hit = bool(info.get("cache_hit"))
-                (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
-                outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
-            calib = {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
-                     "outside_s": statistics.median(outside), "probes": len(probe)}
+            probes = [workload.Request(0.0, 900, r, "blob", "calibration", seed=i)
+                      for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
+            calib = {**_calibrate([client], probes, assets, est, res, steps), "probes": len(probes)}
             # 2b. the same with both instances busy: each probe sent straight to both instances at once.
-            hit_r, miss_r, outside = [], [], []
             direct = [EditClient(s.grpc_url) for s in _servers]
             try:
-                for i, q in enumerate(probe):
-                    q = replace(q, template=901)
-                    mbytes = assets.mask(q)
-                    ratio, tokens = mask_ratio(mbytes, res)
-                    t0 = time.perf_counter()
-                    futs = [c.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,
-                                     on_progress=lambda *_: None) for c in direct]
-                    results = [fut.result(600) for fut in futs]
-                    latency = time.perf_counter() - t0
-                    for res_ in results:
-                        info = res_.info
-                        hit = bool(info.get("cache_hit"))
-                        f = EditFeatures("calib", ratio, tokens, steps)
-                        (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
-                        outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
+                calib["loaded"] = _calibrate(direct, [replace(q, template=901) for q in probes], assets, est, res,
+                                             steps)
             finally:
                 for c in direct:
                     c.close()
-            calib["loaded"] = {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
-                               "outside_s": statistics.median(outside)}
             service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
-            mean_hit_s = service.request_ms(EditFeatures("x", 0.19, (res // 16) ** 2, steps), True) / 1000
+            mean_hit_s = service.request_ms(EditFeatures("x", 0.19, (res // TOKEN_PX) ** 2, steps), True) / 1000
             for li, load in enumerate(loads):
                 rate = round(load * 2 / mean_hit_s, 3)
                 reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
