@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from maskedit import samples
+from maskedit_client import encode_image
 
 from .records import Record
 from .workload import Request
@@ -24,19 +26,13 @@ class Assets:
 
     def template(self, i: int) -> bytes:
         if i not in self._templates:
-            from maskedit.cache.harness import png
-
-            self._templates[i] = png(samples.template(self.size, self.size, seed=1000 + i))
+            self._templates[i] = encode_image(samples.template(self.size, self.size, seed=1000 + i))
         return self._templates[i]
 
     def mask(self, r: Request) -> bytes:
-        from pathlib import Path
-
-        from maskedit.cache.harness import png
-
         if r.mask_file:
             return Path(r.mask_file).read_bytes()
-        return png(samples.mask(self.size, self.size, r.mask_ratio, r.mask_shape, seed=r.seed))
+        return encode_image(samples.mask(self.size, self.size, r.mask_ratio, r.mask_shape, seed=r.seed))
 
 
 def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.0, progress: bool = True,

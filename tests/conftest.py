@@ -1,12 +1,10 @@
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from maskedit import samples
 from maskedit.settings import load_settings
 from maskedit.tiny_model import build
+from maskedit_client import encode_image
 
 
 @pytest.fixture(scope="session")
@@ -17,10 +15,7 @@ def settings():
     return s
 
 
-def png(img) -> bytes:
-    buf = io.BytesIO()
-    (img if isinstance(img, Image.Image) else Image.fromarray(img)).save(buf, format="PNG")
-    return buf.getvalue()
+png = encode_image  # PNG bytes of a PIL image or uint8 array
 
 
 @pytest.fixture(scope="session")

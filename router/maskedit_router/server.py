@@ -444,17 +444,11 @@ def _timeout(context, default: float) -> float:
 
 def probe_edit_request() -> object:
     """A real request through every stage that does no model work (empty mask): used as a health probe."""
-    import io
-
-    from PIL import Image
-
-    def png(arr):
-        buf = io.BytesIO()
-        Image.fromarray(arr).save(buf, format="PNG")
-        return buf.getvalue()
+    from maskedit_client import encode_image
 
     req = service_pb2.ModelInferRequest(model_name="edit", id="health-probe")
-    for name, value in (("TEMPLATE", png(np.full((16, 16, 3), 128, np.uint8))), ("MASK", png(np.zeros((16, 16), np.uint8))),
+    for name, value in (("TEMPLATE", encode_image(np.full((16, 16, 3), 128, np.uint8))),
+                        ("MASK", encode_image(np.zeros((16, 16), np.uint8))),
                         ("PROMPT", b"health probe")):
         t = req.inputs.add()
         t.name, t.datatype = name, "BYTES"

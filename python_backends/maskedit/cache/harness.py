@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from maskedit_client import encode_image
 from PIL import Image
 
 from .. import samples
@@ -26,12 +27,7 @@ from .runtime import CacheRuntime
 from .store import ActivationStore
 
 
-def png(img) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    (img if isinstance(img, Image.Image) else Image.fromarray(img)).save(buf, format="PNG")
-    return buf.getvalue()
+png = encode_image  # PNG bytes of a PIL image or uint8 array, as clients send them
 
 
 def token_mask_image(grid_w: int, grid_h: int, patch: int, ratio: float, seed: int) -> np.ndarray:
