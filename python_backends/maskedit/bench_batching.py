@@ -6,7 +6,8 @@ activations are registered first, the benchmark-size model) three ways at three 
                  (image decode, text + VAE encode / VAE decode + PNG) in worker processes
   naive          continuous batching, but pre/post-processing runs inline on the denoise loop's thread
   disaggregated  continuous batching with pre/post-processing in worker processes (what the Triton ensemble does)
-It also measures closed-loop throughput at batch size 1 vs 4 at mask ratio 0.2. Writes JSON and plots.
+It also measures closed-loop throughput at batch size 1 vs 4 at mask ratio 0.2, and for a batch mixing two
+resolutions, one packed transformer call per step against one call per resolution. Writes JSON and plots.
 """
 
 from __future__ import annotations
@@ -169,6 +170,27 @@ def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
     return n / wall
 
 
+def mixed_resolution(h: Harness, inputs: list, pack: bool) -> dict:
+    """Closed loop at batch 4 over requests of two resolutions (cache hits): per-step time and throughput."""
+    eng, rt = h.engine("planner", scheduler=BatchScheduler("continuous", max_batch=4), max_queue=len(inputs),
+                       pack=pack)
+    left = threading.Semaphore(0)
+    calls = []
+    hook = h.runner.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    t0 = time.perf_counter()
+    for x in inputs:
+        eng.submit(DenoiseJob(x, on_done=lambda j: left.release(), on_error=lambda j, e: left.release()))
+    for _ in inputs:
+        left.acquire(timeout=600)
+    wall = time.perf_counter() - t0
+    hook.remove()
+    steps = eng.steps_run
+    eng.shutdown()
+    rt.close()
+    return {"mode": "mixed_resolution", "pack": pack, "batch": 4, "rate": None, "throughput": len(inputs) / wall,
+            "step_ms": 1000 * wall / steps, "calls_per_step": len(calls) / steps}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=24)
@@ -192,6 +214,16 @@ def main(argv=None) -> None:
     thr4 = closed_loop_throughput(h, 4)
     rows += [{"mode": "closed_loop", "rate": None, "batch": 1, "throughput": thr1},
              {"mode": "closed_loop", "rate": None, "batch": 4, "throughput": thr4, "vs_batch1": thr4 / thr1}]
+    mixed = []  # two templates of different aspect (different token grids), alternating
+    for t, (w, hgt) in enumerate(((size, size), (size * 5 // 4, size * 3 // 4))):
+        h.template = samples.template(w, hgt, seed=2000 + t)
+        h.register()
+        mixed.append(h.inputs(h.mask(0.2, seed=7)))
+    mixed = [mixed[i % 2] for i in range(8)]
+    for pack in (False, True):
+        rows.append(mixed_resolution(h, mixed, pack))
+    rows[-1]["vs_per_resolution"] = rows[-1]["throughput"] / rows[-2]["throughput"]
+    print(rows[-2:], flush=True)
     rates = args.rates or [round(f * thr1, 3) for f in (0.4, 0.9, 1.5)]
     reqs_by_rate = {}
     for rate in rates:
@@ -223,13 +255,18 @@ def markdown(rows) -> str:
     out = ["| mode | rate req/s | mean s | P95 s | queue s | throughput req/s | batching overhead ms/step | "
            "callbacks + inline work ms/step |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["mode"] == "closed_loop":
+        if r["mode"] in ("closed_loop", "mixed_resolution"):
             continue
         out.append(f"| {r['mode']} | {r['rate']:.2f} | {r['mean_s']:.2f} | {r['p95_s']:.2f} | {r['queue_s']:.2f} | "
                    f"{r['throughput']:.2f} | {r['step_overhead_ms']:.2f} | {r['inline_ms_per_step']:.1f} |")
     cl = {r["batch"]: r["throughput"] for r in rows if r["mode"] == "closed_loop"}
     out.append(f"\nclosed loop at mask ratio 0.2: batch 1 {cl[1]:.2f} req/s, batch 4 {cl[4]:.2f} req/s "
                f"({cl[4] / cl[1]:.2f}x)")
+    mx = {r["pack"]: r for r in rows if r["mode"] == "mixed_resolution"}
+    if mx:
+        out.append(f"two resolutions at batch 4: one call per resolution {mx[False]['step_ms']:.0f} ms/step, "
+                   f"{mx[False]['throughput']:.2f} req/s; packed into one call {mx[True]['step_ms']:.0f} ms/step, "
+                   f"{mx[True]['throughput']:.2f} req/s ({mx[True]['vs_per_resolution']:.2f}x)")
     return "\n".join(out)
 
 

@@ -2,7 +2,10 @@
 
 A ``DenoiseJob`` owns everything that differs between requests (latents, conditioning, text embeddings,
 its own scheduler and step index), so requests at different steps can share a running batch.
-``ModelRunner.step`` is the only place that calls the transformer.
+``ModelRunner.step`` is the only place that calls the transformer. Requests of one resolution share a plain
+Diffusers call; requests of different resolutions share one *packed* call (rows padded to the longest, every
+row computed through the gathered path of ``maskedit.cache.flux`` with its own token count and rotary tables),
+so a running batch never splits into one transformer call per resolution.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 
+from .cache.flux import FULL, FluxCacheHooks, RowView, StepContext
 from .components import load_scheduler_config, load_transformer, torch_dtype, vae_scale_factor
 from .errors import InvalidInput
 from .schedule import make_scheduler
@@ -81,9 +86,11 @@ class DenoiseJob:
 class ModelRunner:
     """Holds the transformer; turns jobs into transformer calls and scheduler steps."""
 
-    def __init__(self, settings: Settings, transformer=None, cache=None):
-        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None."""
+    def __init__(self, settings: Settings, transformer=None, cache=None, pack: bool = True):
+        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None.
+        ``pack``: different resolutions share one transformer call (else one call per resolution, a baseline)."""
         self.settings = settings
+        self.pack = pack
         self.device = torch.device(settings.torch_device)
         self.dtype = torch_dtype(settings)
         self.transformer = transformer if transformer is not None else load_transformer(settings)
@@ -131,32 +138,56 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job by one denoising step. Jobs with equal shapes share one transformer call."""
-        for group in _group_by_shape(jobs):
+        """Advance every job by one denoising step: one transformer call per group of ``_group``."""
+        for group in _group(jobs, self.pack):
             timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
-            cat = lambda key: torch.cat([j.state[key] for j in group], dim=0)
-            latents = torch.cat([j.latents for j in group], dim=0)
+            tokens = [j.latents.shape[1] for j in group]
+            packed = len({(j.inputs.model_h, j.inputs.model_w) for j in group}) > 1
+            longest = group[tokens.index(max(tokens))]
+            pad = (lambda x: F.pad(x, (0, 0, 0, max(tokens) - x.shape[1]))) if packed else (lambda x: x)
+            cat = lambda key: torch.cat([j.state[key] for j in group], dim=0)  # noqa: E731
+            latents = torch.cat([pad(j.latents) for j in group], dim=0)
+            cond = torch.cat([pad(j.state["cond"]) for j in group], dim=0)
             timestep = torch.stack([t.to(self.device) for t in timesteps]).to(latents.dtype)
             guidance = cat("guidance") if self.guidance_embeds else None
             forward = lambda: self.transformer(  # noqa: E731
-                hidden_states=torch.cat((latents, cat("cond")), dim=2),
+                hidden_states=torch.cat((latents, cond), dim=2),
                 timestep=timestep / 1000,
                 guidance=guidance,
                 pooled_projections=cat("pooled"),
                 encoder_hidden_states=cat("prompt_embeds"),
                 txt_ids=group[0].state["txt_ids"],
-                img_ids=group[0].state["img_ids"],
+                img_ids=longest.state["img_ids"],
                 joint_attention_kwargs=None,
                 return_dict=False,
             )[0]
-            if self.cache is not None:
-                noise_pred = self.cache.hooks.run(self.cache.context(group), forward)
-                self.cache.after_step(group)
+            ctx = self.cache.context(group) if self.cache is not None else None
+            if packed:
+                ctx = self._packed_context(group, ctx)
+            if ctx is not None:
+                noise_pred = FluxCacheHooks.of(self.transformer).run(ctx, forward)
             else:
                 noise_pred = forward()
-            for i, (job, t) in enumerate(zip(group, timesteps)):
-                job.latents = job.scheduler.step(noise_pred[i : i + 1], t, job.latents, return_dict=False)[0]
+            if self.cache is not None:
+                self.cache.after_step(group)
+            for i, (job, t, n) in enumerate(zip(group, timesteps, tokens)):
+                job.latents = job.scheduler.step(noise_pred[i : i + 1, :n], t, job.latents, return_dict=False)[0]
                 job.step_index += 1
+
+    def _packed_context(self, group: list[DenoiseJob], ctx: StepContext | None) -> StepContext:
+        """Every row through the gathered path, with its own token count and rotary tables."""
+        n_blocks = len(self.transformer.transformer_blocks) + len(self.transformer.single_transformer_blocks)
+        rows = ctx.rows if ctx is not None else [None] * len(group)
+        views = []
+        for job, view in zip(group, rows):
+            view = view if view is not None else RowView(modes=[FULL] * n_blocks)
+            view.tokens = job.latents.shape[1]
+            if "rope" not in job.state:  # the request's own grid: the same tables a call at its size builds
+                ids = torch.cat((job.state["txt_ids"], job.state["img_ids"]), dim=0)
+                job.state["rope"] = self.transformer.pos_embed(ids)
+            view.rope = job.state["rope"]
+            views.append(view)
+        return StepContext(views, packed=True)
 
 
 def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
@@ -170,9 +201,13 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
-def _group_by_shape(jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
+def _group(jobs: list[DenoiseJob], pack: bool) -> list[list[DenoiseJob]]:
+    """Jobs that can share one transformer call: equal text length (text tokens attend, so they cannot be
+    padded), and unless packing, equal resolution."""
     groups: dict[tuple, list[DenoiseJob]] = {}
     for j in jobs:
-        key = (tuple(j.latents.shape), tuple(j.state["prompt_embeds"].shape), j.inputs.model_h, j.inputs.model_w)
+        key = (tuple(j.state["prompt_embeds"].shape),)
+        if not pack:
+            key += (j.inputs.model_h, j.inputs.model_w)
         groups.setdefault(key, []).append(j)
     return list(groups.values())

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent("""
     from maskedit.local import LocalEditor
     from tests.conftest import png
     store = ActivationStore(sys.argv[1], sys.argv[2], 1 << 30, 1 << 30)
-    ed = LocalEditor(cache=lambda t: CacheRuntime(FluxCacheHooks(t), store), store=store)
+    ed = LocalEditor(cache=lambda t: CacheRuntime(FluxCacheHooks.of(t), store), store=store)
     tpl = png(samples.template(256, 256, seed=31))
     mask = png(samples.mask(256, 256, 0.2, "blob", seed=1))
     print("ready", flush=True)
@@ -54,7 +54,7 @@ def test_kill_while_recording(tmp_path, settings):
         info, arrays, _ = open_file(p, verify=True)
         assert arrays["y"].shape[0] == 3 and info["key"] == p.stem
     assert not list(mem.glob(".tmp-*"))
-    ed = LocalEditor(settings, cache=lambda t: CacheRuntime(FluxCacheHooks(t), store), store=store)
+    ed = LocalEditor(settings, cache=lambda t: CacheRuntime(FluxCacheHooks.of(t), store), store=store)
     try:
         tpl = png(samples.template(256, 256, seed=31))
         out, p, job = ed.edit(tpl, png(samples.mask(256, 256, 0.1, "box", seed=2)), "a hat", steps=3,

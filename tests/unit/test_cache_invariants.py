@@ -25,7 +25,7 @@ def env(settings, tmp_path_factory):
     store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
     pre = Preprocessor(settings, store=store)
     runner = ModelRunner(settings)
-    hooks = FluxCacheHooks(runner.transformer)
+    hooks = FluxCacheHooks.of(runner.transformer)
     engines = {}
 
     def run(inputs, policy="planner"):

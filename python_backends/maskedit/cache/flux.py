@@ -16,6 +16,11 @@ Per row and block the plan says:
 Text tokens are always computed. Rotary embeddings follow the gathered token positions. Token-wise work
 (norms, projections, MLP) runs on the computed tokens of all rows concatenated, with no padding; attention
 runs per row.
+
+A *packed* context (``StepContext.packed``) carries requests of different resolutions in one call: the runner
+pads their rows to the longest and each ``RowView`` knows its own token count and rotary tables. Then every
+row goes through the gathered path, ``full`` meaning "all of this row's tokens computed" (which is exactly the
+block's forward on that request alone), so padding never reaches attention or the block's token-wise work.
 """
 
 from __future__ import annotations
@@ -47,24 +52,31 @@ class RowView:
     rows: Callable[[int, str], torch.Tensor] | None = None
     needs_output: list[bool] = field(default_factory=list)  # per block: write cached output rows?
     recorder: "Recorder | None" = None  # set on a recording (template) run
+    # Packed calls only (rows padded to the longest request): this request's image tokens and its own rotary
+    # tables over [text; image]; None means the call's own length and tables.
+    tokens: int | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
     _memo: dict = field(default_factory=dict)  # per step: positions and rotary tables shared by all blocks
 
-    def pos_tc(self, L: int) -> torch.Tensor:
-        """Sequence positions of [text; computed image tokens]."""
-        if "pos" not in self._memo:
-            self._memo["pos"] = torch.cat([torch.arange(L, device=self.idx_c.device), self.idx_c + L])
-        return self._memo["pos"]
+    def n_image(self, N: int) -> int:
+        return self.tokens if self.tokens is not None else N
 
-    def rope_at(self, rope, L: int):
-        if "cs" not in self._memo:
-            pos = self.pos_tc(L)
-            self._memo["cs"] = (rope[0][pos], rope[1][pos])
-        return self._memo["cs"]
+    def gathered(self, b: int, L: int, rope, N: int, device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """For block ``b``: (image tokens computed, their sequence positions after the text, rotary tables at
+        [text; those tokens]). ``full`` computes every token of the row, the cached modes the masked ones."""
+        kind = "all" if self.modes[b] == FULL else "masked"
+        if kind not in self._memo:
+            cols = torch.arange(self.n_image(N), device=device) if kind == "all" else self.idx_c
+            pos = torch.cat([torch.arange(L, device=device), cols + L])
+            r = self.rope if self.rope is not None else rope
+            self._memo[kind] = (cols, pos, (r[0][pos], r[1][pos]))
+        return self._memo[kind]
 
     def rope_u(self, rope, L: int):
         if "cs_u" not in self._memo:
             pos = self.idx_u + L
-            self._memo["cs_u"] = (rope[0][pos], rope[1][pos])
+            r = self.rope if self.rope is not None else rope
+            self._memo["cs_u"] = (r[0][pos], r[1][pos])
         return self._memo["cs_u"]
 
     @property
@@ -75,6 +87,7 @@ class RowView:
 @dataclass
 class StepContext:
     rows: list[RowView | None]  # per batch row; None = plain full compute
+    packed: bool = False  # rows of different resolutions padded to one length: every row takes the gathered path
 
 
 class Recorder:
@@ -108,6 +121,15 @@ class Recorder:
 class FluxCacheHooks:
     """Attach / detach the masked-block hooks on a ``FluxTransformer2DModel`` and hold the step context."""
 
+    _ATTR = "_maskedit_cache_hooks"
+
+    @classmethod
+    def of(cls, transformer) -> "FluxCacheHooks":
+        """The hooks attached to ``transformer``, attaching them on first use (several runners and cache
+        runtimes may share one transformer; each block carries the hook once)."""
+        hooks = getattr(transformer, cls._ATTR, None)
+        return hooks if hooks is not None else cls(transformer)
+
     def __init__(self, transformer):
         self.transformer = transformer
         self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
@@ -115,6 +137,7 @@ class FluxCacheHooks:
         self._local = threading.local()
         for i, block in enumerate(self.blocks):
             HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedBlockHook(self, i), HOOK_NAME)
+        object.__setattr__(transformer, self._ATTR, self)  # plain attribute: not a submodule of the model
 
     @property
     def context(self) -> StepContext | None:
@@ -131,6 +154,8 @@ class FluxCacheHooks:
     def detach(self) -> None:
         for block in self.blocks:
             HookRegistry.check_if_exists_or_initialize(block).remove_hook(HOOK_NAME, recurse=False)
+        if getattr(self.transformer, self._ATTR, None) is self:
+            object.__delattr__(self.transformer, self._ATTR)
 
     @property
     def dim(self) -> int:
@@ -147,11 +172,13 @@ class MaskedBlockHook(ModelHook):
                     joint_attention_kwargs=None):
         forward = self.fn_ref.original_forward
         ctx = self.owner.context
-        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
+        if ctx is None or (not ctx.packed and all(r is None or (r.all_full and r.recorder is None)
+                                                  for r in ctx.rows)):
             return forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
                            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs)
         b = self.index
-        full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
+        # Padded rows must not meet in the block's own attention: a packed call runs every row gathered.
+        full_rows = [] if ctx.packed else [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
         out_txt = torch.empty_like(encoder_hidden_states)
         # With no full rows the block's input (the previous block's output, ours to reuse) becomes its output:
@@ -224,12 +251,15 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     hd = attn.head_dim
     dev = hidden.device
     L = enc.shape[1]
+    N = hidden.shape[1]
     sel = torch.tensor(rows, device=dev)
     temb_r = temb[sel]
-    counts_c = [int(v.idx_c.numel()) for v in views]
-    # Tokens each row computes: image tokens idx_c (dual: text goes through its own stream; single: text rows
-    # are part of the same sequence and come first).
-    x_img = torch.cat([hidden[i, v.idx_c] for i, v in zip(rows, views)], 0)
+    gat = [vw.gathered(b, L, rope, N, dev) for vw in views]  # (computed image tokens, positions, rotary)
+    cols = [g[0] for g in gat]
+    counts_c = [int(c.numel()) for c in cols]
+    # Tokens each row computes: its image tokens ``cols`` (dual: text goes through its own stream; single: text
+    # rows are part of the same sequence and come first).
+    x_img = torch.cat([hidden[i, c] for i, c in zip(rows, cols)], 0)
     if dual:
         mods = _modulation(block.norm1, temb_r, 6)
         cmods = _modulation(block.norm1_context, temb_r, 6)
@@ -240,7 +270,7 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     else:
         shift, scale, gate = _modulation(block.norm, temb_r, 3)
         counts = [L + c for c in counts_c]
-        x = torch.cat([torch.cat([enc[i], hidden[i, v.idx_c]], 0) for i, v in zip(rows, views)], 0)
+        x = torch.cat([torch.cat([enc[i], hidden[i, c]], 0) for i, c in zip(rows, cols)], 0)
         norm = block.norm.norm
     n = torch.tensor(counts, device=dev)
     if len(rows) == 1:
@@ -270,13 +300,13 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         ku = attn.norm_k(_heads(attn.to_k(nxu), hd)).split(nu.tolist())
         vu = _heads(attn.to_v(nxu), hd).split(nu.tolist())
 
-    N = hidden.shape[1]
     H = k.shape[1]
     outs = []
+    recorded_kv = {}  # row -> (keys, values) of its image tokens, for a recording row in the gathered path
     offs = np.cumsum([0] + counts)
     for j, (i, vw) in enumerate(zip(rows, views)):
         s0, s1 = int(offs[j]), int(offs[j + 1])
-        cs = vw.rope_at(rope, L)  # cos/sin at [text; computed] positions, once per request and step
+        _, pos_tc, cs = gat[j]  # cos/sin at [text; computed] positions, once per request and step
         if dual:
             q_r = apply_rotary_emb(torch.cat([tq[j:j + 1], q[None, s0:s1]], 1), cs, sequence_dim=1)
             k_tc = apply_rotary_emb(torch.cat([tk[j:j + 1], k[None, s0:s1]], 1), cs, sequence_dim=1)
@@ -286,18 +316,21 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
             k_tc = apply_rotary_emb(k[None, s0:s1], cs, sequence_dim=1)
             v_tc = v[None, s0:s1]
         mode = vw.modes[b]
-        if mode == NOCTX:
+        if mode in (NOCTX, FULL):  # full: every image token is among the computed ones, so this is exact
             keys, vals = k_tc, v_tc
+            if vw.recorder is not None and vw.recorder.wants_kv(b):
+                recorded_kv[j] = (k_tc[0, L:], v_tc[0, L:])
         else:
             # One (1, L+N, H, hd) buffer per tensor: text rows, computed rows and cached rows written in place.
             if mode == KV:  # the loader already filled the image part with cached, rotary-applied keys/values
                 keys, vals = vw.rows(b, "kbuf"), vw.rows(b, "vbuf")
             else:
-                keys, vals = k.new_empty((1, L + N, H, hd)), v.new_empty((1, L + N, H, hd))
+                n_r = vw.n_image(N)
+                keys, vals = k.new_empty((1, L + n_r, H, hd)), v.new_empty((1, L + n_r, H, hd))
                 jj = y_rows.index(j)
                 keys[:, L + vw.idx_u] = apply_rotary_emb(ku[jj][None], vw.rope_u(rope, L), sequence_dim=1)
                 vals[:, L + vw.idx_u] = vu[jj][None]
-            keys[:, vw.pos_tc(L)], vals[:, vw.pos_tc(L)] = k_tc, v_tc
+            keys[:, pos_tc], vals[:, pos_tc] = k_tc, v_tc
         outs.append(_sdpa(q_r, keys, vals)[0])
 
     if dual:
@@ -321,8 +354,15 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
 
     for j, (i, vw) in enumerate(zip(rows, views)):
         out_txt[i] = txt_rows[j]
+        if vw.modes[b] == FULL:  # the gathered path of a packed call: the row's tokens are a prefix
+            out_img[i, :counts_c[j]] = img_chunks[j]
+            if vw.recorder is not None:
+                vw.recorder.put_y(b, img_chunks[j])
+                if j in recorded_kv:
+                    vw.recorder.put_kv(b, *recorded_kv[j])
+            continue
         if vw.needs_output[b]:
-            out_img[i] = vw.rows(b, "y")  # every row from the store; computed rows overwritten below
+            out_img[i, :vw.n_image(N)] = vw.rows(b, "y")  # every row from the store; computed rows overwritten below
         elif out_img is not hidden:
             out_img[i] = hidden[i]  # cached rows are not read by the next (kv) block; keep the buffer defined
-        out_img[i, vw.idx_c] = img_chunks[j]
+        out_img[i, cols[j]] = img_chunks[j]

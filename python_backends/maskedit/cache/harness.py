@@ -65,7 +65,7 @@ class Harness:
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)
         runner = ModelRunner(settings)
-        h = cls(pre, runner, FluxCacheHooks(runner.transformer), store,
+        h = cls(pre, runner, FluxCacheHooks.of(runner.transformer), store,
                 samples.template(settings.resolution, settings.resolution, seed=3), steps or settings.steps,
                 cost or CostModel.fallback())
         h.budget_bytes = budget_bytes
@@ -86,13 +86,13 @@ class Harness:
         patch = self.pre.patch
         return token_mask_image(w // patch, h // patch, patch, ratio, seed)
 
-    def engine(self, policy: str, overlap: bool = True, scheduler=None,
-               max_queue: int = 64) -> tuple[DenoiseEngine, CacheRuntime | None]:
+    def engine(self, policy: str, overlap: bool = True, scheduler=None, max_queue: int = 64,
+               pack: bool = True) -> tuple[DenoiseEngine, CacheRuntime | None]:
         """A denoise engine on the shared transformer with cache ``policy``; stop it with ``shutdown`` and
-        ``close`` its runtime."""
+        ``close`` its runtime. ``pack=False``: one transformer call per resolution (the baseline)."""
         rt = None if policy == "off" else CacheRuntime(self.hooks, self.store, self.cost, policy=policy,
                                                        overlap=overlap, budget_bytes=self.budget_bytes)
-        runner = ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt)
+        runner = ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt, pack=pack)
         return DenoiseEngine(runner, max_queue=max_queue, scheduler=scheduler), rt
 
     def register(self) -> DenoiseInputs:

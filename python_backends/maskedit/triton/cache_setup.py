@@ -48,7 +48,7 @@ def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> Cache
     store = cache_store(log)
     if store is None:
         return None
-    return CacheRuntime(FluxCacheHooks(transformer), store, cost_model(settings, log),
+    return CacheRuntime(FluxCacheHooks.of(transformer), store, cost_model(settings, log),
                         policy=os.environ.get("MASKEDIT_CACHE", "planner"),
                         budget_bytes=int(float(os.environ.get("MASKEDIT_CACHE_BUDGET_BYTES", 1 << 30))))
 
