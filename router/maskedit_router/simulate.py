@@ -3,8 +3,9 @@
 N simulated workers each run step-level continuous batching (max batch 4): a step takes the sum of its requests'
 per-step times from the measured cost-model profile (on this CPU a step's cost grows with the batch), a request
 on a template the worker holds computes only its masked tokens (kv blocks), otherwise the full model, after which
-the worker holds the template (LRU of ``cache_templates``). Workload: loadgen's Poisson arrivals, InstGenIE's
-public mask-ratio distribution and Zipf-popular templates. The router side is the real policy code
+the worker holds the template (LRU of ``cache_templates``). Optionally (``HostModel``) workers share CPU-only
+hosts with their pre/post-processing, as on the machine the validation runs on. Workload: loadgen's Poisson
+arrivals, InstGenIE's public mask-ratio distribution and Zipf-popular templates. The router side is the real policy code
 (``policies.py``) with the router's own bookkeeping. Writes JSON rows and a plot.
 """
 
@@ -37,8 +38,40 @@ class SimRequest:
     f: EditFeatures
     steps_left: int = 0
     step_ms: float = 0.0
+    started: float | None = None  # joined a running batch
+    denoised: float | None = None  # left it
     done: float | None = None
     predicted_ms: float = 0.0
+
+
+@dataclass
+class HostModel:
+    """CPU-only hosts: every worker's denoise loop (one thread) and its pre/post-processing share the host's cores.
+
+    Each CPU task runs at full speed while the host has at least as many cores as runnable tasks, else all slow
+    down alike (processor sharing). Each worker has one pre-processing and one decoding instance, so a worker's
+    pre/post work queues FIFO (as Triton's single ``preprocess`` / ``vae_decode`` instances do)."""
+
+    cores: float
+    workers_per_host: int
+    pre_ms: float  # CPU time per request before denoising (image decode, text + VAE encode)
+    post_ms: float  # and after (VAE decode, PNG encode)
+
+
+class _Host:
+    """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done]."""
+
+    def __init__(self, cores: float):
+        self.cores, self.tasks, self.last, self.token = cores, [], 0.0, 0
+
+    def rate(self) -> float:
+        return 1.0 if len(self.tasks) <= self.cores else self.cores / len(self.tasks)
+
+    def advance(self, now: float) -> None:
+        done = (now - self.last) * 1000.0 * self.rate()
+        for t in self.tasks:
+            t[0] -= done
+        self.last = now
 
 
 @dataclass
@@ -48,9 +81,10 @@ class Worker:
     cache_templates: int = 16
     running: list = field(default_factory=list)
     waiting: list = field(default_factory=list)
+    pre_queue: list = field(default_factory=list)
+    post_queue: list = field(default_factory=list)
     stepping: bool = False
-    step_end: float = 0.0  # when the step in flight ends
-    step_token: int = 0  # identifies the current step event (an extended step supersedes its old event)
+    host: _Host | None = None
 
     def holds(self, key) -> bool:
         return key in self.cache
@@ -76,84 +110,124 @@ def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator
             "decision_us_p50": done["decision_us_p50"], "requests": n}
 
 
+_DONE_MS = 1e-6  # a CPU task with less work left than this has finished (float round-off)
+
+
 def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatures]], est: Estimator,
            max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
-           service: Estimator | None = None, host_ms: float = 0.0) -> dict:
+           service: Estimator | None = None, host: HostModel | None = None) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
-    ``host_ms``: CPU time a request spends outside denoising (decode, encode, PNG) on the same cores as the
-    worker's denoise loop, as on a CPU-only host; it is charged to the worker's next step (0 on GPU hosts,
-    where it runs on otherwise idle CPU cores). Half (pre-processing) lengthens the step in flight when the
-    request arrives, half (post-processing) the next step after it leaves, if any; its own latency gets the
-    host time added by the caller.
+    ``host``: CPU-only hosts whose cores the workers' denoise loops and pre/post-processing share; None models
+    accelerator hosts (denoising never waits for the CPU; the caller adds pre/post time to each latency).
     Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
     service = service or est
     policy = make(policy_name, est)
     ws = [Worker(BackendLoad(f"w{i}"), cache_templates=cache_templates) for i in range(workers)]
-    events: list = []  # (time, seq, kind, payload)
+    per_host = host.workers_per_host if host else 1
+    hosts = [_Host(host.cores if host else float("inf")) for _ in range(-(-workers // per_host))]
+    for i, w in enumerate(ws):
+        w.host = hosts[i // per_host]
+    events: list = []  # (time, seq, callback(now))
     seq = itertools.count()
-    for i, (t, f) in enumerate(arrivals):
-        heapq.heappush(events, (t, next(seq), "arrive", SimRequest(i, t, f)))
     finished: list[SimRequest] = []
     decision_s = []
+
+    def at(t: float, fn) -> None:
+        heapq.heappush(events, (t, next(seq), fn))
+
+    # -- CPU tasks on a host (processor sharing) -----------------------------------------------------
+    def reschedule(h: _Host, now: float) -> None:
+        h.token += 1
+        if h.tasks:
+            token = h.token
+            at(now + max(0.0, min(t[0] for t in h.tasks)) / (1000.0 * h.rate()), lambda t: host_event(h, token, t))
+
+    def run_on(h: _Host, now: float, work_ms: float, on_done) -> None:
+        h.advance(now)
+        h.tasks.append([work_ms, on_done])
+        reschedule(h, now)
+
+    def host_event(h: _Host, token: int, now: float) -> None:
+        if token != h.token:
+            return  # superseded: the set of tasks changed since this completion was predicted
+        h.advance(now)
+        ended = [t for t in h.tasks if t[0] <= _DONE_MS]
+        h.tasks = [t for t in h.tasks if t[0] > _DONE_MS]
+        for t in ended:
+            t[1](now)
+        reschedule(h, now)
+
+    # -- a worker: pre-processing queue, running batch, post-processing queue ----------------------------
+    def fifo(w: Worker, queue: list, work_ms: float, then, now: float) -> None:
+        """Start the head of a single-instance queue; when it ends, ``then`` it and start the next."""
+        def ended(t: float) -> None:
+            q = queue.pop(0)
+            then(w, q, t)
+            if queue:
+                fifo(w, queue, work_ms, then, t)
+        run_on(w.host, now, work_ms, ended)
+
+    def enqueue(w: Worker, q: SimRequest, now: float) -> None:
+        w.waiting.append(q)
+        if not w.stepping:
+            start_step(w, now)
 
     def start_step(w: Worker, now: float) -> None:
         while w.waiting and len(w.running) < max_batch:
             q = w.waiting.pop(0)
             cached = w.holds(q.f.template_key)
-            q.steps_left = q.f.steps
+            q.steps_left, q.started = q.f.steps, now
             q.step_ms = service.request_ms(q.f, cached) / q.f.steps
             w.touch(q.f.template_key)  # recorded by its own run (miss) or refreshed (hit)
             w.running.append(q)
-        if not w.running:
-            w.stepping = False
-            return
-        w.stepping = True
-        dur = (step_fixed_ms + sum(q.step_ms for q in w.running)) / 1000.0
-        w.step_end, w.step_token = now + dur, w.step_token + 1
-        heapq.heappush(events, (w.step_end, next(seq), "step", (w, w.step_token)))
+        w.stepping = bool(w.running)
+        if w.running:
+            run_on(w.host, now, step_fixed_ms + sum(q.step_ms for q in w.running), lambda t: step_done(w, t))
 
-    def charge_host(w: Worker) -> None:
-        """Half a request's host work runs on this worker's cores during its step in flight."""
-        if host_ms and w.stepping:
-            w.step_end, w.step_token = w.step_end + host_ms / 2000.0, w.step_token + 1
-            heapq.heappush(events, (w.step_end, next(seq), "step", (w, w.step_token)))
+    def step_done(w: Worker, now: float) -> None:
+        for q in list(w.running):
+            q.steps_left -= 1
+            if q.steps_left == 0:
+                w.running.remove(q)
+                q.denoised = now
+                if host and host.post_ms:
+                    w.post_queue.append(q)
+                    if len(w.post_queue) == 1:
+                        fifo(w, w.post_queue, host.post_ms, complete, now)
+                else:
+                    complete(w, q, now)
+        start_step(w, now)
 
-    while events:
-        now, _, kind, obj = heapq.heappop(events)
-        if kind == "arrive":
-            t0 = time.perf_counter()
-            w = ws[[x.load for x in ws].index(policy.choose([x.load for x in ws], obj.f))]
-            decision_s.append(time.perf_counter() - t0)
-            cached = w.load.holds(obj.f.template_key, now)
-            obj.predicted_ms = est.request_ms(obj.f, cached)
-            w.load.inflight += 1
-            w.load.backlog_ms += obj.predicted_ms
-            w.load.masked_tokens += int(obj.f.mask_ratio * obj.f.tokens)
-            w.load.templates[obj.f.template_key] = now + 1e9  # router index: sim time never expires
-            w.waiting.append(obj)
-            if w.stepping:
-                charge_host(w)  # its pre-processing slows the step in flight
-            else:
-                start_step(w, now)
+    def complete(w: Worker, q: SimRequest, now: float) -> None:
+        q.done = now
+        finished.append(q)
+        w.load.inflight -= 1
+        w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
+        w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
+
+    def arrive(q: SimRequest, now: float) -> None:
+        t0 = time.perf_counter()
+        w = ws[[x.load for x in ws].index(policy.choose([x.load for x in ws], q.f))]
+        decision_s.append(time.perf_counter() - t0)
+        cached = w.load.holds(q.f.template_key, now)
+        q.predicted_ms = est.request_ms(q.f, cached)
+        w.load.inflight += 1
+        w.load.backlog_ms += q.predicted_ms
+        w.load.masked_tokens += int(q.f.mask_ratio * q.f.tokens)
+        w.load.templates[q.f.template_key] = now + 1e9  # router index: sim time never expires
+        if host and host.pre_ms:
+            w.pre_queue.append(q)
+            if len(w.pre_queue) == 1:
+                fifo(w, w.pre_queue, host.pre_ms, lambda w_, q_, t: enqueue(w_, q_, t), now)
         else:
-            w, token = obj
-            if token != w.step_token:
-                continue  # superseded: the step was extended
-            left = 0
-            for q in list(w.running):
-                q.steps_left -= 1
-                if q.steps_left == 0:
-                    w.running.remove(q)
-                    q.done = now
-                    finished.append(q)
-                    w.load.inflight -= 1
-                    w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
-                    w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
-                    left += 1
-            start_step(w, now)
-            for _ in range(left):
-                charge_host(w)  # post-processing of those that left slows the next step
+            enqueue(w, q, now)
+
+    for i, (t, f) in enumerate(arrivals):
+        at(t, (lambda q: lambda now: arrive(q, now))(SimRequest(i, t, f)))
+    while events:
+        now, _, fn = heapq.heappop(events)
+        fn(now)
     return {"requests": sorted(finished, key=lambda q: q.rid),
             "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0}
 
