@@ -24,3 +24,16 @@ def test_full_plan_ceiling_is_one_and_masked_plans_are_faster():
     modes = [FULL] * 3
     assert timer.ceiling_speedup(modes, 1, 256, 256, 16, 32) == pytest.approx(1.0)
     assert timer.ceiling_speedup([KV] * 3, 1, 256, 16, 16, 32) > 1.0
+
+
+def test_streamed_weights_cycle_through_a_pool(monkeypatch):
+    """With a pool, consecutive GEMM calls read different weight matrices (else the weights stay cache-hot)."""
+    import torch.nn.functional as F
+
+    seen, real = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b: (seen.append(w.data_ptr()), real(x, w, b))[1])
+    KernelTimer(heads=2, reps=2, stream_bytes=4 * 32 * 32 * 8).call_s(("mm", 4, 32, 32), 32)
+    assert len(seen) == 5 and len(set(seen)) == 5  # 3 warm-up + 2 timed calls, each on its own matrix of 8
+    seen.clear()
+    KernelTimer(heads=2, reps=2).call_s(("mm", 4, 32, 32), 32)
+    assert len(set(seen)) == 1  # hot: one matrix

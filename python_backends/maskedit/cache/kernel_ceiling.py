@@ -6,10 +6,17 @@ rows of a masked block runs 10-40% slower per FLOP than over the ~1000 rows of a
 attention with few queries, so part of the gap between measured and FLOP-ideal speedup is the kernels',
 not the engine's. This module times each distinct call shape once (same ops, same threads, random data)
 and sums them per plan, so the benchmark can report both ceilings side by side.
+
+Two variants: *hot* weights (one matrix per shape, in cache: the kernels' best case) and *streamed* weights
+(each call reads a different matrix from a pool several times the last-level cache). A real step reads every
+weight once, so on a CPU whose cache is smaller than the model it streams them from memory; that costs a GEMM
+over few rows relatively more than one over many, which lowers the speedup a masked step can reach.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 
 import torch
@@ -37,11 +44,20 @@ def _calls(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> list[t
     return calls
 
 
+def last_level_cache_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
+    except (ValueError, OSError, AttributeError):  # not Linux/glibc
+        return 32 << 20
+
+
 class KernelTimer:
     """Times call shapes once each (memoized) with the model's head layout."""
 
-    def __init__(self, heads: int, reps: int = 20):
-        self.heads, self.reps = heads, reps
+    def __init__(self, heads: int, reps: int = 20, stream_bytes: int = 0):
+        """``stream_bytes`` > 0: GEMM weights come from a pool of distinct matrices this large (streamed weights);
+        0: one cache-hot matrix per shape."""
+        self.heads, self.reps, self.stream_bytes = heads, reps, stream_bytes
         self._memo: dict[tuple, float] = {}
 
     def _time(self, fn) -> float:
@@ -58,8 +74,10 @@ class KernelTimer:
         if key not in self._memo:
             if call[0] == "mm":
                 _, rows, d_in, d_out = call
-                x, w, b = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(d_out)
-                self._memo[key] = self._time(lambda: F.linear(x, w, b)) if rows else 0.0
+                x, b = torch.randn(rows, d_in), torch.randn(d_out)
+                pool = max(1, self.stream_bytes // (4 * d_in * d_out))  # oldest first: long out of cache
+                weights = itertools.cycle([torch.randn(d_out, d_in) for _ in range(pool)])
+                self._memo[key] = self._time(lambda: F.linear(x, next(weights), b)) if rows else 0.0
             else:
                 _, q_rows, k_rows = call
                 hd = dim // self.heads
