@@ -155,24 +155,10 @@ def run_workload(server: Server, requests, assets) -> dict:
     }
 
 
-def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
-    eng, rt = h.engine("planner", scheduler=BatchScheduler("continuous", max_batch=batch), max_queue=n)
-    x = h.inputs(h.mask(0.2, seed=7))
-    left = threading.Semaphore(0)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        eng.submit(DenoiseJob(x, on_done=lambda j: left.release(), on_error=lambda j, e: left.release()))
-    for _ in range(n):
-        left.acquire(timeout=600)
-    wall = time.perf_counter() - t0
-    eng.shutdown()
-    rt.close()
-    return n / wall
-
-
-def mixed_resolution(h: Harness, inputs: list, pack: bool) -> dict:
-    """Closed loop at batch 4 over requests of two resolutions (cache hits): per-step time and throughput."""
-    eng, rt = h.engine("planner", scheduler=BatchScheduler("continuous", max_batch=4), max_queue=len(inputs),
+def closed_loop(h: Harness, inputs: list, batch: int, pack: bool = True) -> dict:
+    """Submit every input at once to an engine of max batch ``batch`` and wait for all: wall time, steps run and
+    transformer calls made."""
+    eng, rt = h.engine("planner", scheduler=BatchScheduler("continuous", max_batch=batch), max_queue=len(inputs),
                        pack=pack)
     left = threading.Semaphore(0)
     calls = []
@@ -184,11 +170,21 @@ def mixed_resolution(h: Harness, inputs: list, pack: bool) -> dict:
         left.acquire(timeout=600)
     wall = time.perf_counter() - t0
     hook.remove()
-    steps = eng.steps_run
     eng.shutdown()
     rt.close()
-    return {"mode": "mixed_resolution", "pack": pack, "batch": 4, "rate": None, "throughput": len(inputs) / wall,
-            "step_ms": 1000 * wall / steps, "calls_per_step": len(calls) / steps}
+    return {"wall_s": wall, "steps": eng.steps_run, "calls": len(calls)}
+
+
+def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
+    return n / closed_loop(h, [h.inputs(h.mask(0.2, seed=7))] * n, batch)["wall_s"]
+
+
+def mixed_resolution(h: Harness, inputs: list, pack: bool) -> dict:
+    """Closed loop at batch 4 over requests of two resolutions (cache hits): per-step time and throughput."""
+    r = closed_loop(h, inputs, 4, pack)
+    return {"mode": "mixed_resolution", "pack": pack, "batch": 4, "rate": None,
+            "throughput": len(inputs) / r["wall_s"], "step_ms": 1000 * r["wall_s"] / r["steps"],
+            "calls_per_step": r["calls"] / r["steps"]}
 
 
 def main(argv=None) -> None:

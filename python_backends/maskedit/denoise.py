@@ -176,7 +176,7 @@ class ModelRunner:
 
     def _packed_context(self, group: list[DenoiseJob], ctx: StepContext | None) -> StepContext:
         """Every row through the gathered path, with its own token count and rotary tables."""
-        n_blocks = len(self.transformer.transformer_blocks) + len(self.transformer.single_transformer_blocks)
+        n_blocks = len(FluxCacheHooks.of(self.transformer).blocks)
         rows = ctx.rows if ctx is not None else [None] * len(group)
         views = []
         for job, view in zip(group, rows):

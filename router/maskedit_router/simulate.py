@@ -83,7 +83,6 @@ class Worker:
     waiting: list = field(default_factory=list)
     pre_queue: list = field(default_factory=list)
     post_queue: list = field(default_factory=list)
-    stepping: bool = False
     host: _Host | None = None
 
     def holds(self, key) -> bool:
@@ -159,18 +158,22 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         reschedule(h, now)
 
     # -- a worker: pre-processing queue, running batch, post-processing queue ----------------------------
-    def fifo(w: Worker, queue: list, work_ms: float, then, now: float) -> None:
-        """Start the head of a single-instance queue; when it ends, ``then`` it and start the next."""
+    def fifo(w: Worker, queue: list, q: SimRequest, work_ms: float, then, now: float) -> None:
+        """Queue ``q`` for a single-instance stage (``work_ms`` of CPU each); ``then(w, q, t)`` as each ends."""
+        def start(t: float) -> None:
+            run_on(w.host, t, work_ms, ended)
+
         def ended(t: float) -> None:
-            q = queue.pop(0)
-            then(w, q, t)
+            then(w, queue.pop(0), t)
             if queue:
-                fifo(w, queue, work_ms, then, t)
-        run_on(w.host, now, work_ms, ended)
+                start(t)
+        queue.append(q)
+        if len(queue) == 1:  # the instance was idle
+            start(now)
 
     def enqueue(w: Worker, q: SimRequest, now: float) -> None:
         w.waiting.append(q)
-        if not w.stepping:
+        if not w.running:  # no step in flight: start one now (else it joins at the next step boundary)
             start_step(w, now)
 
     def start_step(w: Worker, now: float) -> None:
@@ -181,7 +184,6 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             q.step_ms = service.request_ms(q.f, cached) / q.f.steps
             w.touch(q.f.template_key)  # recorded by its own run (miss) or refreshed (hit)
             w.running.append(q)
-        w.stepping = bool(w.running)
         if w.running:
             run_on(w.host, now, step_fixed_ms + sum(q.step_ms for q in w.running), lambda t: step_done(w, t))
 
@@ -192,9 +194,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                 w.running.remove(q)
                 q.denoised = now
                 if host and host.post_ms:
-                    w.post_queue.append(q)
-                    if len(w.post_queue) == 1:
-                        fifo(w, w.post_queue, host.post_ms, complete, now)
+                    fifo(w, w.post_queue, q, host.post_ms, complete, now)
                 else:
                     complete(w, q, now)
         start_step(w, now)
@@ -217,9 +217,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         w.load.masked_tokens += int(q.f.mask_ratio * q.f.tokens)
         w.load.templates[q.f.template_key] = now + 1e9  # router index: sim time never expires
         if host and host.pre_ms:
-            w.pre_queue.append(q)
-            if len(w.pre_queue) == 1:
-                fifo(w, w.pre_queue, host.pre_ms, lambda w_, q_, t: enqueue(w_, q_, t), now)
+            fifo(w, w.pre_queue, q, host.pre_ms, enqueue, now)
         else:
             enqueue(w, q, now)
 

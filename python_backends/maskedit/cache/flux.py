@@ -61,6 +61,9 @@ class RowView:
     def n_image(self, N: int) -> int:
         return self.tokens if self.tokens is not None else N
 
+    def tables(self, rope):
+        return self.rope if self.rope is not None else rope
+
     def gathered(self, b: int, L: int, rope, N: int, device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """For block ``b``: (image tokens computed, their sequence positions after the text, rotary tables at
         [text; those tokens]). ``full`` computes every token of the row, the cached modes the masked ones."""
@@ -68,14 +71,14 @@ class RowView:
         if kind not in self._memo:
             cols = torch.arange(self.n_image(N), device=device) if kind == "all" else self.idx_c
             pos = torch.cat([torch.arange(L, device=device), cols + L])
-            r = self.rope if self.rope is not None else rope
+            r = self.tables(rope)
             self._memo[kind] = (cols, pos, (r[0][pos], r[1][pos]))
         return self._memo[kind]
 
     def rope_u(self, rope, L: int):
         if "cs_u" not in self._memo:
             pos = self.idx_u + L
-            r = self.rope if self.rope is not None else rope
+            r = self.tables(rope)
             self._memo["cs_u"] = (r[0][pos], r[1][pos])
         return self._memo["cs_u"]
 
