@@ -5,18 +5,22 @@
 2. Measure the simulator's inputs on isolated requests through the router, one at a time: how fast this
    set-up denoises relative to the cost-model profile (observed / profile-predicted denoise time, separately
    for template runs and cache hits) and the time a request spends outside denoising (pre/post-processing,
-   transport); then the same with both instances busy (each probe sent straight to both at once).
-3. Warm every template with one request each, then serve an open-loop Poisson workload through the router
-   with the project's load generator and record each request's latency.
-4. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
-   model's token grid) in the simulator with those inputs, and compare P50/P95.
+   transport).
+3. Measure the set-up's capacity: a burst of requests sent at once (templates warmed first); the throughput
+   between the first and last quarter of completions is the saturation throughput. Offered loads are fractions
+   of it, so "load 0.85" means 85 % busy on this machine, whatever its speed that day.
+4. Per load: re-measure step 2 (the host's speed drifts over minutes), warm every template with one request
+   each, then serve an open-loop Poisson workload through the router with the project's load generator.
+5. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
+   model's token grid) in the simulator with the inputs measured just before them, and compare P50/P95; replay
+   the burst too and compare saturation throughput.
 
-Writes ``perf_profiles/results/router_validation.json`` (calibration, every measured request, and the
+Writes ``perf_profiles/results/router_validation.json`` (calibrations, every measured request, and the
 comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``--from FILE`` re-runs only
-step 4 on a saved measurement. Two simulator variants are compared: as used for the scale-out table ("plain":
+step 5 on a saved measurement. Two simulator variants are compared: as used for the scale-out table ("plain":
 workers only denoise, at the speed measured alone, and pre/post-processing adds its measured time), and
 "shared_cpu": both instances' denoise loops and their single pre-processing and decoding instances share this
-host's cores (processor sharing, ``simulate.HostModel``), at the speeds measured with both instances busy.
+host's cores (processor sharing, ``simulate.HostModel``).
 """
 
 from __future__ import annotations
@@ -83,8 +87,24 @@ def _calibrate(clients, probes, assets, est: Estimator, res: int, steps: int) ->
             "outside_s": statistics.median(outside)}
 
 
-def run(loads=(0.35, 0.5, 0.65), requests: int = 150, templates: int = 4, policy: str = "predicted", seed: int = 0,
-        out_dir: Path | None = None) -> dict:
+def _warm(client, assets, reqs) -> list:
+    """One request per template, one at a time, so every later request on it can hit."""
+    warm = [replace(reqs[[r.template for r in reqs].index(t)], t=0.0) for t in sorted({r.template for r in reqs})]
+    for w in warm:
+        client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
+    return warm
+
+
+def saturation_throughput(done_s: list[float]) -> float:
+    """Completions per second between the first and the last quarter of a burst's completions (leaves out the
+    start, when the batches fill, and the drain, when one instance may already be idle)."""
+    t = sorted(done_s)
+    a, b = len(t) // 4, len(t) - 1 - len(t) // 4
+    return (b - a) / (t[b] - t[a])
+
+
+def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy: str = "predicted", seed: int = 0,
+        burst: int = 24, out_dir: Path | None = None) -> dict:
     from loadgen import runner as lg
     from loadgen import workload
     from maskedit_client import EditClient
@@ -98,41 +118,43 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 150, templates: int = 4, policy
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
     env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
+    est = Estimator(cost)
+    feats = lambda r: dict(zip(("mask_ratio", "tokens"), mask_ratio(assets.mask(r), res)))  # noqa: E731  model grid
     runs = []
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
             running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
         with EditClient(url) as client:
-            # 2. isolated requests: a template run, then hits at several mask ratios, one at a time.
-            est = Estimator(cost)
-            probes = [workload.Request(0.0, 900, r, "blob", "calibration", seed=i)
-                      for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
-            calib = {**_calibrate([client], probes, assets, est, res, steps), "probes": len(probes)}
-            # 2b. the same with both instances busy: each probe sent straight to both instances at once.
-            direct = [EditClient(s.grpc_url) for s in _servers]
-            try:
-                calib["loaded"] = _calibrate(direct, [replace(q, template=901) for q in probes], assets, est, res,
-                                             steps)
-            finally:
-                for c in direct:
-                    c.close()
-            service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
-            mean_hit_s = service.request_ms(EditFeatures("x", 0.19, (res // TOKEN_PX) ** 2, steps), True) / 1000
+            def calibrate(template: int) -> dict:
+                # isolated requests: a template run, then hits at several mask ratios, one at a time.
+                probes = [workload.Request(0.0, template, r, "blob", "calibration", seed=i)
+                          for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
+                return {**_calibrate([client], probes, assets, est, res, steps), "probes": len(probes)}
+
+            calib = calibrate(900)
+            # 3. capacity: a burst on warmed templates.
+            sat = workload.synthesize(np.zeros(burst), workload="public", n_templates=templates, zipf_s=1.1,
+                                      seed=seed + 99)
+            sat = [replace(r, template=r.template + 50) for r in sat]
+            warm = _warm(client, assets, sat)
+            records, wall = lg.run(client, sat, assets, progress=True)
+            capacity = saturation_throughput([r.done_s for r in records if r.error is None])
+            saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
+                          "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                          "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
+                                        "error": rec.error} for r, rec in zip(sat, records)]}
+            print(json.dumps({"saturation_throughput": round(capacity, 3)}), flush=True)
             for li, load in enumerate(loads):
-                rate = round(load * 2 / mean_hit_s, 3)
+                rate = round(load * capacity, 3)
                 reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
                                         seed=seed + li)
                 reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
-                # 3. warm-up: each template once, one at a time; then the open-loop run.
-                warm = [replace(reqs[[r.template for r in reqs].index(t)], t=0.0)
-                        for t in sorted({r.template for r in reqs})]
-                for w in warm:
-                    client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
+                run_calib = calibrate(900 + li + 1)
+                warm = _warm(client, assets, reqs)
                 records, wall = lg.run(client, reqs, assets, progress=True)
-                feats = lambda r: mask_ratio(assets.mask(r), res)  # noqa: E731  (ratio, tokens) on the model's grid
                 runs.append({
-                    "load": load, "rate": rate, "wall_s": round(wall, 2),
-                    "warmup": [{"template": w.template, **dict(zip(("mask_ratio", "tokens"), feats(w)))} for w in warm],
-                    "requests": [{"t": r.t, "template": r.template, **dict(zip(("mask_ratio", "tokens"), feats(r))),
+                    "load": load, "rate": rate, "wall_s": round(wall, 2), "calibration": run_calib,
+                    "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                    "requests": [{"t": r.t, "template": r.template, **feats(r),
                                   "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
                                   "cache_hit": rec.cache_hit, "error": rec.error} for r, rec in zip(reqs, records)],
                 })
@@ -141,46 +163,63 @@ def run(loads=(0.35, 0.5, 0.65), requests: int = 150, templates: int = 4, policy
     return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
                      "host_cores": os.cpu_count(),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
-                     "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name}, "runs": runs}
+                     "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
+                     "load_basis": "measured saturation throughput", "saturation": saturation}, "runs": runs}
+
+
+def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
+    """(name, service estimator, host model, seconds added outside denoising) per simulator variant."""
+    service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
+    # Shared CPU: the time outside denoising is CPU work split evenly between the pre-processing and decoding
+    # instances, which share the host's cores with both denoise loops.
+    outside_ms = calib["outside_s"] * 1000
+    host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
+                     post_ms=outside_ms / 2)
+    return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
+
+
+def _arrivals(meta: dict, run_: dict, t_key: str = "t") -> list[tuple]:
+    f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
+    warm = run_["warmup"]
+    return [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)] + \
+        [(r[t_key], f(r)) for r in run_["requests"]]
 
 
 def compare(measured: dict) -> list[dict]:
-    """Replay each measured run in the simulator (plain; with host CPU contention; and, if measured, with the
-    speed calibrated under load); a row per variant."""
-    meta, calib = measured["meta"], measured["meta"]["calibration"]
+    """Replay the burst and each measured run in the simulator, each with the calibration measured just before
+    it (older files: the one calibration); a row per variant."""
+    meta = measured["meta"]
     profile = REPO_ROOT / "perf_profiles" / meta["profile"]
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
-    service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
-    # Shared CPU: the speeds measured with both instances busy (each then has its own core, so processor sharing
-    # starts only beyond that; what remains is their contention for memory), and the time outside denoising as
-    # CPU work split evenly between the pre-processing and decoding instances.
-    ld = calib.get("loaded", calib)
-    outside_ms = ld["outside_s"] * 1000
-    host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
-                     post_ms=outside_ms / 2)
-    variants = [("plain", service, None, calib["outside_s"]),
-                ("shared_cpu", ScaledEstimator(cost, hit_scale=ld["hit_scale"], miss_scale=ld["miss_scale"]), host,
-                 0.0)]
     rows = []
+    base = {"policy": meta["policy"], "workers": meta["instances"], "validation": True}
+    sat = meta.get("saturation")
+    if sat:
+        rows.append({**base, "load": "saturation", "simulated": False, "model": "measured",
+                     "throughput": sat["throughput"], "requests": len(sat["requests"])})
+        n_warm = len(sat["warmup"])
+        for model, svc, host, _ in _variants(meta, sat["calibration"], cost):
+            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), Estimator(cost), service=svc,
+                         host=host)["requests"][n_warm:]
+            thr = saturation_throughput([q.done - q.arrival for q in sim])
+            rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
+                         "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
     for run_ in measured["runs"]:
         ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
         lat = np.array([r["latency_s"] for r in ok])
-        base = {"policy": meta["policy"], "workers": meta["instances"], "rate": run_["rate"], "load": run_["load"],
-                "validation": True}
-        m = {**base, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
+        b = {**base, "rate": run_["rate"], "load": run_["load"]}
+        m = {**b, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
              "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
              "errors": len(run_["requests"]) - len(ok),
              "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
         rows.append(m)
-        f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
-        warm = run_["warmup"]
-        arrivals = [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)]
-        arrivals += [(r["t"], f(r)) for r in run_["requests"]]
-        for model, svc, host, outside_s in variants:
-            sim = replay(meta["policy"], meta["instances"], arrivals, Estimator(cost), service=svc, host=host)
-            done = sim["requests"][len(warm):]
+        n_warm = len(run_["warmup"])
+        for model, svc, host, outside_s in _variants(meta, run_.get("calibration", meta["calibration"]), cost):
+            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), Estimator(cost), service=svc,
+                         host=host)
+            done = sim["requests"][n_warm:]
             slat = np.array([q.done - q.arrival + outside_s for q in done])
-            rows.append({**base, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
+            rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
                          "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
                          "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
                          "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3)})
@@ -189,8 +228,8 @@ def compare(measured: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.35, 0.5, 0.65],
-                    help="offered load as a fraction of the two instances' all-hit capacity")
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.7, 0.85],
+                    help="offered load as a fraction of the measured saturation throughput")
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--policy", default="predicted")
     ap.add_argument("--from", dest="source", type=Path,
@@ -203,7 +242,7 @@ def main(argv=None) -> None:
     for r in measured["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                           if k in ("load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
-                                   "errors", "cache_hits")}))
+                                   "errors", "cache_hits", "throughput", "throughput_error")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"

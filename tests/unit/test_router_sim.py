@@ -76,3 +76,38 @@ def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
     assert b.started == pytest.approx(0.3 + (step_ms - 100.0) / 1000)
     solo = replay("round_robin", 1, [(0.0, f("a"))], est, host=host)["requests"][0]
     assert latency(a) > latency(solo)
+
+
+def test_saturation_throughput_leaves_out_fill_and_drain():
+    from maskedit_router.validate import saturation_throughput
+
+    # 8 completions: a slow start, one per second in the middle, a long drain
+    done = [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 30.0, 60.0]
+    assert saturation_throughput(done) == pytest.approx(3 / 3.0)  # 3rd..6th completion: 3 in 3 s
+
+
+def test_validation_replays_burst_and_runs_with_their_own_calibration():
+    from maskedit_router.validate import compare
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
+    req = lambda t, tpl: {"t": t, "template": tpl, "mask_ratio": 0.2, "tokens": 1024}  # noqa: E731
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    measured = {
+        "meta": {"policy": "round_robin", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+                 "profile": "missing-profile.json",
+                 "saturation": {"throughput": 1.0, "calibration": calib, "warmup": warm,
+                                "requests": [req(0.0, 1) for _ in range(12)]}},
+        "runs": [{"load": 0.5, "rate": 0.5, "warmup": warm, "calibration": {**calib, "hit_scale": 2.0},
+                  "requests": [{**req(30.0 * i, 1), "latency_s": 1.0, "queue_s": 0.0, "denoise_s": 0.9,
+                                "cache_hit": True, "error": None} for i in range(10)]}],
+    }
+    rows = compare(measured)
+    sat = [r for r in rows if r["load"] == "saturation"]
+    assert [r["model"] for r in sat] == ["measured", "plain", "shared_cpu"]
+    assert all(r["throughput"] > 0 for r in sat)
+    runs = {r["model"]: r for r in rows if r["load"] == 0.5}
+    assert set(runs) == {"measured", "plain", "shared_cpu"}
+    # the run's own calibration (hits twice the profile) is used, not the burst's: isolated hits take 2x
+    est = Estimator(CostModel.fallback())
+    alone = 2.0 * est.request_ms(EditFeatures("t1", 0.2, 1024, 8), True) / 1000 + 8 * 2.0 / 1000 + 0.1
+    assert runs["plain"]["p50_s"] == pytest.approx(alone, rel=1e-6)
