@@ -23,6 +23,10 @@ class RouterMetrics:
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
         self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend", ["backend"],
                                registry=r)
+        self.model_scale = Gauge("maskedit_router_model_scale", "observed / profile-predicted latency (online fit)",
+                                 registry=r)
+        self.model_stale = Gauge("maskedit_router_model_stale", "1 while the cost model's recent error is too large "
+                                 "and routing falls back to least masked tokens", registry=r)
         self.healthy = Gauge("maskedit_router_backend_healthy", "1 if the backend is in rotation", ["backend"],
                              registry=r)
 
@@ -34,6 +38,10 @@ class RouterMetrics:
         self.latency.labels(backend, policy).observe(observed_s)
         if observed_s > 0:
             self.error.observe(abs(observed_s - predicted_s) / observed_s)
+
+    def model(self, scale: float, stale: bool) -> None:
+        self.model_scale.set(scale)
+        self.model_stale.set(1 if stale else 0)
 
     def retried(self, backend: str) -> None:
         self.retries.labels(backend).inc()

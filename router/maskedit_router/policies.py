@@ -13,6 +13,7 @@ A hot-spot guard lets load win over affinity when the preferred backend is far b
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,12 @@ class Estimator:
     text: int = 64
     default_steps: int = 8
     scale: float = 1.0  # refitted online: observed / predicted
+    # Recent |ln(observed / predicted)| (EMA; symmetric in over- and under-prediction). Beyond ``stale_error``
+    # (default: typically off by more than 4x) the model no longer describes the backends (new hardware, a profile
+    # of another model) and policies fall back to a score without it.
+    error: float = 0.0
+    stale_error: float = math.log(4.0)
+    observations: int = 0
 
     def request_ms(self, f: EditFeatures, cached: bool) -> float:
         steps = f.steps or self.default_steps
@@ -59,8 +66,16 @@ class Estimator:
         return self.scale * steps * per_step
 
     def observe(self, predicted_ms: float, observed_ms: float, alpha: float = 0.1) -> None:
+        """A request predicted (at routing time, with the scale then) to complete in ``predicted_ms`` took
+        ``observed_ms``."""
         if predicted_ms > 0 and observed_ms > 0:
+            self.error += alpha * (abs(math.log(observed_ms / predicted_ms)) - self.error)
             self.scale += alpha * (observed_ms / predicted_ms * self.scale - self.scale)
+            self.observations += 1
+
+    @property
+    def stale(self) -> bool:
+        return self.error > self.stale_error
 
 
 class Policy:
@@ -104,10 +119,13 @@ class PredictedLatency(Policy):
         self.est, self.abs_gate_ms, self.rel_gate, self.disk_load_ms = estimator, abs_gate_ms, rel_gate, disk_load_ms
 
     def score(self, b: BackendLoad, f: EditFeatures, now: float) -> float:
+        """Predicted completion latency (ms) of ``f`` on ``b``."""
         cached = b.holds(f.template_key, now)
         return b.backlog_ms + self.est.request_ms(f, cached)
 
     def choose(self, backends, f):
+        if self.est.stale:  # the cost model is off: a score that does not use it
+            return LeastMaskedTokens().choose(backends, f)
         now = time.monotonic()
         best = min(backends, key=lambda b: (self.score(b, f, now), b.inflight, b.name))
         least = min(backends, key=lambda b: (b.backlog_ms, b.inflight, b.name))

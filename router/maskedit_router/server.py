@@ -64,8 +64,9 @@ class Backend:
 class Ticket:
     backend: Backend
     features: EditFeatures
-    predicted_ms: float
+    predicted_ms: float  # the request's own work, as added to the backend's backlog
     masked: int
+    expected_ms: float = 0.0  # its predicted completion latency: the backlog it joined plus its own work
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -120,13 +121,14 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             cached = choice.load.holds(f.template_key, now)
             predicted = self.est.request_ms(f, cached)
             masked = int(round(f.mask_ratio * f.tokens))
+            expected = choice.load.backlog_ms + predicted
             choice.load.inflight += 1
             choice.load.masked_tokens += masked
             choice.load.backlog_ms += predicted
             if f.template_key:  # "just routed this template here": its activations will be there
                 choice.load.templates[f.template_key] = now + self.ttl
         self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
-        return Ticket(choice, f, predicted, masked)
+        return Ticket(choice, f, predicted, masked, expected)
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -137,8 +139,11 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         observed = (time.monotonic() - t.t0) * 1000
         if ok:
             t.backend.succeeded()
-            self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.predicted_ms / 1000)
-            self.est.observe(t.predicted_ms, observed)
+            # Refit against what the policy predicted (completion latency), not the bare service time: under load
+            # the latter would read queueing as slowness and inflate every backlog.
+            self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.expected_ms / 1000)
+            self.est.observe(t.expected_ms, observed)
+            self.metrics.model(self.est.scale, self.est.stale)
 
     # -- plain calls: forwarded to a healthy backend ------------------------------------------------
     def _forward(self, method: str, request, context):

@@ -17,7 +17,7 @@ import itertools
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ class SimRequest:
     denoised: float | None = None  # left it
     done: float | None = None
     predicted_ms: float = 0.0
+    expected_ms: float = 0.0  # the router's predicted completion latency
 
 
 @dataclass
@@ -119,8 +120,10 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
     ``host``: CPU-only hosts whose cores the workers' denoise loops and pre/post-processing share; None models
     accelerator hosts (denoising never waits for the CPU; the caller adds pre/post time to each latency).
+    The router refits a copy of ``est`` online from completions, as the real router does.
     Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
     service = service or est
+    est = replace(est)  # the router's own copy: its online fit must not leak into the caller's or other runs
     policy = make(policy_name, est)
     ws = [Worker(BackendLoad(f"w{i}"), cache_templates=cache_templates) for i in range(workers)]
     per_host = host.workers_per_host if host else 1
@@ -205,6 +208,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         w.load.inflight -= 1
         w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
         w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
+        est.observe(q.expected_ms, (now - q.arrival) * 1000.0)
 
     def arrive(q: SimRequest, now: float) -> None:
         t0 = time.perf_counter()
@@ -212,6 +216,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         decision_s.append(time.perf_counter() - t0)
         cached = w.load.holds(q.f.template_key, now)
         q.predicted_ms = est.request_ms(q.f, cached)
+        q.expected_ms = w.load.backlog_ms + q.predicted_ms
         w.load.inflight += 1
         w.load.backlog_ms += q.predicted_ms
         w.load.masked_tokens += int(q.f.mask_ratio * q.f.tokens)

@@ -130,15 +130,21 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
                           for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
                 return {**_calibrate([client], probes, assets, est, res, steps), "probes": len(probes)}
 
+            def router_model() -> dict:
+                """The router's online fit when a run starts: the simulated router starts from the same."""
+                return {"scale": router.est.scale, "error": router.est.error}
+
             calib = calibrate(900)
             # 3. capacity: a burst on warmed templates.
             sat = workload.synthesize(np.zeros(burst), workload="public", n_templates=templates, zipf_s=1.1,
                                       seed=seed + 99)
             sat = [replace(r, template=r.template + 50) for r in sat]
+            sat_model = router_model()
             warm = _warm(client, assets, sat)
             records, wall = lg.run(client, sat, assets, progress=True)
             capacity = saturation_throughput([r.done_s for r in records if r.error is None])
             saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
+                          "router_model": sat_model,
                           "warmup": [{"template": w.template, **feats(w)} for w in warm],
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
                                         "error": rec.error} for r, rec in zip(sat, records)]}
@@ -149,10 +155,12 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
                                         seed=seed + li)
                 reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
                 run_calib = calibrate(900 + li + 1)
+                model_at_start = router_model()  # before the warm-up, which the simulator replays too
                 warm = _warm(client, assets, reqs)
                 records, wall = lg.run(client, reqs, assets, progress=True)
                 runs.append({
                     "load": load, "rate": rate, "wall_s": round(wall, 2), "calibration": run_calib,
+                    "router_model": model_at_start,
                     "warmup": [{"template": w.template, **feats(w)} for w in warm],
                     "requests": [{"t": r.t, "template": r.template, **feats(r),
                                   "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
@@ -185,6 +193,11 @@ def _arrivals(meta: dict, run_: dict, t_key: str = "t") -> list[tuple]:
         [(r[t_key], f(r)) for r in run_["requests"]]
 
 
+def _router_estimator(cost: CostModel, run_: dict) -> Estimator:
+    """The simulated router's estimator, starting from the real router's online fit at the run's start."""
+    return replace(Estimator(cost), **run_.get("router_model", {}))
+
+
 def compare(measured: dict) -> list[dict]:
     """Replay the burst and each measured run in the simulator, each with the calibration measured just before
     it (older files: the one calibration); a row per variant."""
@@ -199,8 +212,8 @@ def compare(measured: dict) -> list[dict]:
                      "throughput": sat["throughput"], "requests": len(sat["requests"])})
         n_warm = len(sat["warmup"])
         for model, svc, host, _ in _variants(meta, sat["calibration"], cost):
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), Estimator(cost), service=svc,
-                         host=host)["requests"][n_warm:]
+            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), _router_estimator(cost, sat),
+                         service=svc, host=host)["requests"][n_warm:]
             thr = saturation_throughput([q.done - q.arrival for q in sim])
             rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
                          "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
@@ -215,8 +228,8 @@ def compare(measured: dict) -> list[dict]:
         rows.append(m)
         n_warm = len(run_["warmup"])
         for model, svc, host, outside_s in _variants(meta, run_.get("calibration", meta["calibration"]), cost):
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), Estimator(cost), service=svc,
-                         host=host)
+            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
+                         service=svc, host=host)
             done = sim["requests"][n_warm:]
             slat = np.array([q.done - q.arrival + outside_s for q in done])
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),

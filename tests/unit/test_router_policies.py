@@ -68,3 +68,18 @@ def test_mask_ratio_from_the_encoded_mask():
     ratio, tokens = mask_ratio(png(m), resolution=512)
     assert tokens == 1024 and ratio == pytest.approx(0.25)
     assert mask_ratio(png(np.zeros((64, 64), np.uint8)), 512)[0] == 0.0
+
+
+def test_stale_cost_model_falls_back_to_least_masked_tokens():
+    e = Estimator(CostModel.fallback())
+    p = PredictedLatency(e)
+    bs = [BackendLoad("b0", masked_tokens=5000, backlog_ms=0.0), BackendLoad("b1", masked_tokens=10, backlog_ms=9e5)]
+    assert p.choose(bs, F).name == "b0"  # the model says b1 is far behind
+    for _ in range(30):  # predictions keep being off by 10x
+        e.observe(100.0, 1000.0, alpha=0.2)
+        e.scale = 1.0  # (keep the fit from catching up, as with a model that no longer describes the backends)
+    assert e.stale
+    assert p.choose(bs, F).name == "b1"
+    for _ in range(30):
+        e.observe(1000.0, 1000.0, alpha=0.2)
+    assert not e.stale and p.choose(bs, F).name == "b0"

@@ -111,3 +111,11 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
     est = Estimator(CostModel.fallback())
     alone = 2.0 * est.request_ms(EditFeatures("t1", 0.2, 1024, 8), True) / 1000 + 8 * 2.0 / 1000 + 0.1
     assert runs["plain"]["p50_s"] == pytest.approx(alone, rel=1e-6)
+
+
+def test_simulated_router_refits_its_own_copy(est):
+    arrivals = [(i * 0.5, f(template=f"t{i % 3}")) for i in range(20)]
+    a = replay("predicted", 2, arrivals, est)
+    b = replay("predicted", 2, arrivals, est)
+    assert est.scale == 1.0 and est.observations == 0  # the caller's estimator is untouched
+    assert [q.done for q in a["requests"]] == [q.done for q in b["requests"]]
