@@ -65,12 +65,16 @@ class Estimator:
                        for k in ["dual"] * self.dual + ["single"] * self.single)
         return self.scale * steps * per_step
 
-    def observe(self, predicted_ms: float, observed_ms: float, alpha: float = 0.1) -> None:
-        """A request predicted (at routing time, with the scale then) to complete in ``predicted_ms`` took
-        ``observed_ms``."""
+    def observe(self, predicted_ms: float, observed_ms: float, predicted_scale: float | None = None,
+                alpha: float = 0.1) -> None:
+        """A request predicted to complete in ``predicted_ms`` (at routing time, with the scale then:
+        ``predicted_scale``, default the current one) took ``observed_ms``. The fit moves toward observed /
+        unscaled prediction; relative to the scale *at prediction*, so a burst routed before any completion does
+        not compound its error into the scale."""
         if predicted_ms > 0 and observed_ms > 0:
+            at = self.scale if predicted_scale is None else predicted_scale
             self.error += alpha * (abs(math.log(observed_ms / predicted_ms)) - self.error)
-            self.scale += alpha * (observed_ms / predicted_ms * self.scale - self.scale)
+            self.scale += alpha * (observed_ms / predicted_ms * at - self.scale)
             self.observations += 1
 
     @property

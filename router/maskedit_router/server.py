@@ -67,6 +67,7 @@ class Ticket:
     predicted_ms: float  # the request's own work, as added to the backend's backlog
     masked: int
     expected_ms: float = 0.0  # its predicted completion latency: the backlog it joined plus its own work
+    scale: float = 1.0  # the estimator's scale when it was predicted
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -128,7 +129,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             if f.template_key:  # "just routed this template here": its activations will be there
                 choice.load.templates[f.template_key] = now + self.ttl
         self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
-        return Ticket(choice, f, predicted, masked, expected)
+        return Ticket(choice, f, predicted, masked, expected, self.est.scale)
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -142,7 +143,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             # Refit against what the policy predicted (completion latency), not the bare service time: under load
             # the latter would read queueing as slowness and inflate every backlog.
             self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.expected_ms / 1000)
-            self.est.observe(t.expected_ms, observed)
+            self.est.observe(t.expected_ms, observed, t.scale)
             self.metrics.model(self.est.scale, self.est.stale)
 
     # -- plain calls: forwarded to a healthy backend ------------------------------------------------

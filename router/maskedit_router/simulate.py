@@ -43,6 +43,7 @@ class SimRequest:
     done: float | None = None
     predicted_ms: float = 0.0
     expected_ms: float = 0.0  # the router's predicted completion latency
+    scale: float = 1.0  # the router's fitted scale then
 
 
 @dataclass
@@ -208,7 +209,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         w.load.inflight -= 1
         w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
         w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
-        est.observe(q.expected_ms, (now - q.arrival) * 1000.0)
+        est.observe(q.expected_ms, (now - q.arrival) * 1000.0, q.scale)
 
     def arrive(q: SimRequest, now: float) -> None:
         t0 = time.perf_counter()
@@ -216,7 +217,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         decision_s.append(time.perf_counter() - t0)
         cached = w.load.holds(q.f.template_key, now)
         q.predicted_ms = est.request_ms(q.f, cached)
-        q.expected_ms = w.load.backlog_ms + q.predicted_ms
+        q.expected_ms, q.scale = w.load.backlog_ms + q.predicted_ms, est.scale
         w.load.inflight += 1
         w.load.backlog_ms += q.predicted_ms
         w.load.masked_tokens += int(q.f.mask_ratio * q.f.tokens)

@@ -169,3 +169,30 @@ def test_corrupt_entry_falls_back_to_full(env, settings):
 
 def test_policies_are_known():
     assert set(POLICIES) >= {"off", "planner", "planner_y", "all_y", "all_kv", "noctx"}
+
+
+def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exact(settings):
+    import torch
+
+    from maskedit.cache.flux import _FusedInputs, _inputs
+    from maskedit.components import load_transformer
+
+    tr = load_transformer(settings)
+    block = tr.single_transformer_blocks[0]
+    a = block.attn
+    x = torch.randn(1, 7, block.norm.linear.in_features)
+    before = [m(x).clone() for m in (a.to_q, a.to_k, a.to_v, block.proj_mlp)]
+    fused = _inputs(block, dual=False)
+    after = [m(x) for m in (a.to_q, a.to_k, a.to_v, block.proj_mlp)]
+    for b, c in zip(before, after):
+        assert torch.equal(b, c)  # the layers' own calls are unchanged
+    assert torch.equal(fused(x), torch.cat(after, -1))
+    # no weight held twice: the layers' parameters are slices of the stacked one
+    base = fused.weight.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == base for m in (a.to_q, a.to_k, a.to_v, block.proj_mlp))
+    assert _inputs(block, dual=False) is fused
+    with torch.no_grad():  # new weights loaded in place: the stacked weight follows
+        a.to_k.weight.add_(1.0)
+    again = _inputs(block, dual=False)
+    assert torch.equal(again(x)[..., a.to_q.weight.shape[0]:2 * a.to_q.weight.shape[0]], a.to_k(x))
+    assert isinstance(again, _FusedInputs)

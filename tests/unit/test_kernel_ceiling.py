@@ -37,3 +37,18 @@ def test_streamed_weights_cycle_through_a_pool(monkeypatch):
     seen.clear()
     KernelTimer(heads=2, reps=2).call_s(("mm", 4, 32, 32), 32)
     assert len(set(seen)) == 1  # hot: one matrix
+
+
+def test_batching_ceiling_batches_gemm_rows_and_repeats_attention():
+    """With a fake clock where a GEMM costs a fixed setup plus its rows and attention its queries, batching gains
+    exactly the setups it shares; batch 1 gains nothing."""
+    class Fake(KernelTimer):
+        def call_s(self, call, dim):
+            return 10.0 + call[1] if call[0] == "mm" else float(call[1])
+
+    t = Fake(heads=2)
+    modes = [KV] * 3
+    assert t.batching_ceiling(modes, 1, 256, 16, 8, 32, batch=1) == pytest.approx(1.0)
+    one = t.step_s(modes, 1, 256, 16, 8, 32)
+    mms = sum(1 for i in range(3) for c in _calls(KV, i < 1, 256, 16, 8, 32) if c[0] == "mm") + 2  # + edges
+    assert t.step_s(modes, 1, 256, 16, 8, 32, batch=4) == pytest.approx(4 * one - 3 * 10.0 * mms)

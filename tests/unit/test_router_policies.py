@@ -83,3 +83,13 @@ def test_stale_cost_model_falls_back_to_least_masked_tokens():
     for _ in range(30):
         e.observe(1000.0, 1000.0, alpha=0.2)
     assert not e.stale and p.choose(bs, F).name == "b0"
+
+
+def test_refit_of_a_burst_does_not_compound():
+    """Twenty requests routed at scale 1 all take twice their prediction: the fit converges to 2, however many
+    complete after it has already moved (the ratio is taken against the scale each was predicted with)."""
+    e = Estimator(CostModel.fallback())
+    p = e.request_ms(F, True)  # predicted at scale 1, before any completion
+    for _ in range(20):
+        e.observe(p, 2 * p, predicted_scale=1.0, alpha=0.3)
+    assert e.scale == pytest.approx(2.0, rel=0.01)

@@ -26,6 +26,7 @@ block's forward on that request alone), so padding never reaches attention or th
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -247,6 +248,51 @@ def _sdpa(q, k, v):
     return out.transpose(1, 2).flatten(2, 3)
 
 
+class _FusedInputs:
+    """A block's projections that read the same normalized input, stacked into one weight so the gathered path
+    does one GEMM instead of three or four (``[q; k; v]`` of the image stream, plus the MLP input in a single
+    block; ``[q; k; v]`` of the text stream in a dual block). The layers' own parameters are then re-pointed at
+    row slices of the stacked tensors: same values and layout, so plain Diffusers calls compute exactly as before,
+    and no weight is held twice (on a GPU serving a 12B model that matters). Rebuilt if a layer's weight is
+    replaced or changed in place (new weights loaded, a dtype change)."""
+
+    _by_block: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, layers: list):
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in layers])
+            self.bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                                   for m in layers])
+            off = 0
+            for m in layers:
+                n = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(self.weight[off:off + n], requires_grad=m.weight.requires_grad)
+                if m.bias is not None:
+                    m.bias = torch.nn.Parameter(self.bias[off:off + n], requires_grad=m.bias.requires_grad)
+                off += n
+        self.key = _weights_key(layers)
+
+    @classmethod
+    def of(cls, block, name: str, layers: list) -> "_FusedInputs":
+        per_block = cls._by_block.setdefault(block, {})
+        f = per_block.get(name)
+        if f is None or f.key != _weights_key(layers):
+            f = per_block[name] = cls(layers)
+        return f
+
+    def __call__(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        return F.linear(x, self.weight[rows], self.bias[rows])
+
+
+def _weights_key(layers: list) -> tuple:
+    return tuple((m.weight.data_ptr(), m.weight._version) for m in layers)
+
+
+def _inputs(block, dual: bool) -> _FusedInputs:
+    a = block.attn
+    return _FusedInputs.of(block, "img", [a.to_q, a.to_k, a.to_v] + ([] if dual else [block.proj_mlp]))
+
+
 def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, enc, temb, rope, out_img, out_txt):
     """Compute ``rows`` of the batch in their cached modes and write ``out_img`` / ``out_txt``."""
     dual = isinstance(block, FluxTransformerBlock)
@@ -281,16 +327,20 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     else:
         E = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731  per-row vectors to per-token
     normed = norm(x) * (1 + E(scale)) + E(shift)
-    q = attn.norm_q(_heads(attn.to_q(normed), hd))
-    k = attn.norm_k(_heads(attn.to_k(normed), hd))
-    v = _heads(attn.to_v(normed), hd)
+    fused = _inputs(block, dual)
+    inner = attn.to_q.weight.shape[0]
+    proj = fused(normed)  # [q | k | v (| mlp)] per token
+    # queries and keys side by side (2H heads): one rotary call per request covers both
+    qk = torch.cat([attn.norm_q(_heads(proj[:, :inner], hd)), attn.norm_k(_heads(proj[:, inner:2 * inner], hd))], 1)
+    v = _heads(proj[:, 2 * inner:3 * inner], hd)
     if dual:
         t_norm = block.norm1_context.norm(enc[sel]) * (1 + cmods[1][:, None]) + cmods[0][:, None]
-        tq = attn.norm_added_q(_heads(attn.add_q_proj(t_norm), hd))
-        tk = attn.norm_added_k(_heads(attn.add_k_proj(t_norm), hd))
-        tv = _heads(attn.add_v_proj(t_norm), hd)
+        tproj = _FusedInputs.of(block, "txt", [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])(t_norm)
+        tqk = torch.cat([attn.norm_added_q(_heads(tproj[..., :inner], hd)),
+                         attn.norm_added_k(_heads(tproj[..., inner:2 * inner], hd))], 2)
+        tv = _heads(tproj[..., 2 * inner:], hd)
     else:
-        mlp = block.act_mlp(block.proj_mlp(normed))
+        mlp = block.act_mlp(proj[:, 3 * inner:])
 
     # Keys/values of cached tokens projected from their cached input rows (y mode), for all such rows at once.
     y_rows = [j for j, vw in enumerate(views) if vw.modes[b] == Y]
@@ -300,10 +350,11 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         nu = torch.tensor([views[j].idx_u.numel() for j in y_rows], device=dev)
         Eu = (lambda t: t[y_rows]) if len(y_rows) == 1 else (lambda t: t[y_rows].repeat_interleave(nu, dim=0))
         nxu = norm(xu) * (1 + Eu(scale)) + Eu(shift)
-        ku = attn.norm_k(_heads(attn.to_k(nxu), hd)).split(nu.tolist())
-        vu = _heads(attn.to_v(nxu), hd).split(nu.tolist())
+        kvu = fused(nxu, slice(inner, 3 * inner))
+        ku = attn.norm_k(_heads(kvu[:, :inner], hd)).split(nu.tolist())
+        vu = _heads(kvu[:, inner:], hd).split(nu.tolist())
 
-    H = k.shape[1]
+    H = v.shape[1]
     outs = []
     recorded_kv = {}  # row -> (keys, values) of its image tokens, for a recording row in the gathered path
     offs = np.cumsum([0] + counts)
@@ -311,13 +362,12 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         s0, s1 = int(offs[j]), int(offs[j + 1])
         _, pos_tc, cs = gat[j]  # cos/sin at [text; computed] positions, once per request and step
         if dual:
-            q_r = apply_rotary_emb(torch.cat([tq[j:j + 1], q[None, s0:s1]], 1), cs, sequence_dim=1)
-            k_tc = apply_rotary_emb(torch.cat([tk[j:j + 1], k[None, s0:s1]], 1), cs, sequence_dim=1)
+            qk_r = apply_rotary_emb(torch.cat([tqk[j:j + 1], qk[None, s0:s1]], 1), cs, sequence_dim=1)
             v_tc = torch.cat([tv[j:j + 1], v[None, s0:s1]], 1)
         else:
-            q_r = apply_rotary_emb(q[None, s0:s1], cs, sequence_dim=1)
-            k_tc = apply_rotary_emb(k[None, s0:s1], cs, sequence_dim=1)
+            qk_r = apply_rotary_emb(qk[None, s0:s1], cs, sequence_dim=1)
             v_tc = v[None, s0:s1]
+        q_r, k_tc = qk_r[:, :, :H], qk_r[:, :, H:]
         mode = vw.modes[b]
         if mode in (NOCTX, FULL):  # full: every image token is among the computed ones, so this is exact
             keys, vals = k_tc, v_tc
@@ -329,7 +379,7 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
                 keys, vals = vw.rows(b, "kbuf"), vw.rows(b, "vbuf")
             else:
                 n_r = vw.n_image(N)
-                keys, vals = k.new_empty((1, L + n_r, H, hd)), v.new_empty((1, L + n_r, H, hd))
+                keys, vals = v.new_empty((1, L + n_r, H, hd)), v.new_empty((1, L + n_r, H, hd))
                 jj = y_rows.index(j)
                 keys[:, L + vw.idx_u] = apply_rotary_emb(ku[jj][None], vw.rope_u(rope, L), sequence_dim=1)
                 vals[:, L + vw.idx_u] = vu[jj][None]
