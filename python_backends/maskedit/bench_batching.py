@@ -182,7 +182,7 @@ def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
 def batching_ceilings(h: Harness, batch: int) -> dict:
     """What batching can gain on this machine's kernels for the closed-loop request (mask ratio 0.2, its plan):
     ``KernelTimer.batching_ceiling`` with cache-hot and with streamed weights."""
-    from .cache.kernel_ceiling import KernelTimer, last_level_cache_bytes
+    from .cache.kernel_ceiling import KernelTimer
     from .local import run_job
 
     x = h.inputs(h.mask(0.2, seed=7))
@@ -195,8 +195,7 @@ def batching_ceilings(h: Harness, batch: int) -> dict:
     cfg = h.runner.transformer.config
     plan = (jc.modes, cfg.num_layers, x.latents.shape[0], int(jc.idx_c.numel()), x.prompt_embeds.shape[0],
             cfg.num_attention_heads * cfg.attention_head_dim)
-    hot = KernelTimer(cfg.num_attention_heads)
-    streamed = KernelTimer(cfg.num_attention_heads, stream_bytes=4 * last_level_cache_bytes())
+    hot, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
     return {"kernel_ceiling": hot.batching_ceiling(*plan, batch),
             "streamed_ceiling": streamed.batching_ceiling(*plan, batch)}
 

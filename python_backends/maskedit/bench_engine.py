@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .cache.cost_model import CostModel
 from .cache.flops import ideal_speedup
-from .cache.kernel_ceiling import KernelTimer, last_level_cache_bytes
+from .cache.kernel_ceiling import KernelTimer
 from .cache.harness import Harness
 from .decode import Decoder
 from .local import run_job
@@ -65,8 +65,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     cfg = h.runner.transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
     n_blocks = cfg.num_layers + cfg.num_single_layers
-    kernels = KernelTimer(cfg.num_attention_heads)
-    streamed = KernelTimer(cfg.num_attention_heads, stream_bytes=4 * last_level_cache_bytes())
+    kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
     rows = []
     try:
         for ratio in tqdm(ratios, desc="mask ratios"):

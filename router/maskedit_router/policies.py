@@ -82,6 +82,38 @@ class Estimator:
         return self.error > self.stale_error
 
 
+@dataclass
+class Booking:
+    """A routed request's entry in its backend's account, kept until it ends. The router and the simulator book
+    through this one class, so the simulated router keeps exactly the real one's books."""
+
+    predicted_ms: float  # the request's own work, as added to the backend's backlog
+    expected_ms: float  # its predicted completion latency: the backlog it joined plus its own work
+    scale: float  # the estimator's scale when it was predicted
+    masked: int
+
+    @classmethod
+    def add(cls, load: BackendLoad, est: Estimator, f: EditFeatures, now: float, ttl: float) -> "Booking":
+        predicted = est.request_ms(f, load.holds(f.template_key, now))
+        b = cls(predicted, load.backlog_ms + predicted, est.scale, int(round(f.mask_ratio * f.tokens)))
+        load.inflight += 1
+        load.masked_tokens += b.masked
+        load.backlog_ms += predicted
+        if f.template_key:  # "just routed this template here": its activations will be there
+            load.templates[f.template_key] = now + ttl
+        return b
+
+    def remove(self, load: BackendLoad) -> None:
+        load.inflight = max(0, load.inflight - 1)
+        load.masked_tokens = max(0, load.masked_tokens - self.masked)
+        load.backlog_ms = max(0.0, load.backlog_ms - self.predicted_ms)
+
+    def observed(self, est: Estimator, observed_ms: float) -> None:
+        """Refit against what the policy predicted (completion latency), not the bare service time: under load
+        the latter would read queueing as slowness and inflate every backlog."""
+        est.observe(self.expected_ms, observed_ms, self.scale)
+
+
 class Policy:
     name = "base"
 

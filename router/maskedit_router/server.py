@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .features import TOKEN_PX, EditFeatures, extract
 from .metrics import RouterMetrics
-from .policies import BackendLoad, Estimator, Policy
+from .policies import BackendLoad, Booking, Estimator, Policy
 
 log = logging.getLogger("maskedit.router")
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
@@ -64,10 +64,7 @@ class Backend:
 class Ticket:
     backend: Backend
     features: EditFeatures
-    predicted_ms: float  # the request's own work, as added to the backend's backlog
-    masked: int
-    expected_ms: float = 0.0  # its predicted completion latency: the backlog it joined plus its own work
-    scale: float = 1.0  # the estimator's scale when it was predicted
+    booking: Booking
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -118,32 +115,18 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "every backend is at its in-flight limit")
             by_load = {b.load.name: b for b in open_}
             choice = by_load[self.policy.choose([b.load for b in open_], f).name]
-            now = time.monotonic()
-            cached = choice.load.holds(f.template_key, now)
-            predicted = self.est.request_ms(f, cached)
-            masked = int(round(f.mask_ratio * f.tokens))
-            expected = choice.load.backlog_ms + predicted
-            choice.load.inflight += 1
-            choice.load.masked_tokens += masked
-            choice.load.backlog_ms += predicted
-            if f.template_key:  # "just routed this template here": its activations will be there
-                choice.load.templates[f.template_key] = now + self.ttl
+            booking = Booking.add(choice.load, self.est, f, time.monotonic(), self.ttl)
         self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
-        return Ticket(choice, f, predicted, masked, expected, self.est.scale)
+        return Ticket(choice, f, booking)
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
-            ld = t.backend.load
-            ld.inflight = max(0, ld.inflight - 1)
-            ld.masked_tokens = max(0, ld.masked_tokens - t.masked)
-            ld.backlog_ms = max(0.0, ld.backlog_ms - t.predicted_ms)
+            t.booking.remove(t.backend.load)
         observed = (time.monotonic() - t.t0) * 1000
         if ok:
             t.backend.succeeded()
-            # Refit against what the policy predicted (completion latency), not the bare service time: under load
-            # the latter would read queueing as slowness and inflate every backlog.
-            self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.expected_ms / 1000)
-            self.est.observe(t.expected_ms, observed, t.scale)
+            self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.booking.expected_ms / 1000)
+            t.booking.observed(self.est, observed)
             self.metrics.model(self.est.scale, self.est.stale)
 
     # -- plain calls: forwarded to a healthy backend ------------------------------------------------

@@ -26,7 +26,7 @@ from maskedit.cache.cost_model import CostModel
 from maskedit.settings import REPO_ROOT
 
 from .features import EditFeatures
-from .policies import BackendLoad, Estimator, make
+from .policies import BackendLoad, Booking, Estimator, make
 
 POLICIES = ("predicted", "round_robin", "least_requests", "least_masked_tokens")
 
@@ -41,9 +41,7 @@ class SimRequest:
     started: float | None = None  # joined a running batch
     denoised: float | None = None  # left it
     done: float | None = None
-    predicted_ms: float = 0.0
-    expected_ms: float = 0.0  # the router's predicted completion latency
-    scale: float = 1.0  # the router's fitted scale then
+    booking: Booking | None = None  # its entry in the router's account
 
 
 @dataclass
@@ -206,22 +204,14 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     def complete(w: Worker, q: SimRequest, now: float) -> None:
         q.done = now
         finished.append(q)
-        w.load.inflight -= 1
-        w.load.backlog_ms = max(0.0, w.load.backlog_ms - q.predicted_ms)
-        w.load.masked_tokens -= int(q.f.mask_ratio * q.f.tokens)
-        est.observe(q.expected_ms, (now - q.arrival) * 1000.0, q.scale)
+        q.booking.remove(w.load)
+        q.booking.observed(est, (now - q.arrival) * 1000.0)
 
     def arrive(q: SimRequest, now: float) -> None:
         t0 = time.perf_counter()
         w = ws[[x.load for x in ws].index(policy.choose([x.load for x in ws], q.f))]
         decision_s.append(time.perf_counter() - t0)
-        cached = w.load.holds(q.f.template_key, now)
-        q.predicted_ms = est.request_ms(q.f, cached)
-        q.expected_ms, q.scale = w.load.backlog_ms + q.predicted_ms, est.scale
-        w.load.inflight += 1
-        w.load.backlog_ms += q.predicted_ms
-        w.load.masked_tokens += int(q.f.mask_ratio * q.f.tokens)
-        w.load.templates[q.f.template_key] = now + 1e9  # router index: sim time never expires
+        q.booking = Booking.add(w.load, est, q.f, now, ttl=1e9)  # router index: sim time never expires
         if host and host.pre_ms:
             fifo(w, w.pre_queue, q, host.pre_ms, enqueue, now)
         else:

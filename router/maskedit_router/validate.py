@@ -39,7 +39,7 @@ import numpy as np
 from maskedit.cache.cost_model import CostModel
 from maskedit.settings import REPO_ROOT, load_settings
 
-from .features import TOKEN_PX, EditFeatures, mask_ratio
+from .features import EditFeatures, mask_ratio
 from .policies import Estimator
 from .simulate import HostModel, replay
 
@@ -67,24 +67,27 @@ def _model_dir() -> Path:
     return d
 
 
-def _calibrate(clients, probes, assets, est: Estimator, res: int, steps: int) -> dict:
-    """Send each probe to every client at once and wait for all. Medians of observed / profile-predicted denoise
-    time (hits and template runs apart) and of the time outside denoising and queueing."""
+def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: int) -> dict:
+    """Isolated requests on a fresh ``template``, one at a time: a template run, then hits at several mask ratios.
+    Medians of observed / profile-predicted denoise time (hits and template runs apart) and of the time outside
+    denoising and queueing."""
+    from loadgen import workload
+
+    probes = [workload.Request(0.0, template, r, "blob", "calibration", seed=i)
+              for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
     hit_r, miss_r, outside = [], [], []
     for q in probes:
         mbytes = assets.mask(q)
         f = EditFeatures("calib", *mask_ratio(mbytes, res), steps)
         t0 = time.perf_counter()
-        futs = [c.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen sends
-                         on_progress=lambda *_: None) for c in clients]
-        infos = [fut.result(600).info for fut in futs]
+        info = client.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen
+                             on_progress=lambda *_: None).result(600).info
         latency = time.perf_counter() - t0
-        for info in infos:
-            hit = bool(info.get("cache_hit"))
-            (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
-            outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
+        hit = bool(info.get("cache_hit"))
+        (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
+        outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
-            "outside_s": statistics.median(outside)}
+            "outside_s": statistics.median(outside), "probes": len(probes)}
 
 
 def _warm(client, assets, reqs) -> list:
@@ -125,10 +128,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
             running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
         with EditClient(url) as client:
             def calibrate(template: int) -> dict:
-                # isolated requests: a template run, then hits at several mask ratios, one at a time.
-                probes = [workload.Request(0.0, template, r, "blob", "calibration", seed=i)
-                          for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
-                return {**_calibrate([client], probes, assets, est, res, steps), "probes": len(probes)}
+                return _calibrate(client, template, assets, est, res, steps)
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
@@ -186,11 +186,11 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
     return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
 
 
-def _arrivals(meta: dict, run_: dict, t_key: str = "t") -> list[tuple]:
+def _arrivals(meta: dict, run_: dict) -> list[tuple]:
     f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
     warm = run_["warmup"]
     return [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)] + \
-        [(r[t_key], f(r)) for r in run_["requests"]]
+        [(r["t"], f(r)) for r in run_["requests"]]
 
 
 def _router_estimator(cost: CostModel, run_: dict) -> Estimator:
