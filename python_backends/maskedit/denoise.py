@@ -127,7 +127,7 @@ class ModelRunner:
         x = job.inputs
         n = int(x.latents.shape[0])
         if self.cache is not None and x.cache_key and not x.register and self.cache.store is not None \
-                and self.cache.store.locate(x.cache_key):
+                and (self.cache.recording(x.cache_key) or self.cache.store.locate(x.cache_key)):
             return max(1, int(np.count_nonzero(x.token_mask)))
         return n
 

@@ -3,7 +3,8 @@
 N simulated workers each run step-level continuous batching (max batch 4): a step takes the sum of its requests'
 per-step times from the measured cost-model profile (on this CPU a step's cost grows with the batch), a request
 on a template the worker holds computes only its masked tokens (kv blocks), otherwise the full model, after which
-the worker holds the template (LRU of ``cache_templates``). Optionally (``HostModel``) workers share CPU-only
+the worker holds the template (LRU of ``cache_templates``) from the start of that template run, as the engine lets
+later requests follow a run in progress. Optionally (``HostModel``) workers share CPU-only
 hosts with their pre/post-processing, as on the machine the validation runs on. Workload: loadgen's Poisson
 arrivals, InstGenIE's public mask-ratio distribution and Zipf-popular templates. The router side is the real policy code
 (``policies.py``) with the router's own bookkeeping. Writes JSON rows and a plot.
@@ -179,9 +180,14 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             start_step(w, now)
 
     def start_step(w: Worker, now: float) -> None:
+        new = set()  # templates whose run starts at this step: a request joining with it is level with it
         while w.waiting and len(w.running) < max_batch:
             q = w.waiting.pop(0)
-            cached = w.holds(q.f.template_key)
+            # A template run in progress counts as held: later requests follow it (read its rows as it records
+            # them), except one admitted at the same step, which computes in full.
+            cached = w.holds(q.f.template_key) and q.f.template_key not in new
+            if not w.holds(q.f.template_key):
+                new.add(q.f.template_key)
             q.steps_left, q.started = q.f.steps, now
             q.step_ms = service.request_ms(q.f, cached) / q.f.steps
             w.touch(q.f.template_key)  # recorded by its own run (miss) or refreshed (hit)

@@ -41,6 +41,17 @@ def test_second_request_on_a_template_is_a_hit(est):
     assert latency(second) < latency(first) / 2
 
 
+def test_requests_on_a_template_being_recorded_follow_the_run(est):
+    """As the engine: a request joining a template run in progress is a hit; one admitted with it is not."""
+    run, follower = replay("round_robin", 1, [(0.0, f()), (0.01, f())], est)["requests"]
+    assert follower.started > run.started
+    assert follower.step_ms == pytest.approx(est.request_ms(f(), True) / f().steps)  # its own share of a step
+    assert run.step_ms == pytest.approx(est.request_ms(f(), False) / f().steps)
+    # both wait for the step of a request on another template to end, then join together
+    _, *level = replay("round_robin", 1, [(0.0, f("b")), (0.001, f()), (0.002, f())], est)["requests"]
+    assert level[0].started == level[1].started and level[1].step_ms == pytest.approx(run.step_ms)
+
+
 def test_requests_share_steps(est):
     arr = [(0.0, f("a")), (0.001, f("b"))]
     alone = latency(replay("round_robin", 1, arr[:1], est)["requests"][0])

@@ -1,6 +1,12 @@
 """Per-engine glue of the activation cache: admit a request (hit / record / off), plan its blocks, stream
 its cached rows in while earlier blocks compute, and write template runs into the store.
 
+A request on a template whose template run is still in progress in this engine *follows* it: it reads the rows
+the run has recorded so far from memory (``_Live``) instead of recomputing the whole model or waiting for the
+store. Joining at a later step boundary, it is always at least one step behind, so its rows exist; a step the
+run has not recorded yet (a follower admitted together with it, or a run that failed) is computed in full.
+Under a burst on a new template this turns every request after the first from a template run into a hit.
+
 The loader is one background thread: at the start of a step it queues every cached row the batch will
 need, in block order, so block ``i``'s rows arrive while block ``i-1`` computes (on CUDA this would be a
 copy stream with pinned buffers). ``overlap=False`` loads inside the block instead (the naive baseline).
@@ -43,13 +49,31 @@ class JobCache:
     futures: dict = field(default_factory=dict)
     load_s: float = 0.0
     text_len: int = 0
+    live: Recorder | None = None  # following a template run in progress: its recorder
+    full_steps: int = 0  # steps a follower computed in full (the run had not recorded them)
+
+    def ready(self, step: int) -> bool:
+        """Are this hit's rows for ``step`` there? Always for a stored entry; for a follower once the run has
+        recorded that step."""
+        return self.live is None or self.live.step > step
 
     def info(self) -> dict:
         cached = [i for i, m in enumerate(self.modes) if m != FULL] if self.status == "hit" else []
         return {"cache": self.status, "cache_hit": self.status == "hit", "cached_blocks": cached,
+                "cache_source": ("live" if self.live is not None else "store") if self.status == "hit" else None,
+                "full_steps": self.full_steps,
                 "block_modes": "".join({FULL: "F", Y: "Y", KV: "K", NOCTX: "N"}[m] for m in self.modes)
                 if self.status == "hit" else "",
                 "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None}
+
+
+@dataclass
+class _Live:
+    """A template run in progress, readable like a store ``Entry`` (meta and arrays) by its followers."""
+
+    meta: dict
+    arrays: dict
+    recorder: Recorder
 
 
 class CacheRuntime:
@@ -66,7 +90,7 @@ class CacheRuntime:
         self.kinds = ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
-        self._recording: set[str] = set()
+        self._recording: dict[str, _Live] = {}  # key -> its template run in progress (until saved)
         self._mu = threading.Lock()
 
     # -- admission ----------------------------------------------------------------------------------
@@ -93,14 +117,20 @@ class CacheRuntime:
         if entry is not None and not self._compatible(entry, n, x.steps):
             log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
             entry = None
+        live = None
         if entry is None:
-            return self._start_recording(job, key, n)
+            with self._mu:
+                live = self._recording.get(key)
+            if live is None or getattr(x, "register", False) or not self._compatible(live, n, x.steps):
+                return self._start_recording(job, key, n)
+            entry = live
         valid = np.asarray(entry.arrays["valid"], dtype=bool)
         computed = np.asarray(x.token_mask, bool) | ~valid
         if computed.all():
             return JobCache("full", key=key, entry=entry)
         dev = job.latents.device if job.latents is not None else "cpu"
-        jc = JobCache("hit", key=key, entry=entry, valid=valid, text_len=text)
+        jc = JobCache("hit", key=key, entry=entry, valid=valid, text_len=text,
+                      live=live.recorder if live is not None else None)
         jc.idx_c = torch.from_numpy(np.flatnonzero(computed)).to(dev)
         jc.idx_u_np = np.flatnonzero(~computed)
         jc.idx_u = torch.from_numpy(jc.idx_u_np).to(dev)
@@ -114,10 +144,8 @@ class CacheRuntime:
             m.get("blocks") == len(self.kinds)
 
     def _start_recording(self, job, key: str, n: int) -> JobCache:
-        with self._mu:
-            if not self.record or key in self._recording:
-                return JobCache("off", key=key)  # someone is already recording this template
-            self._recording.add(key)
+        if not self.record:
+            return JobCache("off", key=key)
         x = job.inputs
         inner = self.dim
         per_y = x.steps * n * self.dim * 4
@@ -132,10 +160,21 @@ class CacheRuntime:
             if budget >= per_kv:
                 kv_blocks.append(b)
                 budget -= per_kv
-        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks)
+        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks)  # zero pages: free until written
         jc = JobCache("record", key=key, recorder=rec)
         jc.valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
+        meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds),
+                "y_blocks": y_blocks, "kv_blocks": kv_blocks}
+        with self._mu:
+            if key in self._recording:  # a run of another shape (or a re-registration) is in progress
+                return JobCache("off", key=key)
+            self._recording[key] = _Live(meta, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": jc.valid}, rec)
         return jc
+
+    def recording(self, key: str | None) -> bool:
+        """Is a template run of ``key`` in progress here (so a request on it would follow it)?"""
+        with self._mu:
+            return key is not None and key in self._recording
 
     def _plan(self, entry: Entry, n: int, c: int, text: int) -> tuple[list[str], float | None]:
         m = entry.meta
@@ -164,18 +203,21 @@ class CacheRuntime:
 
     # -- per step -----------------------------------------------------------------------------------
     def context(self, jobs) -> StepContext:
-        views = []
+        views, hits = [], []
         for job in jobs:
             jc: JobCache = job.state["cache"]
             if jc.status == "record":
                 views.append(RowView(modes=jc.modes, recorder=jc.recorder))
-            elif jc.status == "hit":
+            elif jc.status == "hit" and jc.ready(job.step_index):
                 views.append(RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
                                      rows=self._rows_fn(jc, job.step_index)))
+                hits.append((jc, job.step_index))
             else:
+                if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
+                    jc.full_steps += 1
                 views.append(None)
         if self._loader is not None:
-            self._schedule([(job.state["cache"], job.step_index) for job in jobs])
+            self._schedule(hits)
         return StepContext(views)
 
     def _needed(self, jc: JobCache, b: int) -> list[str]:
@@ -185,8 +227,7 @@ class CacheRuntime:
             kinds.append("y")
         return kinds
 
-    def _schedule(self, items: list[tuple[JobCache, int]]) -> None:
-        hits = [(jc, s) for jc, s in items if jc.status == "hit"]
+    def _schedule(self, hits: list[tuple[JobCache, int]]) -> None:
         for b in range(len(self.kinds)):
             for jc, step in hits:
                 for kind in self._needed(jc, b):
@@ -231,7 +272,7 @@ class CacheRuntime:
                 self._writer.submit(self._save, jc, job.inputs)
             else:
                 with self._mu:
-                    self._recording.discard(jc.key)
+                    self._recording.pop(jc.key, None)
 
     def _save(self, jc: JobCache, x) -> None:
         rec = jc.recorder
@@ -245,8 +286,8 @@ class CacheRuntime:
         except Exception:
             log.exception("could not save activations for %s", jc.key)
         finally:
-            with self._mu:
-                self._recording.discard(jc.key)
+            with self._mu:  # saved (or not): later requests open the store
+                self._recording.pop(jc.key, None)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait for pending recordings to be written (tests, shutdown)."""
