@@ -164,7 +164,8 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
                     "warmup": [{"template": w.template, **feats(w)} for w in warm],
                     "requests": [{"t": r.t, "template": r.template, **feats(r),
                                   "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
-                                  "cache_hit": rec.cache_hit, "error": rec.error} for r, rec in zip(reqs, records)],
+                                  "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
+                                 for r, rec in zip(reqs, records)],
                 })
                 print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
                     [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)

@@ -28,6 +28,8 @@ def test_register_then_edits_hit(client, server):
     r = _edit_until_hit(client, tpl, mask, steps=3, seed=5)
     assert r.info["cache_hit"] and r.info["cached_blocks"] and r.info["computed_tokens"] < r.info["tokens"]
     assert r.info["computed_tokens"] == r.info["masked_tokens"]  # a registered entry is valid everywhere
+    assert r.info["cache_source"] == "store" and r.info["full_steps"] == 0
+    assert r.info["instance"] == reg.info["instance"]  # which server denoised (one here)
     off = client.edit(tpl, mask, "a hat", steps=3, seed=5, use_cache=False)
     assert off.info["cache"] == "off"
     far = mask == 0

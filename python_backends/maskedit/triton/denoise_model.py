@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,6 +38,7 @@ class TritonPythonModel:
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
             reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
         self.cancels = CancelBoard()
+        self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
@@ -70,7 +72,8 @@ class TritonPythonModel:
 
         def done(job: DenoiseJob):
             info.update(denoise_s=round(job.finished_at - job.started_at, 6),
-                        queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off")
+                        queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off",
+                        instance=self.instance)
             jc = job.state.get("cache")
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
