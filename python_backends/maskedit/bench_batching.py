@@ -182,6 +182,7 @@ def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
 def batching_ceilings(h: Harness, batch: int) -> dict:
     """What batching can gain on this machine's kernels for the closed-loop request (mask ratio 0.2, its plan):
     ``KernelTimer.batching_ceiling`` with cache-hot and with streamed weights."""
+    from .cache.flops import edges
     from .cache.kernel_ceiling import KernelTimer
     from .local import run_job
 
@@ -196,8 +197,8 @@ def batching_ceilings(h: Harness, batch: int) -> dict:
     plan = (jc.modes, cfg.num_layers, x.latents.shape[0], int(jc.idx_c.numel()), x.prompt_embeds.shape[0],
             cfg.num_attention_heads * cfg.attention_head_dim)
     hot, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
-    return {"kernel_ceiling": hot.batching_ceiling(*plan, batch),
-            "streamed_ceiling": streamed.batching_ceiling(*plan, batch)}
+    return {"kernel_ceiling": hot.batching_ceiling(*plan, batch, **edges(cfg)),
+            "streamed_ceiling": streamed.batching_ceiling(*plan, batch, **edges(cfg))}
 
 
 def mixed_resolution(h: Harness, inputs: list, pack: bool) -> dict:

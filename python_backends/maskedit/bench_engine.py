@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from .cache.cost_model import CostModel
-from .cache.flops import ideal_speedup
+from .cache.flops import edges, ideal_speedup
 from .cache.kernel_ceiling import KernelTimer
 from .cache.harness import Harness
 from .decode import Decoder
@@ -65,6 +65,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     cfg = h.runner.transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
     n_blocks = cfg.num_layers + cfg.num_single_layers
+    io = edges(cfg)  # x_embedder / proj_out widths: they run on every token in every mode
     kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
     rows = []
     try:
@@ -91,16 +92,17 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                 row = {
                     "mask_ratio": ratio, "mode": m, "denoise_s": round(d, 5), "steps": h.steps,
                     "speedup": round(full_s / d, 3) if full_s else None,
-                    "ideal_speedup": round(ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim), 3),
+                    "ideal_speedup": round(ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3),
                     "computed_tokens": c, "tokens": n, "block_modes": jc.info()["block_modes"] if jc else "",
                     "cache": jc.status if jc else "off", "load_s": round(jc.load_s, 5) if jc else 0.0,
                     **{k: (round(v, 4) if np.isfinite(v) else None)  # identical images: PSNR is infinite
                        for k, v in fidelity(images.get("full", images[m]), images[m], keep).items()},
                 }
                 row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3) if row["speedup"] else None
-                row["kernel_ceiling"] = round(kernels.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim), 3)
+                row["kernel_ceiling"] = round(kernels.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
                 row["of_kernel_ceiling"] = round(row["speedup"] / row["kernel_ceiling"], 3) if row["speedup"] else None
-                row["streamed_ceiling"] = round(streamed.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim), 3)
+                row["streamed_ceiling"] = round(streamed.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim,
+                                                                     **io), 3)
                 row["of_streamed_ceiling"] = (round(row["speedup"] / row["streamed_ceiling"], 3)
                                               if row["speedup"] else None)
                 rows.append(row)

@@ -24,11 +24,20 @@ def block_flops(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> f
     return float(proj + attn)
 
 
-def step_flops(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int, in_channels: int = 64) -> float:
-    edges = 2 * n * dim * in_channels + 2 * n * dim * 64  # x_embedder + proj_out on every token
+def step_flops(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int, in_channels: int = 64,
+               out_channels: int = 64) -> float:
+    """``in_channels`` / ``out_channels``: of the x_embedder and proj_out, which run on every token in every mode
+    (Flux Fill's x_embedder also reads the mask and masked-image latents: 384 inputs at full size)."""
+    edges = 2 * n * dim * in_channels + 2 * n * dim * out_channels
     return edges + sum(block_flops(m, i < n_dual, n, c, text, dim) for i, m in enumerate(modes))
 
 
-def ideal_speedup(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int) -> float:
-    full = step_flops(["full"] * len(modes), n_dual, n, n, text, dim)
-    return full / step_flops(modes, n_dual, n, c, text, dim)
+def edges(config) -> dict:
+    """The ``in_channels`` / ``out_channels`` keywords for a ``FluxTransformer2DModel`` config."""
+    out = config.out_channels or config.in_channels
+    return {"in_channels": int(config.in_channels), "out_channels": int(config.patch_size ** 2 * out)}
+
+
+def ideal_speedup(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int, **edges) -> float:
+    full = step_flops(["full"] * len(modes), n_dual, n, n, text, dim, **edges)
+    return full / step_flops(modes, n_dual, n, c, text, dim, **edges)

@@ -93,22 +93,23 @@ class KernelTimer:
         return self._memo[key]
 
     def step_s(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int,
-               in_channels: int = 64, batch: int = 1) -> float:
+               in_channels: int = 64, out_channels: int = 64, batch: int = 1) -> float:
         """One step for ``batch`` such requests in one call: GEMMs over all their rows at once (token-wise work
         is concatenated), attention once per request."""
-        edges = [("mm", n, in_channels, dim), ("mm", n, dim, 64)]  # x_embedder and proj_out on every token
+        edges = [("mm", n, in_channels, dim), ("mm", n, dim, out_channels)]  # x_embedder, proj_out: every token
         calls = edges + [call for i, m in enumerate(modes) for call in _calls(m, i < n_dual, n, c, text, dim)]
         return sum(self.call_s(("mm", call[1] * batch, *call[2:]), dim) if call[0] == "mm"
                    else batch * self.call_s(call, dim) for call in calls)
 
     def batching_ceiling(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int,
-                         batch: int) -> float:
+                         batch: int, **edges) -> float:
         """Throughput of ``batch`` requests sharing each step over one request alone, if only these kernels
         cost time: what batching can gain here (bigger GEMMs; with streamed weights, each weight read once per
         step for the whole batch)."""
-        return batch * self.step_s(modes, n_dual, n, c, text, dim) / \
-            self.step_s(modes, n_dual, n, c, text, dim, batch=batch)
+        return batch * self.step_s(modes, n_dual, n, c, text, dim, **edges) / \
+            self.step_s(modes, n_dual, n, c, text, dim, batch=batch, **edges)
 
-    def ceiling_speedup(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int) -> float:
-        full = self.step_s([FULL] * len(modes), n_dual, n, n, text, dim)
-        return full / self.step_s(modes, n_dual, n, c, text, dim)
+    def ceiling_speedup(self, modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int,
+                        **edges) -> float:
+        full = self.step_s([FULL] * len(modes), n_dual, n, n, text, dim, **edges)
+        return full / self.step_s(modes, n_dual, n, c, text, dim, **edges)
