@@ -99,12 +99,9 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                        for k, v in fidelity(images.get("full", images[m]), images[m], keep).items()},
                 }
                 row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3) if row["speedup"] else None
-                row["kernel_ceiling"] = round(kernels.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
-                row["of_kernel_ceiling"] = round(row["speedup"] / row["kernel_ceiling"], 3) if row["speedup"] else None
-                row["streamed_ceiling"] = round(streamed.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim,
-                                                                     **io), 3)
-                row["of_streamed_ceiling"] = (round(row["speedup"] / row["streamed_ceiling"], 3)
-                                              if row["speedup"] else None)
+                for name, timer in (("kernel_ceiling", kernels), ("streamed_ceiling", streamed)):
+                    row[name] = round(timer.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
+                    row["of_" + name] = round(row["speedup"] / row[name], 3) if row["speedup"] else None
                 rows.append(row)
     finally:
         for eng, rt in engines.values():

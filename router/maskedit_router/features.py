@@ -43,6 +43,11 @@ def _scalar(request, index: int, raw: bool, dtype) -> float | None:
     return None
 
 
+def grid_tokens(resolution: int) -> int:
+    """Image tokens of a square image at the model's working ``resolution`` (what a full edit computes)."""
+    return (resolution // TOKEN_PX) ** 2
+
+
 def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
     """Token-level ratio of an encoded mask (white = edit, thresholded at 128) on a grid like the model's:
     a token counts if any pixel of its cell is edited."""
@@ -72,7 +77,7 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
         if name in names:
             extra += f"{name}={_scalar(request, names[name], raw, dt)};".encode()
     key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
-    ratio, tokens = 1.0, (resolution // TOKEN_PX) ** 2
+    ratio, tokens = 1.0, grid_tokens(resolution)
     if "MASK" in names:
         try:
             ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"", resolution)

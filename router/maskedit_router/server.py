@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .features import TOKEN_PX, EditFeatures, extract
+from .features import EditFeatures, extract, grid_tokens
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
 
@@ -416,7 +416,7 @@ def _features(req, resolution: int) -> EditFeatures:
     try:
         return extract(req, resolution)
     except Exception:
-        return EditFeatures(None, 1.0, (resolution // TOKEN_PX) ** 2, None)
+        return EditFeatures(None, 1.0, grid_tokens(resolution), None)
 
 
 def _error(client_id: str, message: str):

@@ -237,10 +237,10 @@ def image_kv(block, hidden: torch.Tensor, temb: torch.Tensor, rope, txt_len: int
     attn = block.attn
     if isinstance(block, FluxTransformerBlock):
         shift, scale = _modulation(block.norm1, temb, 6)[:2]
-        normed = block.norm1.norm(hidden) * (1 + scale[:, None]) + shift[:, None]
+        normed = _modulate(block.norm1.norm(hidden), shift[:, None], scale[:, None])
     else:
         shift, scale = _modulation(block.norm, temb, 3)[:2]
-        normed = block.norm.norm(hidden) * (1 + scale[:, None]) + shift[:, None]
+        normed = _modulate(block.norm.norm(hidden), shift[:, None], scale[:, None])
     k = attn.norm_k(_heads(attn.to_k(normed), attn.head_dim))
     v = _heads(attn.to_v(normed), attn.head_dim)
     pos = torch.arange(hidden.shape[1], device=hidden.device) + txt_len

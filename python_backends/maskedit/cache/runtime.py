@@ -37,7 +37,7 @@ POLICIES = ("off", "planner", "planner_y", "all_y", "all_kv", "noctx")
 class JobCache:
     status: str  # off | hit | record | full (nothing cacheable)
     key: str | None = None
-    entry: Entry | None = None
+    entry: "Entry | _Live | None" = None  # a hit's rows; a recording run's own entry in progress
     modes: list[str] = field(default_factory=list)
     needs_output: list[bool] = field(default_factory=list)
     idx_c: torch.Tensor | None = None
@@ -113,7 +113,9 @@ class CacheRuntime:
     def _admit(self, job, key: str) -> JobCache:
         x = job.inputs
         n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
-        entry = None if getattr(x, "register", False) else self.store.open(key)
+        if getattr(x, "register", False):
+            return self._start_recording(job, key, n)
+        entry = self.store.open(key)
         if entry is not None and not self._compatible(entry, n, x.steps):
             log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
             entry = None
@@ -121,7 +123,7 @@ class CacheRuntime:
         if entry is None:
             with self._mu:
                 live = self._recording.get(key)
-            if live is None or getattr(x, "register", False) or not self._compatible(live, n, x.steps):
+            if live is None or not self._compatible(live, n, x.steps):
                 return self._start_recording(job, key, n)
             entry = live
         valid = np.asarray(entry.arrays["valid"], dtype=bool)
@@ -161,15 +163,16 @@ class CacheRuntime:
                 kv_blocks.append(b)
                 budget -= per_kv
         rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks)  # zero pages: free until written
-        jc = JobCache("record", key=key, recorder=rec)
-        jc.valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
-        meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds),
-                "y_blocks": y_blocks, "kv_blocks": kv_blocks}
+        valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
+        meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
+                "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
+        # The run's entry while it records: followers read it; once complete it is what the store saves.
+        live = _Live(meta, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": valid}, rec)
         with self._mu:
             if key in self._recording:  # a run of another shape (or a re-registration) is in progress
                 return JobCache("off", key=key)
-            self._recording[key] = _Live(meta, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": jc.valid}, rec)
-        return jc
+            self._recording[key] = live
+        return JobCache("record", key=key, entry=live, recorder=rec, valid=valid)
 
     def recording(self, key: str | None) -> bool:
         """Is a template run of ``key`` in progress here (so a request on it would follow it)?"""
@@ -275,14 +278,10 @@ class CacheRuntime:
                     self._recording.pop(jc.key, None)
 
     def _save(self, jc: JobCache, x) -> None:
-        rec = jc.recorder
+        live = jc.entry
         try:
-            meta = {"tokens": int(rec.y.shape[2]), "steps": int(rec.y.shape[0]), "dim": self.dim,
-                    "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
-                    "y_blocks": sorted(rec.y_slot), "kv_blocks": sorted(rec.kv_slot),
-                    "valid_tokens": int(jc.valid.sum())}
-            self.store.put(jc.key, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": jc.valid.astype(np.uint8)}, meta)
-            log.info("recorded activations for %s: %d bytes", jc.key, rec.nbytes)
+            self.store.put(jc.key, {**live.arrays, "valid": jc.valid.astype(np.uint8)}, live.meta)
+            log.info("recorded activations for %s: %d bytes", jc.key, jc.recorder.nbytes)
         except Exception:
             log.exception("could not save activations for %s", jc.key)
         finally:
