@@ -53,6 +53,10 @@ class RowView:
     rows: Callable[[int, str], torch.Tensor] | None = None
     needs_output: list[bool] = field(default_factory=list)  # per block: write cached output rows?
     recorder: "Recorder | None" = None  # set on a recording (template) run
+    # A hit that computes tokens its entry holds invalid (another request's edit) but that it leaves unmasked:
+    # their rows are template context again, recorded here (at ``patch_pos`` among ``idx_c``) to heal the entry.
+    patch: "Recorder | None" = None
+    patch_pos: torch.Tensor | None = None
     # Packed calls only (rows padded to the longest request): this request's image tokens and its own rotary
     # tables over [text; image]; None means the call's own length and tables.
     tokens: int | None = None
@@ -99,6 +103,7 @@ class Recorder:
 
     def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int]):
         self.step = 0
+        self.writes = 0  # block outputs and key/value pairs put so far: ``complete`` once every slot is written
         self.y_slot = {b: i for i, b in enumerate(y_blocks)}
         self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
         self.y = np.zeros((steps, len(y_blocks), tokens, dim), np.float32)
@@ -109,9 +114,14 @@ class Recorder:
     def nbytes(self) -> int:
         return self.y.nbytes + self.k.nbytes + self.v.nbytes
 
+    @property
+    def complete(self) -> bool:
+        return self.writes == self.y.shape[0] * (self.y.shape[1] + self.k.shape[1])
+
     def put_y(self, block: int, hidden: torch.Tensor) -> None:
         if block in self.y_slot:
             self.y[self.step, self.y_slot[block]] = hidden.detach().to("cpu", torch.float32).numpy()
+            self.writes += 1
 
     def wants_kv(self, block: int) -> bool:
         return block in self.kv_slot
@@ -120,6 +130,7 @@ class Recorder:
         slot = self.kv_slot[block]
         self.k[self.step, slot] = k.detach().flatten(-2).to("cpu", torch.float32).numpy()
         self.v[self.step, slot] = v.detach().flatten(-2).to("cpu", torch.float32).numpy()
+        self.writes += 1
 
 
 class FluxCacheHooks:
@@ -358,6 +369,7 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     H = v.shape[1]
     outs = []
     recorded_kv = {}  # row -> (keys, values) of its image tokens, for a recording row in the gathered path
+    patch_kv = {}  # row -> (keys, values) of the tokens it heals
     offs = np.cumsum([0] + counts)
     for j, (i, vw) in enumerate(zip(rows, views)):
         s0, s1 = int(offs[j]), int(offs[j + 1])
@@ -370,6 +382,8 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
             v_tc = v[None, s0:s1]
         q_r, k_tc = qk_r[:, :, :H], qk_r[:, :, H:]
         mode = vw.modes[b]
+        if vw.patch is not None and mode in (Y, KV) and vw.patch.wants_kv(b):
+            patch_kv[j] = (k_tc[0, L + vw.patch_pos], v_tc[0, L + vw.patch_pos])
         if mode in (NOCTX, FULL):  # full: every image token is among the computed ones, so this is exact
             keys, vals = k_tc, v_tc
             if vw.recorder is not None and vw.recorder.wants_kv(b):
@@ -415,6 +429,10 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
                 if j in recorded_kv:
                     vw.recorder.put_kv(b, *recorded_kv[j])
             continue
+        if vw.patch is not None:
+            vw.patch.put_y(b, img_chunks[j][vw.patch_pos])
+            if j in patch_kv:
+                vw.patch.put_kv(b, *patch_kv[j])
         if vw.needs_output[b]:
             out_img[i, :vw.n_image(N)] = vw.rows(b, "y")  # every row from the store; computed rows overwritten below
         elif out_img is not hidden:

@@ -7,6 +7,11 @@ store. Joining at a later step boundary, it is always at least one step behind, 
 run has not recorded yet (a follower admitted together with it, or a run that failed) is computed in full.
 Under a burst on a new template this turns every request after the first from a template run into a hit.
 
+A template run that was itself an edit records its own masked tokens as invalid (they hold its edit, not the
+template), so every later hit recomputes them. A hit whose mask leaves some of them unmasked computes them as
+template context: it records those rows (a ``patch``) and, once it completes, a healed copy of the entry replaces
+the old one, so later hits compute only their own masked tokens.
+
 The loader is one background thread: at the start of a step it queues every cached row the batch will
 need, in block order, so block ``i``'s rows arrive while block ``i-1`` computes (on CUDA this would be a
 copy stream with pinned buffers). ``overlap=False`` loads inside the block instead (the naive baseline).
@@ -50,6 +55,9 @@ class JobCache:
     load_s: float = 0.0
     text_len: int = 0
     live: Recorder | None = None  # following a template run in progress: its recorder
+    patch: Recorder | None = None  # rows of the invalid tokens this hit leaves unmasked, to heal the entry
+    heal: np.ndarray | None = None  # those tokens
+    patch_pos: torch.Tensor | None = None  # their positions among idx_c
     full_steps: int = 0  # steps a follower computed in full (the run had not recorded them)
 
     def ready(self, step: int) -> bool:
@@ -64,7 +72,8 @@ class JobCache:
                 "full_steps": self.full_steps,
                 "block_modes": "".join({FULL: "F", Y: "Y", KV: "K", NOCTX: "N"}[m] for m in self.modes)
                 if self.status == "hit" else "",
-                "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None}
+                "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None,
+                "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0}
 
 
 @dataclass
@@ -78,7 +87,8 @@ class _Live:
 
 class CacheRuntime:
     def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
-                 policy: str = "planner", overlap: bool = True, budget_bytes: int = 1 << 30, record: bool = True):
+                 policy: str = "planner", overlap: bool = True, budget_bytes: int = 1 << 30, record: bool = True,
+                 heal_min_ratio: float = 0.05):
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}")
         self.hooks, self.store, self.policy = hooks, store, policy
@@ -91,6 +101,9 @@ class CacheRuntime:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
         self._recording: dict[str, _Live] = {}  # key -> its template run in progress (until saved)
+        # A heal rewrites the whole entry: only when it spares later hits at least this fraction of the tokens.
+        self.heal_min_ratio = heal_min_ratio
+        self._healing: set[str] = set()  # keys with a heal in progress (one at a time per key)
         self._mu = threading.Lock()
 
     # -- admission ----------------------------------------------------------------------------------
@@ -138,7 +151,22 @@ class CacheRuntime:
         jc.idx_u = torch.from_numpy(jc.idx_u_np).to(dev)
         jc.modes, jc.predicted_ms = self._plan(entry, n, int(computed.sum()), text)
         jc.needs_output = self._needs_output(jc.modes)
+        if live is None:
+            self._maybe_heal(jc, x, ~valid & ~np.asarray(x.token_mask, bool))
         return jc
+
+    def _maybe_heal(self, jc: JobCache, x, heal: np.ndarray) -> None:
+        """Record the rows of ``heal`` (invalid tokens this hit computes as template context) if worth a rewrite."""
+        if not self.record or self.policy == "noctx" or heal.sum() < max(1, self.heal_min_ratio * heal.size):
+            return
+        with self._mu:
+            if jc.key in self._healing:
+                return
+            self._healing.add(jc.key)
+        m = jc.entry.meta
+        jc.heal = np.flatnonzero(heal)
+        jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"])
+        jc.patch_pos = torch.from_numpy(np.searchsorted(jc.idx_c.cpu().numpy(), jc.heal)).to(jc.idx_c.device)
 
     def _compatible(self, entry: Entry, n: int, steps: int) -> bool:
         m = entry.meta
@@ -213,7 +241,8 @@ class CacheRuntime:
                 views.append(RowView(modes=jc.modes, recorder=jc.recorder))
             elif jc.status == "hit" and jc.ready(job.step_index):
                 views.append(RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
-                                     rows=self._rows_fn(jc, job.step_index)))
+                                     rows=self._rows_fn(jc, job.step_index), patch=jc.patch,
+                                     patch_pos=jc.patch_pos))
                 hits.append((jc, job.step_index))
             else:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
@@ -263,6 +292,8 @@ class CacheRuntime:
             jc = job.state.get("cache")
             if jc is not None and jc.recorder is not None:
                 jc.recorder.step += 1
+            if jc is not None and jc.patch is not None:
+                jc.patch.step += 1
 
     def finish(self, job, ok: bool) -> None:
         """A job left the batch: save its recording (in the background) if it completed."""
@@ -276,6 +307,13 @@ class CacheRuntime:
             else:
                 with self._mu:
                     self._recording.pop(jc.key, None)
+        if jc.patch is not None:
+            # Incomplete when a block ran in full for this request (the planner's choice) or it failed: no heal.
+            if ok and jc.patch.complete and self.store is not None:
+                self._writer.submit(self._heal, jc)
+            else:
+                with self._mu:
+                    self._healing.discard(jc.key)
 
     def _save(self, jc: JobCache, x) -> None:
         live = jc.entry
@@ -287,6 +325,26 @@ class CacheRuntime:
         finally:
             with self._mu:  # saved (or not): later requests open the store
                 self._recording.pop(jc.key, None)
+
+    def _heal(self, jc: JobCache) -> None:
+        """Write a copy of the hit's entry with the patched rows in and those tokens valid, unless the entry
+        changed meanwhile (rewritten, evicted): then its tokens may differ and the patch is dropped."""
+        try:
+            entry = self.store.current(jc.key)
+            if entry is not jc.entry:
+                return
+            t, p = jc.heal, jc.patch
+            arrays = {name: np.array(entry.arrays[name]) for name in ("y", "k", "v", "valid")}  # own copies
+            arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = p.y, p.k, p.v
+            arrays["valid"][t] = 1
+            self.store.put(jc.key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
+            self.store.stats.heals += 1
+            log.info("healed %d tokens of activation entry %s", t.size, jc.key)
+        except Exception:
+            log.exception("could not heal activations for %s", jc.key)
+        finally:
+            with self._mu:
+                self._healing.discard(jc.key)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait for pending recordings to be written (tests, shutdown)."""

@@ -58,6 +58,7 @@ class StoreStats:
     promotions: int = 0
     corrupt: int = 0
     inserts: int = 0
+    heals: int = 0  # entries rewritten with tokens another request had edited recomputed as template context
     dropped: int = 0  # evicted from the disk tier (gone)
     extra: dict = field(default_factory=dict)
 
@@ -175,7 +176,7 @@ class ActivationStore:
         b = self.tier_bytes()
         s = self.stats
         return {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "promotions": s.promotions,
-                "corrupt": s.corrupt, "inserts": s.inserts, "dropped": s.dropped, "mem_bytes": b["mem"],
+                "corrupt": s.corrupt, "inserts": s.inserts, "heals": s.heals, "dropped": s.dropped, "mem_bytes": b["mem"],
                 "disk_bytes": b["disk"], "mem_entries": len(self.entries("mem")),
                 "disk_entries": len(self.entries("disk"))}
 
@@ -193,6 +194,11 @@ class ActivationStore:
         self.stats.hits += 1
         self._touch(path)
         return entry
+
+    def current(self, key: str) -> Entry | None:
+        """The entry in the memory tier now (the same object as an earlier ``open`` while the file is unchanged),
+        without promoting or counting a hit."""
+        return self._open_path(self._path(self.mem_dir, key), key, "mem")
 
     @staticmethod
     def _touch(path: Path) -> None:

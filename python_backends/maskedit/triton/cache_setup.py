@@ -70,7 +70,7 @@ class CacheMetrics:
             kind=pb_utils.MetricFamily.GAUGE)
         self._req = {k: self.requests.Metric(labels={"outcome": k}) for k in ("hit", "record", "off", "full")}
         self._ev = {k: self.events.Metric(labels={"event": k})
-                    for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts")}
+                    for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts", "heals")}
         self._bytes = {t: self.bytes.Metric(labels={"tier": t}) for t in ("mem", "disk")}
         self._seen = {k: 0 for k in self._ev}
         self.outcomes = pb_utils.MetricFamily(
