@@ -56,7 +56,8 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.
             res = fut.result()
             info = res.info
             rec.queue_s, rec.denoise_s, rec.cache_hit = info.get("queue_s"), info.get("denoise_s"), info.get("cache_hit")
-            rec.extra.update({k: info[k] for k in ("instance", "cache_source", "full_steps") if info.get(k) is not None})
+            keep = ("instance", "cache_source", "full_steps", "computed_tokens", "healed_tokens")
+            rec.extra.update({k: info[k] for k in keep if info.get(k) is not None})
         except Exception as e:
             rec.error, rec.error_code = str(e)[:300], getattr(e, "code", type(e).__name__)
         bar.update(1)

@@ -48,9 +48,9 @@ def grid_tokens(resolution: int) -> int:
     return (resolution // TOKEN_PX) ** 2
 
 
-def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
-    """Token-level ratio of an encoded mask (white = edit, thresholded at 128) on a grid like the model's:
-    a token counts if any pixel of its cell is edited."""
+def mask_tokens(mask: bytes, resolution: int = 1024) -> np.ndarray:
+    """Edited tokens of an encoded mask (white = edit, thresholded at 128) on a grid like the model's, flattened
+    row-major as the model orders image tokens: a token counts if any pixel of its cell is edited."""
     from PIL import Image
 
     from maskedit.imaging import maybe_base64
@@ -61,8 +61,13 @@ def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
     scale = (resolution * resolution / (w * h)) ** 0.5
     gw, gh = max(1, round(w * scale / TOKEN_PX)), max(1, round(h * scale / TOKEN_PX))
     binary = Image.fromarray(((np.asarray(img) >= 128) * 255).astype(np.uint8))
-    cells = np.asarray(binary.resize((gw, gh), Image.BOX))
-    return float((cells > 0).mean()), gw * gh
+    return np.asarray(binary.resize((gw, gh), Image.BOX)).reshape(-1) > 0
+
+
+def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
+    """(fraction of image tokens the mask touches, image tokens) on the grid of ``mask_tokens``."""
+    t = mask_tokens(mask, resolution)
+    return float(t.mean()), int(t.size)
 
 
 def extract(request, resolution: int = 1024) -> EditFeatures:

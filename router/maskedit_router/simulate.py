@@ -4,7 +4,10 @@ N simulated workers each run step-level continuous batching (max batch 4): a ste
 per-step times from the measured cost-model profile (on this CPU a step's cost grows with the batch), a request
 on a template the worker holds computes only its masked tokens (kv blocks), otherwise the full model, after which
 the worker holds the template (LRU of ``cache_templates``) from the start of that template run, as the engine lets
-later requests follow a run in progress. Optionally (``HostModel``) workers share CPU-only
+later requests follow a run in progress. Given each request's token mask, a worker also tracks which tokens of each
+entry are invalid (the template run's own edit): a hit computes its mask and those, and heals them as the engine
+does (a hit on a stored entry that leaves at least ``heal_min_ratio`` of the tokens' invalid ones unmasked makes
+them valid when it completes). Optionally (``HostModel``) workers share CPU-only
 hosts with their pre/post-processing, as on the machine the validation runs on. Workload: loadgen's Poisson
 arrivals, InstGenIE's public mask-ratio distribution and Zipf-popular templates. The router side is the real policy code
 (``policies.py``) with the router's own bookkeeping. Writes JSON rows and a plot.
@@ -43,6 +46,9 @@ class SimRequest:
     denoised: float | None = None  # left it
     done: float | None = None
     booking: Booking | None = None  # its entry in the router's account
+    mask: np.ndarray | None = None  # its edited tokens (bool per image token), when known
+    records: bool = False  # a template run: its entry is stored when it finishes
+    heals: bool = False  # a hit that heals its entry's invalid tokens when it finishes
 
 
 @dataclass
@@ -85,6 +91,9 @@ class Worker:
     pre_queue: list = field(default_factory=list)
     post_queue: list = field(default_factory=list)
     host: _Host | None = None
+    invalid: dict = field(default_factory=dict)  # template key -> tokens its entry holds invalid (bool array)
+    stored: set = field(default_factory=set)  # keys whose template run has finished (entry in the store)
+    healing: set = field(default_factory=set)  # keys with a heal in progress
 
     def holds(self, key) -> bool:
         return key in self.cache
@@ -93,7 +102,9 @@ class Worker:
         self.cache[key] = True
         self.cache.move_to_end(key)
         while len(self.cache) > self.cache_templates:
-            self.cache.popitem(last=False)
+            gone, _ = self.cache.popitem(last=False)
+            self.invalid.pop(gone, None)
+            self.stored.discard(gone)
 
 
 def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator, seed: int = 0,
@@ -115,8 +126,11 @@ _DONE_MS = 1e-6  # a CPU task with less work left than this has finished (float 
 
 def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatures]], est: Estimator,
            max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
-           service: Estimator | None = None, host: HostModel | None = None) -> dict:
+           service: Estimator | None = None, host: HostModel | None = None,
+           masks: list[np.ndarray] | None = None, heal_min_ratio: float = 0.05) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
+    ``masks``: each arrival's edited tokens (bool per image token); without them a hit computes just its mask ratio
+    (as if every entry were a clean registration).
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
     ``host``: CPU-only hosts whose cores the workers' denoise loops and pre/post-processing share; None models
     accelerator hosts (denoising never waits for the CPU; the caller adds pre/post time to each latency).
@@ -183,14 +197,26 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         new = set()  # templates whose run starts at this step: a request joining with it is level with it
         while w.waiting and len(w.running) < max_batch:
             q = w.waiting.pop(0)
+            key = q.f.template_key
             # A template run in progress counts as held: later requests follow it (read its rows as it records
             # them), except one admitted at the same step, which computes in full.
-            cached = w.holds(q.f.template_key) and q.f.template_key not in new
-            if not w.holds(q.f.template_key):
-                new.add(q.f.template_key)
+            cached = w.holds(key) and key not in new
+            work = q.f
+            if not w.holds(key):
+                new.add(key)
+                q.records = True
+                if q.mask is not None:
+                    w.invalid[key] = q.mask  # its own edit is not template context
+            elif cached and q.mask is not None and key in w.invalid:
+                inv = w.invalid[key]
+                work = replace(q.f, mask_ratio=float((q.mask | inv).mean()))  # the engine recomputes them
+                heal = inv & ~q.mask
+                if key in w.stored and key not in w.healing and heal.sum() >= max(1, heal_min_ratio * heal.size):
+                    q.heals = True
+                    w.healing.add(key)
             q.steps_left, q.started = q.f.steps, now
-            q.step_ms = service.request_ms(q.f, cached) / q.f.steps
-            w.touch(q.f.template_key)  # recorded by its own run (miss) or refreshed (hit)
+            q.step_ms = service.request_ms(work, cached) / q.f.steps
+            w.touch(key)  # recorded by its own run (miss) or refreshed (hit)
             w.running.append(q)
         if w.running:
             run_on(w.host, now, step_fixed_ms + sum(q.step_ms for q in w.running), lambda t: step_done(w, t))
@@ -201,6 +227,13 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             if q.steps_left == 0:
                 w.running.remove(q)
                 q.denoised = now
+                key = q.f.template_key
+                if q.records and w.holds(key):
+                    w.stored.add(key)
+                if q.heals:
+                    w.healing.discard(key)
+                    if key in w.invalid:
+                        w.invalid[key] = w.invalid[key] & q.mask
                 if host and host.post_ms:
                     fifo(w, w.post_queue, q, host.post_ms, complete, now)
                 else:
@@ -224,7 +257,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             enqueue(w, q, now)
 
     for i, (t, f) in enumerate(arrivals):
-        at(t, (lambda q: lambda now: arrive(q, now))(SimRequest(i, t, f)))
+        q = SimRequest(i, t, f, mask=None if masks is None else np.asarray(masks[i], bool))
+        at(t, (lambda q: lambda now: arrive(q, now))(q))
     while events:
         now, _, fn = heapq.heappop(events)
         fn(now)

@@ -39,7 +39,7 @@ import numpy as np
 from maskedit.cache.cost_model import CostModel
 from maskedit.settings import REPO_ROOT, load_settings
 
-from .features import EditFeatures, mask_ratio
+from .features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
 from .policies import Estimator
 from .simulate import HostModel, replay
 
@@ -68,26 +68,34 @@ def _model_dir() -> Path:
 
 
 def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: int) -> dict:
-    """Isolated requests on a fresh ``template``, one at a time: a template run, then hits at several mask ratios.
-    Medians of observed / profile-predicted denoise time (hits and template runs apart) and of the time outside
-    denoising and queueing."""
+    """Isolated requests on a fresh ``template``, one at a time: its registration (a template run with nothing
+    edited, so every token of the entry is valid), then hits at several mask ratios. Medians of observed /
+    profile-predicted denoise time (hits and template runs apart) and of the time outside denoising and queueing;
+    every probe is kept."""
     from loadgen import workload
 
-    probes = [workload.Request(0.0, template, r, "blob", "calibration", seed=i)
-              for i, r in enumerate((0.3, 0.1, 0.2, 0.3, 0.5))]
-    hit_r, miss_r, outside = [], [], []
+    probes = [None] + [workload.Request(0.0, template, r, "blob", "calibration", seed=i)
+                       for i, r in enumerate((0.02, 0.05, 0.1, 0.2, 0.3, 0.5))]
+    hit_r, miss_r, outside, points = [], [], [], []
     for q in probes:
-        mbytes = assets.mask(q)
-        f = EditFeatures("calib", *mask_ratio(mbytes, res), steps)
         t0 = time.perf_counter()
-        info = client.submit(assets.template(q.template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen
-                             on_progress=lambda *_: None).result(600).info
+        if q is None:
+            info = client.register_template(assets.template(template), steps=steps, timeout_s=600).info
+            f = EditFeatures("calib", 1.0, grid_tokens(res), steps)
+        else:
+            mbytes = assets.mask(q)
+            f = EditFeatures("calib", *mask_ratio(mbytes, res), steps)
+            info = client.submit(assets.template(template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen
+                                 on_progress=lambda *_: None).result(600).info
         latency = time.perf_counter() - t0
         hit = bool(info.get("cache_hit"))
-        (hit_r if hit else miss_r).append(info["denoise_s"] * 1000 / est.request_ms(f, hit))
+        ratio = info["denoise_s"] * 1000 / est.request_ms(f, hit)
+        (hit_r if hit else miss_r).append(ratio)
         outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
+        points.append({"mask_ratio": f.mask_ratio, "hit": hit, "computed_tokens": info.get("computed_tokens"),
+                       "denoise_s": info["denoise_s"], "observed_over_profile": ratio, "outside_s": outside[-1]})
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
-            "outside_s": statistics.median(outside), "probes": len(probes)}
+            "outside_s": statistics.median(outside), "probes": len(probes), "points": points}
 
 
 def _warm(client, assets, reqs) -> list:
@@ -122,7 +130,11 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
     assets = lg.Assets(size=res)
     env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
     est = Estimator(cost)
-    feats = lambda r: dict(zip(("mask_ratio", "tokens"), mask_ratio(assets.mask(r), res)))  # noqa: E731  model grid
+
+    def feats(r) -> dict:
+        """Mask ratio and token count on the model's grid, and the edited tokens themselves (packed bits, hex)."""
+        t = mask_tokens(assets.mask(r), res)
+        return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
             running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
@@ -194,6 +206,15 @@ def _arrivals(meta: dict, run_: dict) -> list[tuple]:
         [(r["t"], f(r)) for r in run_["requests"]]
 
 
+def _masks(run_: dict) -> list[np.ndarray] | None:
+    """Each arrival's edited tokens (warm-up first, as ``_arrivals``), if the measurement saved them."""
+    rs = run_["warmup"] + run_["requests"]
+    if not all("mask_bits" in r for r in rs):
+        return None
+    return [np.unpackbits(np.frombuffer(bytes.fromhex(r["mask_bits"]), np.uint8))[:r["tokens"]].astype(bool)
+            for r in rs]
+
+
 def _router_estimator(cost: CostModel, run_: dict) -> Estimator:
     """The simulated router's estimator, starting from the real router's online fit at the run's start."""
     return replace(Estimator(cost), **run_.get("router_model", {}))
@@ -214,7 +235,7 @@ def compare(measured: dict) -> list[dict]:
         n_warm = len(sat["warmup"])
         for model, svc, host, _ in _variants(meta, sat["calibration"], cost):
             sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), _router_estimator(cost, sat),
-                         service=svc, host=host)["requests"][n_warm:]
+                         service=svc, host=host, masks=_masks(sat))["requests"][n_warm:]
             thr = saturation_throughput([q.done - q.arrival for q in sim])
             rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
                          "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
@@ -230,7 +251,7 @@ def compare(measured: dict) -> list[dict]:
         n_warm = len(run_["warmup"])
         for model, svc, host, outside_s in _variants(meta, run_.get("calibration", meta["calibration"]), cost):
             sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
-                         service=svc, host=host)
+                         service=svc, host=host, masks=_masks(run_))
             done = sim["requests"][n_warm:]
             slat = np.array([q.done - q.arrival + outside_s for q in done])
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),

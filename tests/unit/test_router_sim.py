@@ -52,6 +52,30 @@ def test_requests_on_a_template_being_recorded_follow_the_run(est):
     assert level[0].started == level[1].started and level[1].step_ms == pytest.approx(run.step_ms)
 
 
+def test_hits_recompute_the_template_runs_edit_until_a_hit_heals_it(est):
+    """As the engine: a template run's own edit is invalid in its entry; a hit computes its mask and those tokens;
+    a hit on the stored entry that leaves them unmasked heals them when it completes."""
+    import numpy as np
+
+    n = 1024
+    left, right = np.zeros(n, bool), np.zeros(n, bool)
+    left[:200], right[-100:] = True, True
+    arr = [(0.0, f(ratio=left.mean())), (0.01, f(ratio=right.mean())),  # follows the run: no heal (not stored)
+           (100.0, f(ratio=right.mean())), (200.0, f(ratio=right.mean()))]
+    run, follower, healer, after = replay("round_robin", 1, arr, est, masks=[left, right, right, right])["requests"]
+    union = f(ratio=(left | right).mean())
+    assert follower.step_ms == pytest.approx(est.request_ms(union, True) / 4) and not follower.heals
+    assert healer.step_ms == follower.step_ms and healer.heals
+    assert after.step_ms == pytest.approx(est.request_ms(f(ratio=right.mean()), True) / 4) and not after.heals
+    # without masks every entry is clean
+    plain = replay("round_robin", 1, arr, est)["requests"]
+    assert plain[2].step_ms == pytest.approx(after.step_ms)
+    # a heal smaller than the threshold is not made
+    _, _, small, _ = replay("round_robin", 1, arr, est, masks=[left, right, right, right],
+                            heal_min_ratio=0.5)["requests"]
+    assert not small.heals
+
+
 def test_requests_share_steps(est):
     arr = [(0.0, f("a")), (0.001, f("b"))]
     alone = latency(replay("round_robin", 1, arr[:1], est)["requests"][0])
@@ -122,6 +146,19 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
     est = Estimator(CostModel.fallback())
     alone = 2.0 * est.request_ms(EditFeatures("t1", 0.2, 1024, 8), True) / 1000 + 8 * 2.0 / 1000 + 0.1
     assert runs["plain"]["p50_s"] == pytest.approx(alone, rel=1e-6)
+
+
+def test_validation_reads_saved_token_masks():
+    import numpy as np
+
+    from maskedit_router.validate import _masks
+
+    t = np.zeros(1024, bool)
+    t[[0, 5, 1023]] = True
+    r = {"tokens": 1024, "mask_bits": np.packbits(t).tobytes().hex()}
+    (back,) = _masks({"warmup": [], "requests": [r]})
+    assert back.dtype == bool and (back == t).all()
+    assert _masks({"warmup": [{"tokens": 1024}], "requests": [r]}) is None  # older files: no masks
 
 
 def test_simulated_router_refits_its_own_copy(est):
