@@ -247,6 +247,11 @@ def compare(measured: dict) -> list[dict]:
              "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
              "errors": len(run_["requests"]) - len(ok),
              "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
+        hits = [r for r in ok if r["cache_hit"] and r.get("computed_tokens") is not None]
+        if hits:  # tokens hits computed against their own masks' (> 1: the entry held invalid tokens); heals made
+            m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
+                                            max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
+            m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
         rows.append(m)
         n_warm = len(run_["warmup"])
         for model, svc, host, outside_s in _variants(meta, run_.get("calibration", meta["calibration"]), cost):
@@ -257,7 +262,8 @@ def compare(measured: dict) -> list[dict]:
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
                          "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
                          "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
-                         "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3)})
+                         "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3),
+                         "misses": sum(q.records for q in done), "heals": sum(q.heals for q in done)})
     return rows
 
 
@@ -277,7 +283,8 @@ def main(argv=None) -> None:
     for r in measured["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                           if k in ("load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
-                                   "errors", "cache_hits", "throughput", "throughput_error")}))
+                                   "errors", "cache_hits", "throughput", "throughput_error", "computed_over_mask",
+                                   "heals", "misses")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"
