@@ -113,6 +113,8 @@ class TritonServer:
         ]
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # already running (``with TritonServer(...).start()`` must not start a second, orphaned one)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,

@@ -47,6 +47,11 @@ def test_repository_loads_cleanly(server):
         assert bad not in log, f"server log mentions {bad!r}"
 
 
+def test_starting_a_running_server_again_starts_no_second_one(server):
+    pid = server.proc.pid
+    assert server.start() is server and server.proc.pid == pid  # `with TritonServer(...).start()` stays single
+
+
 def test_served_image_equals_stock_flux_fill(client, stock, settings, template_img, box_mask):
     r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=4, guidance=20.0, raw_output=True,
                     template_seed=11, use_cache=False)
