@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from maskedit.cache.cost_model import CostModel
+from maskedit.cache.heal import HEAL_MIN_RATIO, worth_healing
 from maskedit.settings import REPO_ROOT
 
 from .features import EditFeatures
@@ -127,7 +128,7 @@ _DONE_MS = 1e-6  # a CPU task with less work left than this has finished (float 
 def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatures]], est: Estimator,
            max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
            service: Estimator | None = None, host: HostModel | None = None,
-           masks: list[np.ndarray] | None = None, heal_min_ratio: float = 0.05) -> dict:
+           masks: list[np.ndarray] | None = None, heal_min_ratio: float = HEAL_MIN_RATIO) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
     ``masks``: each arrival's edited tokens (bool per image token); without them a hit computes just its mask ratio
     (as if every entry were a clean registration).
@@ -210,8 +211,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             elif cached and q.mask is not None and key in w.invalid:
                 inv = w.invalid[key]
                 work = replace(q.f, mask_ratio=float((q.mask | inv).mean()))  # the engine recomputes them
-                heal = inv & ~q.mask
-                if key in w.stored and key not in w.healing and heal.sum() >= max(1, heal_min_ratio * heal.size):
+                if key in w.stored and key not in w.healing and worth_healing(inv & ~q.mask, heal_min_ratio):
                     q.heals = True
                     w.healing.add(key)
             q.steps_left, q.started = q.f.steps, now

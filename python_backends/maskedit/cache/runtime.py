@@ -30,6 +30,7 @@ import torch
 
 from .cost_model import CostModel
 from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
+from .heal import HEAL_MIN_RATIO, worth_healing
 from .planner import MODES, plan
 from .store import ActivationStore, Entry
 
@@ -88,7 +89,7 @@ class _Live:
 class CacheRuntime:
     def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
                  policy: str = "planner", overlap: bool = True, budget_bytes: int = 1 << 30, record: bool = True,
-                 heal_min_ratio: float = 0.05):
+                 heal_min_ratio: float = HEAL_MIN_RATIO):
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}")
         self.hooks, self.store, self.policy = hooks, store, policy
@@ -101,7 +102,6 @@ class CacheRuntime:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
         self._recording: dict[str, _Live] = {}  # key -> its template run in progress (until saved)
-        # A heal rewrites the whole entry: only when it spares later hits at least this fraction of the tokens.
         self.heal_min_ratio = heal_min_ratio
         self._healing: set[str] = set()  # keys with a heal in progress (one at a time per key)
         self._mu = threading.Lock()
@@ -140,24 +140,27 @@ class CacheRuntime:
                 return self._start_recording(job, key, n)
             entry = live
         valid = np.asarray(entry.arrays["valid"], dtype=bool)
-        computed = np.asarray(x.token_mask, bool) | ~valid
+        own = np.asarray(x.token_mask, bool)
+        computed = own | ~valid
         if computed.all():
             return JobCache("full", key=key, entry=entry)
         dev = job.latents.device if job.latents is not None else "cpu"
         jc = JobCache("hit", key=key, entry=entry, valid=valid, text_len=text,
                       live=live.recorder if live is not None else None)
-        jc.idx_c = torch.from_numpy(np.flatnonzero(computed)).to(dev)
+        idx_c = np.flatnonzero(computed)
+        jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u_np = np.flatnonzero(~computed)
         jc.idx_u = torch.from_numpy(jc.idx_u_np).to(dev)
         jc.modes, jc.predicted_ms = self._plan(entry, n, int(computed.sum()), text)
         jc.needs_output = self._needs_output(jc.modes)
         if live is None:
-            self._maybe_heal(jc, x, ~valid & ~np.asarray(x.token_mask, bool))
+            self._maybe_heal(jc, x, ~valid & ~own, idx_c)
         return jc
 
-    def _maybe_heal(self, jc: JobCache, x, heal: np.ndarray) -> None:
-        """Record the rows of ``heal`` (invalid tokens this hit computes as template context) if worth a rewrite."""
-        if not self.record or self.policy == "noctx" or heal.sum() < max(1, self.heal_min_ratio * heal.size):
+    def _maybe_heal(self, jc: JobCache, x, heal: np.ndarray, idx_c: np.ndarray) -> None:
+        """Record the rows of ``heal`` (invalid tokens this hit computes as template context, among ``idx_c``) if
+        worth a rewrite."""
+        if not self.record or self.policy == "noctx" or not worth_healing(heal, self.heal_min_ratio):
             return
         with self._mu:
             if jc.key in self._healing:
@@ -166,7 +169,7 @@ class CacheRuntime:
         m = jc.entry.meta
         jc.heal = np.flatnonzero(heal)
         jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"])
-        jc.patch_pos = torch.from_numpy(np.searchsorted(jc.idx_c.cpu().numpy(), jc.heal)).to(jc.idx_c.device)
+        jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)
 
     def _compatible(self, entry: Entry, n: int, steps: int) -> bool:
         m = entry.meta
