@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from . import logs
 from .denoise import DenoiseJob, ModelRunner
 from .errors import Cancelled, ResourceExhausted, Unavailable
 from .scheduler import BatchScheduler
@@ -132,7 +133,7 @@ class DenoiseEngine:
             batch = self._drop_cancelled(batch)
             if not batch:
                 continue
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), time.thread_time()
             try:
                 self.runner.step(batch)
                 self.steps_run += 1
@@ -142,6 +143,10 @@ class DenoiseEngine:
                 continue
             t2 = time.perf_counter()
             self.scheduler.model.observe(sum(j.tokens or 0 for j in batch), t2 - t1)
+            if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
+                logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=sum(j.tokens or 0 for j in batch),
+                           wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
+                           jobs=[j.id for j in batch])
             tc = time.perf_counter()
             for job in batch:
                 if job.on_step is not None and not job.done:

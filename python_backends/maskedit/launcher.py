@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 from .repository import REPOSITORY
@@ -87,6 +88,9 @@ class TritonServer:
         self.env = env or {}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.extra_args = extra_args or []
+        # The Python backend's shared-memory regions are named after this prefix, so a server that had to be
+        # killed (its stubs cannot unlink them then) can have them removed by ``stop``.
+        self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -108,6 +112,7 @@ class TritonServer:
             "--exit-timeout-secs=10",
             "--backend-config=python,shm-default-byte-size=16777216",
             "--backend-config=python,shm-growth-byte-size=16777216",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             "--log-verbose=0",
             *self.extra_args,
         ]
@@ -173,6 +178,9 @@ class TritonServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self.proc = None
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind by a killed server
+            with contextlib.suppress(OSError):
+                region.unlink()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

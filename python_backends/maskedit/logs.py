@@ -51,6 +51,6 @@ def setup(service: str, level: str | None = None) -> logging.Logger:
     return root
 
 
-def event(logger: logging.Logger, msg: str, **fields) -> None:
+def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:
     """Log ``msg`` with extra structured fields."""
-    logger.info(msg, extra={"fields": fields})
+    logger.log(level, msg, extra={"fields": fields})

@@ -57,23 +57,31 @@ class HostModel:
     """CPU-only hosts: every worker's denoise loop (one thread) and its pre/post-processing share the host's cores.
 
     Each CPU task runs at full speed while the host has at least as many cores as runnable tasks, else all slow
-    down alike (processor sharing). Each worker has one pre-processing and one decoding instance, so a worker's
-    pre/post work queues FIFO (as Triton's single ``preprocess`` / ``vae_decode`` instances do)."""
+    down alike (processor sharing). Tasks on different cores still slow each other (shared memory bandwidth and
+    caches, the instances' helper threads): with k cores busy every task runs ``1 + interference * (k - 1)`` times
+    slower. Each worker has one pre-processing and one decoding instance, so a worker's pre/post work queues FIFO
+    (as Triton's single ``preprocess`` / ``vae_decode`` instances do). Entry writes (a template run's, a heal's)
+    are CPU tasks too, started when the request leaves the batch."""
 
     cores: float
     workers_per_host: int
     pre_ms: float  # CPU time per request before denoising (image decode, text + VAE encode)
     post_ms: float  # and after (VAE decode, PNG encode)
+    interference: float = 0.0
+    record_ms: float = 0.0  # CPU of writing a template run's entry (in the background, as it finishes)
+    heal_ms: float = 0.0  # and of a heal's rewrite
 
 
 class _Host:
     """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done]."""
 
-    def __init__(self, cores: float):
-        self.cores, self.tasks, self.last, self.token = cores, [], 0.0, 0
+    def __init__(self, cores: float, interference: float = 0.0):
+        self.cores, self.interference, self.tasks, self.last, self.token = cores, interference, [], 0.0, 0
 
     def rate(self) -> float:
-        return 1.0 if len(self.tasks) <= self.cores else self.cores / len(self.tasks)
+        n = len(self.tasks)
+        share = 1.0 if n <= self.cores else self.cores / n
+        return share / (1.0 + self.interference * max(0.0, min(n, self.cores) - 1))
 
     def advance(self, now: float) -> None:
         done = (now - self.last) * 1000.0 * self.rate()
@@ -142,7 +150,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     policy = make(policy_name, est)
     ws = [Worker(BackendLoad(f"w{i}"), cache_templates=cache_templates) for i in range(workers)]
     per_host = host.workers_per_host if host else 1
-    hosts = [_Host(host.cores if host else float("inf")) for _ in range(-(-workers // per_host))]
+    hosts = [_Host(host.cores, host.interference) if host else _Host(float("inf"))
+             for _ in range(-(-workers // per_host))]
     for i, w in enumerate(ws):
         w.host = hosts[i // per_host]
     events: list = []  # (time, seq, callback(now))
@@ -234,6 +243,9 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     w.healing.discard(key)
                     if key in w.invalid:
                         w.invalid[key] = w.invalid[key] & q.mask
+                write_ms = host and ((host.record_ms if q.records else 0.0) + (host.heal_ms if q.heals else 0.0))
+                if write_ms:  # the entry is written in the background: CPU the host's other tasks lose
+                    run_on(w.host, now, write_ms, lambda t: None)
                 if host and host.post_ms:
                     fifo(w, w.post_queue, q, host.post_ms, complete, now)
                 else:

@@ -5,7 +5,8 @@
 2. Measure the simulator's inputs on isolated requests through the router, one at a time: how fast this
    set-up denoises relative to the cost-model profile (observed / profile-predicted denoise time, separately
    for template runs and cache hits) and the time a request spends outside denoising (pre/post-processing,
-   transport).
+   transport); then, addressing the instances directly, how much the two denoise loops slow each other when
+   both run (the same work on both at once against alone: shared memory bandwidth and caches, helper threads).
 3. Measure the set-up's capacity: a burst of requests sent at once (templates warmed first); the throughput
    between the first and last quarter of completions is the saturation throughput. Offered loads are fractions
    of it, so "load 0.85" means 85 % busy on this machine, whatever its speed that day.
@@ -20,12 +21,14 @@ comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``
 step 5 on a saved measurement. Two simulator variants are compared: as used for the scale-out table ("plain":
 workers only denoise, at the speed measured alone, and pre/post-processing adds its measured time), and
 "shared_cpu": both instances' denoise loops and their single pre-processing and decoding instances share this
-host's cores (processor sharing, ``simulate.HostModel``).
+host's cores (processor sharing, ``simulate.HostModel``, with the measured interference between busy cores and
+the measured CPU of each background entry write).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -98,6 +101,56 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
             "outside_s": statistics.median(outside), "probes": len(probes), "points": points}
 
 
+def _interference(direct: list, template: int, assets, steps: int) -> dict:
+    """How much two denoise loops on this host slow each other beyond sharing its cores (memory bandwidth,
+    caches, each instance's loader/writer threads): the same work on both instances at once, each addressed
+    directly (not through the router), against the same work alone on one. A registration on both at once, then
+    per mask ratio a hit alone on the first instance and the same hit on both at once. ``interference`` is the
+    median of (denoise time with both busy) / (alone) - 1; every point is kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loadgen import workload
+
+    img = assets.template(template)
+    points = []
+    with ThreadPoolExecutor(len(direct)) as pool:
+        def both(fn) -> list[float]:
+            return [r.info["denoise_s"] for r in pool.map(fn, direct)]
+
+        alone = direct[0].register_template(img, steps=steps, timeout_s=600).info["denoise_s"]
+        pair = both(lambda c: c.register_template(img, steps=steps, timeout_s=600))  # a template run forced on each
+        points.append({"mask_ratio": 1.0, "alone_s": alone, "both_s": pair})
+        for i, r in enumerate((0.05, 0.2, 0.4)):
+            q = workload.Request(0.0, template, r, "blob", "interference", seed=i)
+            m = assets.mask(q)
+            alone = direct[0].submit(img, m, q.prompt, seed=q.seed).result(600).info["denoise_s"]
+            pair = both(lambda c: c.submit(img, m, q.prompt, seed=q.seed).result(600))
+            points.append({"mask_ratio": r, "alone_s": alone, "both_s": pair})
+    ratios = [statistics.mean(p["both_s"]) / p["alone_s"] for p in points]
+    return {"interference": max(0.0, statistics.median(ratios) - 1.0), "points": points}
+
+
+def _write_costs(servers) -> dict:
+    """CPU per background entry write on this host (a template run's entry, a heal's rewrite), from the instances'
+    own counters on their Triton metrics ports."""
+    import re
+    import urllib.request
+
+    def value(text: str, metric: str, label: str) -> float:
+        m = re.search(rf'{metric}\{{{label}\}} ([0-9.e+-]+)', text)
+        return float(m.group(1)) if m else 0.0
+    inserts = heals = record_s = heal_s = 0.0
+    for s in servers:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).read().decode()
+        inserts += value(text, "maskedit_cache_events_total", 'event="inserts"')
+        heals += value(text, "maskedit_cache_events_total", 'event="heals"')
+        record_s += value(text, "maskedit_cache_write_cpu_seconds_total", 'kind="record"')
+        heal_s += value(text, "maskedit_cache_write_cpu_seconds_total", 'kind="heal"')
+    records = inserts - heals  # every heal is an insert too
+    return {"records": int(records), "heals": int(heals), "record_ms": 1000 * record_s / max(1.0, records),
+            "heal_ms": 1000 * heal_s / max(1.0, heals)}
+
+
 def _warm(client, assets, reqs) -> list:
     """One request per template, one at a time, so every later request on it can hit."""
     warm = [replace(reqs[[r.template for r in reqs].index(t)], t=0.0) for t in sorted({r.template for r in reqs})]
@@ -114,7 +167,7 @@ def saturation_throughput(done_s: list[float]) -> float:
     return (b - a) / (t[b] - t[a])
 
 
-def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy: str = "predicted", seed: int = 0,
+def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy: str = "predicted", seed: int = 0,
         burst: int = 24, out_dir: Path | None = None) -> dict:
     from loadgen import runner as lg
     from loadgen import workload
@@ -137,10 +190,13 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
         return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex()}
     runs = []
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
-            running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, _servers):
-        with EditClient(url) as client:
+            running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, servers):
+        with EditClient(url) as client, contextlib.ExitStack() as stack:
+            direct = [stack.enter_context(EditClient(s.grpc_url)) for s in servers]
+
             def calibrate(template: int) -> dict:
-                return _calibrate(client, template, assets, est, res, steps)
+                return {**_calibrate(client, template, assets, est, res, steps),
+                        **_interference(direct, template + 1000, assets, steps)}
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
@@ -181,11 +237,14 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 150, templates: int = 4, policy:
                 })
                 print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
                     [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)
+            writes = _write_costs(servers)
+            print(json.dumps({"writes": writes}), flush=True)
     return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
                      "host_cores": os.cpu_count(),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
                      "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
-                     "load_basis": "measured saturation throughput", "saturation": saturation}, "runs": runs}
+                     "load_basis": "measured saturation throughput", "saturation": saturation,
+                     "writes": writes}, "runs": runs}
 
 
 def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
@@ -195,7 +254,9 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
     # instances, which share the host's cores with both denoise loops.
     outside_ms = calib["outside_s"] * 1000
     host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
-                     post_ms=outside_ms / 2)
+                     post_ms=outside_ms / 2, interference=calib.get("interference", 0.0),
+                     record_ms=meta.get("writes", {}).get("record_ms", 0.0),
+                     heal_ms=meta.get("writes", {}).get("heal_ms", 0.0))
     return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
 
 
@@ -271,7 +332,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.7, 0.85],
                     help="offered load as a fraction of the measured saturation throughput")
-    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--policy", default="predicted")
     ap.add_argument("--from", dest="source", type=Path,
                     help="re-simulate the measured runs saved in this file (no cluster)")

@@ -61,4 +61,7 @@ def test_cache_metrics_on_the_metrics_port(client, server):
     hits = re.search(r'maskedit_cache_requests_total\{outcome="hit"\} (\d+)', text)
     assert hits and int(hits.group(1)) >= 1
     assert re.search(r'maskedit_cache_bytes\{tier="mem"\} \d', text)
-    assert re.search(r'maskedit_cache_events_total\{event="inserts"\}', text) or "maskedit_cache_events_total" in text
+    inserts = re.search(r'maskedit_cache_events_total\{event="inserts"\} (\d+)', text)
+    assert inserts and int(inserts.group(1)) >= 1  # entries written by the earlier tests' template runs
+    cpu = re.search(r'maskedit_cache_write_cpu_seconds_total\{kind="record"\} ([0-9.e+-]+)', text)
+    assert cpu and float(cpu.group(1)) > 0  # and the CPU those writes took

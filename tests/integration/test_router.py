@@ -3,6 +3,7 @@
 import csv
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,7 +101,9 @@ def test_killing_a_backend_under_load_ends_every_request(cluster, template_img):
                          "a hat", steps=40, use_cache=False) for i in range(8)]
         time.sleep(0.5)
         victim = cluster["servers"][1]
+        assert list(Path("/dev/shm").glob(f"{victim.shm_prefix}*"))  # its Python backend's regions
         victim.stop(timeout=0.1)  # SIGTERM then SIGKILL of the whole process group
+        assert not list(Path("/dev/shm").glob(f"{victim.shm_prefix}*"))  # a killed server leaves none behind
         for f in futs:
             try:
                 outcomes.append(("ok", f.result(120).image.size))

@@ -100,6 +100,19 @@ def test_workers_on_one_host_share_its_cores(est):
         assert latency(q) == pytest.approx(alone)
 
 
+def test_loops_on_busy_cores_slow_each_other_by_the_interference(est):
+    arr = [(0.0, f("a")), (0.0, f("b"))]
+    alone = latency(replay("round_robin", 1, arr[:1], est, host=HostModel(2, 1, 0.0, 0.0, interference=0.3))
+                    ["requests"][0])
+    assert alone == pytest.approx(latency(replay("round_robin", 1, arr[:1], est)["requests"][0]))  # one core busy
+    both = replay("round_robin", 2, arr, est, host=HostModel(2, 2, 0.0, 0.0, interference=0.3))["requests"]
+    for q in both:  # two cores busy: each 1.3x slower, though neither waits for a core
+        assert latency(q) == pytest.approx(1.3 * alone)
+    crowded = replay("round_robin", 2, arr, est, host=HostModel(1, 2, 0.0, 0.0, interference=0.3))["requests"]
+    for q in crowded:  # one core: sharing it, no second core to interfere
+        assert latency(q) == pytest.approx(2 * alone)
+
+
 def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
     host = HostModel(cores=1, workers_per_host=1, pre_ms=100.0, post_ms=0.0)
     a, b = replay("round_robin", 1, [(0.0, f("a")), (0.0, f("b"))], est, host=host)["requests"]
@@ -167,3 +180,16 @@ def test_simulated_router_refits_its_own_copy(est):
     b = replay("predicted", 2, arrivals, est)
     assert est.scale == 1.0 and est.observations == 0  # the caller's estimator is untouched
     assert [q.done for q in a["requests"]] == [q.done for q in b["requests"]]
+
+
+def test_an_entry_write_takes_its_cpu_from_the_requests_running_beside_it(est):
+    """A template run's entry is written in the background as it finishes: on a one-core host the hit that runs
+    meanwhile loses exactly that CPU (processor sharing is work-conserving)."""
+    host = HostModel(cores=1, workers_per_host=1, pre_ms=0.0, post_ms=0.0)
+    (run,) = replay("round_robin", 1, [(0.0, f())], est, host=host)["requests"]
+    arr = [(0.0, f()), (run.denoised, f(ratio=0.5))]  # the hit arrives as the template run leaves the batch
+    quiet = replay("round_robin", 1, arr, est, host=host)["requests"]
+    busy = replay("round_robin", 1, arr, est, host=HostModel(1, 1, 0.0, 0.0, record_ms=50.0))["requests"]
+    assert quiet[1].records is False and busy[0].records is True
+    assert latency(busy[1]) == pytest.approx(latency(quiet[1]) + 0.05)
+    assert latency(busy[0]) == pytest.approx(latency(quiet[0]))  # the write does not delay the run's own reply

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import logs
 from .cost_model import CostModel
 from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
 from .heal import HEAL_MIN_RATIO, worth_healing
@@ -320,9 +321,13 @@ class CacheRuntime:
 
     def _save(self, jc: JobCache, x) -> None:
         live = jc.entry
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self.store.put(jc.key, {**live.arrays, "valid": jc.valid.astype(np.uint8)}, live.meta)
-            log.info("recorded activations for %s: %d bytes", jc.key, jc.recorder.nbytes)
+            cpu = time.thread_time() - c0
+            self.store.stats.record_cpu_s += cpu
+            logs.event(log, "recorded activations", key=jc.key, bytes=jc.recorder.nbytes,
+                       wall_ms=round(1000 * (time.perf_counter() - t0), 1), cpu_ms=round(1000 * cpu, 1))
         except Exception:
             log.exception("could not save activations for %s", jc.key)
         finally:
@@ -332,6 +337,7 @@ class CacheRuntime:
     def _heal(self, jc: JobCache) -> None:
         """Write a copy of the hit's entry with the patched rows in and those tokens valid, unless the entry
         changed meanwhile (rewritten, evicted): then its tokens may differ and the patch is dropped."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             entry = self.store.current(jc.key)
             if entry is not jc.entry:
@@ -341,8 +347,11 @@ class CacheRuntime:
             arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = p.y, p.k, p.v
             arrays["valid"][t] = 1
             self.store.put(jc.key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
+            cpu = time.thread_time() - c0
             self.store.stats.heals += 1
-            log.info("healed %d tokens of activation entry %s", t.size, jc.key)
+            self.store.stats.heal_cpu_s += cpu
+            logs.event(log, "healed activations", key=jc.key, tokens=int(t.size),
+                       wall_ms=round(1000 * (time.perf_counter() - t0), 1), cpu_ms=round(1000 * cpu, 1))
         except Exception:
             log.exception("could not heal activations for %s", jc.key)
         finally:

@@ -60,6 +60,10 @@ class StoreStats:
     inserts: int = 0
     heals: int = 0  # entries rewritten with tokens another request had edited recomputed as template context
     dropped: int = 0  # evicted from the disk tier (gone)
+    # CPU seconds of the background writes (a template run's entry, a heal's rewrite): work that competes with the
+    # denoise loop for the host's cores, reported so capacity models can charge it.
+    record_cpu_s: float = 0.0
+    heal_cpu_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -176,7 +180,8 @@ class ActivationStore:
         b = self.tier_bytes()
         s = self.stats
         return {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "promotions": s.promotions,
-                "corrupt": s.corrupt, "inserts": s.inserts, "heals": s.heals, "dropped": s.dropped, "mem_bytes": b["mem"],
+                "corrupt": s.corrupt, "inserts": s.inserts, "heals": s.heals, "dropped": s.dropped,
+                "record_cpu_s": s.record_cpu_s, "heal_cpu_s": s.heal_cpu_s, "mem_bytes": b["mem"],
                 "disk_bytes": b["disk"], "mem_entries": len(self.entries("mem")),
                 "disk_entries": len(self.entries("disk"))}
 

@@ -72,7 +72,12 @@ class CacheMetrics:
         self._ev = {k: self.events.Metric(labels={"event": k})
                     for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts", "heals")}
         self._bytes = {t: self.bytes.Metric(labels={"tier": t}) for t in ("mem", "disk")}
-        self._seen = {k: 0 for k in self._ev}
+        self.write_cpu = pb_utils.MetricFamily(
+            name="maskedit_cache_write_cpu_seconds_total",
+            description="CPU seconds of background activation writes (a template run's entry, a heal)",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._cpu = {k: self.write_cpu.Metric(labels={"kind": k}) for k in ("record", "heal")}
+        self._seen = {k: 0 for k in self._ev} | {f"{k}_cpu_s": 0.0 for k in self._cpu}
         self.outcomes = pb_utils.MetricFamily(
             name="maskedit_denoise_requests_total", description="denoise requests by how they ended",
             kind=pb_utils.MetricFamily.COUNTER)
@@ -90,7 +95,8 @@ class CacheMetrics:
         if self.store is None:
             return
         m = self.store.metrics()
-        for k, metric in self._ev.items():
+        counters = list(self._ev.items()) + [(f"{k}_cpu_s", c) for k, c in self._cpu.items()]
+        for k, metric in counters:
             delta = m[k] - self._seen[k]
             if delta > 0:
                 metric.increment(delta)
