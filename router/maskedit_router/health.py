@@ -2,7 +2,10 @@
 
 Triton 2.51 does not restart a crashed decoupled Python stub and its health endpoints keep saying ready, so
 readiness alone cannot see a backend that accepts requests but never answers; the probe is a real ``edit``
-request (an empty mask: every stage runs, the model does not) that must answer within a timeout.
+request (an empty mask: every stage runs, the model does not) that must answer within a timeout. A backend that
+answered traffic within the probe interval is alive without a probe: a probe queues behind that traffic in the
+pre/post-processing stages, and under heavy load it timed out on busy, healthy backends, which were then taken
+out of rotation and had their cache entries purged.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class HealthChecker:
         self.r, self.interval, self.probe_every, self.probe_timeout = router, interval_s, probe_every_s, probe_timeout_s
         self._stop = threading.Event()
         self._last_probe: dict[str, float] = {}
+        self._verdict: dict[str, bool] = {}  # the latest probe's (or recent traffic's) answer per backend
         self._thread = threading.Thread(target=self._run, daemon=True, name="router-health")
 
     def start(self) -> "HealthChecker":
@@ -64,21 +68,29 @@ class HealthChecker:
             ready = backend.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=2).ready
         except grpc.RpcError:
             ready = False
+        if not ready:
+            return False
         now = time.monotonic()
-        if ready and now - self._last_probe.get(backend.addr, 0) >= self.probe_every:
+        if now - self._last_probe.get(backend.addr, 0) >= self.probe_every:
             self._last_probe[backend.addr] = now
-            ready = probe(backend, self.probe_timeout)
-        return ready
+            # Silent for a whole interval: ask it. The verdict holds until the next probe (readiness alone would
+            # put a backend that accepts but never answers back in rotation a second later).
+            self._verdict[backend.addr] = (now - backend.last_answer < self.probe_every or
+                                           probe(backend, self.probe_timeout))
+        return self._verdict.get(backend.addr, True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             for backend in list(self.r.backends.values()):
                 ok = self.check(backend)
+                was_healthy = backend.load.healthy
                 if ok != backend.load.healthy:
                     log.warning("backend %s is now %s", backend.addr, "healthy" if ok else "UNHEALTHY")
                 backend.load.healthy = ok
                 if not ok:
                     backend.load.templates.clear()  # a dead backend's cache entries are purged at once
+                    if was_healthy:  # its requests end now (retried or failed), not when the client gives up
+                        self.r.backend_down(backend, "health check failed")
                 else:
                     backend.succeeded()
                 self.r.metrics.healthy.labels(backend.addr).set(1 if ok else 0)

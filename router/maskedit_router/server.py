@@ -19,6 +19,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +44,7 @@ class Backend:
         self.load = BackendLoad(addr)
         self.failures, self.threshold, self.cooldown_s = 0, failure_threshold, cooldown_s
         self.open_until = 0.0  # circuit breaker: no traffic before this time
+        self.last_answer = 0.0  # monotonic time of its latest response (any: progress, result, error)
 
     def available(self, now: float) -> bool:
         return self.load.healthy and now >= self.open_until
@@ -86,6 +88,14 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._sessions: weakref.WeakSet = weakref.WeakSet()  # open client streams
+
+    def backend_down(self, backend: "Backend", why: str) -> None:
+        """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
+        never answers): every stream request on it ends now, retried elsewhere if it had no response yet, else
+        failed, exactly as if its stream had broken."""
+        for session in list(self._sessions):
+            session.abandon(backend, why)
 
     # -- backend set --------------------------------------------------------------------------------
     def set_backends(self, addrs: list[str]) -> None:
@@ -194,6 +204,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 context.abort(e.code, str(e))
             try:
                 resp = t.backend.stub.ModelInfer(request, timeout=_timeout(context, 600.0))
+                t.backend.last_answer = time.monotonic()
                 self.release(t, ok=True)
                 return resp
             except grpc.RpcError as e:
@@ -237,6 +248,7 @@ class _StreamSession:
         self.lock = threading.Lock()
         self.reading = True
         context.add_callback(self.on_client_gone)
+        router._sessions.add(self)
 
     def read(self, request_iterator) -> None:
         try:
@@ -273,6 +285,7 @@ class _StreamSession:
         bs.send(p.request)
 
     def on_response(self, backend: Backend, resp) -> None:
+        backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         rid = resp.infer_response.id
         if not rid and resp.error_message:
             m = re.search(r"request id: ([\w-]+)", resp.error_message)
@@ -312,6 +325,16 @@ class _StreamSession:
                 self.r.metrics.retried(backend.addr)
                 self._send(p, rid, p.ticket.features, exclude={backend.addr})
         self._maybe_finish()
+
+    def abandon(self, backend: Backend, why: str) -> None:
+        """Stop waiting for ``backend`` (declared unhealthy): drop its stream, then handle its requests as lost."""
+        with self.lock:
+            bs = self.streams.get(backend.addr)
+            if bs is None or not any(p.ticket.backend is backend for p in self.pending.values()):
+                return
+            bs.broken = True  # later sends open a new stream
+        bs.cancel()
+        self.on_broken(backend, why)
 
     def on_client_gone(self) -> None:
         with self.lock:

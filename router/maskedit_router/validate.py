@@ -31,7 +31,9 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -181,7 +183,10 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
     profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
-    env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
+    # 3 GiB of activation memory tier (RAM) per instance: a load's templates and probes fit (~300 MB an entry),
+    # older loads' entries go to disk, and both instances stay well inside this machine's memory.
+    env = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_THREADS_MASKED_DENOISE": "1",
+           "MASKEDIT_CACHE_MEM_BYTES": str(3 << 30)}
     est = Estimator(cost)
 
     def feats(r) -> dict:
@@ -338,6 +343,7 @@ def main(argv=None) -> None:
                     help="re-simulate the measured runs saved in this file (no cluster)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_validation.json")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's servers are stopped on the way
     measured = json.loads(args.source.read_text()) if args.source else run(args.loads, args.requests,
                                                                              policy=args.policy)
     measured["rows"] = compare(measured)

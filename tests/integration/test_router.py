@@ -1,6 +1,9 @@
 """The router in front of two real Triton instances, driven by tritonclient, the project's client and perf_analyzer."""
 
 import csv
+import os
+import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -117,3 +120,41 @@ def test_killing_a_backend_under_load_ends_every_request(cluster, template_img):
         assert not cluster["router"].backends[victim.grpc_url].load.healthy
         for i in range(3):
             assert c.edit(template_img, samples.mask(256, 256, 0.1, "box", seed=i), "a hat", steps=2).image
+
+
+def _stub_pid(server, model: str) -> int:
+    """The pid of ``model``'s Python-backend stub among ``server``'s processes."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and os.getpgid(int(d.name)) == server.proc.pid and \
+                    f"{model}_0_0".encode() in (d / "cmdline").read_bytes().split(b"\0"):
+                return int(d.name)
+        except OSError:  # gone meanwhile
+            continue
+    raise LookupError(f"no stub for {model} under pid {server.proc.pid}")
+
+
+def test_a_request_stuck_on_a_crashed_denoise_stub_ends_when_the_backend_is_found_unhealthy(cluster):
+    """Triton 2.51 does not restart a crashed decoupled stub, keeps saying ready, and never answers the requests
+    that were in flight in it: the router's probe request must find the backend unhealthy, and the stuck request
+    must end then, not when the client gives up. (Runs after the kill test: the other backend is gone, so the
+    stuck request has nowhere to be retried and ends in an error.)"""
+    victim = cluster["servers"][0]
+    backend = cluster["router"].backends[victim.grpc_url]
+    with EditClient(cluster["url"]) as c:
+        denoising = threading.Event()
+        stuck = c.submit(samples.template(256, 256, seed=7), samples.mask(256, 256, 0.2, "blob", seed=7), "a hat",
+                         steps=100, use_cache=False, on_progress=lambda *_: denoising.set())
+        assert denoising.wait(60)
+        os.kill(_stub_pid(victim, "masked_denoise"), signal.SIGKILL)
+        assert not stuck.done()
+        t0 = time.time()
+        g = grpcclient.InferenceServerClient(victim.grpc_url)
+        try:
+            assert g.is_server_ready()  # still says ready: readiness alone cannot see it
+        finally:
+            g.close()
+        with pytest.raises(EditError) as err:
+            stuck.result(60)
+        assert err.value.code == "UNAVAILABLE" and time.time() - t0 < 30, (str(err.value), time.time() - t0)
+    assert not backend.load.healthy

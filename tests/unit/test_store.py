@@ -31,6 +31,22 @@ def test_put_open_roundtrip_zero_copy(tmp_path):
     assert (s.stats.hits, s.stats.misses) == (1, 1)
 
 
+def test_replaced_or_evicted_entries_are_unmapped(tmp_path):
+    """A RAM filesystem keeps an unlinked file's pages while it is mapped: the store must not keep old versions."""
+    one = os.path.getsize(mk(tmp_path / "probe").put("x", arrays(), {}))
+    s = mk(tmp_path, mem=int(one * 2.5))
+    old = s.open("k") if s.put("k", arrays(1), {}) else None
+    s.put("k", arrays(2), {})  # a heal rewrites the entry
+    new = s.open("k")
+    assert new is not old and not any(e is old for e in s._mapped.values())
+    assert [e.key for e in s._mapped.values()] == ["k"]
+    s.put("b", arrays(3), {})
+    s.put("c", arrays(4), {})  # "k" is evicted to disk
+    assert s.locate("k") == "disk"
+    s.open("b")
+    assert sorted(e.key for e in s._mapped.values()) == ["b"]
+
+
 def test_lru_eviction_to_disk_and_promotion(tmp_path):
     one = os.path.getsize(mk(tmp_path / "probe").put("x", arrays(), {}))
     s = mk(tmp_path, mem=int(one * 2.5))

@@ -227,10 +227,25 @@ class ActivationStore:
             return None
         self._verified[ident] = True
         entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size)
+        self._unmap_stale()
         if len(self._mapped) > 64:
             self._mapped.pop(next(iter(self._mapped)))
         self._mapped[ident] = entry
         return entry
+
+    def _unmap_stale(self) -> None:
+        """Forget mapped entries whose file was replaced (a heal), evicted or deleted. On a RAM filesystem an
+        unlinked file's pages live as long as a mapping does, so keeping them would hold memory outside the tier's
+        budget (requests still using such an entry keep their own reference until they finish)."""
+        for ident in list(self._mapped):
+            path, ino, size, mtime = ident
+            try:
+                st = os.stat(path)
+                current = (st.st_ino, st.st_size, st.st_mtime_ns) == (ino, size, mtime)
+            except FileNotFoundError:
+                current = False
+            if not current:
+                self._mapped.pop(ident, None)
 
     def _discard(self, path: Path, why: str) -> None:
         log.warning("discarding corrupt activation entry %s: %s", path.name, why)

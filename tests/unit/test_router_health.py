@@ -1,0 +1,45 @@
+"""The router's health checker: readiness every interval, a real probe request only for a backend that has been
+silent for a whole probe interval."""
+
+import time
+from types import SimpleNamespace
+
+from maskedit_router import health
+from maskedit_router.health import HealthChecker
+from maskedit_router.policies import BackendLoad
+
+
+class _Stub:
+    def __init__(self, ready=True):
+        self.ready = ready
+
+    def ServerReady(self, request, timeout=None):
+        return SimpleNamespace(ready=self.ready)
+
+
+def _backend(last_answer: float, ready=True):
+    return SimpleNamespace(addr="b:1", stub=_Stub(ready), load=BackendLoad("b:1"), last_answer=last_answer)
+
+
+def test_a_backend_answering_traffic_is_not_probed(monkeypatch):
+    probes = []
+    monkeypatch.setattr(health, "probe", lambda b, timeout_s: probes.append(b.addr) or False)
+    checker = HealthChecker(router=None, probe_every_s=5.0)
+    assert checker.check(_backend(last_answer=time.monotonic()))  # answered just now: alive, no probe queued
+    assert probes == []
+
+
+def test_a_silent_backend_is_probed_and_a_failed_probe_makes_it_unhealthy(monkeypatch):
+    probes = []
+    monkeypatch.setattr(health, "probe", lambda b, timeout_s: probes.append(timeout_s) or False)
+    checker = HealthChecker(router=None, probe_every_s=5.0, probe_timeout_s=3.0)
+    silent = _backend(last_answer=time.monotonic() - 10.0)  # ready, but no answer for longer than the interval
+    assert not checker.check(silent)
+    assert probes == [3.0]
+    assert not checker.check(silent)  # probes at most once per interval, and the verdict holds in between
+    assert probes == [3.0]
+    checker._last_probe["b:1"] -= 5.0  # next interval: it answered traffic meanwhile, so it is back
+    silent.last_answer = time.monotonic()
+    assert checker.check(silent) and probes == [3.0]
+    assert not checker.check(_backend(last_answer=time.monotonic(), ready=False))  # not ready: no probe needed
+    assert probes == [3.0]
