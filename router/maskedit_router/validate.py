@@ -305,7 +305,8 @@ def compare(measured: dict) -> list[dict]:
             thr = saturation_throughput([q.done - q.arrival for q in sim])
             rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
                          "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
-    for run_ in measured["runs"]:
+    runs = measured["runs"]
+    for i, run_ in enumerate(runs):
         ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
         lat = np.array([r["latency_s"] for r in ok])
         b = {**base, "rate": run_["rate"], "load": run_["load"]}
@@ -320,7 +321,13 @@ def compare(measured: dict) -> list[dict]:
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
         rows.append(m)
         n_warm = len(run_["warmup"])
-        for model, svc, host, outside_s in _variants(meta, run_.get("calibration", meta["calibration"]), cost):
+        variants = _variants(meta, run_.get("calibration", meta["calibration"]), cost)
+        if i + 1 < len(runs) and "calibration" in runs[i + 1]:
+            # The host's speed drifts within a run too: the same model with the calibration measured right after
+            # this run (before the next) brackets it. Not the headline: the last load has no such calibration.
+            variants += [(f"{m}_calibrated_after", svc, host, out) for m, svc, host, out in
+                         _variants(meta, runs[i + 1]["calibration"], cost) if m == "shared_cpu"]
+        for model, svc, host, outside_s in variants:
             sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
                          service=svc, host=host, masks=_masks(run_))
             done = sim["requests"][n_warm:]
