@@ -142,9 +142,10 @@ class DenoiseEngine:
                 self._retire(batch, error=e)
                 continue
             t2 = time.perf_counter()
-            self.scheduler.model.observe(sum(j.tokens or 0 for j in batch), t2 - t1)
+            tokens = sum(j.tokens or 0 for j in batch)
+            self.scheduler.model.observe(tokens, t2 - t1)
             if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
-                logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=sum(j.tokens or 0 for j in batch),
+                logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=tokens,
                            wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
                            jobs=[j.id for j in batch])
             tc = time.perf_counter()

@@ -243,9 +243,10 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     w.healing.discard(key)
                     if key in w.invalid:
                         w.invalid[key] = w.invalid[key] & q.mask
-                write_ms = host and ((host.record_ms if q.records else 0.0) + (host.heal_ms if q.heals else 0.0))
-                if write_ms:  # the entry is written in the background: CPU the host's other tasks lose
-                    run_on(w.host, now, write_ms, lambda t: None)
+                if host:  # the entry is written in the background: CPU the host's other tasks lose
+                    write_ms = (host.record_ms if q.records else 0.0) + (host.heal_ms if q.heals else 0.0)
+                    if write_ms:
+                        run_on(w.host, now, write_ms, lambda t: None)
                 if host and host.post_ms:
                     fifo(w, w.post_queue, q, host.post_ms, complete, now)
                 else:

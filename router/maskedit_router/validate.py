@@ -135,22 +135,23 @@ def _interference(direct: list, template: int, assets, steps: int) -> dict:
 def _write_costs(servers) -> dict:
     """CPU per background entry write on this host (a template run's entry, a heal's rewrite), from the instances'
     own counters on their Triton metrics ports."""
-    import re
     import urllib.request
 
-    def value(text: str, metric: str, label: str) -> float:
-        m = re.search(rf'{metric}\{{{label}\}} ([0-9.e+-]+)', text)
-        return float(m.group(1)) if m else 0.0
-    inserts = heals = record_s = heal_s = 0.0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total: dict[tuple, float] = {}
     for s in servers:
         text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).read().decode()
-        inserts += value(text, "maskedit_cache_events_total", 'event="inserts"')
-        heals += value(text, "maskedit_cache_events_total", 'event="heals"')
-        record_s += value(text, "maskedit_cache_write_cpu_seconds_total", 'kind="record"')
-        heal_s += value(text, "maskedit_cache_write_cpu_seconds_total", 'kind="heal"')
-    records = inserts - heals  # every heal is an insert too
-    return {"records": int(records), "heals": int(heals), "record_ms": 1000 * record_s / max(1.0, records),
-            "heal_ms": 1000 * heal_s / max(1.0, heals)}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                k = (sample.name, *sample.labels.values())
+                total[k] = total.get(k, 0.0) + sample.value
+    events, cpu = "maskedit_cache_events_total", "maskedit_cache_write_cpu_seconds_total"
+    heals = total.get((events, "heals"), 0.0)
+    records = total.get((events, "inserts"), 0.0) - heals  # every heal is an insert too
+    return {"records": int(records), "heals": int(heals),
+            "record_ms": 1000 * total.get((cpu, "record"), 0.0) / max(1.0, records),
+            "heal_ms": 1000 * total.get((cpu, "heal"), 0.0) / max(1.0, heals)}
 
 
 def _warm(client, assets, reqs) -> list:

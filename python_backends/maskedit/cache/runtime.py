@@ -324,10 +324,8 @@ class CacheRuntime:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self.store.put(jc.key, {**live.arrays, "valid": jc.valid.astype(np.uint8)}, live.meta)
-            cpu = time.thread_time() - c0
-            self.store.stats.record_cpu_s += cpu
-            logs.event(log, "recorded activations", key=jc.key, bytes=jc.recorder.nbytes,
-                       wall_ms=round(1000 * (time.perf_counter() - t0), 1), cpu_ms=round(1000 * cpu, 1))
+            self.store.stats.record_cpu_s += self._wrote("recorded activations", jc.key, t0, c0,
+                                                         bytes=jc.recorder.nbytes)
         except Exception:
             log.exception("could not save activations for %s", jc.key)
         finally:
@@ -347,16 +345,22 @@ class CacheRuntime:
             arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = p.y, p.k, p.v
             arrays["valid"][t] = 1
             self.store.put(jc.key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
-            cpu = time.thread_time() - c0
             self.store.stats.heals += 1
-            self.store.stats.heal_cpu_s += cpu
-            logs.event(log, "healed activations", key=jc.key, tokens=int(t.size),
-                       wall_ms=round(1000 * (time.perf_counter() - t0), 1), cpu_ms=round(1000 * cpu, 1))
+            self.store.stats.heal_cpu_s += self._wrote("healed activations", jc.key, t0, c0, tokens=int(t.size))
         except Exception:
             log.exception("could not heal activations for %s", jc.key)
         finally:
             with self._mu:
                 self._healing.discard(jc.key)
+
+    @staticmethod
+    def _wrote(msg: str, key: str, t0: float, c0: float, **fields) -> float:
+        """Log a background write begun at ``t0`` (thread CPU ``c0``) with its wall and CPU time; returns the CPU
+        seconds, which the caller adds to the store's stats (exported as a metric)."""
+        cpu = time.thread_time() - c0
+        logs.event(log, msg, key=key, **fields, wall_ms=round(1000 * (time.perf_counter() - t0), 1),
+                   cpu_ms=round(1000 * cpu, 1))
+        return cpu
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait for pending recordings to be written (tests, shutdown)."""
