@@ -10,19 +10,22 @@
 3. Measure the set-up's capacity: a burst of requests sent at once (templates warmed first); the throughput
    between the first and last quarter of completions is the saturation throughput. Offered loads are fractions
    of it, so "load 0.85" means 85 % busy on this machine, whatever its speed that day.
-4. Per load: re-measure step 2 (the host's speed drifts over minutes), warm every template with one request
-   each, then serve an open-loop Poisson workload through the router with the project's load generator.
+4. Per load: warm every template with one request each, re-measure step 2 (the host's speed drifts over
+   minutes, and the warm-up may have filled the store's memory tier), then serve an open-loop Poisson workload
+   through the router with the project's load generator. After the last load, measure step 2 once more.
 5. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
-   model's token grid) in the simulator with the inputs measured just before them, and compare P50/P95; replay
-   the burst too and compare saturation throughput.
+   model's token grid) in the simulator and compare P50/P95; replay the burst too and compare saturation
+   throughput. Each run is bracketed by the calibration before it and the one after it (the next run's, or the
+   last one).
 
 Writes ``perf_profiles/results/router_validation.json`` (calibrations, every measured request, and the
 comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``--from FILE`` re-runs only
-step 5 on a saved measurement. Two simulator variants are compared: as used for the scale-out table ("plain":
-workers only denoise, at the speed measured alone, and pre/post-processing adds its measured time), and
-"shared_cpu": both instances' denoise loops and their single pre-processing and decoding instances share this
-host's cores (processor sharing, ``simulate.HostModel``, with the measured interference between busy cores and
-the measured CPU of each background entry write).
+step 5 on a saved measurement. Simulator variants: as used for the scale-out table ("plain": workers only
+denoise, at the speed measured alone, and pre/post-processing adds its measured time), and "shared_cpu": both
+instances' denoise loops and their single pre-processing and decoding instances share this host's cores
+(processor sharing, ``simulate.HostModel``, with the measured interference between busy cores and the measured CPU
+of each background entry write); both with the calibration before the run. "shared_cpu_bracketed" (the headline)
+takes the mean of the calibrations before and after the run, "shared_cpu_calibrated_after" the one after alone.
 """
 
 from __future__ import annotations
@@ -129,23 +132,39 @@ def _interference(direct: list, template: int, assets, steps: int) -> dict:
             pair = both(lambda c: c.submit(img, m, q.prompt, seed=q.seed).result(600))
             points.append({"mask_ratio": r, "alone_s": alone, "both_s": pair})
     ratios = [statistics.mean(p["both_s"]) / p["alone_s"] for p in points]
-    return {"interference": max(0.0, statistics.median(ratios) - 1.0), "points": points}
+    return {"interference": max(0.0, statistics.median(ratios) - 1.0), "interference_points": points}
 
 
-def _write_costs(servers) -> dict:
-    """CPU per background entry write on this host (a template run's entry, a heal's rewrite), from the instances'
-    own counters on their Triton metrics ports."""
+def _metrics(servers) -> list[dict[tuple, float]]:
+    """Each instance's Triton metrics (its metrics port), keyed by (name, *label values)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    total: dict[tuple, float] = {}
+    out = []
     for s in servers:
         text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                k = (sample.name, *sample.labels.values())
-                total[k] = total.get(k, 0.0) + sample.value
+        out.append({(x.name, *x.labels.values()): x.value
+                    for family in text_string_to_metric_families(text) for x in family.samples})
+    return out
+
+
+def _store_state(servers) -> list[dict]:
+    """Each instance's activation store when a calibration starts: bytes per tier, evictions to disk so far. A
+    store past its memory budget writes an evicted entry to disk with every insert, so the calibration is taken
+    in the store state its run sees."""
+    return [{"mem_bytes": m.get(("maskedit_cache_bytes", "mem"), 0.0),
+             "disk_bytes": m.get(("maskedit_cache_bytes", "disk"), 0.0),
+             "evictions": m.get(("maskedit_cache_events_total", "evictions"), 0.0)} for m in _metrics(servers)]
+
+
+def _write_costs(servers) -> dict:
+    """CPU per background entry write on this host (a template run's entry, a heal's rewrite), from the instances'
+    own counters."""
+    total: dict[tuple, float] = {}
+    for m in _metrics(servers):
+        for k, v in m.items():
+            total[k] = total.get(k, 0.0) + v
     events, cpu = "maskedit_cache_events_total", "maskedit_cache_write_cpu_seconds_total"
     heals = total.get((events, "heals"), 0.0)
     records = total.get((events, "inserts"), 0.0) - heals  # every heal is an insert too
@@ -201,7 +220,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
             direct = [stack.enter_context(EditClient(s.grpc_url)) for s in servers]
 
             def calibrate(template: int) -> dict:
-                return {**_calibrate(client, template, assets, est, res, steps),
+                return {"store": _store_state(servers), **_calibrate(client, template, assets, est, res, steps),
                         **_interference(direct, template + 1000, assets, steps)}
 
             def router_model() -> dict:
@@ -228,9 +247,12 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
                 reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
                                         seed=seed + li)
                 reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
-                run_calib = calibrate(900 + li + 1)
                 model_at_start = router_model()  # before the warm-up, which the simulator replays too
                 warm = _warm(client, assets, reqs)
+                # After the warm-up: its entries may push the store past its memory budget, and the run then
+                # pays an eviction to disk with every insert (the previous run measured hits 19 % slower in the
+                # calibration after such a warm-up than in the one before it).
+                run_calib = calibrate(900 + li + 1)
                 records, wall = lg.run(client, reqs, assets, progress=True)
                 runs.append({
                     "load": load, "rate": rate, "wall_s": round(wall, 2), "calibration": run_calib,
@@ -243,6 +265,9 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
                 })
                 print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
                     [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)
+            # The host's speed drifts within a run as well: each run is bracketed by the calibration before it
+            # and the next one, so the last run needs one after it.
+            final_calib = calibrate(900 + len(loads) + 1)
             writes = _write_costs(servers)
             print(json.dumps({"writes": writes}), flush=True)
     return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
@@ -250,7 +275,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
                      "steps": steps, "requests_per_load": requests, "templates": templates,
                      "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
                      "load_basis": "measured saturation throughput", "saturation": saturation,
-                     "writes": writes}, "runs": runs}
+                     "writes": writes, "final_calibration": final_calib}, "runs": runs}
 
 
 def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
@@ -264,6 +289,13 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
                      record_ms=meta.get("writes", {}).get("record_ms", 0.0),
                      heal_ms=meta.get("writes", {}).get("heal_ms", 0.0))
     return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
+
+
+def bracketed(before: dict, after: dict) -> dict:
+    """The host's speed over a run from the calibrations on either side of it: their mean (the speed at the run's
+    middle if it drifted steadily)."""
+    keys = ("hit_scale", "miss_scale", "outside_s", "interference")
+    return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
 
 
 def _arrivals(meta: dict, run_: dict) -> list[tuple]:
@@ -322,12 +354,15 @@ def compare(measured: dict) -> list[dict]:
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
         rows.append(m)
         n_warm = len(run_["warmup"])
-        variants = _variants(meta, run_.get("calibration", meta["calibration"]), cost)
-        if i + 1 < len(runs) and "calibration" in runs[i + 1]:
-            # The host's speed drifts within a run too: the same model with the calibration measured right after
-            # this run (before the next) brackets it. Not the headline: the last load has no such calibration.
-            variants += [(f"{m}_calibrated_after", svc, host, out) for m, svc, host, out in
-                         _variants(meta, runs[i + 1]["calibration"], cost) if m == "shared_cpu"]
+        before = run_.get("calibration", meta["calibration"])
+        after = runs[i + 1].get("calibration") if i + 1 < len(runs) else meta.get("final_calibration")
+        variants = _variants(meta, before, cost)
+        if after:
+            # The host's speed drifts within a run too (older files have no calibration after the last run): the
+            # same model with the calibration measured right after the run, and with the two brackets' mean.
+            for suffix, calib in (("calibrated_after", after), ("bracketed", bracketed(before, after))):
+                variants += [(f"{m}_{suffix}", svc, host, out) for m, svc, host, out in _variants(meta, calib, cost)
+                             if m == "shared_cpu"]
         for model, svc, host, outside_s in variants:
             sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
                          service=svc, host=host, masks=_masks(run_))

@@ -161,6 +161,35 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
     assert runs["plain"]["p50_s"] == pytest.approx(alone, rel=1e-6)
 
 
+def test_validation_brackets_each_run_with_the_calibration_after_it():
+    from maskedit_router.validate import bracketed, compare
+
+    before = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "interference": 0.0, "points": []}
+    after = {"hit_scale": 3.0, "miss_scale": 2.0, "outside_s": 0.3, "interference": 0.1, "points": []}
+    mid = bracketed(before, after)
+    assert (mid["hit_scale"], mid["miss_scale"], mid["outside_s"], mid["interference"]) == \
+        pytest.approx((2.0, 1.5, 0.2, 0.05))
+    req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
+                     "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    run_ = lambda load, calib: {"load": load, "rate": 0.5, "warmup": warm, "calibration": calib,  # noqa: E731
+                                "requests": [req(30.0 * i) for i in range(10)]}
+    meta = {"policy": "round_robin", "instances": 2, "host_cores": 2, "steps": 8, "calibration": before,
+            "profile": "missing-profile.json"}
+    rows = compare({"meta": {**meta, "final_calibration": after}, "runs": [run_(0.5, before), run_(0.7, after)]})
+    models = lambda load: {r["model"]: r for r in rows if r["load"] == load}  # noqa: E731
+    first, last = models(0.5), models(0.7)
+    # the first run is bracketed by the second's calibration, the last by the final one
+    assert set(first) == set(last) == {"measured", "plain", "shared_cpu", "shared_cpu_calibrated_after",
+                                       "shared_cpu_bracketed"}
+    # isolated hits: latency grows with the hit scale, so the bracket's mean lies between its ends
+    assert first["shared_cpu"]["p50_s"] < first["shared_cpu_bracketed"]["p50_s"] < \
+        first["shared_cpu_calibrated_after"]["p50_s"]
+    assert last["shared_cpu"]["p50_s"] == pytest.approx(last["shared_cpu_calibrated_after"]["p50_s"])
+    older = compare({"meta": meta, "runs": [run_(0.5, before)]})  # no calibration after the last run
+    assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
+
+
 def test_validation_reads_saved_token_masks():
     import numpy as np
 
