@@ -5,7 +5,8 @@ Streams: each client stream gets one stream per backend it uses; request ids are
 the router and mapped back on the way out (error texts included). The router asks backends for the empty final
 response so it always knows when a request ended, and drops it again if the client did not ask for it.
 Reliability: a request that has had no response yet is retried on another backend when its backend's stream
-breaks; one that has streamed responses is never replayed and ends with a clear error. Cancelling the client
+breaks, its backend is found unhealthy or answers that it cannot run requests (a dead stub); one that has streamed
+responses is never replayed and ends with a clear error. Cancelling the client
 stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
 does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall (RESOURCE_EXHAUSTED).
 """
@@ -34,6 +35,13 @@ log = logging.getLogger("maskedit.router")
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
+# Errors meaning the backend could not run the request at all: Triton 2.51 answers every request to a model whose
+# Python stub died with this, while its health endpoints still say ready.
+BACKEND_FAULT = re.compile(r"Stub process .* is not healthy")
+
+
+def backend_fault(message: str) -> bool:
+    return bool(BACKEND_FAULT.search(message or ""))
 
 
 class Backend:
@@ -54,6 +62,11 @@ class Backend:
         if self.failures >= self.threshold:
             self.open_until = time.monotonic() + self.cooldown_s
             self.load.templates.clear()  # its caches are no longer trusted
+
+    def trip(self) -> None:
+        """A definite fault, not a timeout that may pass: out of rotation for the cool-down at once."""
+        self.failures = max(self.failures, self.threshold - 1)
+        self.failed()
 
     def succeeded(self) -> None:
         self.failures = 0
@@ -209,8 +222,9 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 return resp
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # never reached the model: try another backend
-                    t.backend.failed()
+                if e.code() == grpc.StatusCode.UNAVAILABLE or backend_fault(e.details()):
+                    # never reached a live model: try another backend
+                    t.backend.trip() if backend_fault(e.details()) else t.backend.failed()
                     tried.add(t.backend.addr)
                     continue
                 context.abort(e.code(), e.details())
@@ -235,6 +249,7 @@ class _Pending:
     ticket: Ticket
     want_final: bool
     responded: bool = False
+    tried: set = field(default_factory=set)  # backends that failed it before any response (not retried there)
 
 
 class _StreamSession:
@@ -285,13 +300,16 @@ class _StreamSession:
         bs.send(p.request)
 
     def on_response(self, backend: Backend, resp) -> None:
-        backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         rid = resp.infer_response.id
         if not rid and resp.error_message:
             m = re.search(r"request id: ([\w-]+)", resp.error_message)
             rid = m.group(1) if m else ""
         with self.lock:
             p = self.pending.get(rid)
+        if backend_fault(resp.error_message):
+            self.on_fault(backend, rid, p, resp.error_message)
+            return
+        backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
         final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
@@ -309,6 +327,32 @@ class _StreamSession:
             self.r.release(p.ticket, ok=not error)
             self._maybe_finish()
 
+    def on_fault(self, backend: Backend, rid: str, p: _Pending | None, message: str) -> None:
+        """The backend answered that it cannot run requests (its stub died): out of rotation now, its other
+        requests end as if its stream broke (those inside the dead stub would never be answered), and this one is
+        retried elsewhere if the client has had nothing from it yet."""
+        log.warning("backend %s is broken: %s", backend.addr, message)
+        backend.trip()
+        if p is not None:
+            with self.lock:
+                p = self.pending.pop(rid, None)
+        self.r.backend_down(backend, message)
+        if p is not None:
+            self._lost(p, rid, backend, message)
+        self._maybe_finish()
+
+    def _lost(self, p: _Pending, rid: str, backend: Backend, why) -> None:
+        """``backend`` will not finish ``p``: retried on another backend if the client has had nothing from it,
+        else failed (never replayed)."""
+        self.r.release(p.ticket, ok=False)
+        if p.responded or not self.context.is_active():
+            self.out.put(_error(p.client_id, f"UNAVAILABLE: backend {backend.addr} failed after this request had "
+                                             f"streamed responses; it is not replayed ({why})"))
+            return
+        self.r.metrics.retried(backend.addr)
+        p.tried.add(backend.addr)
+        self._send(p, rid, p.ticket.features, exclude=p.tried)
+
     def on_broken(self, backend: Backend, exc) -> None:
         """The backend's stream failed: retry what never answered, fail what did (never replayed)."""
         backend.failed()
@@ -317,13 +361,7 @@ class _StreamSession:
             for rid, _ in lost:
                 self.pending.pop(rid)
         for rid, p in lost:
-            self.r.release(p.ticket, ok=False)
-            if p.responded or not self.context.is_active():
-                self.out.put(_error(p.client_id, f"UNAVAILABLE: backend {backend.addr} failed after this request "
-                                                 f"had streamed responses; it is not replayed ({exc})"))
-            else:
-                self.r.metrics.retried(backend.addr)
-                self._send(p, rid, p.ticket.features, exclude={backend.addr})
+            self._lost(p, rid, backend, exc)
         self._maybe_finish()
 
     def abandon(self, backend: Backend, why: str) -> None:

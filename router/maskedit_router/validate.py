@@ -190,7 +190,7 @@ def saturation_throughput(done_s: list[float]) -> float:
 
 
 def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy: str = "predicted", seed: int = 0,
-        burst: int = 24, out_dir: Path | None = None) -> dict:
+        burst: int = 48, out_dir: Path | None = None) -> dict:
     from loadgen import runner as lg
     from loadgen import workload
     from maskedit_client import EditClient
@@ -240,7 +240,8 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
                           "router_model": sat_model,
                           "warmup": [{"template": w.template, **feats(w)} for w in warm],
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
-                                        "error": rec.error} for r, rec in zip(sat, records)]}
+                                        "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
+                                       for r, rec in zip(sat, records)]}
             print(json.dumps({"saturation_throughput": round(capacity, 3)}), flush=True)
             for li, load in enumerate(loads):
                 rate = round(load * capacity, 3)

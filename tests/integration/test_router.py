@@ -16,6 +16,7 @@ from maskedit import perf_analyzer, samples
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
 from maskedit_router.cluster import running_cluster
+from maskedit_router.server import backend_fault
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +159,9 @@ def test_a_request_stuck_on_a_crashed_denoise_stub_ends_when_the_backend_is_foun
             stuck.result(60)
         assert err.value.code == "UNAVAILABLE" and time.time() - t0 < 30, (str(err.value), time.time() - t0)
     assert not backend.load.healthy
+    # A new request to that instance is answered at once with an error the router reads as a dead backend (retry
+    # elsewhere, out of rotation), not as a live backend rejecting one request: the unit tests' message is real.
+    with EditClient(victim.grpc_url) as direct, pytest.raises(EditError) as err:
+        direct.edit(samples.template(256, 256, seed=8), samples.mask(256, 256, 0.2, "blob", seed=8), "a hat",
+                    steps=2, use_cache=False)
+    assert backend_fault(str(err.value)), str(err.value)

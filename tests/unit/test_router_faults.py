@@ -1,0 +1,104 @@
+"""A backend whose Python stub died answers every request with an error at once (Triton 2.51 does not restart the
+stub and keeps saying ready): the router must read that as "never reached a live model", not as a live backend
+rejecting one request."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from maskedit.cache.cost_model import CostModel
+from maskedit_router import server
+from maskedit_router.policies import Estimator, make
+
+# Triton 2.51's answer for a request to a model whose stub died (the integration test checks the real text)
+DEAD_STUB = ("Failed to process the request(s) for model 'masked_denoise_0_0', message: "
+             "Stub process 'masked_denoise_0_0' is not healthy.")
+
+
+class _Stream:
+    """Stands in for a backend stream: records what the session sends where."""
+
+    sent: list = []
+
+    def __init__(self, session, backend):
+        self.backend, self.broken = backend, False
+
+    def send(self, req):
+        self.sent.append((self.backend.addr, req.id))
+
+    def cancel(self):
+        self.broken = True
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def session(monkeypatch):
+    monkeypatch.setattr(server, "_BackendStream", _Stream)
+    monkeypatch.setattr(_Stream, "sent", [])
+    est = Estimator(CostModel.fallback())
+    router = server.Router(["a:1", "b:2"], make("round_robin", est), est)
+    s = server._StreamSession(router, SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True))
+    yield s
+    for b in router.backends.values():
+        b.close()
+
+
+def _response(rid: str, error: str = "", final: bool = False):
+    resp = service_pb2.ModelStreamInferResponse(error_message=error)
+    resp.infer_response.id = rid
+    if final:
+        resp.infer_response.parameters[server.FINAL].bool_param = True
+    return resp
+
+
+def _drain(q) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_the_dead_stub_message_is_a_backend_fault_and_ordinary_errors_are_not():
+    assert server.backend_fault(DEAD_STUB)
+    assert not server.backend_fault("in 0: MASK: expected a PNG or JPEG image")
+    assert not server.backend_fault("")
+
+
+def test_a_request_answered_by_a_dead_stub_is_retried_elsewhere_and_the_backend_leaves_rotation(session):
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    (addr, rid), = _Stream.sent
+    dead = session.r.backends[addr]
+    session.on_response(dead, _response(rid, DEAD_STUB))
+    assert _Stream.sent[1][1] == rid and _Stream.sent[1][0] != addr  # same request, the other backend
+    assert _drain(session.out) == []  # the client saw nothing of the failure
+    assert not dead.available(time.monotonic())  # out of rotation at once, not after three failures
+    assert dead.last_answer == 0.0  # its error is not a sign of life for the health checker
+    other = session.r.backends[_Stream.sent[1][0]]
+    session.on_response(other, _response(rid, final=True))
+    assert session.pending == {}
+
+
+def test_a_request_that_had_streamed_is_not_replayed_after_a_dead_stub_answer(session):
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    (addr, rid), = _Stream.sent
+    dead = session.r.backends[addr]
+    session.on_response(dead, _response(rid))  # a progress response reached the client
+    session.on_response(dead, _response(rid, DEAD_STUB))
+    assert len(_Stream.sent) == 1  # not sent again
+    progress, err = _drain(session.out)
+    assert err.infer_response.id == "mine" and err.error_message.startswith("UNAVAILABLE")
+    assert session.pending == {}
+
+
+def test_a_request_retried_twice_never_returns_to_a_backend_that_failed_it(session):
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    for _ in range(2):
+        addr, rid = _Stream.sent[-1]
+        session.on_response(session.r.backends[addr], _response(rid, DEAD_STUB))
+    assert len(_Stream.sent) == 2  # both backends failed it: no third send
+    (err,) = _drain(session.out)
+    assert err.infer_response.id == "mine" and "UNAVAILABLE" in err.error_message
