@@ -102,13 +102,18 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open client streams
+        self._unary: set = set()  # (backend, call future) of unary calls in flight
 
     def backend_down(self, backend: "Backend", why: str) -> None:
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
         never answers): every stream request on it ends now, retried elsewhere if it had no response yet, else
-        failed, exactly as if its stream had broken."""
+        failed, exactly as if its stream had broken; its unary calls are retried elsewhere."""
         for session in list(self._sessions):
             session.abandon(backend, why)
+        with self._lock:
+            calls = [c for b, c in self._unary if b is backend]
+        for call in calls:  # ModelInfer retries them elsewhere
+            call.cancel()
 
     # -- backend set --------------------------------------------------------------------------------
     def set_backends(self, addrs: list[str]) -> None:
@@ -215,19 +220,30 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 t = self.route(f, exclude=tried)
             except NoBackend as e:
                 context.abort(e.code, str(e))
+            call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
+            context.add_callback(call.cancel)  # the client gave up: so does the backend call
+            with self._lock:
+                self._unary.add((t.backend, call))
             try:
-                resp = t.backend.stub.ModelInfer(request, timeout=_timeout(context, 600.0))
+                resp = call.result()
                 t.backend.last_answer = time.monotonic()
                 self.release(t, ok=True)
                 return resp
+            except grpc.FutureCancelledError:  # the client went away, or the backend was found down
+                self.release(t, ok=False)
+                if not context.is_active():
+                    context.abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
+                tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if e.code() == grpc.StatusCode.UNAVAILABLE or backend_fault(e.details()):
-                    # never reached a live model: try another backend
-                    t.backend.trip() if backend_fault(e.details()) else t.backend.failed()
-                    tried.add(t.backend.addr)
-                    continue
-                context.abort(e.code(), e.details())
+                if e.code() != grpc.StatusCode.UNAVAILABLE and not backend_fault(e.details()):
+                    context.abort(e.code(), e.details())
+                # never reached a live model: try another backend
+                t.backend.trip() if backend_fault(e.details()) else t.backend.failed()
+                tried.add(t.backend.addr)
+            finally:
+                with self._lock:
+                    self._unary.discard((t.backend, call))
 
     # -- streams ------------------------------------------------------------------------------------
     def ModelStreamInfer(self, request_iterator, context):

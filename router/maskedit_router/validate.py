@@ -250,9 +250,8 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
                 reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
                 model_at_start = router_model()  # before the warm-up, which the simulator replays too
                 warm = _warm(client, assets, reqs)
-                # After the warm-up: its entries may push the store past its memory budget, and the run then
-                # pays an eviction to disk with every insert (the previous run measured hits 19 % slower in the
-                # calibration after such a warm-up than in the one before it).
+                # Right before the run, after the warm-up: the calibration sees the store as the run finds it
+                # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
                 run_calib = calibrate(900 + li + 1)
                 records, wall = lg.run(client, reqs, assets, progress=True)
                 runs.append({

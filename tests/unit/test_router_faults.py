@@ -2,9 +2,11 @@
 stub and keeps saying ready): the router must read that as "never reached a live model", not as a live backend
 rejecting one request."""
 
+import threading
 import time
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
@@ -102,3 +104,82 @@ def test_a_request_retried_twice_never_returns_to_a_backend_that_failed_it(sessi
     assert len(_Stream.sent) == 2  # both backends failed it: no third send
     (err,) = _drain(session.out)
     assert err.infer_response.id == "mine" and "UNAVAILABLE" in err.error_message
+
+
+class _Hung:
+    """A unary call on a backend that accepted it and never answers."""
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def cancel(self):
+        self.cancelled.set()
+        return True
+
+    def result(self):
+        assert self.cancelled.wait(10), "never cancelled"
+        raise grpc.FutureCancelledError()
+
+
+class _Answered:
+    def __init__(self, resp):
+        self.resp = resp
+
+    def cancel(self):
+        return False
+
+    def result(self):
+        return self.resp
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _unary_router(active=True):
+    est = Estimator(CostModel.fallback())
+    router = server.Router(["a:1", "b:2"], make("round_robin", est), est)
+    hung, answer = _Hung(), service_pb2.ModelInferResponse(model_name="cancel")
+    futures = {"a:1": lambda req, timeout: hung, "b:2": lambda req, timeout: _Answered(answer)}
+    for addr, b in router.backends.items():
+        b.stub = SimpleNamespace(ModelInfer=SimpleNamespace(future=futures[addr]))
+
+    def abort(code, details):
+        raise _Aborted(code, details)
+
+    ctx = SimpleNamespace(time_remaining=lambda: None, add_callback=lambda cb: True, is_active=lambda: active,
+                          abort=abort)
+    return router, ctx, hung, answer
+
+
+def _call_in_thread(router, ctx):
+    out = {}
+
+    def call():
+        try:
+            out["resp"] = router.ModelInfer(service_pb2.ModelInferRequest(model_name="cancel"), ctx)
+        except _Aborted as e:
+            out["aborted"] = e.args
+    th = threading.Thread(target=call)
+    th.start()
+    deadline = time.monotonic() + 5
+    while not router._unary and time.monotonic() < deadline:  # in flight on the first backend
+        time.sleep(0.01)
+    return th, out
+
+
+def test_a_unary_call_stuck_on_a_backend_found_down_is_retried_on_another():
+    router, ctx, hung, answer = _unary_router()
+    th, out = _call_in_thread(router, ctx)
+    router.backend_down(router.backends["a:1"], "health check failed")
+    th.join(10)
+    assert hung.cancelled.is_set() and out == {"resp": answer}
+    assert router._unary == set()
+
+
+def test_a_unary_call_the_client_gave_up_on_ends_cancelled_and_is_not_retried():
+    router, ctx, hung, _ = _unary_router(active=False)
+    th, out = _call_in_thread(router, ctx)
+    hung.cancel()  # what the client's cancellation callback does
+    th.join(10)
+    assert out["aborted"][0] == grpc.StatusCode.CANCELLED
