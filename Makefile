@@ -28,8 +28,10 @@ model: $(STAMP)
 demo: model
 	$(PY) -m maskedit.demo
 
+# One Triton instance; with INSTANCES=N (N > 1), N instances behind the router (same as serve-cluster).
 serve: model
-	$(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}
+	@if [ "$${INSTANCES:-1}" -gt 1 ]; then $(MAKE) --no-print-directory serve-cluster; else \
+	  $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
 
 test: model
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
