@@ -115,6 +115,13 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         for call in calls:  # ModelInfer retries them elsewhere
             call.cancel()
 
+    def backend_broken(self, backend: "Backend", why: str) -> None:
+        """``backend`` answered that it cannot run requests (its stub died): out of rotation for the cool-down at
+        once, and its requests end now, as ``backend_down``."""
+        log.warning("backend %s is broken: %s", backend.addr, why)
+        backend.trip()
+        self.backend_down(backend, why)
+
     # -- backend set --------------------------------------------------------------------------------
     def set_backends(self, addrs: list[str]) -> None:
         with self._lock:
@@ -239,7 +246,10 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not backend_fault(e.details()):
                     context.abort(e.code(), e.details())
                 # never reached a live model: try another backend
-                t.backend.trip() if backend_fault(e.details()) else t.backend.failed()
+                if backend_fault(e.details()):
+                    self.backend_broken(t.backend, e.details())
+                else:
+                    t.backend.failed()
                 tried.add(t.backend.addr)
             finally:
                 with self._lock:
@@ -347,12 +357,10 @@ class _StreamSession:
         """The backend answered that it cannot run requests (its stub died): out of rotation now, its other
         requests end as if its stream broke (those inside the dead stub would never be answered), and this one is
         retried elsewhere if the client has had nothing from it yet."""
-        log.warning("backend %s is broken: %s", backend.addr, message)
-        backend.trip()
         if p is not None:
             with self.lock:
                 p = self.pending.pop(rid, None)
-        self.r.backend_down(backend, message)
+        self.r.backend_broken(backend, message)
         if p is not None:
             self._lost(p, rid, backend, message)
         self._maybe_finish()

@@ -183,3 +183,34 @@ def test_a_unary_call_the_client_gave_up_on_ends_cancelled_and_is_not_retried():
     hung.cancel()  # what the client's cancellation callback does
     th.join(10)
     assert out["aborted"][0] == grpc.StatusCode.CANCELLED
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def cancel(self):
+        return False
+
+    def result(self):
+        raise self
+
+
+def test_a_unary_call_answered_by_a_dead_stub_is_retried_and_the_backend_leaves_rotation():
+    router, ctx, _, answer = _unary_router()
+    dead = router.backends["a:1"]
+    dead.stub = SimpleNamespace(ModelInfer=SimpleNamespace(
+        future=lambda req, timeout: _Failed(grpc.StatusCode.INTERNAL, DEAD_STUB)))
+    assert router.ModelInfer(service_pb2.ModelInferRequest(model_name="cancel"), ctx) is answer
+    assert not dead.available(time.monotonic())
+    rejected = _Failed(grpc.StatusCode.INVALID_ARGUMENT, "in 0: MASK: expected a PNG or JPEG image")
+    router.backends["b:2"].stub = SimpleNamespace(ModelInfer=SimpleNamespace(future=lambda req, timeout: rejected))
+    with pytest.raises(_Aborted) as err:  # an ordinary error is the request's: relayed, not retried
+        router.ModelInfer(service_pb2.ModelInferRequest(model_name="cancel"), ctx)
+    assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
