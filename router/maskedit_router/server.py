@@ -243,10 +243,11 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if e.code() != grpc.StatusCode.UNAVAILABLE and not backend_fault(e.details()):
+                fault = backend_fault(e.details())
+                if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
                     context.abort(e.code(), e.details())
                 # never reached a live model: try another backend
-                if backend_fault(e.details()):
+                if fault:
                     self.backend_broken(t.backend, e.details())
                 else:
                     t.backend.failed()
@@ -330,11 +331,11 @@ class _StreamSession:
         if not rid and resp.error_message:
             m = re.search(r"request id: ([\w-]+)", resp.error_message)
             rid = m.group(1) if m else ""
+        if backend_fault(resp.error_message):
+            self.on_fault(backend, rid, resp.error_message)
+            return
         with self.lock:
             p = self.pending.get(rid)
-        if backend_fault(resp.error_message):
-            self.on_fault(backend, rid, p, resp.error_message)
-            return
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
@@ -353,13 +354,12 @@ class _StreamSession:
             self.r.release(p.ticket, ok=not error)
             self._maybe_finish()
 
-    def on_fault(self, backend: Backend, rid: str, p: _Pending | None, message: str) -> None:
+    def on_fault(self, backend: Backend, rid: str, message: str) -> None:
         """The backend answered that it cannot run requests (its stub died): out of rotation now, its other
         requests end as if its stream broke (those inside the dead stub would never be answered), and this one is
         retried elsewhere if the client has had nothing from it yet."""
-        if p is not None:
-            with self.lock:
-                p = self.pending.pop(rid, None)
+        with self.lock:
+            p = self.pending.pop(rid, None)
         self.r.backend_broken(backend, message)
         if p is not None:
             self._lost(p, rid, backend, message)
