@@ -33,8 +33,14 @@ serve: model
 	@if [ "$${INSTANCES:-1}" -gt 1 ]; then $(MAKE) --no-print-directory serve-cluster; else \
 	  $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
 
+# Then the engine and cache unit tests again in bfloat16 (the dtype a GPU serves in; a float32-only path once
+# crashed there): the same invariants, within the stated reduced-precision tolerance (tests/conftest.py).
 test: model
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	MASKEDIT_DTYPE=bfloat16 $(PY) -m pytest -q -ra -m "not integration" $(BF16_TESTS) $(PYTEST_ARGS)
+
+BF16_TESTS := tests/unit/test_cache_invariants.py tests/unit/test_cache_heal.py tests/unit/test_cache_follow.py \
+	tests/unit/test_packed_batch.py tests/unit/test_engine.py tests/unit/test_local_parity.py tests/unit/test_store.py
 
 test-unit: model
 	$(PY) -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)

@@ -14,6 +14,7 @@ import time
 
 from . import logs
 from .denoise import DenoiseJob, ModelRunner
+from .device import StepClock, synchronize
 from .errors import Cancelled, ResourceExhausted, Unavailable
 from .scheduler import BatchScheduler
 
@@ -36,6 +37,9 @@ class DenoiseEngine:
         self.prepare_s = 0.0  # per-request set-up when a request joins (tensors to device, scheduler, cache plan)
         self.callback_s = 0.0  # on_done/on_error/on_step callbacks (sending responses; inline work in naive mode)
         self.max_running = 0
+        # Step times for the scheduler's cost model, true on the device (CUDA events, read without stalling); the
+        # host stays at most one step ahead of a GPU, so admission, deadlines and cancels act on the present.
+        self.clock = StepClock(runner.device)
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
 
@@ -133,17 +137,21 @@ class DenoiseEngine:
             batch = self._drop_cancelled(batch)
             if not batch:
                 continue
+            tokens = sum(j.tokens or 0 for j in batch)
+            self.clock.bound(1)
             t1, cpu1 = time.perf_counter(), time.thread_time()
             try:
+                self.clock.begin(tokens)
                 self.runner.step(batch)
+                self.clock.end()
                 self.steps_run += 1
             except Exception as e:
                 log.exception("denoise step failed for requests %s", [j.id for j in batch])
                 self._retire(batch, error=e)
                 continue
             t2 = time.perf_counter()
-            tokens = sum(j.tokens or 0 for j in batch)
-            self.scheduler.model.observe(tokens, t2 - t1)
+            for step_tokens, seconds in self.clock.finished():
+                self.scheduler.model.observe(step_tokens, seconds)
             if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
                 logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=tokens,
                            wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
@@ -168,6 +176,8 @@ class DenoiseEngine:
             return
         with self._cv:
             self._running = [j for j in self._running if j not in jobs]
+        if error is None:
+            synchronize(self.runner.device)  # a GPU has finished their last step: finish times are the device's
         for job in jobs:
             job.finished_at = time.perf_counter()
             try:

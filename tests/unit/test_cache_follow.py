@@ -13,7 +13,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from tests.conftest import png
+from tests.conftest import atol, png
 
 STEPS = 4
 
@@ -65,7 +65,7 @@ def test_a_request_joining_after_the_template_run_follows_it_exactly(env):
     again = start(runner, x)
     assert again.state["cache"].info()["cache_source"] == "store"
     finish(runner, again)
-    np.testing.assert_allclose(follower.result(), again.result(), atol=1e-6)
+    np.testing.assert_allclose(follower.result(), again.result(), atol=atol(runner.settings, 1e-6))
 
 
 def test_a_follower_admitted_with_the_run_computes_the_steps_it_lacks_in_full(env):
@@ -75,7 +75,7 @@ def test_a_follower_admitted_with_the_run_computes_the_steps_it_lacks_in_full(en
     assert jc.status == "hit" and jc.live is rec.state["cache"].recorder
     finish(runner, rec, follower)
     assert jc.full_steps == STEPS
-    np.testing.assert_allclose(follower.result(), _plain(runner, inputs(4)), atol=1e-5)  # batched vs solo GEMMs
+    np.testing.assert_allclose(follower.result(), _plain(runner, inputs(4)), atol=atol(runner.settings, 1e-5))  # batched vs solo GEMMs
 
 
 def test_a_follower_outlives_a_failed_template_run(env):

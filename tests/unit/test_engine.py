@@ -7,6 +7,7 @@ import pytest
 
 from maskedit.denoise import DenoiseJob
 from maskedit.engine import DenoiseEngine
+from tests.conftest import atol
 from maskedit.errors import Cancelled, ResourceExhausted, Unavailable
 
 
@@ -38,7 +39,7 @@ def test_batched_jobs_match_single_runs(runner, inputs):
         solo.shutdown()
         for o in outs:
             assert o.error is None and o.done.step_index == 3
-            np.testing.assert_allclose(o.done.result(), single.done.result(), atol=1e-5)
+            np.testing.assert_allclose(o.done.result(), single.done.result(), atol=atol(runner.settings, 1e-5))
     finally:
         engine.shutdown()
 

@@ -1,4 +1,5 @@
-"""The stages run in one process reproduce stock diffusers.FluxFillPipeline exactly."""
+"""The stages run in one process reproduce stock diffusers.FluxFillPipeline: exactly for float32 on the CPU, within
+the stated tolerance in reduced precision or on a GPU (stock then runs in the same dtype on the same device)."""
 
 import io
 
@@ -8,8 +9,9 @@ import torch
 from diffusers import FluxFillPipeline
 from PIL import Image
 
+from maskedit.components import torch_dtype
 from maskedit.local import LocalEditor
-from tests.conftest import png
+from tests.conftest import atol, exact_here, png
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,8 @@ def editor(settings):
 
 @pytest.fixture(scope="module")
 def stock(settings):
-    return FluxFillPipeline.from_pretrained(settings.model_dir)
+    pipe = FluxFillPipeline.from_pretrained(settings.model_dir, dtype=torch_dtype(settings))
+    return pipe.to(settings.torch_device)
 
 
 def reference(stock, settings, img, mask, prompt, seed, steps, guidance, output_type):
@@ -35,9 +38,13 @@ def test_latents_and_png_equal_stock_pipeline(editor, stock, settings, template_
     out, prepared, job = editor.edit(png(template_img), png(box_mask), "a red hat", seed=5, steps=4,
                                      guidance=12.0, raw_output=True, template_seed=5)
     ref_latents = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "latent")
-    np.testing.assert_allclose(job.result(), ref_latents[0].numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(job.result(), ref_latents[0].float().cpu().numpy(), atol=atol(settings, 1e-5), rtol=0)
     ref_img = reference(stock, settings, template_img, box_mask, "a red hat", 5, 4, 12.0, "pil")[0]
-    assert np.array_equal(np.asarray(Image.open(io.BytesIO(out))), np.asarray(ref_img))
+    ours, theirs = np.asarray(Image.open(io.BytesIO(out)), np.int16), np.asarray(ref_img, np.int16)
+    if exact_here(settings):
+        assert np.array_equal(ours, theirs)
+    else:  # 8-bit pixels of images decoded from latents within the tolerance above
+        assert np.abs(ours - theirs).mean() <= 1.0 and np.abs(ours - theirs).max() <= 16
 
 
 def test_seed_changes_result_and_same_seed_repeats(editor, template_img, box_mask):

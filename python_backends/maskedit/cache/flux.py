@@ -37,6 +37,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
+from ..device import SideStream, host_empty
+
 HOOK_NAME = "maskedit_masked_block"
 FULL, Y, KV, NOCTX = "full", "y", "kv", "noctx"
 
@@ -99,28 +101,42 @@ class StepContext:
 
 
 class Recorder:
-    """Collects a template run's block outputs (and keys/values within budget) for every step."""
+    """Collects a template run's block outputs (and keys/values within budget) for every step, in the model's
+    dtype, in host memory (pinned when the model is on a GPU).
 
-    def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int]):
+    On a GPU the device-to-host copies run on their own stream, after the kernels that produced the rows, so the
+    step never waits for them; ``step_event(s)`` marks when step ``s``'s rows have landed (followers' loads wait on
+    it on the GPU) and ``synchronize`` waits for all of them (before the entry is written)."""
+
+    def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int],
+                 dtype: torch.dtype = torch.float32, device="cpu"):
         self.step = 0
         self.writes = 0  # block outputs and key/value pairs put so far: ``complete`` once every slot is written
         self.y_slot = {b: i for i, b in enumerate(y_blocks)}
         self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
-        self.y = np.zeros((steps, len(y_blocks), tokens, dim), np.float32)
-        self.k = np.zeros((steps, len(kv_blocks), tokens, inner), np.float32)
-        self.v = np.zeros((steps, len(kv_blocks), tokens, inner), np.float32)
+        # Not zeroed: every slot is written before the rows are read (``complete``, or a step a follower waits for).
+        self.y = host_empty((steps, len(y_blocks), tokens, dim), dtype, device)
+        self.k = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
+        self.v = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
+        self._out = SideStream.shared(device, "record")
+        self._events: list = []  # per finished step: its copies' completion (None on the CPU)
 
     @property
     def nbytes(self) -> int:
-        return self.y.nbytes + self.k.nbytes + self.v.nbytes
+        return sum(t.numel() * t.element_size() for t in (self.y, self.k, self.v))
 
     @property
     def complete(self) -> bool:
         return self.writes == self.y.shape[0] * (self.y.shape[1] + self.k.shape[1])
 
+    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._out.after():
+            dst.copy_(src, non_blocking=True)
+        self._out.keep_alive(src)
+
     def put_y(self, block: int, hidden: torch.Tensor) -> None:
         if block in self.y_slot:
-            self.y[self.step, self.y_slot[block]] = hidden.detach().to("cpu", torch.float32).numpy()
+            self._copy_out(self.y[self.step, self.y_slot[block]], hidden)
             self.writes += 1
 
     def wants_kv(self, block: int) -> bool:
@@ -128,9 +144,25 @@ class Recorder:
 
     def put_kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slot = self.kv_slot[block]
-        self.k[self.step, slot] = k.detach().flatten(-2).to("cpu", torch.float32).numpy()
-        self.v[self.step, slot] = v.detach().flatten(-2).to("cpu", torch.float32).numpy()
+        self._copy_out(self.k[self.step, slot], k.flatten(-2))
+        self._copy_out(self.v[self.step, slot], v.flatten(-2))
         self.writes += 1
+
+    def next_step(self) -> None:
+        """The step's rows are all queued: mark them and move on."""
+        self._events.append(self._out.mark())
+        self.step += 1
+
+    def step_event(self, step: int):
+        """Completion of step ``step``'s copies (None on the CPU, or if already known done)."""
+        return self._events[step] if step < len(self._events) else None
+
+    def synchronize(self) -> None:
+        if self._events and self._events[-1] is not None:
+            self._events[-1].synchronize()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"y": self.y, "k": self.k, "v": self.v}
 
 
 class FluxCacheHooks:
@@ -200,7 +232,7 @@ class MaskedBlockHook(ModelHook):
         # only the computed rows are scattered in, sparing a copy of every token per block.
         out_img = torch.empty_like(hidden_states) if full_rows else hidden_states
         if full_rows:
-            sel = torch.tensor(full_rows, device=hidden_states.device)
+            sel = _index(full_rows, hidden_states.device)
             t, h = forward(hidden_states=hidden_states[sel], encoder_hidden_states=encoder_hidden_states[sel],
                            temb=temb[sel], image_rotary_emb=image_rotary_emb,
                            joint_attention_kwargs=joint_attention_kwargs)
@@ -236,6 +268,28 @@ def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pos: torch.T
 
 def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, hd))
+
+
+_INDEX: dict = {}
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    """Batch-row indices as a device tensor, made once per (rows, device): building one from a list in the hot path
+    would be a host-to-device copy from pageable memory at every block, which can stall the host on a GPU."""
+    key = (tuple(rows), str(device))
+    t = _INDEX.get(key)
+    if t is None:
+        t = _INDEX[key] = torch.tensor(rows, device=device)
+    return t
+
+
+def _per_token(t: torch.Tensor, rows: list[int], counts: list[int]) -> torch.Tensor:
+    """Row ``rows[j]`` of ``t`` (R, D) repeated ``counts[j]`` times, stacked: per-request modulation vectors
+    expanded to that request's tokens. Counts stay on the host (``repeat_interleave`` with device counts would
+    read them back: a sync)."""
+    if len(rows) == 1:
+        return t[rows[0]:rows[0] + 1]  # broadcasts over the request's tokens
+    return torch.cat([t[r:r + 1].expand(c, -1) for r, c in zip(rows, counts)])
 
 
 def image_kv(block, hidden: torch.Tensor, temb: torch.Tensor, rope, txt_len: int):
@@ -312,7 +366,7 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     dev = hidden.device
     L = enc.shape[1]
     N = hidden.shape[1]
-    sel = torch.tensor(rows, device=dev)
+    sel = _index(rows, dev)
     temb_r = temb[sel]
     gat = [vw.gathered(b, L, rope, N, dev) for vw in views]  # (computed image tokens, positions, rotary)
     cols = [g[0] for g in gat]
@@ -331,11 +385,8 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         counts = [L + c for c in counts_c]
         x = torch.cat([t for i, c in zip(rows, cols) for t in (enc[i], hidden[i, c])])
         norm = block.norm.norm
-    n = torch.tensor(counts, device=dev)
-    if len(rows) == 1:
-        E = lambda t: t  # noqa: E731  one request: its (1, D) vectors broadcast over its tokens
-    else:
-        E = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731  per-row vectors to per-token
+    every = list(range(len(rows)))
+    E = lambda t: _per_token(t, every, counts)  # noqa: E731  per-request vectors to per-token
     # Element-wise steps are written exactly as Diffusers' blocks write them (not fused, e.g. with addcmul), so a
     # hit on the recording request's own mask reproduces the template run to the bit.
     normed = norm(x) * (1 + E(scale)) + E(shift)
@@ -359,12 +410,11 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     ku = vu = None
     if y_rows:
         xu = torch.cat([hidden[rows[j], views[j].idx_u] for j in y_rows], 0)
-        nu = torch.tensor([views[j].idx_u.numel() for j in y_rows], device=dev)
-        Eu = (lambda t: t[y_rows]) if len(y_rows) == 1 else (lambda t: t[y_rows].repeat_interleave(nu, dim=0))
-        nxu = norm(xu) * (1 + Eu(scale)) + Eu(shift)
+        nu = [int(views[j].idx_u.numel()) for j in y_rows]
+        nxu = norm(xu) * (1 + _per_token(scale, y_rows, nu)) + _per_token(shift, y_rows, nu)
         kvu = fused(nxu, slice(inner, 3 * inner))
-        ku = attn.norm_k(_heads(kvu[:, :inner], hd)).split(nu.tolist())
-        vu = _heads(kvu[:, inner:], hd).split(nu.tolist())
+        ku = attn.norm_k(_heads(kvu[:, :inner], hd)).split(nu)
+        vu = _heads(kvu[:, inner:], hd).split(nu)
 
     H = v.shape[1]
     outs = []

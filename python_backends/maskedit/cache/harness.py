@@ -3,6 +3,7 @@ temporary directory, a registered template and requests with exact token-level m
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -60,7 +61,8 @@ class Harness:
         model_dir = Path(model_dir or REPO_ROOT / "models" / f"{preset}-flux-fill")
         if not (model_dir / "model_index.json").exists():
             build(model_dir, preset)
-        settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)})
+        # The environment's other settings (MASKEDIT_DTYPE, MASKEDIT_DEVICE, ...) apply too.
+        settings = load_settings({**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)})
         tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-"))
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)

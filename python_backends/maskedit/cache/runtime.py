@@ -12,9 +12,9 @@ template), so every later hit recomputes them. A hit whose mask leaves some of t
 template context: it records those rows (a ``patch``) and, once it completes, a healed copy of the entry replaces
 the old one, so later hits compute only their own masked tokens.
 
-The loader is one background thread: at the start of a step it queues every cached row the batch will
-need, in block order, so block ``i``'s rows arrive while block ``i-1`` computes (on CUDA this would be a
-copy stream with pinned buffers). ``overlap=False`` loads inside the block instead (the naive baseline).
+Rows reach the device through ``loader.RowLoader`` (block order, ahead of compute; a copy stream from pinned
+memory on a GPU). ``overlap=False`` loads inside the block instead (the naive baseline). Entries are recorded and
+stored in the model's dtype (a bf16 model's entries are half the bytes of float32 ones).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,7 @@ from .. import logs
 from .cost_model import CostModel
 from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
 from .heal import HEAL_MIN_RATIO, worth_healing
+from .loader import K_BUF, V_BUF, Y_ROWS, RowLoader
 from .planner import MODES, plan
 from .store import ActivationStore, Entry
 
@@ -80,11 +81,19 @@ class JobCache:
 
 @dataclass
 class _Live:
-    """A template run in progress, readable like a store ``Entry`` (meta and arrays) by its followers."""
+    """A template run in progress, readable like a store ``Entry`` (meta, arrays, ``tensor``) by its followers."""
 
     meta: dict
     arrays: dict
     recorder: Recorder
+    pinned: bool = True  # the recorder's buffers are page-locked on a GPU
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.arrays[name]
+
+    def step_event(self, step: int):
+        """Step ``step``'s rows have landed in host memory (GPU: an event on the recording stream)."""
+        return self.recorder.step_event(step)
 
 
 class CacheRuntime:
@@ -100,7 +109,10 @@ class CacheRuntime:
         self.dim = cfg.num_attention_heads * cfg.attention_head_dim
         self.heads = cfg.num_attention_heads
         self.kinds = ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
+        param = next(hooks.transformer.parameters())
+        self.device, self.dtype = param.device, param.dtype  # rows are recorded, stored and loaded in these
+        self.itemsize = param.element_size()
+        self.loader = RowLoader(self.device, self.heads, cfg.attention_head_dim, overlap=overlap)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
         self._recording: dict[str, _Live] = {}  # key -> its template run in progress (until saved)
         self.heal_min_ratio = heal_min_ratio
@@ -169,7 +181,8 @@ class CacheRuntime:
             self._healing.add(jc.key)
         m = jc.entry.meta
         jc.heal = np.flatnonzero(heal)
-        jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"])
+        jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"], self.dtype,
+                            self.device)
         jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)
 
     def _compatible(self, entry: Entry, n: int, steps: int) -> bool:
@@ -182,8 +195,8 @@ class CacheRuntime:
             return JobCache("off", key=key)
         x = job.inputs
         inner = self.dim
-        per_y = x.steps * n * self.dim * 4
-        per_kv = x.steps * n * inner * 4 * 2
+        per_y = x.steps * n * self.dim * self.itemsize
+        per_kv = x.steps * n * inner * self.itemsize * 2
         budget = self.budget_bytes
         y_blocks, kv_blocks = [], []
         for b in range(len(self.kinds)):
@@ -194,7 +207,7 @@ class CacheRuntime:
             if budget >= per_kv:
                 kv_blocks.append(b)
                 budget -= per_kv
-        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks)  # zero pages: free until written
+        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks, self.dtype, self.device)
         valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
         meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
                 "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
@@ -216,8 +229,8 @@ class CacheRuntime:
         has_y = [b in m["y_blocks"] for b in range(len(self.kinds))]
         has_kv = [b in m["kv_blocks"] for b in range(len(self.kinds))]
         if self.policy in ("planner", "planner_y"):
-            costs = self.cost.block_costs(self.kinds, n, c, text, self.dim, n * self.dim * 4,
-                                          2 * n * self.dim * 4, has_y, has_kv)
+            row_bytes = n * self.dim * self.itemsize
+            costs = self.cost.block_costs(self.kinds, n, c, text, self.dim, row_bytes, 2 * row_bytes, has_y, has_kv)
             p = plan(costs, MODES if self.policy == "planner" else (FULL, Y))
             return list(p.modes), p.latency_ms
         if self.policy == "all_y":
@@ -245,59 +258,30 @@ class CacheRuntime:
                 views.append(RowView(modes=jc.modes, recorder=jc.recorder))
             elif jc.status == "hit" and jc.ready(job.step_index):
                 views.append(RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
-                                     rows=self._rows_fn(jc, job.step_index), patch=jc.patch,
+                                     rows=self.loader.rows(jc, job.step_index), patch=jc.patch,
                                      patch_pos=jc.patch_pos))
                 hits.append((jc, job.step_index))
             else:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
-        if self._loader is not None:
-            self._schedule(hits)
+        self.loader.start_step(hits, self._needed)
         return StepContext(views)
 
-    def _needed(self, jc: JobCache, b: int) -> list[str]:
-        m = jc.modes[b]
-        kinds = ["kbuf", "vbuf"] if m == KV else []
+    @staticmethod
+    def _needed(jc: JobCache, b: int) -> list[str]:
+        kinds = [K_BUF, V_BUF] if jc.modes[b] == KV else []
         if jc.needs_output[b]:
-            kinds.append("y")
+            kinds.append(Y_ROWS)
         return kinds
-
-    def _schedule(self, hits: list[tuple[JobCache, int]]) -> None:
-        for b in range(len(self.kinds)):
-            for jc, step in hits:
-                for kind in self._needed(jc, b):
-                    jc.futures[(step, b, kind)] = self._loader.submit(self._load, jc, step, b, kind)
-
-    def _rows_fn(self, jc: JobCache, step: int):
-        def rows(b: int, kind: str) -> torch.Tensor:
-            fut: Future | None = jc.futures.pop((step, b, kind), None)
-            return fut.result() if fut is not None else self._load(jc, step, b, kind)
-        return rows
-
-    def _load(self, jc: JobCache, step: int, b: int, kind: str) -> torch.Tensor:
-        """One contiguous copy out of the shared mapping into a tensor the block uses as is."""
-        t0 = time.perf_counter()
-        m = jc.entry.meta
-        if kind == "y":
-            src = jc.entry.arrays["y"][step, m["y_blocks"].index(b)]
-            out = torch.empty(src.shape, dtype=torch.float32)
-            out.numpy()[...] = src
-        else:
-            src = jc.entry.arrays[kind[0]][step, m["kv_blocks"].index(b)]  # (N, inner)
-            n = src.shape[0]
-            out = torch.empty((1, jc.text_len + n, self.heads, self.dim // self.heads), dtype=torch.float32)
-            out[0, jc.text_len:].view(n, -1).numpy()[...] = src
-        jc.load_s += time.perf_counter() - t0
-        return out
 
     def after_step(self, jobs) -> None:
         for job in jobs:
             jc = job.state.get("cache")
             if jc is not None and jc.recorder is not None:
-                jc.recorder.step += 1
+                jc.recorder.next_step()
             if jc is not None and jc.patch is not None:
-                jc.patch.step += 1
+                jc.patch.next_step()
 
     def finish(self, job, ok: bool) -> None:
         """A job left the batch: save its recording (in the background) if it completed."""
@@ -323,7 +307,9 @@ class CacheRuntime:
         live = jc.entry
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            self.store.put(jc.key, {**live.arrays, "valid": jc.valid.astype(np.uint8)}, live.meta)
+            jc.recorder.synchronize()  # its last device-to-host copies have landed
+            self.store.put(jc.key, {**jc.recorder.tensors(), "valid": jc.valid.astype(np.uint8)},
+                           {**live.meta, "dtype": str(self.dtype).removeprefix("torch.")})
             self.store.stats.record_cpu_s += self._wrote("recorded activations", jc.key, t0, c0,
                                                          bytes=jc.recorder.nbytes)
         except Exception:
@@ -340,13 +326,16 @@ class CacheRuntime:
             entry = self.store.current(jc.key)
             if entry is not jc.entry:
                 return
-            t, p = jc.heal, jc.patch
-            arrays = {name: np.array(entry.arrays[name]) for name in ("y", "k", "v", "valid")}  # own copies
+            p = jc.patch
+            p.synchronize()
+            t = torch.from_numpy(jc.heal)
+            arrays = {name: entry.tensor(name).clone() for name in ("y", "k", "v", "valid")}  # own copies
             arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = p.y, p.k, p.v
             arrays["valid"][t] = 1
             self.store.put(jc.key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
             self.store.stats.heals += 1
-            self.store.stats.heal_cpu_s += self._wrote("healed activations", jc.key, t0, c0, tokens=int(t.size))
+            self.store.stats.heal_cpu_s += self._wrote("healed activations", jc.key, t0, c0,
+                                                     tokens=int(jc.heal.size))
         except Exception:
             log.exception("could not heal activations for %s", jc.key)
         finally:
@@ -369,5 +358,4 @@ class CacheRuntime:
     def close(self) -> None:
         self.flush()
         self._writer.shutdown(wait=True)
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
+        self.loader.close()

@@ -25,16 +25,21 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+import torch
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "U8": np.uint8, "I64": np.int64, "I32": np.int32}
+# safetensors dtype -> (numpy dtype of the mapped view, torch dtype). numpy has no bfloat16: BF16 rows are mapped
+# as their raw 16-bit words and reinterpreted by ``Entry.tensor`` (entries are written in the model's dtype).
+_DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
+           "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32)}
 _STALE_TMP_S = 600.0
 
 
@@ -48,6 +53,21 @@ class Entry:
     meta: dict
     arrays: dict[str, np.ndarray]
     nbytes: int
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # each array's element type (bf16: raw words)
+    mapping: np.ndarray | None = None  # the whole mapped file, which every array views
+    pinned: bool | None = None  # page-locked for GPU copies (set by a GPU loader on first use)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """``arrays[name]`` as a CPU tensor of its real dtype, sharing the mapping (no copy; never write to it)."""
+        return as_tensor(self.arrays[name], self.dtypes.get(name))
+
+
+def as_tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor view of a (possibly read-only, mapped) array, reinterpreted as ``dtype`` (bf16 from raw words)."""
+    with warnings.catch_warnings():  # read-only mappings: torch warns that writes are undefined; we never write
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    return t.view(dtype) if dtype is not None and t.dtype != dtype else t
 
 
 @dataclass
@@ -88,10 +108,26 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raise CorruptEntry(f"bad header: {e}") from None
 
 
-def _crc(arrays: dict[str, np.ndarray]) -> int:
+class MappedArrays(dict):
+    """name -> view on a mapped entry, with ``dtypes``: each one's real element type (bf16 views hold raw words)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], dtypes: dict[str, torch.dtype], mapping: np.ndarray):
+        super().__init__(arrays)
+        self.dtypes = dtypes
+        self.mapping = mapping  # the whole file, mapped: what a GPU loader page-locks once
+
+
+def _raw(a) -> np.ndarray:
+    """The bytes of an array or CPU tensor of any dtype (bf16 included), as a flat uint8 array."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _crc(arrays: dict) -> int:
     crc = 0
     for name in sorted(arrays):
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(arrays[name])).cast("B"), crc)
+        crc = zlib.crc32(memoryview(_raw(arrays[name])), crc)
     return crc
 
 
@@ -104,17 +140,17 @@ def open_file(path: Path, verify: bool = True) -> tuple[dict, dict[str, np.ndarr
     if size != data_start + end:
         raise CorruptEntry(f"size {size} != {data_start + end} expected from the header")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    arrays = {}
+    arrays, dtypes = {}, {}
     for name, t in header.items():
-        dt = _DTYPES.get(t["dtype"])
-        if dt is None:
+        if t["dtype"] not in _DTYPES:
             raise CorruptEntry(f"unsupported dtype {t['dtype']}")
+        view, dtypes[name] = _DTYPES[t["dtype"]]
         a, b = t["data_offsets"]
-        arrays[name] = mm[data_start + a:data_start + b].view(dt).reshape(t["shape"])
+        arrays[name] = mm[data_start + a:data_start + b].view(view).reshape(t["shape"])
     info = json.loads(meta.get("maskedit", "{}"))
     if verify and info.get("crc32") is not None and _crc(arrays) != int(info["crc32"]):
         raise CorruptEntry("checksum mismatch")
-    return info, arrays, size
+    return info, MappedArrays(arrays, dtypes, mm), size
 
 
 class ActivationStore:
@@ -226,7 +262,8 @@ class ActivationStore:
             self._discard(path, f"{e}")
             return None
         self._verified[ident] = True
-        entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size)
+        entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size, dtypes=arrays.dtypes,
+                      mapping=arrays.mapping)
         self._unmap_stale()
         if len(self._mapped) > 64:
             self._mapped.pop(next(iter(self._mapped)))
@@ -254,9 +291,11 @@ class ActivationStore:
             path.unlink()
 
     # -- writes -------------------------------------------------------------------------------------
-    def put(self, key: str, arrays: dict[str, np.ndarray], meta: dict) -> Path:
-        """Write an entry atomically into the memory tier, then evict to stay within budget."""
-        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    def put(self, key: str, arrays: dict, meta: dict) -> Path:
+        """Write an entry atomically into the memory tier, then evict to stay within budget. ``arrays`` are numpy
+        arrays or CPU tensors; tensors keep their dtype (bf16/fp16 entries of a bf16/fp16 model)."""
+        arrays = {k: (v.detach().contiguous() if isinstance(v, torch.Tensor) else
+                      torch.from_numpy(np.ascontiguousarray(v))) for k, v in arrays.items()}
         info = dict(meta, crc32=_crc(arrays), key=key, created=time.time())
         path = self._path(self.mem_dir, key)
         tmp = self.mem_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{key}"

@@ -1,0 +1,135 @@
+"""Bringing a hit's cached rows to the model's device ahead of the blocks that use them.
+
+At the start of a step ``start_step`` queues every row the batch's hits will need, in block order, on one
+background thread: block ``i``'s rows are in flight while block ``i-1`` computes. A block asks for its rows with
+``rows(jc, step)(b, kind)``; it blocks only if the loader has not reached that block yet.
+
+On a GPU the copies run on a dedicated copy stream from page-locked memory: a stored entry's mapping is registered
+with CUDA once (``device.pin_in_place``: DMA straight from the shared-memory file, no CPU copy), a template run in
+progress is read from its recorder's pinned buffers after that step's device-to-host copies (an event). Each load
+ends with an event; the block's stream waits on its own rows' event only (GPU-side, no host synchronisation).
+On the CPU a load is one contiguous copy out of the mapping, as the block would otherwise make.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..device import SideStream, is_cuda, pin_in_place, wait
+
+Y_ROWS, K_BUF, V_BUF = "y", "kbuf", "vbuf"  # a block's recorded output rows; its keys / values buffers
+
+
+@dataclass
+class Loaded:
+    tensor: torch.Tensor  # on the model's device
+    event: object = None  # CUDA: the copy's completion on the copy stream
+
+
+class RowLoader:
+    def __init__(self, device, heads: int, head_dim: int, overlap: bool = True):
+        """``overlap=False``: every load happens inside the block that needs it (the naive baseline)."""
+        self.device = torch.device(device)
+        self.cuda = is_cuda(self.device)
+        self.heads, self.head_dim = heads, head_dim
+        self._copy = SideStream.shared(self.device, "load")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
+        self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
+
+    # -- the block side -----------------------------------------------------------------------------
+    def start_step(self, hits: list, needed) -> None:
+        """Queue the rows ``needed(jc, b)`` of every (JobCache, step) in ``hits``, in block order."""
+        if self._pool is None or not hits:
+            return
+        n_blocks = len(hits[0][0].modes)
+        work = []
+        for b in range(n_blocks):
+            for jc, step in hits:
+                for kind in needed(jc, b):
+                    fut = jc.futures[(step, b, kind)] = Future()
+                    work.append((fut, jc, step, b, kind))
+        self._pool.submit(self._run, work)
+
+    def rows(self, jc, step: int):
+        """The getter a ``RowView`` calls from inside block ``b``: (b, kind) -> tensor on the device."""
+
+        def get(b: int, kind: str) -> torch.Tensor:
+            fut: Future | None = jc.futures.pop((step, b, kind), None)
+            got = fut.result() if fut is not None else self.load(jc, step, b, kind)
+            if got.event is not None:
+                wait(got.event)  # this block waits for its own rows only, on the GPU
+                got.tensor.record_stream(torch.cuda.current_stream(self.device))
+            return got.tensor
+
+        return get
+
+    # -- the loader thread ----------------------------------------------------------------------------
+    def _run(self, work) -> None:
+        for fut, jc, step, b, kind in work:
+            if fut.done():
+                continue
+            try:
+                fut.set_result(self.load(jc, step, b, kind))
+            except BaseException as e:  # the block that needs it re-raises it (its request fails, not the loop)
+                fut.set_exception(e)
+
+    def load(self, jc, step: int, b: int, kind: str) -> Loaded:
+        """Copy one block's rows of ``jc``'s entry at ``step`` to the device (into a keys/values buffer whose
+        text part the block fills)."""
+        t0 = time.perf_counter()
+        entry, m = jc.entry, jc.entry.meta
+        if kind == Y_ROWS:
+            src = entry.tensor("y")[step, m["y_blocks"].index(b)]  # (N, D)
+        else:
+            src = entry.tensor(kind[0])[step, m["kv_blocks"].index(b)]  # (N, inner)
+        with self._copy.use():
+            if kind == Y_ROWS:
+                out = dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            else:
+                n = src.shape[0]
+                out = torch.empty((1, jc.text_len + n, self.heads, self.head_dim), dtype=src.dtype,
+                                  device=self.device)
+                dst = out[0, jc.text_len:].view(n, -1)
+            self._copy_in(dst, src, entry, step)
+            event = self._copy.mark()
+        if event is not None:
+            self._inflight.append((event, entry))
+            while self._inflight and self._inflight[0][0].query():
+                self._inflight.popleft()
+        jc.load_s += time.perf_counter() - t0
+        return Loaded(out, event)
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, entry, step: int) -> None:
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        ready = getattr(entry, "step_event", None)  # a template run in progress: its copies of this step
+        if ready is not None:
+            ev = ready(step)
+            if ev is not None:
+                self._copy.stream.wait_event(ev)
+        if self._page_locked(entry):
+            dst.copy_(src, non_blocking=True)
+        else:  # staging through a pinned buffer (the host allocator reuses it once this copy is done)
+            staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            staging.copy_(src)
+            dst.copy_(staging, non_blocking=True)
+
+    @staticmethod
+    def _page_locked(entry) -> bool:
+        """Is the entry's memory pinned? A recording's buffers are; a stored entry's mapping is registered on first
+        use (remembered on the entry, which the store keeps while the file is unchanged)."""
+        pinned = getattr(entry, "pinned", None)
+        if pinned is None:
+            mapping = getattr(entry, "mapping", None)
+            pinned = entry.pinned = mapping is not None and pin_in_place(mapping)
+        return pinned
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,212 @@
+"""What differs between a CUDA GPU and the CPU, in one place: pinned host buffers, side streams for copies,
+events that order work across streams without a host sync, and timings that are true on the device.
+
+On the CPU every operation is synchronous, so streams and events reduce to nothing and the wall clock is the
+device's clock. On CUDA the host only queues work: a host timer measures when kernels were *queued*, so durations
+come from CUDA events, read once the GPU has passed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+def is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def host_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host buffer for rows going to or coming from ``device``: pinned (page-locked) when that is a GPU, so copies
+    are real DMA and asynchronous; plain memory on the CPU (lazily paged in, as before)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=is_cuda(device))
+
+
+class SideStream:
+    """A CUDA stream beside the compute stream (copies in or out of the device overlap with kernels), or, on the
+    CPU, nothing: the work runs inline."""
+
+    _shared: dict = {}
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = is_cuda(self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    @classmethod
+    def shared(cls, device, purpose: str) -> "SideStream":
+        """One stream per device and purpose (e.g. "load", "record") for the whole process."""
+        key = (str(torch.device(device)), purpose)
+        if key not in cls._shared:
+            cls._shared[key] = cls(device)
+        return cls._shared[key]
+
+    @contextlib.contextmanager
+    def after(self, stream=None):
+        """Run the enclosed work on this stream, ordered after what ``stream`` (default: the current stream of this
+        thread) has queued so far."""
+        if not self.cuda:
+            yield
+            return
+        self.stream.wait_stream(stream or torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @contextlib.contextmanager
+    def use(self):
+        """Run the enclosed work on this stream, with no ordering against other streams (the caller adds events)."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def mark(self):
+        """An event at the current end of this stream (None on the CPU: everything before it is already done)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def keep_alive(self, t: torch.Tensor) -> None:
+        """``t`` was made on another stream and is used here: the allocator must not reuse it before we are done."""
+        if self.cuda and t.is_cuda:
+            t.record_stream(self.stream)
+
+
+def wait(event) -> None:
+    """Make this thread's current stream wait for ``event`` (GPU-side: the host does not block). No-op for None."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+# cudaHostRegister flags: portable (every context sees it as pinned) | read-only (entries are mapped PROT_READ).
+_REGISTER_FLAGS = 0x01 | 0x08
+_cudart_lib = None
+
+
+def _cudart():
+    """The CUDA runtime library torch already loaded (found in this process's mappings), through ctypes: torch's own
+    binding of cudaHostRegister leaves a failure as the thread's last error, which a later kernel launch would then
+    raise; here a failure is cleared with cudaGetLastError."""
+    global _cudart_lib
+    if _cudart_lib is None:
+        import ctypes
+
+        torch.cuda.init()
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        if not paths:
+            raise OSError("libcudart is not loaded in this process")
+        lib = ctypes.CDLL(sorted(paths)[0])
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        _cudart_lib = lib
+    return _cudart_lib
+
+
+def pin_in_place(a) -> bool:
+    """Page-lock the memory behind ``a`` (a mapped entry's buffer) so the GPU copies from it by DMA, with no CPU
+    copy into a staging buffer. Unpinned again when ``a`` is garbage-collected. False if CUDA refused (then the
+    caller stages through pinned buffers)."""
+    import weakref
+
+    import numpy as np
+
+    buf = np.asarray(a)
+    ptr, size = buf.ctypes.data, buf.nbytes
+    if size == 0:
+        return False
+    try:
+        lib = _cudart()
+    except OSError:
+        return False
+    if lib.cudaHostRegister(ptr, size, _REGISTER_FLAGS) != 0:
+        lib.cudaGetLastError()  # clear it: the next kernel launch on this thread would report it
+        return False
+    weakref.finalize(a, lib.cudaHostUnregister, ptr)
+    return True
+
+
+def mark_current(device):
+    """An event at the current end of this thread's stream on ``device`` (None on the CPU)."""
+    if not is_cuda(device):
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(torch.device(device)))
+    return ev
+
+
+def synchronize(device) -> None:
+    """Wait until ``device`` has finished everything queued (a no-op on the CPU)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+@dataclass
+class _Span:
+    tokens: int
+    start: object  # CUDA event or perf_counter seconds
+    end: object
+
+
+class StepClock:
+    """Device-true step durations without stalling the host at every step.
+
+    ``begin``/``end`` bracket a step; ``finished()`` returns (tokens, seconds) of the steps the device has completed
+    since the last call. On CUDA that is event timing, read only once an end event has passed (``query`` does not
+    block); on the CPU the wall clock, at once. ``bound(n)`` keeps the host at most ``n`` steps ahead of the GPU:
+    scheduling decisions (who joins, deadlines, cancels) then act on the present, and a request's finish time is
+    the device's."""
+
+    def __init__(self, device):
+        self.cuda = is_cuda(device)
+        self.device = torch.device(device)
+        self._pending: deque[_Span] = deque()
+        self._open: _Span | None = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def begin(self, tokens: int) -> None:
+        self._open = _Span(tokens, self._now(), None)
+
+    def end(self) -> None:
+        span, self._open = self._open, None
+        if span is not None:
+            span.end = self._now()
+            self._pending.append(span)
+
+    def finished(self) -> list[tuple[int, float]]:
+        out = []
+        while self._pending:
+            s = self._pending[0]
+            if self.cuda:
+                if not s.end.query():
+                    break
+                secs = s.start.elapsed_time(s.end) / 1000.0
+            else:
+                secs = s.end - s.start
+            self._pending.popleft()
+            out.append((s.tokens, secs))
+        return out
+
+    def bound(self, ahead: int = 1) -> None:
+        """Block until at most ``ahead`` recorded steps are still running on the device."""
+        if self.cuda and len(self._pending) > ahead:
+            self._pending[-1 - ahead].end.synchronize()
+
+    def drain(self) -> list[tuple[int, float]]:
+        """Wait for every recorded step and return them all (shutdown, benchmarks)."""
+        if self.cuda and self._pending:
+            self._pending[-1].end.synchronize()
+        return self.finished()
