@@ -12,6 +12,13 @@ and reports speedup over full, the FLOP-model ideal speedup of the plan used, tw
 if every GEMM/attention ran at the speed the stock kernels reach at its shape here: with cache-hot weights, and
 with weights streamed from memory as in a real step; see ``cache/kernel_ceiling.py``), and fidelity against full
 (SSIM/PSNR of the decoded images, whole image and unmasked region). Writes JSON and a plot.
+
+    maskedit-bench-engine                                              # CPU, bench preset -> engine.json
+    maskedit-bench-engine --preset flux-dev --device cuda --dtype bfloat16 --steps 8   # -> engine_<gpu>.json
+
+On a GPU every time is the device's (requests finish after a synchronize; kernel ceilings from CUDA events) and
+each row also reports ``gpu_idle``: the fraction of one extra run of that mode during which no kernel ran on the
+GPU (torch profiler; launch gaps and waits for cache loads alike).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .cache.cost_model import CostModel
+from .cache.cost_model import CostModel, device_slug, profile_path
 from .cache.flops import edges, ideal_speedup
 from .cache.kernel_ceiling import KernelTimer
 from .cache.harness import Harness
@@ -55,10 +62,37 @@ def fidelity(ref: np.ndarray, img: np.ndarray, keep: np.ndarray) -> dict:
     return out
 
 
-def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = None, model_dir=None) -> list[dict]:
-    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
-    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
-    h = Harness.create(model_dir, steps=steps, cost=cost)
+def gpu_idle(fn, device) -> float | None:
+    """Fraction of ``fn()``'s span during which no CUDA kernel or copy ran (torch profiler); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    first = lo
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    return max(0.0, 1.0 - busy / max(1e-9, hi - first))
+
+
+def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = None, model_dir=None,
+        preset: str = "bench", device: str | None = None, dtype: str | None = None,
+        budget_bytes: int = 8 << 30) -> list[dict]:
+    h = Harness.create(model_dir, preset=preset, steps=steps, device=device, dtype=dtype, budget_bytes=budget_bytes)
+    profile = profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
+    h.cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     h.register()
     decoder = Decoder(h.settings)
     engines = {m: h.engine(*MODES[m]) for m in modes}
@@ -66,7 +100,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     dim = cfg.num_attention_heads * cfg.attention_head_dim
     n_blocks = cfg.num_layers + cfg.num_single_layers
     io = edges(cfg)  # x_embedder / proj_out widths: they run on every token in every mode
-    kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
+    kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads, h.runner.device, h.runner.dtype)
     rows = []
     try:
         for ratio in tqdm(ratios, desc="mask ratios"):
@@ -82,6 +116,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                     jobs[m] = job
             keep = np.kron((~np.asarray(x.token_mask, bool)).reshape(x.model_h // h.pre.patch, -1),
                            np.ones((h.pre.patch, h.pre.patch), bool)).astype(bool)
+            idle = {m: gpu_idle(lambda: run_job(engines[m][0], x), h.runner.device) for m in modes}
             images = {m: np.asarray(decoder.decode_latents(j.result(), x.model_w, x.model_h)) for m, j in jobs.items()}
             full_s = statistics.median(times["full"]) if "full" in times else None
             for m in modes:
@@ -95,6 +130,8 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                     "ideal_speedup": round(ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3),
                     "computed_tokens": c, "tokens": n, "block_modes": jc.info()["block_modes"] if jc else "",
                     "cache": jc.status if jc else "off", "load_s": round(jc.load_s, 5) if jc else 0.0,
+                    "device": device_slug(h.runner.device), "dtype": h.settings.dtype,
+                    "gpu_idle": None if idle[m] is None else round(idle[m], 4),
                     **{k: (round(v, 4) if np.isfinite(v) else None)  # identical images: PSNR is infinite
                        for k, v in fidelity(images.get("full", images[m]), images[m], keep).items()},
                 }
@@ -162,17 +199,27 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="default: the model's (8 for the bench preset)")
     ap.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS))
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine.json")
+    ap.add_argument("--preset", default="bench", help="model preset (bench; flux-dev: FLUX.1-Fill-dev size, GPU)")
+    ap.add_argument("--device", default=None, help="cpu, cuda (default: MASKEDIT_DEVICE or auto)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
+    ap.add_argument("--budget-gib", type=float, default=8.0, help="activation bytes recorded per template (Y first, "
+                    "then keys/values); FLUX.1 size at 8 steps needs ~11.5 GiB for Y in every block, twice that for KV")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/engine.json, engine_<gpu>.json on a GPU")
     args = ap.parse_args(argv)
     t0 = time.time()
-    rows = run(args.ratios, reps=args.reps, steps=args.steps)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = run(args.ratios, reps=args.reps, steps=args.steps, preset=args.preset, device=args.device,
+               dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
+    hw = rows[0]["device"] if rows else "cpu"
+    out = args.out or RESULTS / ("engine.json" if hw == "cpu" else f"engine_{hw}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+            "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "preset": args.preset,
+            "device": hw, "dtype": rows[0]["dtype"] if rows else None,
+            "gpu": torch.cuda.get_device_name() if hw != "cpu" else None}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"))
     print(markdown_table(rows))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

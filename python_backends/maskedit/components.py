@@ -53,9 +53,27 @@ def load_transformer(settings: Settings):
     from diffusers import FluxTransformer2DModel
 
     _check_dir(settings)
+    generated = _generated(settings)
+    if generated is not None:  # a preset whose weights are generated on the device (tiny_model.PRESETS)
+        from .tiny_model import generate_transformer
+
+        log.info("generating the transformer of %s on %s (seed %s)", settings.model_dir, settings.torch_device,
+                 generated["seed"])
+        return generate_transformer(settings.model_dir, generated["seed"], settings.torch_device,
+                                    torch_dtype(settings))
     model = FluxTransformer2DModel.from_pretrained(settings.model_dir, subfolder="transformer",
                                                    dtype=torch_dtype(settings))
     return model.to(settings.torch_device).eval()
+
+
+def _generated(settings: Settings) -> dict | None:
+    import json
+
+    from .settings import SERVING_DEFAULTS_FILE
+    from .tiny_model import GENERATED_TRANSFORMER
+
+    f = settings.model_dir / SERVING_DEFAULTS_FILE
+    return json.loads(f.read_text()).get(GENERATED_TRANSFORMER) if f.exists() else None
 
 
 def load_scheduler_config(settings: Settings) -> dict:

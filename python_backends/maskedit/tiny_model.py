@@ -46,6 +46,10 @@ class Preset:
     text_dim: int  # T5 d_model == joint_attention_dim
     clip_dim: int  # CLIP hidden == pooled_projection_dim
     max_sequence_length: int  # T5 tokens
+    # Transformer weights are generated (seeded) on the serving device at load time instead of written to disk:
+    # a FLUX.1-size transformer is 24 GB in bf16, and its random weights carry no information worth the bytes.
+    generated_transformer: bool = False
+    text_ff: int = 0  # T5 feed-forward width (0: twice d_model); small for wide presets (encoders run once)
 
 
 PRESETS = {
@@ -61,7 +65,17 @@ PRESETS = {
         num_layers=4, num_single_layers=8, rope_axes=(8, 28, 28), text_dim=64, clip_dim=64,
         max_sequence_length=64,
     ),
+    # FLUX.1-Fill-dev's transformer exactly (19 dual + 38 single blocks, 24 x 128 heads = 3072 hidden, in 384 /
+    # out 64, T5 width 4096, pooled 768, guidance embeds; 11.9 B parameters) at 1024 x 1024 = 4096 image + 512 text
+    # tokens. Text encoders and VAE are small stand-ins with the real interface widths: they run once per request,
+    # outside the denoise loop that this preset measures.
+    "flux-dev": Preset(
+        resolution=1024, steps=28, vae_channels=(8, 16, 16, 16), latent_channels=16, dim_head=128, heads=24,
+        num_layers=19, num_single_layers=38, rope_axes=(16, 56, 56), text_dim=4096, clip_dim=768,
+        max_sequence_length=512, generated_transformer=True, text_ff=256,
+    ),
 }
+GENERATED_TRANSFORMER = "generated_transformer"  # maskedit.json key: {"seed": ...} when weights are generated
 
 
 def _train_tokenizers(vocab_size: int):
@@ -116,8 +130,8 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
         bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
     ))
     t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=p.text_dim, d_kv=p.text_dim // 2, d_ff=2 * p.text_dim, num_layers=2,
-        num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        vocab_size=len(t5_tok), d_model=p.text_dim, d_kv=min(64, p.text_dim // 2), d_ff=p.text_ff or 2 * p.text_dim,
+        num_layers=2, num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     ))
     n_down = len(p.vae_channels)
     vae = AutoencoderKL(
@@ -128,17 +142,18 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     )
     scale = 2 ** (n_down - 1)
     packed = p.latent_channels * 4
-    transformer = FluxTransformer2DModel(
+    config = dict(
         patch_size=1, in_channels=2 * packed + scale * scale * 4, out_channels=packed, num_layers=p.num_layers,
         num_single_layers=p.num_single_layers, attention_head_dim=p.dim_head, num_attention_heads=p.heads,
         joint_attention_dim=p.text_dim, pooled_projection_dim=p.clip_dim, guidance_embeds=True,
         axes_dims_rope=p.rope_axes,
     )
-    # Random init leaves some Flux output layers at zero; small noise everywhere makes the edit visible.
-    with torch.no_grad():
-        for param in transformer.parameters():
-            if param.abs().sum() == 0:
-                param.normal_(0.0, 0.02)
+    if p.generated_transformer:
+        with torch.device("meta"):  # its config only: no memory, no weights written
+            transformer = FluxTransformer2DModel(**config)
+    else:
+        transformer = FluxTransformer2DModel(**config)
+        _visible_init(transformer)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
         base_shift=0.5, max_shift=1.15,
@@ -147,13 +162,54 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
         scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
         tokenizer_2=t5_tok, transformer=transformer,
     )
-    pipe.save_pretrained(tmp)
+    if p.generated_transformer:
+        pipe.transformer = None
+        pipe.register_to_config(transformer=(None, None))
+        pipe.save_pretrained(tmp)
+        transformer.save_config(tmp / "transformer")
+        index = json.loads((tmp / "model_index.json").read_text())
+        index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
+    else:
+        pipe.save_pretrained(tmp)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 30.0,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
+    if p.generated_transformer:
+        serving[GENERATED_TRANSFORMER] = {"seed": seed}
     (tmp / SERVING_DEFAULTS_FILE).write_text(json.dumps(serving, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # the directory appears complete or not at all
     return out
+
+
+def _visible_init(transformer) -> None:
+    """Random init leaves some Flux output layers at zero; small noise everywhere makes the edit visible."""
+    import torch
+
+    with torch.no_grad():
+        for param in transformer.parameters():
+            if param.abs().sum() == 0:
+                param.normal_(0.0, 0.02)
+
+
+def generate_transformer(model_dir: Path, seed: int, device, dtype):
+    """The transformer of a generated preset, built straight on ``device`` in ``dtype`` from its saved config with
+    seeded random weights (seconds for FLUX.1 size on a GPU: no file is read)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    config = FluxTransformer2DModel.load_config(model_dir, subfolder="transformer")
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = FluxTransformer2DModel.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if torch.device(device).type != "meta":
+        _visible_init(model)
+    return model.eval()
 
 
 def main(argv=None) -> None:

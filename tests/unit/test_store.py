@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from maskedit.cache.store import ActivationStore, open_file
 
@@ -162,3 +163,30 @@ def test_other_processes_read_the_same_entry(tmp_path):
     p.start()
     assert q.get(timeout=60) == pytest.approx(float(arrays(3)["y"].sum()), rel=1e-6)
     p.join(10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_entries_keep_the_models_dtype_checksummed_and_mapped(tmp_path, dtype):
+    """A bf16 model's entries are bf16 on disk (half the bytes of float32), read back as bf16 without a copy."""
+    s = mk(tmp_path, mem=100_000_000)
+    y = torch.randn(2, 3, 1000).to(dtype)
+    s.put("k", {"y": y, "valid": np.ones(1000, np.uint8)}, {"steps": 2})
+    s._verified.clear()  # as in a process that has not read it yet: the checksum is verified
+    e = s.open("k")
+    assert e.dtypes["y"] == dtype and e.tensor("y").dtype == dtype
+    assert torch.equal(e.tensor("y"), y)
+    assert e.tensor("y").data_ptr() == e.arrays["y"].ctypes.data  # a view on the mapping
+    assert os.path.getsize(e.path) < 1000 * 6 * torch.finfo(dtype).bits // 8 + 4096
+    info, arr, _ = open_file(e.path, verify=True)
+    assert arr.dtypes["y"] == dtype
+
+
+def test_a_corrupt_bf16_entry_is_a_miss(tmp_path):
+    s = mk(tmp_path, mem=100_000_000)
+    path = s.put("k", {"y": torch.randn(4, 100).bfloat16(), "valid": np.ones(100, np.uint8)}, {})
+    raw = bytearray(path.read_bytes())
+    raw[-50] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    s._verified.clear()
+    s._mapped.clear()
+    assert s.open("k") is None and s.stats.corrupt == 1

@@ -1,8 +1,14 @@
 """`maskedit-calibrate`: measure block compute and cache-load latencies on this machine and model, fit the
-cost model the planner and the router use, print each fit's R², and write it under ``perf_profiles/``.
+cost model the planner and the router use, print each fit's R², and write it under ``perf_profiles/``
+(``cost_model_<model>.json`` on the CPU, ``cost_model_<model>_<gpu>.json`` on a GPU, e.g. ``_h100``).
 
     maskedit-calibrate                         # the benchmark-size model (built if missing)
     maskedit-calibrate --model-dir models/tiny-flux-fill
+    maskedit-calibrate --preset flux-dev --device cuda --dtype bfloat16   # FLUX.1-Fill-dev size, on a GPU
+
+On a GPU, block times come from CUDA events around each block call (read after the step: nothing synchronises
+inside it, so kernel launches overlap as they do when serving) and loads are host-to-device copies from the
+entry's page-locked mapping on a side stream, timed with events.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from tqdm import tqdm
 
 from ..denoise import DenoiseJob
 from ..settings import REPO_ROOT
-from .cost_model import CostModel, LinearFit, features
+from .cost_model import CostModel, LinearFit, device_slug, features, profile_path
 from .harness import Harness
+from .loader import RowLoader
 from .planner import FULL, KV, Y
 from .runtime import CacheRuntime
 
@@ -29,21 +36,32 @@ RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 
 
 class BlockTimer(ModelHook):
-    """Wall time of each block call (CPU is synchronous; on CUDA this would synchronise first)."""
+    """Time of each block call: wall time on the CPU (synchronous), a pair of CUDA events on a GPU."""
 
     def __init__(self, sink: list, index: int):
         super().__init__()
         self.sink, self.index = sink, index
 
+    def _mark(self, device):
+        if device.type != "cuda":
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
     def new_forward(self, module, *args, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        device = next(module.parameters()).device
+        t0 = self._mark(device)
         out = self.fn_ref.original_forward(*args, **kwargs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.sink.append((self.index, (time.perf_counter() - t0) * 1000.0))
+        self.sink.append((self.index, t0, self._mark(device)))
         return out
+
+
+def resolve(sink: list) -> list[tuple[int, float]]:
+    """(block, ms) of every timed call in ``sink`` (waiting for the GPU to pass the last event first)."""
+    if sink and not isinstance(sink[-1][2], float):
+        sink[-1][2].synchronize()
+    return [(i, (b - a) * 1000.0 if isinstance(a, float) else a.elapsed_time(b)) for i, a, b in sink]
 
 
 def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
@@ -74,7 +92,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
                 if job.step_index >= job.steps:
                     break
                 h.runner.step([job])
-                for i, ms in sink:
+                for i, ms in resolve(sink):
                     samples_[(kinds[i], mode)].append((features(mode, n, c, text), ms))
             h.runner.release(job, ok=False)
             h.runner.cache = None
@@ -83,16 +101,28 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
             HookRegistry.check_if_exists_or_initialize(b).remove_hook("maskedit_timer", recurse=False)
     # Memory tier: copies of 1..16 blocks' rows out of the shared mapping, as the loader does.
     entry = h.store.open(base.cache_key)
-    flat = entry.arrays["y"].reshape(-1, entry.arrays["y"].shape[-1])
+    flat = entry.tensor("y").reshape(-1, entry.arrays["y"].shape[-1])
+    device = h.runner.device
+    loads["pinned"] = device.type == "cuda" and RowLoader._page_locked(entry)
     for blocks_ in (1, 2, 3, 4, 6, 8, 12, 16):
         rows_ = min(flat.shape[0], blocks_ * n)
-        out = np.empty((rows_, flat.shape[1]), np.float32)
+        src = flat[:rows_] if loads["pinned"] or device.type != "cuda" else flat[:rows_].pin_memory()
+        out = torch.empty(src.shape, dtype=src.dtype, device=device)
         times = []
         for _ in range(5):
-            t0 = time.perf_counter()
-            out[...] = flat[:rows_]
-            times.append((time.perf_counter() - t0) * 1000.0)
-        loads["mem"].append((out.nbytes, float(np.median(times))))
+            if device.type == "cuda":  # on a side stream, as the loader copies
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    out.copy_(src, non_blocking=True)
+                    b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                out.copy_(src)
+                times.append((time.perf_counter() - t0) * 1000.0)
+        loads["mem"].append((out.numel() * out.element_size(), float(np.median(times))))
     # Disk tier: reading an entry's slice from a file on disk (page cache permitting).
     entry_path = next(h.store.mem_dir.glob("*.safetensors"))
     disk_copy = h.store.disk_dir / "calibration.bin"
@@ -116,24 +146,29 @@ def fit(samples_: dict, loads: dict, meta: dict) -> CostModel:
             compute[kind][mode] = LinearFit([float(np.median(ys)), 0.0, 0.0, 0.0], 1.0)
         else:
             compute[kind][mode] = LinearFit.fit(xs, ys)
-    load = {t: LinearFit.fit([[1.0, b / 1e6] for b, _ in pts], [ms for _, ms in pts]) for t, pts in loads.items()}
-    return CostModel(compute=dict(compute), load=load, meta=meta)
+    load = {t: LinearFit.fit([[1.0, b / 1e6] for b, _ in pts], [ms for _, ms in pts])
+            for t, pts in loads.items() if t in ("mem", "disk")}
+    return CostModel(compute=dict(compute), load=load, meta={**meta, "pinned_loads": bool(loads.get("pinned"))})
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, default=None, help="default: models/bench-flux-fill (built if missing)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: models/<preset>-flux-fill (built if missing)")
+    ap.add_argument("--preset", default="bench", help="model preset when --model-dir is not given (bench, flux-dev)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: MASKEDIT_DEVICE or auto)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    h = Harness.create(args.model_dir, steps=args.steps)
+    h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype)
     samples_, loads = measure(h)
     model = fit(samples_, loads, {
         "model_dir": str(h.settings.model_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "threads": torch.get_num_threads(), "device": h.settings.torch_device, "resolution": h.settings.resolution,
+        "dtype": h.settings.dtype, "hardware": device_slug(h.runner.device),
     })
-    out = args.out or REPO_ROOT / "perf_profiles" / f"cost_model_{h.settings.model_dir.name}.json"
+    out = args.out or profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(model.to_json(), indent=2))
     for kind, d in model.compute.items():

@@ -17,6 +17,27 @@ from .flops import block_flops
 from .planner import FULL, KV, Y, BlockCost
 
 
+def device_slug(device) -> str:
+    """A short name for the hardware a profile was measured on: "cpu", or the GPU's model ("h100", "h200", ...)."""
+    import re
+
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()  # e.g. "nvidia h100 80gb hbm3"
+    m = re.search(r"\b([a-z]+\d+[a-z]*)\b", name.replace("nvidia", ""))
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def profile_path(profiles_dir: Path, model_name: str, device) -> Path:
+    """Where the cost profile of ``model_name`` measured on ``device`` lives: ``cost_model_<model>.json`` for the
+    CPU (the name the CPU profiles always had), ``cost_model_<model>_<gpu>.json`` for a GPU."""
+    slug = device_slug(device)
+    return Path(profiles_dir) / (f"cost_model_{model_name}.json" if slug == "cpu" else
+                                 f"cost_model_{model_name}_{slug}.json")
+
+
 def features(mode: str, n: int, c: int, text: int) -> list[float]:
     """Regressors of a block's latency: constant, query rows, projected cached rows, attention area."""
     if mode == FULL:

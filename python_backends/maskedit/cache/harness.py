@@ -45,6 +45,15 @@ def token_mask_image(grid_w: int, grid_h: int, patch: int, ratio: float, seed: i
     return np.kron(grid.reshape(grid_h, grid_w), np.ones((patch, patch), np.uint8))
 
 
+def _memory_dir(need: int) -> str | None:
+    """/dev/shm when it can hold the store (entries then live in RAM, as when serving), else the default temp dir."""
+    try:
+        st = os.statvfs("/dev/shm")
+        return "/dev/shm" if st.f_bavail * st.f_frsize > 2 * need else None
+    except OSError:
+        return None
+
+
 @dataclass
 class Harness:
     pre: Preprocessor
@@ -57,13 +66,16 @@ class Harness:
 
     @classmethod
     def create(cls, model_dir: Path | None = None, preset: str = "bench", steps: int | None = None,
-               cost: CostModel | None = None, budget_bytes: int = 8 << 30) -> "Harness":
+               cost: CostModel | None = None, budget_bytes: int = 8 << 30, device: str | None = None,
+               dtype: str | None = None) -> "Harness":
+        """``device``/``dtype`` override MASKEDIT_DEVICE/MASKEDIT_DTYPE; the environment's other settings apply."""
         model_dir = Path(model_dir or REPO_ROOT / "models" / f"{preset}-flux-fill")
         if not (model_dir / "model_index.json").exists():
             build(model_dir, preset)
-        # The environment's other settings (MASKEDIT_DTYPE, MASKEDIT_DEVICE, ...) apply too.
-        settings = load_settings({**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)})
-        tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-"))
+        env = {**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)}
+        env.update({k: v for k, v in (("MASKEDIT_DEVICE", device), ("MASKEDIT_DTYPE", dtype)) if v})
+        settings = load_settings(env)
+        tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-", dir=_memory_dir(budget_bytes)))
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)
         runner = ModelRunner(settings)

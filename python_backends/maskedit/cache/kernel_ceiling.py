@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..device import is_cuda
 from .planner import FULL, KV, Y
 
 
@@ -54,25 +55,41 @@ def last_level_cache_bytes() -> int:
 class KernelTimer:
     """Times call shapes once each (memoized) with the model's head layout."""
 
-    def __init__(self, heads: int, reps: int = 20, stream_bytes: int = 0):
+    def __init__(self, heads: int, reps: int = 20, stream_bytes: int = 0, device="cpu",
+                 dtype: torch.dtype = torch.float32):
         """``stream_bytes`` > 0: GEMM weights come from a pool of distinct matrices this large (streamed weights);
-        0: one cache-hot matrix per shape."""
+        0: one cache-hot matrix per shape. Shapes are timed on ``device`` in ``dtype`` (the model's)."""
         self.heads, self.reps, self.stream_bytes = heads, reps, stream_bytes
+        self.device, self.dtype = torch.device(device), dtype
         self._memo: dict[tuple, float] = {}
 
     @classmethod
-    def hot_and_streamed(cls, heads: int) -> tuple["KernelTimer", "KernelTimer"]:
+    def hot_and_streamed(cls, heads: int, device="cpu", dtype: torch.dtype = torch.float32
+                         ) -> tuple["KernelTimer", "KernelTimer"]:
         """The two variants the benchmarks report: cache-hot weights, and weights streamed from a pool four times
-        the last-level cache."""
-        return cls(heads), cls(heads, stream_bytes=4 * last_level_cache_bytes())
+        the last-level cache (the GPU's L2 on a GPU)."""
+        llc = torch.cuda.get_device_properties(device).L2_cache_size if is_cuda(device) else last_level_cache_bytes()
+        return cls(heads, device=device, dtype=dtype), cls(heads, stream_bytes=4 * llc, device=device, dtype=dtype)
 
     def _time(self, fn) -> float:
+        """Seconds per call: wall time on the CPU, CUDA events on a GPU (the host only queues kernels there)."""
         for _ in range(3):
             fn()
+        if is_cuda(self.device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.reps):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0 / self.reps
         t0 = time.perf_counter()
         for _ in range(self.reps):
             fn()
         return (time.perf_counter() - t0) / self.reps
+
+    def _randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=self.dtype)
 
     @torch.no_grad()
     def call_s(self, call: tuple, dim: int) -> float:
@@ -80,15 +97,16 @@ class KernelTimer:
         if key not in self._memo:
             if call[0] == "mm":
                 _, rows, d_in, d_out = call
-                x, b = torch.randn(rows, d_in), torch.randn(d_out)
-                pool = max(1, self.stream_bytes // (4 * d_in * d_out))  # oldest first: long out of cache
-                weights = itertools.cycle([torch.randn(d_out, d_in) for _ in range(pool)])
+                x, b = self._randn(rows, d_in), self._randn(d_out)
+                item = torch.finfo(self.dtype).bits // 8
+                pool = max(1, self.stream_bytes // (item * d_in * d_out))  # oldest first: long out of cache
+                weights = itertools.cycle([self._randn(d_out, d_in) for _ in range(pool)])
                 self._memo[key] = self._time(lambda: F.linear(x, next(weights), b)) if rows else 0.0
             else:
                 _, q_rows, k_rows = call
                 hd = dim // self.heads
-                q = torch.randn(1, self.heads, q_rows, hd)
-                k, v = torch.randn(1, self.heads, k_rows, hd), torch.randn(1, self.heads, k_rows, hd)
+                q = self._randn(1, self.heads, q_rows, hd)
+                k, v = self._randn(1, self.heads, k_rows, hd), self._randn(1, self.heads, k_rows, hd)
                 self._memo[key] = self._time(lambda: F.scaled_dot_product_attention(q, k, v))
         return self._memo[key]
 

@@ -12,7 +12,7 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from ..cache.cost_model import CostModel
+from ..cache.cost_model import CostModel, profile_path
 from ..cache.flux import FluxCacheHooks
 from ..cache.runtime import CacheRuntime
 from ..cache.store import from_env
@@ -34,7 +34,10 @@ def cache_store(log: logging.Logger):
 
 
 def cost_model(settings: Settings, log: logging.Logger) -> CostModel:
-    path = os.environ.get("MASKEDIT_COST_PROFILE") or REPO_ROOT / "perf_profiles" / f"cost_model_{settings.model_dir.name}.json"
+    """The profile measured for this model on this hardware (a GPU's own: its planner choices differ from a
+    CPU's), or ``MASKEDIT_COST_PROFILE``."""
+    path = os.environ.get("MASKEDIT_COST_PROFILE") or profile_path(REPO_ROOT / "perf_profiles",
+                                                                   settings.model_dir.name, settings.torch_device)
     try:
         model = CostModel.load_file(path)
         log.info("cost model from %s", path)

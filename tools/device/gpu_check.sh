@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks for the engine (issue 15), run on the GPU machine from the repository
+# root with the wheels of tools/device/wheels.sh carried in .whl/. Writes everything under $OUT (default out/device).
+#
+#   run(command="bash tools/device/gpu_check.sh tests", carry=[".whl"])       # gpu tests, every dtype (~5 min)
+#   run(command="bash tools/device/gpu_check.sh calibrate", carry=[".whl"])   # FLUX.1-Fill-dev size, bf16
+#   run(command="bash tools/device/gpu_check.sh bench", carry=[".whl"])       # engine benchmark, bf16, 8 steps
+#
+# Then copy $OUT's profile to perf_profiles/ and its engine_<gpu>.json/.png to perf_profiles/results/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD/python_backends:$PWD/client:$PWD/router:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
+df -h /dev/shm | tee -a "$OUT/gpu.txt"
+test -f models/tiny-flux-fill/model_index.json || python3 -m maskedit.tiny_model models/tiny-flux-fill
+STEPS=${STEPS:-8}
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  calibrate)
+    python3 -m maskedit.cache.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
+      --out "$OUT/cost_model_flux-dev-flux-fill_h100.json" 2>&1 | tee "$OUT/calibrate.log" ;;
+  bench)
+    cp "$OUT"/cost_model_*.json perf_profiles/ 2>/dev/null
+    python3 -m maskedit.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
+      --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
+      --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
+  *) echo "usage: $0 tests|calibrate|bench"; exit 2 ;;
+esac
