@@ -1,7 +1,7 @@
 """`python -m loadgen`: drive a maskedit endpoint (Triton or the router) and write records and plots.
 
     python -m loadgen --url 127.0.0.1:8001 --rate 2 --requests 60 --workload public
-    python -m loadgen --url 127.0.0.1:8001 --gentd26 ../shared/traces/gentd26_requests.csv --time-scale 60 --requests 100
+    python -m loadgen --url 127.0.0.1:8001 --gentd26 --time-scale 60 --requests 100
     python -m loadgen --url 127.0.0.1:8001 --trace my_trace.jsonl
 """
 
@@ -21,7 +21,9 @@ def main(argv=None) -> None:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     src.add_argument("--trace", type=Path, help="our trace format (.jsonl or .csv)")
-    src.add_argument("--gentd26", type=Path, help="replay the arrival process of the GenTD26 request log")
+    src.add_argument("--gentd26", type=Path, nargs="?", const=workload.GENTD26,
+                     help="replay the arrival process of the GenTD26 request log (default: the one shipped in "
+                          "loadgen/traces)")
     ap.add_argument("--time-scale", type=float, default=60.0, help="GenTD26: compress time by this factor")
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--workload", choices=sorted(workload.WORKLOADS), default="public")

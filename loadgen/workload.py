@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -66,13 +67,17 @@ def poisson(rate: float, n: int, **kw) -> list[Request]:
     return synthesize(poisson_arrivals(rate, n, np.random.default_rng(kw.get("seed", 0) + 1)), **kw)
 
 
-def gentd26_arrivals(path: str | Path, time_scale: float = 1.0, types: tuple[str, ...] = ("INPAINTING", "IMG_2_IMG"),
+GENTD26 = Path(__file__).resolve().parent / "traces" / "gentd26_requests.csv.gz"  # see traces/README.md
+
+
+def gentd26_arrivals(path: str | Path = GENTD26, time_scale: float = 1.0, types: tuple[str, ...] = ("INPAINTING", "IMG_2_IMG"),
                      limit: int | None = None, start: int = 0, seed: int = 0) -> tuple[np.ndarray, list[int]]:
     """Arrival offsets (s) and step counts from the GenTD26 request log, compressed by ``time_scale``
     (10 = ten times faster). Timestamps have second resolution; arrivals are spread uniformly in their second."""
     rng = np.random.default_rng(seed)
     times, steps = [], []
-    with open(path, newline="") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         for row in csv.DictReader(f):
             if types and row["predict_type"] not in types:
                 continue
