@@ -6,6 +6,10 @@ activations are registered first, the benchmark-size model) three ways at three 
                  (image decode, text + VAE encode / VAE decode + PNG) in worker processes
   naive          continuous batching, but pre/post-processing runs inline on the denoise loop's thread
   disaggregated  continuous batching with pre/post-processing in worker processes (what the Triton ensemble does)
+and, with ``--modes``, two more for GPUs (where a step of b requests costs about b steps of one):
+  fcfs           one request at a time, first come first served (pre/post-processing in workers)
+  priority       the ``priority`` scheduler: least remaining work / least slack first, preemption at step
+                 boundaries, bounded waiting (pre/post-processing in workers)
 It also measures closed-loop throughput at batch size 1 vs 4 at mask ratio 0.2, and for a batch mixing two
 resolutions, one packed transformer call per step against one call per resolution. Writes JSON and plots.
 """
@@ -26,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from . import samples
-from .cache.cost_model import CostModel
+from .cache.cost_model import CostModel, profile_path
 from .cache.harness import Harness, png
 from .denoise import DenoiseJob
 from .local import denoise_inputs
@@ -63,13 +67,18 @@ def _decode(latents, w: int, h: int, template_rgb, alpha) -> int:
     return len(dec.finish(dec.decode_latents(latents, w, h), template_rgb, alpha, False, False))
 
 
+# mode -> (scheduler policy, batch size or None for --max-batch)
+MODES = {"static": ("static", None), "naive": ("continuous", None), "disaggregated": ("continuous", None),
+         "fcfs": ("continuous", 1), "priority": ("priority", None)}
+
+
 class Server:
-    """The three stages in one process, wired as one of the three modes."""
+    """The three stages in one process, wired as one of ``MODES``."""
 
     def __init__(self, h: Harness, mode: str, max_batch: int = 4):
         self.h, self.mode = h, mode
-        policy = "static" if mode == "static" else "continuous"
-        self.engine, self.rt = h.engine("planner", scheduler=BatchScheduler(policy, max_batch=max_batch))
+        policy, batch = MODES[mode]
+        self.engine, self.rt = h.engine("planner", scheduler=BatchScheduler(policy, max_batch=batch or max_batch))
         self.inline = mode == "naive"
         if not self.inline:
             ctx = mp.get_context("spawn")
@@ -196,7 +205,7 @@ def batching_ceilings(h: Harness, batch: int) -> dict:
     cfg = h.runner.transformer.config
     plan = (jc.modes, cfg.num_layers, x.latents.shape[0], int(jc.idx_c.numel()), x.prompt_embeds.shape[0],
             cfg.num_attention_heads * cfg.attention_head_dim)
-    hot, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads)
+    hot, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads, h.runner.device, h.runner.dtype)
     return {"kernel_ceiling": hot.batching_ceiling(*plan, batch, **edges(cfg)),
             "streamed_ceiling": streamed.batching_ceiling(*plan, batch, **edges(cfg))}
 
@@ -214,12 +223,18 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--rates", type=float, nargs="*", help="req/s; default: 0.4x, 0.9x, 1.5x of measured capacity")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--modes", nargs="*", choices=sorted(MODES), default=["static", "naive", "disaggregated"])
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default=None, help="cpu, cuda (default: MASKEDIT_DEVICE or auto)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
     ap.add_argument("--out", type=Path, default=RESULTS / "batching.json")
     args = ap.parse_args(argv)
     from loadgen import workload
 
-    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
-    h = Harness.create(steps=args.steps, cost=CostModel.load_file(profile) if profile.exists() else None)
+    h = Harness.create(preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype)
+    profile = profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
+    h.cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     size = h.settings.resolution
     n_templates = 4
     templates = []
@@ -251,8 +266,8 @@ def main(argv=None) -> None:
         assets = [(templates[r.template], png(samples.mask(size, size, r.mask_ratio, r.mask_shape, seed=r.seed)))
                   for r in reqs]
         reqs_by_rate[rate] = (reqs, assets)
-    for mode in tqdm(("static", "naive", "disaggregated"), desc="modes"):
-        server = Server(h, mode)
+    for mode in tqdm(args.modes, desc="modes"):
+        server = Server(h, mode, args.max_batch)
         try:
             for rate in rates:
                 reqs, assets = reqs_by_rate[rate]
@@ -298,7 +313,7 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
-    for mode in ("static", "naive", "disaggregated"):
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["rate"] is not None):
         rs = sorted([r for r in rows if r["mode"] == mode], key=lambda r: r["rate"])
         x = [r["rate"] for r in rs]
         axes[0].plot(x, [r["p95_s"] for r in rs], marker="o", label=mode)

@@ -58,6 +58,7 @@ class DenoiseJob:
     tag: Any = None  # opaque to the engine: the Triton shim keeps its response sender here
     id: int = field(default_factory=lambda: next(_ids))
     tokens: int | None = None  # image tokens this request computes per step (estimated at submit)
+    idle_steps: int = 0  # loop steps since this request last advanced (or arrived): the scheduler's aging
     # Filled in by the runner.
     step_index: int = 0
     latents: torch.Tensor | None = None

@@ -142,6 +142,16 @@ def mark_current(device):
     return ev
 
 
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError)
+
+
+def release_cached_memory(device) -> None:
+    """Give the caching allocator's free blocks back (after an out-of-memory error, before retrying)."""
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
 def synchronize(device) -> None:
     """Wait until ``device`` has finished everything queued (a no-op on the CPU)."""
     if is_cuda(device):

@@ -14,7 +14,7 @@ import time
 
 from . import logs
 from .denoise import DenoiseJob, ModelRunner
-from .device import StepClock, synchronize
+from .device import StepClock, out_of_memory, release_cached_memory, synchronize
 from .errors import Cancelled, ResourceExhausted, Unavailable
 from .scheduler import BatchScheduler
 
@@ -72,6 +72,7 @@ class DenoiseEngine:
         with self._cv:
             n = max(1, self.steps_run)
             return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run,
+                    "paused": sum(1 for j in self._running if j.idle_steps > 0),
                     "step_overhead_ms": 1000 * self.overhead_s / n, "prepare_ms_per_step": 1000 * self.prepare_s / n,
                     "callback_ms_per_step": 1000 * self.callback_s / n, "max_running": self.max_running}
 
@@ -91,13 +92,16 @@ class DenoiseEngine:
             _fail(job, Unavailable("server shut down before the request finished"))
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        chosen, rejected = self.scheduler.admit(self._waiting, self._running)
-        gone = set(map(id, chosen)) | {id(j) for j, _ in rejected}
+    def _schedule(self) -> list[DenoiseJob]:
+        """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
+        Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state."""
+        out = self.scheduler.select(self._waiting, self._running)
+        gone = set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]
-        for job, err in rejected:
+        for job, err in out.rejected:
             _fail(job, err)
-        for job in chosen:
+        failed = set()
+        for job in out.admitted:
             t = time.perf_counter()
             try:
                 if job.before_admit is not None:
@@ -108,9 +112,16 @@ class DenoiseEngine:
                 log.warning("could not prepare request %s: %s", job.id, e)
                 self.runner.release(job, ok=False)
                 _fail(job, e)
+                failed.add(id(job))
                 continue
             self._running.append(job)
-        self.max_running = max(self.max_running, len(self._running))
+        batch = [j for j in out.step if id(j) not in failed]
+        for job in self._waiting + out.paused:  # waiting and paused requests age (bounded waiting)
+            job.idle_steps += 1
+        for job in batch:
+            job.idle_steps = 0
+        self.max_running = max(self.max_running, len(batch))
+        return batch
 
     def _loop(self) -> None:
         while True:
@@ -131,23 +142,18 @@ class DenoiseEngine:
             # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
             p0, c0 = self.prepare_s, self.callback_s
             with self._cv:
-                if not self._stopping:
-                    self._admit()
-                batch = list(self._running)
+                batch = list(self._running) if self._stopping else self._schedule()
             batch = self._drop_cancelled(batch)
             if not batch:
                 continue
             tokens = sum(j.tokens or 0 for j in batch)
             self.clock.bound(1)
             t1, cpu1 = time.perf_counter(), time.thread_time()
-            try:
-                self.clock.begin(tokens)
-                self.runner.step(batch)
-                self.clock.end()
-                self.steps_run += 1
-            except Exception as e:
-                log.exception("denoise step failed for requests %s", [j.id for j in batch])
-                self._retire(batch, error=e)
+            self.clock.begin(tokens)
+            batch = self._step(batch)
+            self.clock.end()
+            self.steps_run += 1
+            if not batch:
                 continue
             t2 = time.perf_counter()
             for step_tokens, seconds in self.clock.finished():
@@ -165,8 +171,37 @@ class DenoiseEngine:
             self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
                 (self.callback_s - c0)
 
+    def _step(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
+        """Advance ``batch`` one step; returns the jobs that advanced. If the shared step fails (a CUDA
+        out-of-memory error, a device error, a bad request), every job it did not advance retries alone, so only
+        the request at fault fails and the others go on."""
+        before = {id(j): j.step_index for j in batch}
+        try:
+            self.runner.step(batch)
+            return batch
+        except Exception as e:
+            first = e
+        log.warning("denoise step failed for requests %s (%s); retrying them one by one",
+                    [j.id for j in batch], _describe(first))
+        release_cached_memory(self.runner.device)
+        ok = [j for j in batch if j.step_index > before[id(j)]]  # advanced before the failure
+        failed = []
+        for job in (j for j in batch if j.step_index == before[id(j)]):
+            try:
+                self.runner.step([job])
+                ok.append(job)
+            except Exception as e:
+                log.exception("denoise step failed for request %s", job.id)
+                release_cached_memory(self.runner.device)
+                failed.append((job, e))
+        for job, e in failed:
+            self._retire([job], error=_step_error(e))
+        return [j for j in batch if any(j is k for k in ok)]
+
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
-        cancelled = [j for j in batch if j.is_cancelled()]
+        """End every cancelled admitted request (paused ones too) and return the rest of ``batch``."""
+        with self._cv:
+            cancelled = [j for j in self._running if j.is_cancelled()]
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
         return [j for j in batch if j not in cancelled]
@@ -193,6 +228,18 @@ class DenoiseEngine:
                 except Exception:
                     log.exception("on_done failed for request %s", job.id)
             self.callback_s += time.perf_counter() - t
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _step_error(e: BaseException) -> BaseException:
+    """What the client is told when its request's step failed."""
+    if out_of_memory(e):
+        return ResourceExhausted("the GPU ran out of memory denoising this request; retry later or with a smaller "
+                                 "image")
+    return e
 
 
 def _fail(job: DenoiseJob, error: BaseException) -> None:

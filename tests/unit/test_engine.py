@@ -5,10 +5,12 @@ import threading
 import numpy as np
 import pytest
 
+import torch
+
 from maskedit.denoise import DenoiseJob
 from maskedit.engine import DenoiseEngine
-from tests.conftest import atol
 from maskedit.errors import Cancelled, ResourceExhausted, Unavailable
+from tests.conftest import atol
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +92,35 @@ def test_bad_job_fails_alone(runner, inputs):
         assert bad.error is not None and good.error is None
     finally:
         engine.shutdown()
+
+
+def test_out_of_memory_in_a_shared_step_fails_only_the_request_at_fault(runner, inputs):
+    """A step shared by three requests runs out of device memory because of one of them (simulated: any call
+    that includes it raises CUDA's out-of-memory error). The others retry alone and finish exactly; that one ends
+    with RESOURCE_EXHAUSTED; the engine keeps serving."""
+    from dataclasses import replace
+
+    def oom_with_poisoned(module, args, kwargs):
+        g = kwargs.get("guidance")
+        if g is not None and bool((g == 99.0).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    handle = runner.transformer.register_forward_pre_hook(oom_with_poisoned, with_kwargs=True)
+    engine = DenoiseEngine(runner, max_batch=4)
+    try:
+        outs = [Outcome() for _ in range(3)]
+        engine.submit(outs[0].job(inputs))
+        engine.submit(outs[1].job(replace(inputs, guidance=99.0)))
+        engine.submit(outs[2].job(inputs))
+        assert all(o.event.wait(60) for o in outs)
+        assert isinstance(outs[1].error, ResourceExhausted) and "out of memory" in str(outs[1].error)
+        assert engine.max_running == 3  # they did share steps
+        after = Outcome()
+        engine.submit(after.job(inputs))
+        assert after.event.wait(60) and after.error is None
+    finally:
+        engine.shutdown()
+        handle.remove()
+    for o in (outs[0], outs[2], after):
+        assert o.error is None and o.done.step_index == 3
+        np.testing.assert_allclose(o.done.result(), after.done.result(), atol=atol(runner.settings, 1e-5))

@@ -111,7 +111,7 @@ class Recorder:
     def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int],
                  dtype: torch.dtype = torch.float32, device="cpu"):
         self.step = 0
-        self.writes = 0  # block outputs and key/value pairs put so far: ``complete`` once every slot is written
+        self._written: set = set()  # (step, kind, slot) put so far: a step retried after a failure counts once
         self.y_slot = {b: i for i, b in enumerate(y_blocks)}
         self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
         # Not zeroed: every slot is written before the rows are read (``complete``, or a step a follower waits for).
@@ -126,6 +126,10 @@ class Recorder:
         return sum(t.numel() * t.element_size() for t in (self.y, self.k, self.v))
 
     @property
+    def writes(self) -> int:
+        return len(self._written)
+
+    @property
     def complete(self) -> bool:
         return self.writes == self.y.shape[0] * (self.y.shape[1] + self.k.shape[1])
 
@@ -137,7 +141,7 @@ class Recorder:
     def put_y(self, block: int, hidden: torch.Tensor) -> None:
         if block in self.y_slot:
             self._copy_out(self.y[self.step, self.y_slot[block]], hidden)
-            self.writes += 1
+            self._written.add((self.step, "y", block))
 
     def wants_kv(self, block: int) -> bool:
         return block in self.kv_slot
@@ -146,7 +150,7 @@ class Recorder:
         slot = self.kv_slot[block]
         self._copy_out(self.k[self.step, slot], k.flatten(-2))
         self._copy_out(self.v[self.step, slot], v.flatten(-2))
-        self.writes += 1
+        self._written.add((self.step, "kv", block))
 
     def next_step(self) -> None:
         """The step's rows are all queued: mark them and move on."""

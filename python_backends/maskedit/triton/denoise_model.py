@@ -36,7 +36,8 @@ class TritonPythonModel:
         self.engine = DenoiseEngine(runner, max_queue=int(env.get("MASKEDIT_MAX_QUEUE", 64)), scheduler=BatchScheduler(
             env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
-            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
+            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0",
+            max_wait_steps=int(env.get("MASKEDIT_MAX_WAIT_STEPS", 8))))
         self.cancels = CancelBoard()
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
