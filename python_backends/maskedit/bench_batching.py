@@ -198,7 +198,7 @@ def batching_ceilings(h: Harness, batch: int) -> dict:
     x = h.inputs(h.mask(0.2, seed=7))
     eng, rt = h.engine("planner")
     try:
-        jc = run_job(eng, x).state["cache"]
+        jc = run_job(eng, x).cache
     finally:
         eng.shutdown()
         rt.close()

@@ -120,7 +120,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
             images = {m: np.asarray(decoder.decode_latents(j.result(), x.model_w, x.model_h)) for m, j in jobs.items()}
             full_s = statistics.median(times["full"]) if "full" in times else None
             for m in modes:
-                jc = jobs[m].state.get("cache")
+                jc = jobs[m].cache
                 plan_modes = jc.modes if jc is not None and jc.status == "hit" else ["full"] * n_blocks
                 c = int(jc.idx_c.numel()) if jc is not None and jc.idx_c is not None else n
                 d = statistics.median(times[m])

@@ -47,6 +47,19 @@ class DenoiseInputs:
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
 
 
+@dataclass
+class JobTensors:
+    """A request's conditioning on the device, made once when it is admitted."""
+
+    cond: torch.Tensor  # (1, tokens, C_cond): masked-image latents and mask
+    prompt_embeds: torch.Tensor  # (1, txt, D)
+    pooled: torch.Tensor  # (1, D_pooled)
+    img_ids: torch.Tensor  # (tokens, 3) token grid ids
+    txt_ids: torch.Tensor  # (txt, 3)
+    guidance: torch.Tensor | None  # (1,) when the model embeds guidance
+    rope: tuple | None = None  # its own rotary tables, made the first time it joins a packed call
+
+
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
 class DenoiseJob:
     inputs: DenoiseInputs
@@ -55,9 +68,10 @@ class DenoiseJob:
     on_step: Callable[["DenoiseJob"], None] | None = None
     is_cancelled: Callable[[], bool] = lambda: False
     before_admit: Callable[["DenoiseJob"], None] | None = None  # run in the loop thread at admission (naive mode)
-    tag: Any = None  # opaque to the engine: the Triton shim keeps its response sender here
     id: int = field(default_factory=lambda: next(_ids))
-    tokens: int | None = None  # image tokens this request computes per step (estimated at submit)
+    # Image tokens this request computes per step: estimated at submit (early deadline check), exact once the
+    # cache decision is made (before admission; the scheduler's token budget counts it).
+    tokens: int | None = None
     idle_steps: int = 0  # loop steps since this request last advanced (or arrived): the scheduler's aging
     # Filled in by the runner.
     step_index: int = 0
@@ -66,7 +80,9 @@ class DenoiseJob:
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     finished_at: float | None = None
-    state: dict = field(default_factory=dict)  # per-request state of model hooks (activation cache, plans)
+    decision: Any = None  # the activation cache's ``CacheDecision``, made once before admission
+    cache: Any = None  # its ``JobCache`` once admitted (None: no cache runtime)
+    tensors: JobTensors | None = None
 
     @property
     def steps(self) -> int:
@@ -100,31 +116,38 @@ class ModelRunner:
         self.pixels_per_token = 2 * vae_scale_factor(settings)  # Flux packs 2x2 latents into one token
         self.cache = cache
 
+    def decide(self, job: DenoiseJob) -> None:
+        """Make the job's cache decision (once, before admission) and count the tokens it will compute."""
+        if job.decision is None and self.cache is not None:
+            job.decision = self.cache.decide(job.inputs)
+            job.tokens = job.decision.tokens(int(job.inputs.latents.shape[0]))
+        elif job.tokens is None or self.cache is None:
+            job.tokens = int(job.inputs.latents.shape[0])
+
     def prepare(self, job: DenoiseJob) -> None:
-        """Move a newly admitted job's tensors to the device and give it its own scheduler."""
+        """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
         x = job.inputs
         _check_shapes(x, self.pixels_per_token)
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype).unsqueeze(0)
         job.latents = t(x.latents)
-        job.state["cond"] = t(x.cond)
-        job.state["prompt_embeds"] = t(x.prompt_embeds)
-        job.state["pooled"] = t(x.pooled_embeds)
         # Token grid ids, as FluxFillPipeline._prepare_latent_image_ids builds them.
         grid_h, grid_w = x.model_h // self.pixels_per_token, x.model_w // self.pixels_per_token
-        job.state["img_ids"] = FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, self.dtype)
-        job.state["txt_ids"] = torch.zeros(x.prompt_embeds.shape[0], 3, device=self.device, dtype=self.dtype)
-        job.state["guidance"] = (
-            torch.full([1], x.guidance, device=self.device, dtype=torch.float32) if self.guidance_embeds else None)
+        job.tensors = JobTensors(
+            cond=t(x.cond), prompt_embeds=t(x.prompt_embeds), pooled=t(x.pooled_embeds),
+            img_ids=FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, self.dtype),
+            txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=self.device, dtype=self.dtype),
+            guidance=torch.full([1], x.guidance, device=self.device, dtype=torch.float32)
+            if self.guidance_embeds else None)
         job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
-        job.tokens = x.latents.shape[0]
+        self.decide(job)
         if self.cache is not None:
-            jc = self.cache.admit(job)
-            if jc.status == "hit":
-                job.tokens = max(1, int(jc.idx_c.numel()))
+            jc = self.cache.admit(job, job.decision)
+            job.tokens = max(1, int(jc.idx_c.numel())) if jc.status == "hit" else int(x.latents.shape[0])
         job.started_at = time.perf_counter()
 
     def estimate_tokens(self, job: DenoiseJob) -> int:
-        """Image tokens the job will compute per step: its masked tokens on a likely cache hit, else all."""
+        """A cheap guess of the tokens per step at submit (for the early deadline check only): the masked tokens
+        if an entry or a template run of the key exists here, else all. The decision proper comes later."""
         x = job.inputs
         n = int(x.latents.shape[0])
         if self.cache is not None and x.cache_key and not x.register and self.cache.store is not None \
@@ -146,9 +169,9 @@ class ModelRunner:
             packed = len({(j.inputs.model_h, j.inputs.model_w) for j in group}) > 1
             longest = group[tokens.index(max(tokens))]
             pad = (lambda x: F.pad(x, (0, 0, 0, max(tokens) - x.shape[1]))) if packed else (lambda x: x)
-            cat = lambda key: torch.cat([j.state[key] for j in group], dim=0)  # noqa: E731
+            cat = lambda key: torch.cat([getattr(j.tensors, key) for j in group], dim=0)  # noqa: E731
             latents = torch.cat([pad(j.latents) for j in group], dim=0)
-            cond = torch.cat([pad(j.state["cond"]) for j in group], dim=0)
+            cond = torch.cat([pad(j.tensors.cond) for j in group], dim=0)
             timestep = torch.stack([t.to(self.device) for t in timesteps]).to(latents.dtype)
             guidance = cat("guidance") if self.guidance_embeds else None
             forward = lambda: self.transformer(  # noqa: E731
@@ -157,8 +180,8 @@ class ModelRunner:
                 guidance=guidance,
                 pooled_projections=cat("pooled"),
                 encoder_hidden_states=cat("prompt_embeds"),
-                txt_ids=group[0].state["txt_ids"],
-                img_ids=longest.state["img_ids"],
+                txt_ids=group[0].tensors.txt_ids,
+                img_ids=longest.tensors.img_ids,
                 joint_attention_kwargs=None,
                 return_dict=False,
             )[0]
@@ -183,10 +206,10 @@ class ModelRunner:
         for job, view in zip(group, rows):
             view = view if view is not None else RowView(modes=[FULL] * n_blocks)
             view.tokens = job.latents.shape[1]
-            if "rope" not in job.state:  # the request's own grid: the same tables a call at its size builds
-                ids = torch.cat((job.state["txt_ids"], job.state["img_ids"]), dim=0)
-                job.state["rope"] = self.transformer.pos_embed(ids)
-            view.rope = job.state["rope"]
+            jt = job.tensors
+            if jt.rope is None:  # the request's own grid: the same tables a call at its size builds
+                jt.rope = self.transformer.pos_embed(torch.cat((jt.txt_ids, jt.img_ids), dim=0))
+            view.rope = jt.rope
             views.append(view)
         return StepContext(views, packed=True)
 
@@ -207,7 +230,7 @@ def _group(jobs: list[DenoiseJob], pack: bool) -> list[list[DenoiseJob]]:
     padded), and unless packing, equal resolution."""
     groups: dict[tuple, list[DenoiseJob]] = {}
     for j in jobs:
-        key = (tuple(j.state["prompt_embeds"].shape),)
+        key = (tuple(j.tensors.prompt_embeds.shape),)
         if not pack:
             key += (j.inputs.model_h, j.inputs.model_w)
         groups.setdefault(key, []).append(j)

@@ -95,6 +95,9 @@ class DenoiseEngine:
     def _schedule(self) -> list[DenoiseJob]:
         """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
         Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state."""
+        for job in self._waiting:  # the cache decision, once per request: its token count is what is scheduled
+            if job.decision is None:
+                self.runner.decide(job)
         out = self.scheduler.select(self._waiting, self._running)
         gone = set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]

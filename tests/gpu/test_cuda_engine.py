@@ -77,9 +77,9 @@ def test_entries_are_written_in_the_models_dtype_and_loaded_page_locked(cuda_env
     rt.flush()
     entry = store.open(rec.inputs.cache_key)
     assert entry.tensor("y").dtype == runner.dtype and entry.tensor("k").dtype == runner.dtype
-    assert rec.state["cache"].recorder.y.is_pinned()
+    assert rec.cache.recorder.y.is_pinned()
     hit = _run(runner, inputs(0.2, 2))
-    jc = hit.state["cache"]
+    jc = hit.cache
     assert jc.status == "hit" and "K" in jc.info()["block_modes"]
     assert entry.pinned, "the mapped entry should be registered with CUDA (DMA without a staging copy)"
     assert np.isfinite(hit.result()).all()
@@ -112,7 +112,7 @@ def test_a_follower_reads_the_recording_after_its_device_to_host_copies(cuda_env
     runner.step([rec])
     follower = DenoiseJob(inputs(0.2, 6, steps=4))
     runner.prepare(follower)
-    assert follower.state["cache"].info()["cache_source"] == "live"
+    assert follower.cache.info()["cache_source"] == "live"
     while not (rec.done and follower.done):
         runner.step([j for j in (rec, follower) if not j.done])
     for j in (rec, follower):

@@ -69,8 +69,8 @@ def test_kill_while_recording(tmp_path, settings):
         tpl = png(samples.template(256, 256, seed=31))
         out, p, job = ed.edit(tpl, png(samples.mask(256, 256, 0.1, "box", seed=2)), "a hat", steps=3,
                               template_seed=0)
-        assert job.state["cache"].status == "hit" and out[:8] == b"\x89PNG\r\n\x1a\n"
+        assert job.cache.status == "hit" and out[:8] == b"\x89PNG\r\n\x1a\n"
         out, p, job = ed.edit(tpl, png(np.full((256, 256), 255, np.uint8)), "a hat", steps=3, template_seed=10**6)
-        assert job.state["cache"].status == "full" or job.state["cache"].status == "record"
+        assert job.cache.status == "full" or job.cache.status == "record"
     finally:
         ed.close()

@@ -52,18 +52,18 @@ def test_a_request_joining_after_the_template_run_follows_it_exactly(env):
     runner, rt, store, inputs = env
     x_rec, x = inputs(1), inputs(2)
     rec = start(runner, x_rec)
-    assert rec.state["cache"].status == "record" and rt.recording(x.cache_key)
+    assert rec.cache.status == "record" and rt.recording(x.cache_key)
     assert runner.estimate_tokens(DenoiseJob(x)) < x.latents.shape[0]  # counted as a hit before it starts
     runner.step([rec])
     follower = start(runner, x)  # joins one step behind the run
-    jc = follower.state["cache"]
+    jc = follower.cache
     assert jc.status == "hit" and jc.info()["cache_source"] == "live"
     finish(runner, rec, follower)
     rt.flush()
     assert jc.full_steps == 0 and not rt.recording(x.cache_key) and store.locate(x.cache_key)
     # The same request served from the saved entry computes the same thing.
     again = start(runner, x)
-    assert again.state["cache"].info()["cache_source"] == "store"
+    assert again.cache.info()["cache_source"] == "store"
     finish(runner, again)
     np.testing.assert_allclose(follower.result(), again.result(), atol=atol(runner.settings, 1e-6))
 
@@ -71,8 +71,8 @@ def test_a_request_joining_after_the_template_run_follows_it_exactly(env):
 def test_a_follower_admitted_with_the_run_computes_the_steps_it_lacks_in_full(env):
     runner, rt, store, inputs = env
     rec, follower = start(runner, inputs(3)), start(runner, inputs(4))  # same step: always level with it
-    jc = follower.state["cache"]
-    assert jc.status == "hit" and jc.live is rec.state["cache"].recorder
+    jc = follower.cache
+    assert jc.status == "hit" and jc.live is rec.cache.recorder
     finish(runner, rec, follower)
     assert jc.full_steps == STEPS
     np.testing.assert_allclose(follower.result(), _plain(runner, inputs(4)), atol=atol(runner.settings, 1e-5))  # batched vs solo GEMMs
@@ -89,7 +89,7 @@ def test_a_follower_outlives_a_failed_template_run(env):
     assert not rt.recording(inputs(6).cache_key)
     finish(runner, follower)  # steps 1-2 from the rows recorded before the run ended, step 3 in full
     rt.flush()
-    assert follower.state["cache"].full_steps == 1 and np.isfinite(follower.result()).all()
+    assert follower.cache.full_steps == 1 and np.isfinite(follower.result()).all()
     assert store.locate(inputs(6).cache_key) is None
 
 

@@ -8,6 +8,7 @@ import torch
 
 from maskedit import samples
 from maskedit.cache.flux import FluxCacheHooks
+from maskedit.cache.policy import needs_output
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import DenoiseJob, ModelRunner
@@ -92,7 +93,7 @@ def test_a_hit_heals_the_tokens_the_template_run_edited(env):
 
     blocks = FluxCacheHooks.of(runner.transformer).blocks
     hit, step0 = run(runner, right, capture_blocks=blocks)
-    jc = hit.state["cache"]
+    jc = hit.cache
     assert jc.status == "hit" and jc.idx_c.numel() == tokens(left).size + tokens(right).size
     assert jc.info()["healed_tokens"] == tokens(left).size
     rt.flush()
@@ -110,7 +111,7 @@ def test_a_hit_heals_the_tokens_the_template_run_edited(env):
     # The same request again computes only its own tokens and gives the same result: the healed rows are the
     # ones it computed itself the first time.
     again, _ = run(runner, right)
-    assert again.state["cache"].idx_c.numel() == tokens(right).size
+    assert again.cache.idx_c.numel() == tokens(right).size
     np.testing.assert_allclose(again.result(), hit.result(), atol=atol(runner.settings, 1e-5))
 
 
@@ -129,7 +130,7 @@ def test_an_overlapping_hit_heals_all_but_its_own_tokens_and_small_heals_are_ski
     runner2, rt2 = runner_(heal_min_ratio=0.1)
     job, _ = run(runner2, inputs(RIGHT))
     rt2.flush()
-    assert job.state["cache"].patch is None and store.stats.heals == 1
+    assert job.cache.patch is None and store.stats.heals == 1
 
 
 def test_a_hit_that_computes_a_block_in_full_does_not_heal(env):
@@ -141,9 +142,9 @@ def test_a_hit_that_computes_a_block_in_full_does_not_heal(env):
     right = inputs(RIGHT)
     job = DenoiseJob(right)
     runner.prepare(job)
-    jc = job.state["cache"]
+    jc = job.cache
     jc.modes[0] = "full"  # as the planner may choose
-    jc.needs_output = rt._needs_output(jc.modes)
+    jc.needs_output = needs_output(jc.modes)
     while not job.done:
         runner.step([job])
     runner.release(job, ok=True)

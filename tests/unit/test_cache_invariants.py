@@ -63,11 +63,11 @@ def test_record_then_same_mask_is_exact_in_every_mode(env, settings):
     mask = samples.mask(256, 256, 0.2, "box", seed=21)
     x = prepared(pre, settings, tpl, mask)
     first = run(x)
-    assert first.state["cache"].status == "record" and store.locate(x.cache_key) == "mem"
+    assert first.cache.status == "record" and store.locate(x.cache_key) == "mem"
     np.testing.assert_array_equal(first.result(), plain(runner, x).result())  # recording changes nothing
     for policy in ("planner", "planner_y", "all_y", "all_kv"):
         again = run(x, policy)
-        jc = again.state["cache"]
+        jc = again.cache
         assert jc.status == "hit" and jc.idx_c.numel() == int(mask_tokens(x).sum())
         # Cached rows are this very run's rows, so computing only the masked tokens reproduces it.
         np.testing.assert_allclose(again.result(), first.result(), atol=atol(settings, 1e-5))
@@ -83,7 +83,7 @@ def test_full_mask_on_cached_template_equals_full_computation(env, settings):
     run(prepared(pre, settings, tpl, samples.mask(256, 256, 0.1, "blob", seed=1), register=True))
     x = prepared(pre, settings, tpl, np.full((256, 256), 255, np.uint8))
     job = run(x)
-    assert job.state["cache"].status == "full"
+    assert job.cache.status == "full"
     np.testing.assert_array_equal(job.result(), plain(runner, x).result())
 
 
@@ -92,9 +92,9 @@ def test_empty_mask_on_cached_template_equals_the_template_run(env, settings):
     tpl = samples.template(256, 256, seed=23)
     reg = prepared(pre, settings, tpl, np.zeros((256, 256), np.uint8), register=True)
     template_run = run(reg)
-    assert template_run.state["cache"].status == "record"
+    assert template_run.cache.status == "record"
     job = run(replace(reg, register=False))  # nothing masked: every block output comes from the store
-    jc = job.state["cache"]
+    jc = job.cache
     assert jc.status == "hit" and jc.idx_c.numel() == 0
     np.testing.assert_array_equal(job.result(), template_run.result())
 
@@ -104,9 +104,9 @@ def test_cache_off_and_miss_give_the_stock_result(env, settings):
     tpl = samples.template(256, 256, seed=24)
     x = prepared(pre, settings, tpl, samples.mask(256, 256, 0.3, "blob", seed=2))
     off = run(x, "off")
-    assert off.state["cache"].status == "off"
+    assert off.cache.status == "off"
     miss = run(x)
-    assert miss.state["cache"].status == "record"
+    assert miss.cache.status == "record"
     np.testing.assert_array_equal(off.result(), miss.result())
 
 
@@ -121,7 +121,7 @@ def test_other_mask_uses_context_better_than_the_shortcut(env, settings):
     err = {}
     for policy in ("planner", "noctx"):
         job = run(x, policy)
-        assert job.state["cache"].status == "hit"
+        assert job.cache.status == "hit"
         err[policy] = float(np.abs(job.result()[m] - full[m]).mean())
     assert err["planner"] < err["noctx"]
 
@@ -134,7 +134,7 @@ def test_recording_rows_of_the_edit_are_recomputed_later(env, settings):
     x0 = prepared(pre, settings, tpl, m0)
     run(x0)
     x1 = prepared(pre, settings, tpl, samples.mask(256, 256, 0.1, "box", seed=4))
-    jc = run(x1).state["cache"]
+    jc = run(x1).cache
     expect = mask_tokens(x0) | mask_tokens(x1)
     assert jc.status == "hit" and jc.idx_c.numel() == int(expect.sum())
 
@@ -147,9 +147,9 @@ def test_settings_in_the_key_miss(env, settings):
     run(base)
     for kw in ({"guidance": 7.0}, {"template_seed": 9}):
         x = prepared(pre, settings, tpl, mask, **kw)
-        assert x.cache_key != base.cache_key and run(x).state["cache"].status == "record"
+        assert x.cache_key != base.cache_key and run(x).cache.status == "record"
     x = prepared(pre, settings, tpl, mask, seed=99)  # SEED only varies the masked noise: same entry
-    assert x.cache_key == base.cache_key and run(x).state["cache"].status == "hit"
+    assert x.cache_key == base.cache_key and run(x).cache.status == "hit"
 
 
 def test_corrupt_entry_falls_back_to_full(env, settings):
@@ -163,7 +163,7 @@ def test_corrupt_entry_falls_back_to_full(env, settings):
     path.write_bytes(bytes(raw))
     store._verified.clear()  # as in a process that has not read it yet
     job = run(x)
-    assert job.state["cache"].status == "record"  # treated as a miss, recorded afresh
+    assert job.cache.status == "record"  # treated as a miss, recorded afresh
     np.testing.assert_array_equal(job.result(), plain(runner, x).result())
 
 

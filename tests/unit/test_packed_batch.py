@@ -77,7 +77,7 @@ def test_cache_hit_and_template_run_of_other_sizes_pack_exactly(runner, settings
             hit, record = make(256, 256, 3, 0.2), make(320, 160, 4, 0.1)
             jobs, per_step = run_together(r, [hit, record])
             rt.flush()
-            assert [j.state["cache"].status for j in jobs] == ["hit", "record"]
+            assert [j.cache.status for j in jobs] == ["hit", "record"]
             assert per_step == [1 if pack else 2] * STEPS
             entry = store.open(record.cache_key)
             results[pack] = [j.result() for j in jobs], {k: entry.tensor(k).float().numpy() for k in ("y", "k", "v")}

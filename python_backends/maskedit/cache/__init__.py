@@ -2,8 +2,13 @@
 
 - ``store``: the host-memory activation store shared by the Triton model processes, with a disk tier.
 - ``key``: what a cache entry is valid for.
-- ``planner``: Algorithm 1 — which blocks use the cache so loads hide behind compute.
+- ``decision``: what the cache does for a request (off / record / hit / full), decided once before admission.
+- ``policy``: which mode each block of a hit runs in; ``planner``: Algorithm 1, the dynamic program it uses.
 - ``cost_model``: profiled latencies the planner (and the router) predict with.
-- ``flux``: the masked computation of Flux blocks, attached to Diffusers' blocks as hooks.
-- ``loader``: the background thread that brings cached rows in while earlier blocks compute.
+- ``flux``: the masked computation of Flux blocks, attached to Diffusers' blocks as hooks; the ``Recorder``.
+- ``live``: template runs in progress, which later requests on the same template follow.
+- ``loader``: cached rows to the device block by block, ahead of compute (a copy stream on a GPU).
+- ``writer``: finished template runs and heals written into the store in the background.
+- ``heal``: when a hit rewrites its entry with the template context it computed.
+- ``runtime``: the facade an engine uses, and the per-request ``JobCache``.
 """

@@ -84,7 +84,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
             h.runner.cache = rt
             job = DenoiseJob(x)
             h.runner.prepare(job)
-            jc = job.state["cache"]
+            jc = job.cache
             c = n if mode == FULL else int(jc.idx_c.numel())
             h.runner.step([job])  # warm-up
             for _ in range(reps):

@@ -1,60 +1,59 @@
-"""Per-engine glue of the activation cache: admit a request (hit / record / off), plan its blocks, stream
-its cached rows in while earlier blocks compute, and write template runs into the store.
+"""The activation cache as one engine uses it: a facade over parts that each hold one idea.
 
-A request on a template whose template run is still in progress in this engine *follows* it: it reads the rows
-the run has recorded so far from memory (``_Live``) instead of recomputing the whole model or waiting for the
-store. Joining at a later step boundary, it is always at least one step behind, so its rows exist; a step the
-run has not recorded yet (a follower admitted together with it, or a run that failed) is computed in full.
-Under a burst on a new template this turns every request after the first from a template run into a hit.
+- ``decision``: what the cache does for a request (off / record / hit / full), decided once before admission;
+- ``policy``: which mode each block of a hit runs in (Algorithm 1 over the cost model, or a fixed baseline);
+- ``live``: template runs in progress, which later requests on the same template follow;
+- ``loader``: cached rows to the device, block by block, ahead of compute (a copy stream on a GPU);
+- ``writer``: finished template runs and heals written into the store in the background;
+- ``heal``: when a hit rewrites its entry with the template context it computed.
+
+The request's side is a ``JobCache`` (on ``DenoiseJob.cache``): the decision carried out on the device.
 
 A template run that was itself an edit records its own masked tokens as invalid (they hold its edit, not the
 template), so every later hit recomputes them. A hit whose mask leaves some of them unmasked computes them as
 template context: it records those rows (a ``patch``) and, once it completes, a healed copy of the entry replaces
-the old one, so later hits compute only their own masked tokens.
-
-Rows reach the device through ``loader.RowLoader`` (block order, ahead of compute; a copy stream from pinned
-memory on a GPU). ``overlap=False`` loads inside the block instead (the naive baseline). Entries are recorded and
-stored in the model's dtype (a bf16 model's entries are half the bytes of float32 ones).
+the old one, so later hits compute only their own masked tokens. Entries are recorded and stored in the model's
+dtype (a bf16 model's entries are half the bytes of float32 ones).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .. import logs
 from .cost_model import CostModel
+from .decision import CacheDecision, decide
 from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
-from .heal import HEAL_MIN_RATIO, worth_healing
+from .heal import HEAL_MIN_RATIO, HealsInProgress, worth_healing
+from .live import LiveEntry, LiveRuns
 from .loader import K_BUF, V_BUF, Y_ROWS, RowLoader
-from .planner import MODES, plan
-from .store import ActivationStore, Entry
+from .policy import POLICIES, BlockPolicy, PlanInput, make_policy, needs_output
+from .store import ActivationStore
+from .writer import EntryWriter
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("off", "planner", "planner_y", "all_y", "all_kv", "noctx")
+__all__ = ["POLICIES", "CacheRuntime", "JobCache"]
 
 
 @dataclass
 class JobCache:
+    """One request's cache state while it denoises."""
+
     status: str  # off | hit | record | full (nothing cacheable)
     key: str | None = None
-    entry: "Entry | _Live | None" = None  # a hit's rows; a recording run's own entry in progress
+    entry: object = None  # a hit's rows (a store ``Entry`` or a ``LiveEntry``); a template run's own live entry
     modes: list[str] = field(default_factory=list)
     needs_output: list[bool] = field(default_factory=list)
-    idx_c: torch.Tensor | None = None
-    idx_u: torch.Tensor | None = None
-    idx_u_np: np.ndarray | None = None
+    idx_c: torch.Tensor | None = None  # computed image tokens, on the device
+    idx_u: torch.Tensor | None = None  # cached image tokens, on the device
     recorder: Recorder | None = None
     valid: np.ndarray | None = None
     predicted_ms: float | None = None
-    futures: dict = field(default_factory=dict)
+    futures: dict = field(default_factory=dict)  # (step, block, kind) -> the loader's pending rows
     load_s: float = 0.0
     text_len: int = 0
     live: Recorder | None = None  # following a template run in progress: its recorder
@@ -79,124 +78,107 @@ class JobCache:
                 "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0}
 
 
-@dataclass
-class _Live:
-    """A template run in progress, readable like a store ``Entry`` (meta, arrays, ``tensor``) by its followers."""
-
-    meta: dict
-    arrays: dict
-    recorder: Recorder
-    pinned: bool = True  # the recorder's buffers are page-locked on a GPU
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.arrays[name]
-
-    def step_event(self, step: int):
-        """Step ``step``'s rows have landed in host memory (GPU: an event on the recording stream)."""
-        return self.recorder.step_event(step)
-
-
 class CacheRuntime:
     def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
-                 policy: str = "planner", overlap: bool = True, budget_bytes: int = 1 << 30, record: bool = True,
-                 heal_min_ratio: float = HEAL_MIN_RATIO):
-        if policy not in POLICIES:
+                 policy: str | BlockPolicy = "planner", overlap: bool = True, budget_bytes: int = 1 << 30,
+                 record: bool = True, heal_min_ratio: float = HEAL_MIN_RATIO):
+        """``policy``: a name in ``POLICIES`` or a ``BlockPolicy``; ``off`` caches nothing. ``overlap=False``: rows
+        load inside the block that needs them (the naive baseline)."""
+        if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}")
-        self.hooks, self.store, self.policy = hooks, store, policy
-        self.cost = cost or CostModel.fallback()
+        self.policy = policy if isinstance(policy, str) else policy.name
+        self.block_policy = None if self.policy == "off" else (
+            policy if isinstance(policy, BlockPolicy) else make_policy(policy, cost))
+        self.hooks, self.store = hooks, store
         self.budget_bytes, self.record = int(budget_bytes), record
         cfg = hooks.transformer.config
         self.dim = cfg.num_attention_heads * cfg.attention_head_dim
-        self.heads = cfg.num_attention_heads
         self.kinds = ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
         param = next(hooks.transformer.parameters())
         self.device, self.dtype = param.device, param.dtype  # rows are recorded, stored and loaded in these
         self.itemsize = param.element_size()
-        self.loader = RowLoader(self.device, self.heads, cfg.attention_head_dim, overlap=overlap)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
-        self._recording: dict[str, _Live] = {}  # key -> its template run in progress (until saved)
+        self.loader = RowLoader(self.device, cfg.num_attention_heads, cfg.attention_head_dim, overlap=overlap)
+        self.writer = EntryWriter(store) if store is not None else None
+        self.live_runs = LiveRuns()
         self.heal_min_ratio = heal_min_ratio
-        self._healing: set[str] = set()  # keys with a heal in progress (one at a time per key)
-        self._mu = threading.Lock()
+        self.heals = HealsInProgress()
 
-    # -- admission ----------------------------------------------------------------------------------
-    def admit(self, job) -> JobCache:
-        x = job.inputs
-        key = getattr(x, "cache_key", None)
-        if self.policy == "off" or self.store is None or not key:
-            jc = JobCache("off")
-        else:
-            try:
-                jc = self._admit(job, key)
-            except Exception:  # bad cache state never fails a request: compute in full
-                log.exception("activation cache unusable for %s; running in full", key)
-                jc = JobCache("off", key=key)
+    # -- before admission -----------------------------------------------------------------------------
+    def decide(self, x) -> CacheDecision:
+        """What the cache will do for ``x`` (``DenoiseInputs``). Bad cache state never fails a request: full."""
+        if self.block_policy is None:
+            return CacheDecision("off")
+        try:
+            return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record)
+        except Exception:
+            log.exception("activation cache unusable for %s; running in full", x.cache_key)
+            return CacheDecision("off", x.cache_key)
+
+    def recording(self, key: str | None) -> bool:
+        """Is a template run of ``key`` in progress here (so a request on it would follow it)?"""
+        return key is not None and key in self.live_runs
+
+    # -- admission: carry the decision out on the device -----------------------------------------------
+    def admit(self, job, decision: CacheDecision | None = None) -> JobCache:
+        d = decision or self.decide(job.inputs)
+        try:
+            jc = self._admit(job, d)
+        except Exception:
+            log.exception("activation cache unusable for %s; running in full", d.key)
+            jc = JobCache("off", key=d.key)
         if not jc.modes:
             jc.modes = [FULL] * len(self.kinds)
-        job.state["cache"] = jc
+        job.cache = jc
         return jc
 
-    def _admit(self, job, key: str) -> JobCache:
+    def _admit(self, job, d: CacheDecision) -> JobCache:
+        if d.status == "record":
+            jc = self._start_recording(job, d.key)
+            if jc.status != "off" or job.inputs.register:
+                return jc
+            d = self.decide(job.inputs)  # a run of this key started since the decision: follow it instead
+            if d.status == "record":
+                return JobCache("off", key=d.key)
+        if d.status in ("off", "full"):
+            return JobCache(d.status, key=d.key, entry=d.entry)
         x = job.inputs
         n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
-        if getattr(x, "register", False):
-            return self._start_recording(job, key, n)
-        entry = self.store.open(key)
-        if entry is not None and not self._compatible(entry, n, x.steps):
-            log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
-            entry = None
-        live = None
-        if entry is None:
-            with self._mu:
-                live = self._recording.get(key)
-            if live is None or not self._compatible(live, n, x.steps):
-                return self._start_recording(job, key, n)
-            entry = live
-        valid = np.asarray(entry.arrays["valid"], dtype=bool)
-        own = np.asarray(x.token_mask, bool)
-        computed = own | ~valid
-        if computed.all():
-            return JobCache("full", key=key, entry=entry)
         dev = job.latents.device if job.latents is not None else "cpu"
-        jc = JobCache("hit", key=key, entry=entry, valid=valid, text_len=text,
-                      live=live.recorder if live is not None else None)
-        idx_c = np.flatnonzero(computed)
+        valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
+        jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=text,
+                      live=d.entry.recorder if d.follows else None)
+        idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
-        jc.idx_u_np = np.flatnonzero(~computed)
-        jc.idx_u = torch.from_numpy(jc.idx_u_np).to(dev)
-        jc.modes, jc.predicted_ms = self._plan(entry, n, int(computed.sum()), text)
-        jc.needs_output = self._needs_output(jc.modes)
-        if live is None:
-            self._maybe_heal(jc, x, ~valid & ~own, idx_c)
+        jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)
+        m = d.entry.meta
+        jc.modes, jc.predicted_ms = self.block_policy.plan(PlanInput(
+            self.kinds, n, int(d.computed.sum()), text, self.dim, self.itemsize,
+            [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))]))
+        jc.needs_output = needs_output(jc.modes)
+        if d.heal is not None:
+            self._maybe_heal(jc, x, d.heal, idx_c)
         return jc
 
     def _maybe_heal(self, jc: JobCache, x, heal: np.ndarray, idx_c: np.ndarray) -> None:
         """Record the rows of ``heal`` (invalid tokens this hit computes as template context, among ``idx_c``) if
         worth a rewrite."""
-        if not self.record or self.policy == "noctx" or not worth_healing(heal, self.heal_min_ratio):
+        if not self.record or not self.block_policy.heals or not worth_healing(heal, self.heal_min_ratio):
             return
-        with self._mu:
-            if jc.key in self._healing:
-                return
-            self._healing.add(jc.key)
+        if not self.heals.claim(jc.key):
+            return
         m = jc.entry.meta
         jc.heal = np.flatnonzero(heal)
         jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"], self.dtype,
                             self.device)
         jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)
 
-    def _compatible(self, entry: Entry, n: int, steps: int) -> bool:
-        m = entry.meta
-        return m.get("tokens") == n and m.get("steps") == steps and m.get("dim") == self.dim and \
-            m.get("blocks") == len(self.kinds)
-
-    def _start_recording(self, job, key: str, n: int) -> JobCache:
+    def _start_recording(self, job, key: str) -> JobCache:
         if not self.record:
             return JobCache("off", key=key)
         x = job.inputs
-        inner = self.dim
+        n = x.latents.shape[0]
         per_y = x.steps * n * self.dim * self.itemsize
-        per_kv = x.steps * n * inner * self.itemsize * 2
+        per_kv = 2 * per_y
         budget = self.budget_bytes
         y_blocks, kv_blocks = [], []
         for b in range(len(self.kinds)):
@@ -207,53 +189,21 @@ class CacheRuntime:
             if budget >= per_kv:
                 kv_blocks.append(b)
                 budget -= per_kv
-        rec = Recorder(x.steps, n, self.dim, inner, y_blocks, kv_blocks, self.dtype, self.device)
+        rec = Recorder(x.steps, n, self.dim, self.dim, y_blocks, kv_blocks, self.dtype, self.device)
         valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
         meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
                 "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
         # The run's entry while it records: followers read it; once complete it is what the store saves.
-        live = _Live(meta, {"y": rec.y, "k": rec.k, "v": rec.v, "valid": valid}, rec)
-        with self._mu:
-            if key in self._recording:  # a run of another shape (or a re-registration) is in progress
-                return JobCache("off", key=key)
-            self._recording[key] = live
+        live = LiveEntry(meta, {**rec.tensors(), "valid": valid}, rec)
+        if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
+            return JobCache("off", key=key)
         return JobCache("record", key=key, entry=live, recorder=rec, valid=valid)
-
-    def recording(self, key: str | None) -> bool:
-        """Is a template run of ``key`` in progress here (so a request on it would follow it)?"""
-        with self._mu:
-            return key is not None and key in self._recording
-
-    def _plan(self, entry: Entry, n: int, c: int, text: int) -> tuple[list[str], float | None]:
-        m = entry.meta
-        has_y = [b in m["y_blocks"] for b in range(len(self.kinds))]
-        has_kv = [b in m["kv_blocks"] for b in range(len(self.kinds))]
-        if self.policy in ("planner", "planner_y"):
-            row_bytes = n * self.dim * self.itemsize
-            costs = self.cost.block_costs(self.kinds, n, c, text, self.dim, row_bytes, 2 * row_bytes, has_y, has_kv)
-            p = plan(costs, MODES if self.policy == "planner" else (FULL, Y))
-            return list(p.modes), p.latency_ms
-        if self.policy == "all_y":
-            return [Y if h else FULL for h in has_y], None
-        if self.policy == "noctx":
-            return [NOCTX if h else FULL for h in has_y], None
-        # all_kv: kv where recorded; a kv block before a full/y block also needs its output rows
-        modes = [KV if k else (Y if y else FULL) for y, k in zip(has_y, has_kv)]
-        return modes, None
-
-    @staticmethod
-    def _needs_output(modes: list[str]) -> list[bool]:
-        out = []
-        for b, m in enumerate(modes):
-            nxt = modes[b + 1] if b + 1 < len(modes) else None
-            out.append(m in (Y, NOCTX) or (m == KV and (nxt is None or nxt in (FULL, Y, NOCTX))))
-        return out
 
     # -- per step -----------------------------------------------------------------------------------
     def context(self, jobs) -> StepContext:
         views, hits = [], []
         for job in jobs:
-            jc: JobCache = job.state["cache"]
+            jc: JobCache = job.cache
             if jc.status == "record":
                 views.append(RowView(modes=jc.modes, recorder=jc.recorder))
             elif jc.status == "hit" and jc.ready(job.step_index):
@@ -277,85 +227,37 @@ class CacheRuntime:
 
     def after_step(self, jobs) -> None:
         for job in jobs:
-            jc = job.state.get("cache")
+            jc = job.cache
             if jc is not None and jc.recorder is not None:
                 jc.recorder.next_step()
             if jc is not None and jc.patch is not None:
                 jc.patch.next_step()
 
     def finish(self, job, ok: bool) -> None:
-        """A job left the batch: save its recording (in the background) if it completed."""
-        jc: JobCache | None = job.state.get("cache")
+        """A job left the batch: save its recording and its heal (in the background) if it completed."""
+        jc: JobCache | None = job.cache
         if jc is None:
             return
         jc.futures.clear()
         if jc.status == "record":
-            if ok and self.store is not None:
-                self._writer.submit(self._save, jc, job.inputs)
+            if ok and self.writer is not None:
+                self.writer.save(jc.key, jc.entry, jc.valid, self.dtype,
+                                 then=lambda: self.live_runs.end(jc.key))  # saved (or not): later requests open it
             else:
-                with self._mu:
-                    self._recording.pop(jc.key, None)
+                self.live_runs.end(jc.key)
         if jc.patch is not None:
             # Incomplete when a block ran in full for this request (the planner's choice) or it failed: no heal.
-            if ok and jc.patch.complete and self.store is not None:
-                self._writer.submit(self._heal, jc)
+            if ok and jc.patch.complete and self.writer is not None:
+                self.writer.heal(jc.key, jc.entry, jc.heal, jc.patch, then=lambda: self.heals.release(jc.key))
             else:
-                with self._mu:
-                    self._healing.discard(jc.key)
-
-    def _save(self, jc: JobCache, x) -> None:
-        live = jc.entry
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            jc.recorder.synchronize()  # its last device-to-host copies have landed
-            self.store.put(jc.key, {**jc.recorder.tensors(), "valid": jc.valid.astype(np.uint8)},
-                           {**live.meta, "dtype": str(self.dtype).removeprefix("torch.")})
-            self.store.stats.record_cpu_s += self._wrote("recorded activations", jc.key, t0, c0,
-                                                         bytes=jc.recorder.nbytes)
-        except Exception:
-            log.exception("could not save activations for %s", jc.key)
-        finally:
-            with self._mu:  # saved (or not): later requests open the store
-                self._recording.pop(jc.key, None)
-
-    def _heal(self, jc: JobCache) -> None:
-        """Write a copy of the hit's entry with the patched rows in and those tokens valid, unless the entry
-        changed meanwhile (rewritten, evicted): then its tokens may differ and the patch is dropped."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            entry = self.store.current(jc.key)
-            if entry is not jc.entry:
-                return
-            p = jc.patch
-            p.synchronize()
-            t = torch.from_numpy(jc.heal)
-            arrays = {name: entry.tensor(name).clone() for name in ("y", "k", "v", "valid")}  # own copies
-            arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = p.y, p.k, p.v
-            arrays["valid"][t] = 1
-            self.store.put(jc.key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
-            self.store.stats.heals += 1
-            self.store.stats.heal_cpu_s += self._wrote("healed activations", jc.key, t0, c0,
-                                                     tokens=int(jc.heal.size))
-        except Exception:
-            log.exception("could not heal activations for %s", jc.key)
-        finally:
-            with self._mu:
-                self._healing.discard(jc.key)
-
-    @staticmethod
-    def _wrote(msg: str, key: str, t0: float, c0: float, **fields) -> float:
-        """Log a background write begun at ``t0`` (thread CPU ``c0``) with its wall and CPU time; returns the CPU
-        seconds, which the caller adds to the store's stats (exported as a metric)."""
-        cpu = time.thread_time() - c0
-        logs.event(log, msg, key=key, **fields, wall_ms=round(1000 * (time.perf_counter() - t0), 1),
-                   cpu_ms=round(1000 * cpu, 1))
-        return cpu
+                self.heals.release(jc.key)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait for pending recordings to be written (tests, shutdown)."""
-        self._writer.submit(lambda: None).result(timeout)
+        """Wait for pending writes (tests, shutdown)."""
+        if self.writer is not None:
+            self.writer.flush(timeout)
 
     def close(self) -> None:
-        self.flush()
-        self._writer.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.close()
         self.loader.close()

@@ -75,7 +75,7 @@ class TritonPythonModel:
             info.update(denoise_s=round(job.finished_at - job.started_at, 6),
                         queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off",
                         instance=self.instance)
-            jc = job.state.get("cache")
+            jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
             self.metrics.observe(info)

@@ -1,0 +1,72 @@
+"""What the activation cache does for a request, decided once, before it is admitted (as vLLM's KV-cache manager
+is consulted inside scheduling): the scheduler's token budget counts the tokens it will really compute, and
+admission carries the decision out.
+
+- ``off``: no caching (disabled, no key, or a template run of the key is in progress in another shape);
+- ``record``: a template run (a miss, or ``REGISTER``): the full model, its rows recorded into a new entry;
+- ``hit``: compute the request's masked tokens plus the entry's invalid ones, take the rest from the entry (a
+  stored one, or a template run in progress here: the request follows it);
+- ``full``: the entry exists but every token must be computed anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .live import LiveEntry, LiveRuns
+from .store import ActivationStore, Entry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheDecision:
+    status: str  # off | record | hit | full
+    key: str | None = None
+    entry: Entry | LiveEntry | None = None  # a hit's (or full's) rows
+    computed: np.ndarray | None = None  # a hit: per image token, computed by this request
+    heal: np.ndarray | None = None  # a hit from the store: invalid tokens it leaves unmasked (template context)
+
+    @property
+    def follows(self) -> bool:
+        return isinstance(self.entry, LiveEntry)
+
+    def tokens(self, n: int) -> int:
+        """Image tokens computed per step."""
+        return max(1, int(self.computed.sum())) if self.status == "hit" else n
+
+
+def fits(meta: dict, n: int, steps: int, dim: int, blocks: int) -> bool:
+    """Was the entry recorded for this request's shape (tokens, steps) and this model (width, depth)?"""
+    return meta.get("tokens") == n and meta.get("steps") == steps and meta.get("dim") == dim and \
+        meta.get("blocks") == blocks
+
+
+def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
+           record: bool = True) -> CacheDecision:
+    """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing."""
+    key = x.cache_key
+    if store is None or not key:
+        return CacheDecision("off")
+    n = x.latents.shape[0]
+    if x.register:
+        return CacheDecision("record" if record else "off", key)
+    entry = store.open(key)
+    if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks):
+        log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
+        entry = None
+    if entry is None:
+        live = live_runs.get(key)
+        if live is None or not fits(live.meta, n, x.steps, dim, blocks):
+            return CacheDecision("record" if record else "off", key)
+        entry = live
+    valid = np.asarray(entry.arrays["valid"], dtype=bool)
+    own = np.asarray(x.token_mask, bool)
+    computed = own | ~valid
+    if computed.all():
+        return CacheDecision("full", key, entry)
+    return CacheDecision("hit", key, entry, computed=computed,
+                         heal=None if isinstance(entry, LiveEntry) else ~valid & ~own)

@@ -1,0 +1,72 @@
+"""Which mode each block of a hit runs in: the policy a cache runtime is given.
+
+Serving plans with InstGenIE's Algorithm 1 over the profiled cost model (``planner``: full / Y / KV per block;
+``planner_y``: full / Y). The fixed policies (every recorded block in Y, in KV, or without the unmasked context)
+are the baselines the benchmarks compare against. A policy only decides; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost_model import CostModel
+from .flux import FULL, KV, NOCTX, Y
+from .planner import MODES, plan
+
+POLICIES = ("off", "planner", "planner_y", "all_y", "all_kv", "noctx")
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What a plan depends on: the blocks' kinds, the request's token counts, the entry's recorded rows."""
+
+    kinds: list[str]  # "dual" / "single" per block
+    n: int  # image tokens
+    c: int  # image tokens computed (masked plus the entry's invalid ones)
+    text: int  # text tokens
+    dim: int
+    itemsize: int  # bytes per element of the rows (the model's dtype)
+    has_y: list[bool]  # per block: output rows recorded
+    has_kv: list[bool]  # per block: keys/values recorded
+
+
+@dataclass(frozen=True)
+class BlockPolicy:
+    name: str
+    cost: CostModel | None = None
+
+    @property
+    def heals(self) -> bool:
+        """Does a hit under this policy compute template context (so its rows may heal the entry)?"""
+        return self.name != "noctx"
+
+    def plan(self, p: PlanInput) -> tuple[list[str], float | None]:
+        """Modes per block, and the predicted latency when a cost model decided."""
+        if self.name in ("planner", "planner_y"):
+            row_bytes = p.n * p.dim * p.itemsize
+            costs = self.cost.block_costs(p.kinds, p.n, p.c, p.text, p.dim, row_bytes, 2 * row_bytes, p.has_y,
+                                          p.has_kv)
+            r = plan(costs, MODES if self.name == "planner" else (FULL, Y))
+            return list(r.modes), r.latency_ms
+        if self.name == "all_y":
+            return [Y if h else FULL for h in p.has_y], None
+        if self.name == "noctx":
+            return [NOCTX if h else FULL for h in p.has_y], None
+        # all_kv: KV where recorded, else Y where recorded
+        return [KV if k else (Y if y else FULL) for y, k in zip(p.has_y, p.has_kv)], None
+
+
+def make_policy(name: str, cost: CostModel | None = None) -> BlockPolicy:
+    if name not in POLICIES or name == "off":
+        raise ValueError(f"cache policy must be one of {POLICIES}")
+    return BlockPolicy(name, cost or CostModel.fallback())
+
+
+def needs_output(modes: list[str]) -> list[bool]:
+    """Per block: must the hit's cached output rows be written into the block's output? Y/noctx blocks always;
+    a KV block only when the next block reads its unmasked rows (full / Y / noctx) or it is the last one."""
+    out = []
+    for b, m in enumerate(modes):
+        nxt = modes[b + 1] if b + 1 < len(modes) else None
+        out.append(m in (Y, NOCTX) or (m == KV and (nxt is None or nxt in (FULL, Y, NOCTX))))
+    return out
