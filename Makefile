@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching router-sim router-validate serve-cluster clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,9 @@ calibrate: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(VENV)/bin/maskedit-bench-engine
+
+bench-serving: $(STAMP)
+	$(VENV)/bin/maskedit-bench-serving $(BENCH_ARGS)
 
 bench-batching: $(STAMP)
 	$(VENV)/bin/maskedit-bench-batching

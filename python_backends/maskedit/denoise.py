@@ -211,7 +211,7 @@ class ModelRunner:
                 jt.rope = self.transformer.pos_embed(torch.cat((jt.txt_ids, jt.img_ids), dim=0))
             view.rope = jt.rope
             views.append(view)
-        return StepContext(views, packed=True)
+        return StepContext(views, packed=True, on_block=ctx.on_block if ctx is not None else None)
 
 
 def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:

@@ -9,11 +9,14 @@ come from CUDA events, read once the GPU has passed them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def is_cuda(device) -> bool:
@@ -21,9 +24,16 @@ def is_cuda(device) -> bool:
 
 
 def host_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host buffer for rows going to or coming from ``device``: pinned (page-locked) when that is a GPU, so copies
-    are real DMA and asynchronous; plain memory on the CPU (lazily paged in, as before)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=is_cuda(device))
+    """A host buffer for rows going to or coming from ``device``: page-locked when that is a GPU, so copies are real
+    DMA and asynchronous; plain memory on the CPU (lazily paged in, as before).
+
+    On a GPU the buffer is exactly its size, page-locked in place and unlocked when it is freed: PyTorch's pinned
+    allocator would round a multi-GB recording up to the next power of two and keep it cached after use. If CUDA
+    refuses to lock it, the pinned allocator is the fallback."""
+    if not is_cuda(device):
+        return torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype)
+    return t if pin_in_place(t) else torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 class SideStream:
@@ -79,57 +89,71 @@ class SideStream:
             t.record_stream(self.stream)
 
 
-def wait(event) -> None:
-    """Make this thread's current stream wait for ``event`` (GPU-side: the host does not block). No-op for None."""
+def wait(event, device=None) -> None:
+    """Make this thread's current stream on ``device`` wait for ``event`` (GPU-side: the host does not block).
+    No-op for None."""
     if event is not None:
-        torch.cuda.current_stream().wait_event(event)
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 # cudaHostRegister flags: portable (every context sees it as pinned) | read-only (entries are mapped PROT_READ).
-_REGISTER_FLAGS = 0x01 | 0x08
+_PORTABLE, _READ_ONLY = 0x01, 0x08
 _cudart_lib = None
 
 
 def _cudart():
-    """The CUDA runtime library torch already loaded (found in this process's mappings), through ctypes: torch's own
-    binding of cudaHostRegister leaves a failure as the thread's last error, which a later kernel launch would then
-    raise; here a failure is cleared with cudaGetLastError."""
+    """The CUDA runtime library torch already loaded (found in this process's mappings, the major version torch
+    was built with), through ctypes: torch's own binding of cudaHostRegister leaves a failure as the thread's last
+    error, which a later kernel launch would then raise; here every failure is cleared with cudaGetLastError."""
     global _cudart_lib
     if _cudart_lib is None:
         import ctypes
 
         torch.cuda.init()
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+        major = (torch.version.cuda or "").split(".")[0]
+        paths = [p for p in paths if f"libcudart.so.{major}" in p] or paths
         if not paths:
             raise OSError("libcudart is not loaded in this process")
-        lib = ctypes.CDLL(sorted(paths)[0])
+        lib = ctypes.CDLL(paths[0])
         lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         _cudart_lib = lib
     return _cudart_lib
 
 
+def _unregister(lib, ptr: int) -> None:
+    if lib.cudaHostUnregister(ptr) != 0:
+        lib.cudaGetLastError()  # whichever thread the collector runs on must not inherit the error
+
+
 def pin_in_place(a) -> bool:
-    """Page-lock the memory behind ``a`` (a mapped entry's buffer) so the GPU copies from it by DMA, with no CPU
-    copy into a staging buffer. Unpinned again when ``a`` is garbage-collected. False if CUDA refused (then the
-    caller stages through pinned buffers)."""
+    """Page-lock the memory behind ``a`` (a mapped entry's buffer, a host tensor) so the GPU copies from it by DMA,
+    with no CPU copy into a staging buffer. Unlocked again when ``a`` is garbage-collected. False if CUDA refused
+    (then the caller uses PyTorch's pinned buffers)."""
     import weakref
 
     import numpy as np
 
-    buf = np.asarray(a)
-    ptr, size = buf.ctypes.data, buf.nbytes
+    if isinstance(a, torch.Tensor):
+        ptr, size, writable = a.data_ptr(), a.numel() * a.element_size(), True
+    else:
+        buf = np.asarray(a)
+        ptr, size, writable = buf.ctypes.data, buf.nbytes, buf.flags.writeable
     if size == 0:
         return False
     try:
         lib = _cudart()
-    except OSError:
+        err = lib.cudaHostRegister(ptr, size, _PORTABLE | (0 if writable else _READ_ONLY))
+        if err != 0:
+            lib.cudaGetLastError()  # clear it: the next kernel launch on this thread would report it
+            log.warning("cudaHostRegister of %d bytes failed (error %d); using staging buffers", size, err)
+            return False
+    except (OSError, AttributeError) as e:
+        log.warning("cannot page-lock host memory in place (%s); using staging buffers", e)
         return False
-    if lib.cudaHostRegister(ptr, size, _REGISTER_FLAGS) != 0:
-        lib.cudaGetLastError()  # clear it: the next kernel launch on this thread would report it
-        return False
-    weakref.finalize(a, lib.cudaHostUnregister, ptr)
+    weakref.finalize(a, _unregister, lib, ptr)
     return True
 
 
@@ -144,6 +168,15 @@ def mark_current(device):
 
 def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError)
+
+
+def device_lost(e: BaseException) -> bool:
+    """A CUDA error that poisons the context (an illegal address, a device-side assert, ...): every later call on
+    the device fails too, so nothing can be retried in this process. Out-of-memory is not one of them."""
+    if out_of_memory(e):
+        return False
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
 
 
 def release_cached_memory(device) -> None:
@@ -183,7 +216,7 @@ class StepClock:
     def _now(self):
         if not self.cuda:
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)  # waiting on it yields the core, no spinning
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
@@ -214,6 +247,12 @@ class StepClock:
         """Block until at most ``ahead`` recorded steps are still running on the device."""
         if self.cuda and len(self._pending) > ahead:
             self._pending[-1 - ahead].end.synchronize()
+
+    def wait_last(self) -> None:
+        """Block until the last recorded step has finished on the device (not the copy streams: other requests'
+        loads and recordings)."""
+        if self.cuda and self._pending:
+            self._pending[-1].end.synchronize()
 
     def drain(self) -> list[tuple[int, float]]:
         """Wait for every recorded step and return them all (shutdown, benchmarks)."""

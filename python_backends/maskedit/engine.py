@@ -14,7 +14,7 @@ import time
 
 from . import logs
 from .denoise import DenoiseJob, ModelRunner
-from .device import StepClock, out_of_memory, release_cached_memory, synchronize
+from .device import StepClock, device_lost, out_of_memory, release_cached_memory
 from .errors import Cancelled, ResourceExhausted, Unavailable
 from .scheduler import BatchScheduler
 
@@ -40,6 +40,7 @@ class DenoiseEngine:
         # Step times for the scheduler's cost model, true on the device (CUDA events, read without stalling); the
         # host stays at most one step ahead of a GPU, so admission, deadlines and cancels act on the present.
         self.clock = StepClock(runner.device)
+        self.broken: Unavailable | None = None  # set when the device failed beyond recovery
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
 
@@ -50,6 +51,8 @@ class DenoiseEngine:
     # -- called from other threads ------------------------------------------------------------------
     def submit(self, job: DenoiseJob) -> None:
         with self._cv:
+            if self.broken is not None:
+                raise self.broken
             if self._stopping:
                 raise Unavailable("server is shutting down")
             if len(self._waiting) >= self.max_queue:
@@ -128,51 +131,83 @@ class DenoiseEngine:
 
     def _loop(self) -> None:
         while True:
-            t0 = time.perf_counter()
-            with self._cv:
-                while not self._waiting and not self._running and not self._inline and not self._stopping:
-                    self._cv.wait()
-                    t0 = time.perf_counter()
-                if self._stopping and not self._running:
+            try:
+                if not self._iterate():
                     return
-                inline, self._inline = self._inline, []
-            for fn in inline:
+            except Exception as e:  # the loop must outlive anything an iteration raises: its requests end instead
+                self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Something outside a request's own step failed (a device error surfacing at a sync, a callback): end
+        every admitted request with an error. An unrecoverable device error also ends the waiting ones and every
+        later one, with UNAVAILABLE: the process must be restarted (the supervisor does, or the operator)."""
+        fatal = device_lost(e)
+        log.exception("denoise loop failed%s", "; the device is unusable, refusing all requests" if fatal else "")
+        err = Unavailable(f"the GPU failed ({_describe(e)}); this server must be restarted") if fatal else \
+            Unavailable(f"the denoise loop failed ({_describe(e)}); retry")
+        with self._cv:
+            if fatal:
+                self.broken = err
+                waiting, self._waiting = list(self._waiting), []
+            else:
+                waiting = []
+            running = list(self._running)
+        self._retire(running, error=err)
+        for job in waiting:
+            _fail(job, err)
+
+    def _iterate(self) -> bool:
+        """One step of the loop; False once it should stop."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while not self._waiting and not self._running and not self._inline and not self._stopping:
+                self._cv.wait()
+                t0 = time.perf_counter()
+            if self._stopping and not self._running:
+                return False
+            inline, self._inline = self._inline, []
+        for fn in inline:
+            try:
+                fn()
+            except Exception:
+                log.exception("inline work failed")
+        t0 = time.perf_counter() if inline else t0  # inline work is not batching overhead
+        # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
+        p0, c0 = self.prepare_s, self.callback_s
+        with self._cv:
+            batch = list(self._running) if self._stopping else self._schedule()
+        batch = self._drop_cancelled(batch)
+        if not batch:
+            return True
+        tokens = sum(j.tokens or 0 for j in batch)
+        self.clock.bound(1)
+        t1, cpu1 = time.perf_counter(), time.thread_time()
+        self.clock.begin(tokens)
+        batch = self._step(batch)
+        self.clock.end()
+        self.steps_run += 1
+        if not batch:
+            return True
+        t2 = time.perf_counter()
+        for step_tokens, seconds in self.clock.finished():
+            self.scheduler.model.observe(step_tokens, seconds)
+        if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
+            logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=tokens,
+                       wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
+                       jobs=[j.id for j in batch])
+        tc = time.perf_counter()
+        for job in batch:
+            if job.on_step is not None and not job.done:
                 try:
-                    fn()
-                except Exception:
-                    log.exception("inline work failed")
-            t0 = time.perf_counter() if inline else t0  # inline work is not batching overhead
-            # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
-            p0, c0 = self.prepare_s, self.callback_s
-            with self._cv:
-                batch = list(self._running) if self._stopping else self._schedule()
-            batch = self._drop_cancelled(batch)
-            if not batch:
-                continue
-            tokens = sum(j.tokens or 0 for j in batch)
-            self.clock.bound(1)
-            t1, cpu1 = time.perf_counter(), time.thread_time()
-            self.clock.begin(tokens)
-            batch = self._step(batch)
-            self.clock.end()
-            self.steps_run += 1
-            if not batch:
-                continue
-            t2 = time.perf_counter()
-            for step_tokens, seconds in self.clock.finished():
-                self.scheduler.model.observe(step_tokens, seconds)
-            if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
-                logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=tokens,
-                           wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
-                           jobs=[j.id for j in batch])
-            tc = time.perf_counter()
-            for job in batch:
-                if job.on_step is not None and not job.done:
                     job.on_step(job)
-            self.callback_s += time.perf_counter() - tc
-            self._retire([j for j in batch if j.done])
-            self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
-                (self.callback_s - c0)
+                except Exception as e:  # its progress could not be sent: that request ends, the others go on
+                    log.exception("progress callback failed for request %s", job.id)
+                    self._retire([job], error=e)
+        self.callback_s += time.perf_counter() - tc
+        self._retire([j for j in batch if j.done and j in self._running])
+        self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
+            (self.callback_s - c0)
+        return True
 
     def _step(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         """Advance ``batch`` one step; returns the jobs that advanced. If the shared step fails (a CUDA
@@ -183,6 +218,8 @@ class DenoiseEngine:
             self.runner.step(batch)
             return batch
         except Exception as e:
+            if device_lost(e):  # nothing on this device can run any more: no retries
+                raise
             first = e
         log.warning("denoise step failed for requests %s (%s); retrying them one by one",
                     [j.id for j in batch], _describe(first))
@@ -194,6 +231,8 @@ class DenoiseEngine:
                 self.runner.step([job])
                 ok.append(job)
             except Exception as e:
+                if device_lost(e):
+                    raise
                 log.exception("denoise step failed for request %s", job.id)
                 release_cached_memory(self.runner.device)
                 failed.append((job, e))
@@ -215,7 +254,7 @@ class DenoiseEngine:
         with self._cv:
             self._running = [j for j in self._running if j not in jobs]
         if error is None:
-            synchronize(self.runner.device)  # a GPU has finished their last step: finish times are the device's
+            self.clock.wait_last()  # a GPU has finished their last step: finish times are the device's
         for job in jobs:
             job.finished_at = time.perf_counter()
             try:

@@ -154,7 +154,8 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout}s; log:\n{self.log_tail()}")
 
     def models(self) -> list[str]:
-        return [m for m in MODELS if (self.repository / m / "config.pbtxt").exists()]
+        """Every model of the repository (the service's, or another repository's, e.g. a benchmark baseline)."""
+        return sorted(p.name for p in self.repository.iterdir() if (p / "config.pbtxt").exists())
 
     def log_tail(self, n: int = 60) -> str:
         try:

@@ -9,8 +9,10 @@ a cached step, entries in the model's dtype.
 """
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +48,8 @@ def test_the_cpu_suites_engine_invariants_hold_on_cuda(dtype):
 @pytest.fixture(scope="module", params=DTYPES)
 def cuda_env(request, tmp_path_factory):
     s = load_settings({**os.environ, "MASKEDIT_DEVICE": "cuda", "MASKEDIT_DTYPE": request.param})
-    d = tmp_path_factory.mktemp(f"store-{request.param}")
+    # The store in shared memory, as when serving (a file-backed mapping on another filesystem may not page-lock).
+    d = Path(tempfile.mkdtemp(prefix=f"maskedit-gpu-{request.param}-", dir="/dev/shm"))
     store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
     pre = Preprocessor(s, store=store)
     base = ModelRunner(s)
@@ -60,6 +63,7 @@ def cuda_env(request, tmp_path_factory):
 
     yield s, runner, rt, store, inputs
     rt.close()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _run(runner, x, until=None):
@@ -94,7 +98,7 @@ def test_a_cached_step_never_synchronises_the_host(cuda_env):
     rt.flush()
     hit = DenoiseJob(inputs(0.3, 4))
     runner.prepare(hit)
-    runner.step([hit])  # the scheduler finds its step index once (a sync) at the first step
+    runner.step([hit])  # the first step makes the cached row-index tensors (one copy each)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -14,7 +14,7 @@ from maskedit.engine import DenoiseEngine
 from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from tests.conftest import atol, png
+from tests.conftest import atol, exact_here, png
 
 STEPS = 3
 
@@ -186,7 +186,10 @@ def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exac
     after = [m(x) for m in (a.to_q, a.to_k, a.to_v, block.proj_mlp)]
     for b, c in zip(before, after):
         assert torch.equal(b, c)  # the layers' own calls are unchanged
-    assert torch.equal(fused(x), torch.cat(after, -1))
+    if exact_here(settings):
+        assert torch.equal(fused(x), torch.cat(after, -1))
+    else:  # a GPU may pick another GEMM kernel for the wider stacked weight
+        torch.testing.assert_close(fused(x), torch.cat(after, -1), atol=atol(settings, 0), rtol=1e-2)
     # no weight held twice: the layers' parameters are slices of the stacked one
     base = fused.weight.untyped_storage().data_ptr()
     assert all(m.weight.untyped_storage().data_ptr() == base for m in (a.to_q, a.to_k, a.to_v, block.proj_mlp))
@@ -194,5 +197,9 @@ def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exac
     with torch.no_grad():  # new weights loaded in place: the stacked weight follows
         a.to_k.weight.add_(1.0)
     again = _inputs(block, dual=False)
-    assert torch.equal(again(x)[..., a.to_q.weight.shape[0]:2 * a.to_q.weight.shape[0]], a.to_k(x))
+    k_rows = slice(a.to_q.weight.shape[0], 2 * a.to_q.weight.shape[0])
+    if exact_here(settings):
+        assert torch.equal(again(x)[..., k_rows], a.to_k(x))
+    else:
+        torch.testing.assert_close(again(x)[..., k_rows], a.to_k(x), atol=atol(settings, 0), rtol=1e-2)
     assert isinstance(again, _FusedInputs)

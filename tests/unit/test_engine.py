@@ -124,3 +124,40 @@ def test_out_of_memory_in_a_shared_step_fails_only_the_request_at_fault(runner, 
     for o in (outs[0], outs[2], after):
         assert o.error is None and o.done.step_index == 3
         np.testing.assert_allclose(o.done.result(), after.done.result(), atol=atol(runner.settings, 1e-5))
+
+
+def test_a_lost_device_fails_every_request_clearly_and_refuses_new_ones(runner, inputs):
+    """A CUDA error that poisons the context (simulated) cannot be retried: every admitted and waiting request ends
+    with UNAVAILABLE saying the server must be restarted, and so does every later submit; nothing hangs."""
+    def device_fault(module, args, kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    handle = runner.transformer.register_forward_pre_hook(device_fault, with_kwargs=True)
+    engine = DenoiseEngine(runner, max_batch=1)
+    try:
+        outs = [Outcome() for _ in range(3)]
+        for o in outs:
+            engine.submit(o.job(inputs))
+        assert all(o.event.wait(30) for o in outs)
+        assert all(isinstance(o.error, Unavailable) and "must be restarted" in str(o.error) for o in outs)
+        with pytest.raises(Unavailable, match="must be restarted"):
+            engine.submit(Outcome().job(inputs))
+    finally:
+        handle.remove()
+        engine.shutdown()
+
+
+def test_a_failing_progress_callback_ends_only_its_request(runner, inputs):
+    engine = DenoiseEngine(runner, max_batch=2)
+    try:
+        bad, good = Outcome(), Outcome()
+
+        def broken_sender(job):
+            raise ConnectionError("client went away")
+
+        engine.submit(bad.job(inputs, on_step=broken_sender))
+        engine.submit(good.job(inputs, on_step=lambda j: None))
+        assert bad.event.wait(30) and good.event.wait(30)
+        assert isinstance(bad.error, ConnectionError) and good.error is None and good.done.step_index == 3
+    finally:
+        engine.shutdown()

@@ -96,6 +96,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
                     samples_[(kinds[i], mode)].append((features(mode, n, c, text), ms))
             h.runner.release(job, ok=False)
             h.runner.cache = None
+            rt.close()
     finally:
         for b in blocks:
             HookRegistry.check_if_exists_or_initialize(b).remove_hook("maskedit_timer", recurse=False)

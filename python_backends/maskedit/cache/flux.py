@@ -98,6 +98,7 @@ class RowView:
 class StepContext:
     rows: list[RowView | None]  # per batch row; None = plain full compute
     packed: bool = False  # rows of different resolutions padded to one length: every row takes the gathered path
+    on_block: Callable[[int], None] | None = None  # told as each block starts (the loader's look-ahead window)
 
 
 class Recorder:
@@ -158,8 +159,11 @@ class Recorder:
         self.step += 1
 
     def step_event(self, step: int):
-        """Completion of step ``step``'s copies (None on the CPU, or if already known done)."""
-        return self._events[step] if step < len(self._events) else None
+        """Completion of step ``step``'s copies (None on the CPU). Asking for a step not recorded yet is a bug in
+        the caller (``JobCache.ready`` guards it): on a GPU it would read rows still in flight."""
+        if step >= len(self._events):
+            raise RuntimeError(f"step {step} has not been recorded yet ({len(self._events)} steps so far)")
+        return self._events[step]
 
     def synchronize(self) -> None:
         if self._events and self._events[-1] is not None:
@@ -223,6 +227,8 @@ class MaskedBlockHook(ModelHook):
                     joint_attention_kwargs=None):
         forward = self.fn_ref.original_forward
         ctx = self.owner.context
+        if ctx is not None and ctx.on_block is not None:
+            ctx.on_block(self.index)
         if ctx is None or (not ctx.packed and all(r is None or (r.all_full and r.recorder is None)
                                                   for r in ctx.rows)):
             return forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
@@ -465,11 +471,15 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         xt = enc[sel] + c_gate[:, None] * attn.to_add_out(txt_o)
         n2c = block.norm2_context(xt) * (1 + c_scale_m[:, None]) + c_shift_m[:, None]
         xt = xt + c_gate_m[:, None] * block.ff_context(n2c)
+        if xt.dtype == torch.float16:  # as FluxTransformerBlock clips its text stream in fp16
+            xt = xt.clip(-65504, 65504)
         img_chunks = xi.split(counts_c)
         txt_rows = list(xt)
     else:
         h = torch.cat([torch.cat(outs, 0), mlp], dim=1)
         xs = x + E(gate) * block.proj_out(h)
+        if xs.dtype == torch.float16:  # as FluxSingleTransformerBlock clips its output in fp16
+            xs = xs.clip(-65504, 65504)
         chunks = xs.split(counts)
         txt_rows = [c[:L] for c in chunks]
         img_chunks = [c[L:] for c in chunks]

@@ -115,7 +115,7 @@ class Harness:
         eng, rt = self.engine("planner")
         try:
             run_job(eng, x)
-            rt.flush()
+            rt.flush(timeout=1800)  # a FLUX.1-size entry is tens of GB to checksum and write
         finally:
             eng.shutdown()
             rt.close()

@@ -13,6 +13,7 @@ On the CPU a load is one contiguous copy out of the mapping, as the block would 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,29 +32,54 @@ class Loaded:
     event: object = None  # CUDA: the copy's completion on the copy stream
 
 
+class _Window:
+    """How far the loader may run ahead of the blocks of one step: at most ``ahead`` blocks of rows are on the
+    device before the blocks that use them (a whole step's rows of a Flux-size hit are gigabytes). A wait gives up
+    after ``patience`` seconds, so a step that failed half-way never blocks the loader for good."""
+
+    def __init__(self, ahead: int, patience: float = 1.0):
+        self.ahead, self.patience, self.reached_block = ahead, patience, -1
+        self._cv = threading.Condition()
+
+    def wait_for(self, block: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self.reached_block >= block - self.ahead, timeout=self.patience)
+
+    def reached(self, block: int) -> None:
+        with self._cv:
+            if block > self.reached_block:
+                self.reached_block = block
+                self._cv.notify_all()
+
+
 class RowLoader:
-    def __init__(self, device, heads: int, head_dim: int, overlap: bool = True):
+    def __init__(self, device, heads: int, head_dim: int, overlap: bool = True, ahead_blocks: int = 8):
         """``overlap=False``: every load happens inside the block that needs it (the naive baseline)."""
+        self.ahead_blocks = ahead_blocks
         self.device = torch.device(device)
         self.cuda = is_cuda(self.device)
         self.heads, self.head_dim = heads, head_dim
         self._copy = SideStream.shared(self.device, "load")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
         self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
+        self._mu = threading.Lock()  # the loader thread and inline loads both touch _inflight and page-locking
 
     # -- the block side -----------------------------------------------------------------------------
-    def start_step(self, hits: list, needed) -> None:
-        """Queue the rows ``needed(jc, b)`` of every (JobCache, step) in ``hits``, in block order."""
+    def start_step(self, hits: list, needed):
+        """Queue the rows ``needed(jc, b)`` of every (JobCache, step) in ``hits``, in block order. Returns the
+        callable the step calls as each block starts (``_Window.reached``), or None if nothing was queued."""
         if self._pool is None or not hits:
-            return
+            return None
         n_blocks = len(hits[0][0].modes)
+        window = _Window(self.ahead_blocks)
         work = []
         for b in range(n_blocks):
             for jc, step in hits:
                 for kind in needed(jc, b):
                     fut = jc.futures[(step, b, kind)] = Future()
                     work.append((fut, jc, step, b, kind))
-        self._pool.submit(self._run, work)
+        self._pool.submit(self._run, work, window)
+        return window.reached
 
     def rows(self, jc, step: int):
         """The getter a ``RowView`` calls from inside block ``b``: (b, kind) -> tensor on the device."""
@@ -62,21 +88,30 @@ class RowLoader:
             fut: Future | None = jc.futures.pop((step, b, kind), None)
             got = fut.result() if fut is not None else self.load(jc, step, b, kind)
             if got.event is not None:
-                wait(got.event)  # this block waits for its own rows only, on the GPU
+                wait(got.event, self.device)  # this block waits for its own rows only, on the GPU
                 got.tensor.record_stream(torch.cuda.current_stream(self.device))
             return got.tensor
 
         return get
 
     # -- the loader thread ----------------------------------------------------------------------------
-    def _run(self, work) -> None:
-        for fut, jc, step, b, kind in work:
-            if fut.done():
+    def _run(self, work, window: _Window) -> None:
+        for i, (fut, jc, step, b, kind) in enumerate(work):
+            work[i] = None  # consumed rows are not kept alive by this list
+            window.wait_for(b)
+            if not fut.set_running_or_notify_cancel():  # its request left the batch
                 continue
             try:
                 fut.set_result(self.load(jc, step, b, kind))
             except BaseException as e:  # the block that needs it re-raises it (its request fails, not the loop)
                 fut.set_exception(e)
+
+    @staticmethod
+    def cancel(jc) -> None:
+        """Drop ``jc``'s pending loads (it left the batch): the loader skips those not started."""
+        for fut in jc.futures.values():
+            fut.cancel()
+        jc.futures.clear()
 
     def load(self, jc, step: int, b: int, kind: str) -> Loaded:
         """Copy one block's rows of ``jc``'s entry at ``step`` to the device (into a keys/values buffer whose
@@ -98,9 +133,10 @@ class RowLoader:
             self._copy_in(dst, src, entry, step)
             event = self._copy.mark()
         if event is not None:
-            self._inflight.append((event, entry))
-            while self._inflight and self._inflight[0][0].query():
-                self._inflight.popleft()
+            with self._mu:
+                self._inflight.append((event, entry))
+                while self._inflight and self._inflight[0][0].query():
+                    self._inflight.popleft()
         jc.load_s += time.perf_counter() - t0
         return Loaded(out, event)
 
@@ -113,7 +149,9 @@ class RowLoader:
             ev = ready(step)
             if ev is not None:
                 self._copy.stream.wait_event(ev)
-        if self._page_locked(entry):
+        with self._mu:
+            locked = self._page_locked(entry)
+        if locked:
             dst.copy_(src, non_blocking=True)
         else:  # staging through a pinned buffer (the host allocator reuses it once this copy is done)
             staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)

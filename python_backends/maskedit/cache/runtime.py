@@ -215,8 +215,7 @@ class CacheRuntime:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
-        self.loader.start_step(hits, self._needed)
-        return StepContext(views)
+        return StepContext(views, on_block=self.loader.start_step(hits, self._needed))
 
     @staticmethod
     def _needed(jc: JobCache, b: int) -> list[str]:
@@ -238,7 +237,7 @@ class CacheRuntime:
         jc: JobCache | None = job.cache
         if jc is None:
             return
-        jc.futures.clear()
+        self.loader.cancel(jc)
         if jc.status == "record":
             if ok and self.writer is not None:
                 self.writer.save(jc.key, jc.entry, jc.valid, self.dtype,
