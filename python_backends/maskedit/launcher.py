@@ -61,8 +61,13 @@ def backend_dir(dest: Path | None = None) -> Path:
 def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     libs = pytriton_root().parent / "nvidia_pytriton.libs"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
-    paths = [str(REPO_ROOT / "python_backends"), str(REPO_ROOT / "client"), sysconfig.get_paths()["purelib"]]
+    # The stub embeds this interpreter: it needs libpython (LIBDIR) besides the wheel's own libraries.
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), sysconfig.get_config_var("LIBDIR") or "",
+                                                         env.get("LD_LIBRARY_PATH", "")) if p)
+    # The stub ignores PYTHONPATH: the shims put these first on sys.path (this environment's PYTHONPATH included,
+    # e.g. packages unpacked beside a system Python on a machine without a package index).
+    paths = [str(REPO_ROOT / "python_backends"), str(REPO_ROOT / "client"),
+             *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p], sysconfig.get_paths()["purelib"]]
     env["MASKEDIT_PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     env.update(extra or {})

@@ -74,6 +74,13 @@ PRESETS = {
         num_layers=19, num_single_layers=38, rope_axes=(16, 56, 56), text_dim=4096, clip_dim=768,
         max_sequence_length=512, generated_transformer=True, text_ff=256,
     ),
+    # FLUX.1-Fill-dev's widths with 4 dual + 8 single blocks: the same shape of work per block, a step a fifth as
+    # long, so serving benchmarks on a GPU fit the device's time limits (a block-count ratio scales to full depth).
+    "flux-width": Preset(
+        resolution=1024, steps=8, vae_channels=(8, 16, 16, 16), latent_channels=16, dim_head=128, heads=24,
+        num_layers=4, num_single_layers=8, rope_axes=(16, 56, 56), text_dim=4096, clip_dim=768,
+        max_sequence_length=512, generated_transformer=True, text_ff=256,
+    ),
 }
 GENERATED_TRANSFORMER = "generated_transformer"  # maskedit.json key: {"seed": ...} when weights are generated
 

@@ -5,6 +5,8 @@
 #   run(command="bash tools/device/gpu_check.sh tests", carry=[".whl"])       # gpu tests, every dtype (~5 min)
 #   run(command="bash tools/device/gpu_check.sh calibrate", carry=[".whl"])   # FLUX.1-Fill-dev size, bf16
 #   run(command="bash tools/device/gpu_check.sh bench", carry=[".whl"])       # engine benchmark, bf16, 8 steps
+#   run(command="bash tools/device/gpu_check.sh serving", carry=[".whl"])     # Triton on the GPU vs stock Diffusers
+#                                                 (needs tools/device/triton_pack.sh's tritonserver in .whl/ too)
 #
 # Then copy $OUT's profile to perf_profiles/ and its engine_<gpu>.json/.png to perf_profiles/results/.
 set -uo pipefail
@@ -13,7 +15,8 @@ OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD/python_backends:$PWD/client:$PWD/router:$PWD
+test -f .whl/tritonserver.tar.xz && tar -C /tmp/site -xJf .whl/tritonserver.tar.xz
+export PYTHONPATH=/tmp/site:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 df -h /dev/shm | tee -a "$OUT/gpu.txt"
@@ -30,5 +33,9 @@ case "${1:-tests}" in
     python3 -m maskedit.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
       --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
-  *) echo "usage: $0 tests|calibrate|bench"; exit 2 ;;
+  serving)
+    python3 -m maskedit.tiny_model models/flux-width-flux-fill --preset flux-width
+    python3 -m maskedit_lab.bench_serving --preset flux-width --device cuda --dtype bfloat16 --steps "$STEPS" \
+      --requests "${REQUESTS:-12}" --loads ${LOADS:-0.5 1 2 4} --out "$OUT/serving_h100.json" 2>&1 | tee "$OUT/serving.log" ;;
+  *) echo "usage: $0 tests|calibrate|bench|serving"; exit 2 ;;
 esac

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# tritonserver 2.51 for the GPU machine, from the nvidia-pytriton wheel of this venv, repacked small enough to carry
+# (the wheel is 55 MB; this is ~35 MB): the server, the Python backend, the Python 3.12 stub and the wheel's
+# libraries, with a bare `pytriton` package (the launcher only needs its location). gpu_check.sh unpacks it.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+site=$(.venv/bin/python -c "import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parents[1])")
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/pytriton/tritonserver/python_backend_stubs" .whl
+echo '"""tritonserver from the nvidia-pytriton wheel, repacked for the GPU machine (tools/device/triton_pack.sh)."""' \
+  > "$tmp/pytriton/__init__.py"
+cp -r "$site/pytriton/tritonserver/bin" "$site/pytriton/tritonserver/backends" "$site/pytriton/tritonserver/caches" \
+  "$tmp/pytriton/tritonserver/"
+cp -r "$site/pytriton/tritonserver/python_backend_stubs/3.12" "$tmp/pytriton/tritonserver/python_backend_stubs/"
+cp -r "$site/nvidia_pytriton.libs" "$tmp/"
+tar -C "$tmp" -cJf .whl/tritonserver.tar.xz pytriton nvidia_pytriton.libs
+du -sh .whl/tritonserver.tar.xz .whl
