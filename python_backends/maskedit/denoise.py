@@ -67,7 +67,6 @@ class DenoiseJob:
     on_error: Callable[["DenoiseJob", BaseException], None] = lambda job, e: None
     on_step: Callable[["DenoiseJob"], None] | None = None
     is_cancelled: Callable[[], bool] = lambda: False
-    before_admit: Callable[["DenoiseJob"], None] | None = None  # run in the loop thread at admission (naive mode)
     id: int = field(default_factory=lambda: next(_ids))
     # Image tokens this request computes per step: estimated at submit (early deadline check), exact once the
     # cache decision is made (before admission; the scheduler's token budget counts it).
@@ -103,11 +102,9 @@ class DenoiseJob:
 class ModelRunner:
     """Holds the transformer; turns jobs into transformer calls and scheduler steps."""
 
-    def __init__(self, settings: Settings, transformer=None, cache=None, pack: bool = True):
-        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None.
-        ``pack``: different resolutions share one transformer call (else one call per resolution, a baseline)."""
+    def __init__(self, settings: Settings, transformer=None, cache=None):
+        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None."""
         self.settings = settings
-        self.pack = pack
         self.device = torch.device(settings.torch_device)
         self.dtype = torch_dtype(settings)
         self.transformer = transformer if transformer is not None else load_transformer(settings)
@@ -160,10 +157,15 @@ class ModelRunner:
         if self.cache is not None:
             self.cache.finish(job, ok)
 
+    def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
+        """Jobs that share one transformer call: equal text length (text tokens attend, so they cannot be padded);
+        different resolutions pack into one call."""
+        return group_by(jobs, lambda j: tuple(j.tensors.prompt_embeds.shape))
+
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job by one denoising step: one transformer call per group of ``_group``."""
-        for group in _group(jobs, self.pack):
+        """Advance every job by one denoising step: one transformer call per group of ``groups``."""
+        for group in self.groups(jobs):
             timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
             tokens = [j.latents.shape[1] for j in group]
             packed = len({(j.inputs.model_h, j.inputs.model_w) for j in group}) > 1
@@ -225,13 +227,8 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
-def _group(jobs: list[DenoiseJob], pack: bool) -> list[list[DenoiseJob]]:
-    """Jobs that can share one transformer call: equal text length (text tokens attend, so they cannot be
-    padded), and unless packing, equal resolution."""
-    groups: dict[tuple, list[DenoiseJob]] = {}
+def group_by(jobs: list[DenoiseJob], key) -> list[list[DenoiseJob]]:
+    groups: dict = {}
     for j in jobs:
-        key = (tuple(j.tensors.prompt_embeds.shape),)
-        if not pack:
-            key += (j.inputs.model_h, j.inputs.model_w)
-        groups.setdefault(key, []).append(j)
+        groups.setdefault(key(j), []).append(j)
     return list(groups.values())

@@ -28,7 +28,6 @@ class DenoiseEngine:
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
         self._waiting: list[DenoiseJob] = []
-        self._inline: list = []  # callables the loop runs between steps (the naive baseline's CPU work)
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -65,12 +64,6 @@ class DenoiseEngine:
             self._waiting.append(job)
             self._cv.notify()
 
-    def call_soon(self, fn) -> None:
-        """Run ``fn()`` on the loop thread before the next step (blocking the loop, as inline work would)."""
-        with self._cv:
-            self._inline.append(fn)
-            self._cv.notify()
-
     def stats(self) -> dict:
         with self._cv:
             n = max(1, self.steps_run)
@@ -95,6 +88,14 @@ class DenoiseEngine:
             _fail(job, Unavailable("server shut down before the request finished"))
 
     # -- the loop -----------------------------------------------------------------------------------
+    def _idle(self) -> bool:
+        """Nothing to do: the loop sleeps until a submit (or shutdown) notifies it. Called holding the lock."""
+        return not self._waiting and not self._running and not self._stopping
+
+    def _between_steps(self) -> bool:
+        """Work a subclass runs on the loop thread before each step (a benchmark baseline); True if it ran any."""
+        return False
+
     def _schedule(self) -> list[DenoiseJob]:
         """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
         Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state."""
@@ -110,8 +111,6 @@ class DenoiseEngine:
         for job in out.admitted:
             t = time.perf_counter()
             try:
-                if job.before_admit is not None:
-                    job.before_admit(job)  # the naive baseline's inline pre-processing
                 self.runner.prepare(job)
                 self.prepare_s += time.perf_counter() - t
             except Exception as e:  # bad tensors fail this request only
@@ -160,18 +159,13 @@ class DenoiseEngine:
         """One step of the loop; False once it should stop."""
         t0 = time.perf_counter()
         with self._cv:
-            while not self._waiting and not self._running and not self._inline and not self._stopping:
+            while self._idle():
                 self._cv.wait()
                 t0 = time.perf_counter()
             if self._stopping and not self._running:
                 return False
-            inline, self._inline = self._inline, []
-        for fn in inline:
-            try:
-                fn()
-            except Exception:
-                log.exception("inline work failed")
-        t0 = time.perf_counter() if inline else t0  # inline work is not batching overhead
+        if self._between_steps():
+            t0 = time.perf_counter()  # work run there is not batching overhead
         # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
         p0, c0 = self.prepare_s, self.callback_s
         with self._cv:

@@ -5,7 +5,7 @@ import pytest
 
 from maskedit.cache.cost_model import CostModel, LinearFit, features
 from maskedit.cache.flops import block_flops, ideal_speedup
-from maskedit.cache.harness import token_mask_image
+from maskedit_lab.harness import token_mask_image
 from maskedit.cache.planner import FULL, KV, Y
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from maskedit.cache.flops import block_flops
-from maskedit.cache.kernel_ceiling import KernelTimer, _calls
+from maskedit_lab.kernel_ceiling import KernelTimer, _calls
 from maskedit.cache.planner import FULL, KV, Y
 
 

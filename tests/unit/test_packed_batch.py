@@ -12,6 +12,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
+from maskedit_lab.baselines import PerResolutionRunner
 from tests.conftest import atol, png
 
 STEPS = 3
@@ -51,14 +52,14 @@ def run_together(runner, inputs):
 def test_two_resolutions_share_one_call_and_match_solo_runs(runner, settings, make):
     square, wide = make(256, 256, 1, 0.2), make(320, 160, 2, 0.2)
     assert (square.model_w, square.model_h) != (wide.model_w, wide.model_h)
-    packed = ModelRunner(settings, transformer=runner.transformer, pack=True)
+    packed = ModelRunner(settings, transformer=runner.transformer)
     jobs, per_step = run_together(packed, [square, wide])
     assert per_step == [1] * STEPS
     for job, x in zip(jobs, [square, wide]):
         (solo,), _ = run_together(packed, [x])
         np.testing.assert_allclose(job.result(), solo.result(), atol=atol(runner.settings, 1e-5))
     # The baseline keeps one call per resolution.
-    _, per_step = run_together(ModelRunner(settings, transformer=runner.transformer, pack=False), [square, wide])
+    _, per_step = run_together(PerResolutionRunner(settings, transformer=runner.transformer), [square, wide])
     assert per_step == [2] * STEPS
 
 
@@ -70,7 +71,7 @@ def test_cache_hit_and_template_run_of_other_sizes_pack_exactly(runner, settings
     for pack in (True, False):
         store = ActivationStore(tmp_path / f"{pack}mem", tmp_path / f"{pack}disk", 1 << 30, 1 << 30)
         rt = CacheRuntime(FluxCacheHooks.of(runner.transformer), store, policy=policy)
-        r = ModelRunner(settings, transformer=runner.transformer, cache=rt, pack=pack)
+        r = (ModelRunner if pack else PerResolutionRunner)(settings, transformer=runner.transformer, cache=rt)
         try:
             run_together(r, [make(256, 256, 3, 0.0, register=True)])
             rt.flush()

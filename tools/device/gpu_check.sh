@@ -26,11 +26,11 @@ case "${1:-tests}" in
   tests)
     python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   calibrate)
-    python3 -m maskedit.cache.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
+    python3 -m maskedit_lab.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
       --out "$OUT/cost_model_flux-dev-flux-fill_h100.json" 2>&1 | tee "$OUT/calibrate.log" ;;
   bench)
     cp "$OUT"/cost_model_*.json perf_profiles/ 2>/dev/null
-    python3 -m maskedit.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
+    python3 -m maskedit_lab.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
       --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
   serving)

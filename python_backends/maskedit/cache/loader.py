@@ -53,14 +53,13 @@ class _Window:
 
 
 class RowLoader:
-    def __init__(self, device, heads: int, head_dim: int, overlap: bool = True, ahead_blocks: int = 8):
-        """``overlap=False``: every load happens inside the block that needs it (the naive baseline)."""
+    def __init__(self, device, heads: int, head_dim: int, ahead_blocks: int = 8):
         self.ahead_blocks = ahead_blocks
         self.device = torch.device(device)
         self.cuda = is_cuda(self.device)
         self.heads, self.head_dim = heads, head_dim
         self._copy = SideStream.shared(self.device, "load")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader") if overlap else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader")
         self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
         self._mu = threading.Lock()  # the loader thread and inline loads both touch _inflight and page-locking
 
@@ -68,7 +67,7 @@ class RowLoader:
     def start_step(self, hits: list, needed):
         """Queue the rows ``needed(jc, b)`` of every (JobCache, step) in ``hits``, in block order. Returns the
         callable the step calls as each block starts (``_Window.reached``), or None if nothing was queued."""
-        if self._pool is None or not hits:
+        if not hits:
             return None
         n_blocks = len(hits[0][0].modes)
         window = _Window(self.ahead_blocks)
@@ -169,5 +168,4 @@ class RowLoader:
         return pinned
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)

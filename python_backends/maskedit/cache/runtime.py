@@ -80,10 +80,10 @@ class JobCache:
 
 class CacheRuntime:
     def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
-                 policy: str | BlockPolicy = "planner", overlap: bool = True, budget_bytes: int = 1 << 30,
-                 record: bool = True, heal_min_ratio: float = HEAL_MIN_RATIO):
-        """``policy``: a name in ``POLICIES`` or a ``BlockPolicy``; ``off`` caches nothing. ``overlap=False``: rows
-        load inside the block that needs them (the naive baseline)."""
+                 policy: str | BlockPolicy = "planner", budget_bytes: int = 1 << 30, record: bool = True,
+                 heal_min_ratio: float = HEAL_MIN_RATIO, loader: type[RowLoader] = RowLoader):
+        """``policy``: a name in ``POLICIES`` or a ``BlockPolicy``; ``off`` caches nothing. ``loader``: how rows
+        reach the device (benchmarks pass the naive baseline's, which loads inside the block)."""
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}")
         self.policy = policy if isinstance(policy, str) else policy.name
@@ -97,7 +97,7 @@ class CacheRuntime:
         param = next(hooks.transformer.parameters())
         self.device, self.dtype = param.device, param.dtype  # rows are recorded, stored and loaded in these
         self.itemsize = param.element_size()
-        self.loader = RowLoader(self.device, cfg.num_attention_heads, cfg.attention_head_dim, overlap=overlap)
+        self.loader = loader(self.device, cfg.num_attention_heads, cfg.attention_head_dim)
         self.writer = EntryWriter(store) if store is not None else None
         self.live_runs = LiveRuns()
         self.heal_min_ratio = heal_min_ratio

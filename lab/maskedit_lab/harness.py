@@ -14,18 +14,21 @@ import numpy as np
 from maskedit_client import encode_image
 from PIL import Image
 
-from .. import samples
-from ..denoise import DenoiseInputs, ModelRunner
-from ..engine import DenoiseEngine
-from ..local import denoise_inputs, run_job
-from ..params import parse_params
-from ..preprocess import Preprocessor
-from ..settings import REPO_ROOT, load_settings
-from ..tiny_model import build
-from .cost_model import CostModel
-from .flux import FluxCacheHooks
-from .runtime import CacheRuntime
-from .store import ActivationStore
+from maskedit import samples
+from maskedit.cache.cost_model import CostModel
+from maskedit.cache.flux import FluxCacheHooks
+from maskedit.cache.loader import RowLoader
+from maskedit.cache.runtime import CacheRuntime
+from maskedit.cache.store import ActivationStore
+from maskedit.denoise import DenoiseInputs, ModelRunner
+from maskedit.engine import DenoiseEngine
+from maskedit.local import denoise_inputs, run_job
+from maskedit.params import parse_params
+from maskedit.preprocess import Preprocessor
+from maskedit.settings import REPO_ROOT, load_settings
+from maskedit.tiny_model import build
+
+from .baselines import InlineRowLoader, InlineWorkEngine, PerResolutionRunner
 
 
 png = encode_image  # PNG bytes of a PIL image or uint8 array, as clients send them
@@ -101,13 +104,18 @@ class Harness:
         return token_mask_image(w // patch, h // patch, patch, ratio, seed)
 
     def engine(self, policy: str, overlap: bool = True, scheduler=None, max_queue: int = 64,
-               pack: bool = True) -> tuple[DenoiseEngine, CacheRuntime | None]:
+               pack: bool = True, inline_work: bool = False) -> tuple[DenoiseEngine, CacheRuntime | None]:
         """A denoise engine on the shared transformer with cache ``policy``; stop it with ``shutdown`` and
-        ``close`` its runtime. ``pack=False``: one transformer call per resolution (the baseline)."""
+        ``close`` its runtime. Baselines, composed from ``baselines``: ``overlap=False`` loads rows inside the
+        block, ``pack=False`` makes one transformer call per resolution, ``inline_work=True`` gives an engine
+        whose ``call_soon`` runs work on its loop thread."""
         rt = None if policy == "off" else CacheRuntime(self.hooks, self.store, self.cost, policy=policy,
-                                                       overlap=overlap, budget_bytes=self.budget_bytes)
-        runner = ModelRunner(self.settings, transformer=self.runner.transformer, cache=rt, pack=pack)
-        return DenoiseEngine(runner, max_queue=max_queue, scheduler=scheduler), rt
+                                                       budget_bytes=self.budget_bytes,
+                                                       loader=RowLoader if overlap else InlineRowLoader)
+        runner_cls = ModelRunner if pack else PerResolutionRunner
+        runner = runner_cls(self.settings, transformer=self.runner.transformer, cache=rt)
+        engine_cls = InlineWorkEngine if inline_work else DenoiseEngine
+        return engine_cls(runner, max_queue=max_queue, scheduler=scheduler), rt
 
     def register(self) -> DenoiseInputs:
         """Record the template (empty mask) so every later mask can hit."""

@@ -10,7 +10,7 @@ of image tokens edited) it times the denoising of one image with:
   noctx      masked tokens computed without the unmasked context (the naive shortcut; a fidelity lower bound)
 and reports speedup over full, the FLOP-model ideal speedup of the plan used, two kernel ceilings (the speedup
 if every GEMM/attention ran at the speed the stock kernels reach at its shape here: with cache-hot weights, and
-with weights streamed from memory as in a real step; see ``cache/kernel_ceiling.py``), and fidelity against full
+with weights streamed from memory as in a real step; see ``kernel_ceiling.py``), and fidelity against full
 (SSIM/PSNR of the decoded images, whole image and unmasked region). Writes JSON and a plot.
 
     maskedit-bench-engine                                              # CPU, bench preset -> engine.json
@@ -34,13 +34,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .cache.cost_model import CostModel, device_slug, profile_path
-from .cache.flops import edges, ideal_speedup
-from .cache.kernel_ceiling import KernelTimer
-from .cache.harness import Harness
-from .decode import Decoder
-from .local import run_job
-from .settings import REPO_ROOT
+from maskedit.cache.cost_model import CostModel, device_slug, profile_path
+from maskedit.cache.flops import edges, ideal_speedup
+from maskedit.decode import Decoder
+from maskedit.local import run_job
+from maskedit.settings import REPO_ROOT
+
+from .harness import Harness
+from .kernel_ceiling import KernelTimer
 
 RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 MODES = {  # name -> (cache policy, loader overlap)

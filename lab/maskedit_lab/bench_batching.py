@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import samples
-from .cache.cost_model import CostModel, profile_path
-from .cache.harness import Harness, png
-from .denoise import DenoiseJob
-from .local import denoise_inputs
-from .params import parse_params
-from .scheduler import BatchScheduler
-from .settings import REPO_ROOT
+from maskedit import samples
+from maskedit.cache.cost_model import CostModel, profile_path
+from .harness import Harness, png
+from maskedit.denoise import DenoiseJob
+from maskedit.local import denoise_inputs
+from maskedit.params import parse_params
+from maskedit.scheduler import BatchScheduler
+from maskedit.settings import REPO_ROOT
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 _worker: dict = {}
@@ -44,10 +44,10 @@ _worker: dict = {}
 
 def _init_worker(model_dir: str, kind: str, mem: str, disk: str) -> None:
     torch.set_num_threads(1)
-    from .cache.store import ActivationStore
-    from .decode import Decoder
-    from .preprocess import Preprocessor
-    from .settings import load_settings
+    from maskedit.cache.store import ActivationStore
+    from maskedit.decode import Decoder
+    from maskedit.preprocess import Preprocessor
+    from maskedit.settings import load_settings
 
     s = load_settings({"MASKEDIT_MODEL_DIR": model_dir})
     if kind == "pre":
@@ -78,8 +78,9 @@ class Server:
     def __init__(self, h: Harness, mode: str, max_batch: int = 4):
         self.h, self.mode = h, mode
         policy, batch = MODES[mode]
-        self.engine, self.rt = h.engine("planner", scheduler=BatchScheduler(policy, max_batch=batch or max_batch))
         self.inline = mode == "naive"
+        self.engine, self.rt = h.engine("planner", scheduler=BatchScheduler(policy, max_batch=batch or max_batch),
+                                        inline_work=self.inline)
         if not self.inline:
             ctx = mp.get_context("spawn")
             dirs = (str(h.settings.model_dir), str(h.store.mem_dir), str(h.store.disk_dir))
@@ -89,7 +90,7 @@ class Server:
             self.pre.submit(int).result()
             self.dec.submit(int).result()
         else:
-            from .decode import Decoder
+            from maskedit.decode import Decoder
 
             self.decoder = Decoder(h.settings)
 
@@ -191,9 +192,9 @@ def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
 def batching_ceilings(h: Harness, batch: int) -> dict:
     """What batching can gain on this machine's kernels for the closed-loop request (mask ratio 0.2, its plan):
     ``KernelTimer.batching_ceiling`` with cache-hot and with streamed weights."""
-    from .cache.flops import edges
-    from .cache.kernel_ceiling import KernelTimer
-    from .local import run_job
+    from maskedit.cache.flops import edges
+    from .kernel_ceiling import KernelTimer
+    from maskedit.local import run_job
 
     x = h.inputs(h.mask(0.2, seed=7))
     eng, rt = h.engine("planner")

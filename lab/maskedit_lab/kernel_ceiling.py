@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..device import is_cuda
-from .planner import FULL, KV, Y
+from maskedit.cache.planner import FULL, KV, Y
+from maskedit.device import is_cuda
 
 
 def _calls(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> list[tuple]:

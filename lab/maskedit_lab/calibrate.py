@@ -24,13 +24,15 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from tqdm import tqdm
 
-from ..denoise import DenoiseJob
-from ..settings import REPO_ROOT
-from .cost_model import CostModel, LinearFit, device_slug, features, profile_path
+from maskedit.cache.cost_model import CostModel, LinearFit, device_slug, features, profile_path
+from maskedit.cache.loader import RowLoader
+from maskedit.cache.planner import FULL, KV, Y
+from maskedit.cache.runtime import CacheRuntime
+from maskedit.denoise import DenoiseJob
+from maskedit.settings import REPO_ROOT
+
+from .baselines import InlineRowLoader
 from .harness import Harness
-from .loader import RowLoader
-from .planner import FULL, KV, Y
-from .runtime import CacheRuntime
 
 RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 
@@ -80,7 +82,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
         for mode, ratio in tqdm(plan, desc="calibrating", unit="point"):
             x = h.inputs(h.mask(ratio, seed=1)) if mode != FULL else base
             rt = CacheRuntime(h.hooks, h.store, h.cost, policy={FULL: "off", Y: "all_y", KV: "all_kv"}[mode],
-                              overlap=False)
+                              loader=InlineRowLoader)
             h.runner.cache = rt
             job = DenoiseJob(x)
             h.runner.prepare(job)
