@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from maskedit.cache.cost_model import CostModel
-from maskedit.cache.heal import HEAL_MIN_RATIO, worth_healing
+from maskedit.cache.heal import HEAL_MIN_RATIO, after_heal, computed_tokens, heal_candidates, worth_healing
 from maskedit.settings import REPO_ROOT
 
 from .features import EditFeatures
@@ -219,8 +219,9 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     w.invalid[key] = q.mask  # its own edit is not template context
             elif cached and q.mask is not None and key in w.invalid:
                 inv = w.invalid[key]
-                work = replace(q.f, mask_ratio=float((q.mask | inv).mean()))  # the engine recomputes them
-                if key in w.stored and key not in w.healing and worth_healing(inv & ~q.mask, heal_min_ratio):
+                work = replace(q.f, mask_ratio=float(computed_tokens(q.mask, inv).mean()))  # the engine's rule
+                if key in w.stored and key not in w.healing and \
+                        worth_healing(heal_candidates(q.mask, inv), heal_min_ratio):
                     q.heals = True
                     w.healing.add(key)
             q.steps_left, q.started = q.f.steps, now
@@ -242,7 +243,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                 if q.heals:
                     w.healing.discard(key)
                     if key in w.invalid:
-                        w.invalid[key] = w.invalid[key] & q.mask
+                        inv = w.invalid[key]
+                        w.invalid[key] = after_heal(inv, heal_candidates(q.mask, inv))
                 if host:  # the entry is written in the background: CPU the host's other tasks lose
                     write_ms = (host.record_ms if q.records else 0.0) + (host.heal_ms if q.heals else 0.0)
                     if write_ms:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .heal import computed_tokens, heal_candidates
 from .live import LiveEntry, LiveRuns
 from .store import ActivationStore, Entry
 
@@ -63,10 +64,10 @@ def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, bloc
         if live is None or not fits(live.meta, n, x.steps, dim, blocks):
             return CacheDecision("record" if record else "off", key)
         entry = live
-    valid = np.asarray(entry.arrays["valid"], dtype=bool)
+    invalid = ~np.asarray(entry.arrays["valid"], dtype=bool)
     own = np.asarray(x.token_mask, bool)
-    computed = own | ~valid
+    computed = computed_tokens(own, invalid)
     if computed.all():
         return CacheDecision("full", key, entry)
     return CacheDecision("hit", key, entry, computed=computed,
-                         heal=None if isinstance(entry, LiveEntry) else ~valid & ~own)
+                         heal=None if isinstance(entry, LiveEntry) else heal_candidates(own, invalid))
