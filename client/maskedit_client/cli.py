@@ -36,17 +36,27 @@ def main(argv=None) -> int:
         if not p.is_file():
             print(f"error: {p} is not a file", file=sys.stderr)
             return 2
-    bar = tqdm(total=None, desc="denoising", unit="step", leave=False)
+    bars: list = []  # the progress bar, made when the first step is reported (nothing is shown before)
     stop = threading.Event()
 
     def progress(step: int, total: int) -> None:  # step-level progress when the server streams it
-        bar.total = total
-        bar.n = step
-        bar.refresh()
+        if not bars:
+            bars.append(tqdm(total=total, desc="denoising", unit="step"))
+        bars[0].n = step
+        bars[0].refresh()
 
     def tick() -> None:  # keep the elapsed time moving while waiting
         while not stop.wait(0.2):
-            bar.refresh()
+            if bars:
+                bars[0].refresh()
+
+    def close_bar(finished: bool) -> None:
+        stop.set()
+        if bars:
+            if finished:  # the last step's progress is the result itself: show N/N
+                bars[0].n = bars[0].total
+                bars[0].refresh()
+            bars[0].close()
 
     threading.Thread(target=tick, daemon=True).start()
     t0 = time.perf_counter()
@@ -56,17 +66,15 @@ def main(argv=None) -> int:
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms)
     except EditError as e:
-        stop.set()
-        bar.close()
-        print(f"error [{e.code}{' ' + e.field if e.field else ''}]: {e}", file=sys.stderr)
+        close_bar(False)
+        text = str(e)  # the server's message already starts with its code (and the field at fault)
+        print(f"error: {text}" if text.startswith(e.code) else f"error [{e.code}]: {text}", file=sys.stderr)
         return 1
     except Exception as e:  # connection refused, timeouts: say what and where
-        stop.set()
-        bar.close()
+        close_bar(False)
         print(f"error: could not edit via {args.url}: {e}", file=sys.stderr)
         return 1
-    stop.set()
-    bar.close()
+    close_bar(True)
     args.out.write_bytes(result.png)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
     return 0
