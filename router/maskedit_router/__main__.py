@@ -2,6 +2,7 @@
 
     python -m maskedit_router --backends 127.0.0.1:8001,127.0.0.1:9001 --port 7001 --http-port 7002
     python -m maskedit_router --backends-file backends.txt   # one host:port a line, re-read every 5 s
+    python -m maskedit_router --backends-dns triton-headless.ns.svc:8001   # every address of a headless Service
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from maskedit.settings import REPO_ROOT, load_settings
 from . import policies
 from .health import HealthChecker
 from .metrics import serve_http
+from .openai_api import OpenAIServer
 from .server import CHANNEL_OPTIONS, Router
 
 
@@ -75,6 +77,8 @@ def main(argv=None) -> None:
     src.add_argument("--backends-file", type=Path)
     ap.add_argument("--port", type=int, default=7001)
     ap.add_argument("--http-port", type=int, default=7002)
+    ap.add_argument("--openai-port", type=int, default=7003, help="OpenAI-compatible HTTP API (0: off)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
@@ -92,16 +96,19 @@ def main(argv=None) -> None:
         return [line.strip() for line in args.backends_file.read_text().splitlines() if line.strip()]
 
     router = build(read_backends(), args.policy, args.profile, args.resolution)
-    server, port, httpd = serve(router, args.port, args.http_port)
+    server, port, httpd = serve(router, args.port, args.http_port, args.host)
     HealthChecker(router).start()
-    print(json.dumps({"router": f"127.0.0.1:{port}", "http": args.http_port, "policy": args.policy,
-                      "backends": list(router.backends)}), flush=True)
+    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
+    print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
+                      "openai": openai.port if openai else None, "backends": list(router.backends)}), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     while not stop.wait(5.0):
         if args.backends_file:
             router.set_backends(read_backends())
+    if openai:
+        openai.stop()
     server.stop(grace=5).wait(10)
     if httpd:
         httpd.shutdown()
