@@ -85,8 +85,9 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     ap.add_argument("--ext-proc-port", type=int, default=0, help="serve Envoy ext_proc as a Gateway API Inference "
                     "Extension endpoint picker on this port (0: off)")
-    ap.add_argument("--target-port", type=int, help="the port the picker names on the chosen pod (the "
-                    "InferencePool's target port; default: the backend's own gRPC port)")
+    ap.add_argument("--target-port", type=int, help="the port the picker names on the chosen pod for gRPC requests "
+                    "(the InferencePool's target port; default: the backend's own gRPC port)")
+    ap.add_argument("--http-target-port", type=int, help="the same for HTTP requests (Triton's HTTP port)")
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
@@ -109,8 +110,8 @@ def main(argv=None) -> None:
     server, port, httpd = serve(router, args.port, args.http_port, args.host)
     HealthChecker(router).start()
     openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
-    ext_proc = serve_picker(EndpointPicker(router, args.target_port), args.ext_proc_port, args.host) \
-        if args.ext_proc_port else None
+    picker = EndpointPicker(router, args.target_port, args.http_target_port)
+    ext_proc = serve_picker(picker, args.ext_proc_port, args.host) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
                       "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
                       "backends": list(router.backends)}), flush=True)

@@ -32,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from . import picker_body
+from . import grpc_health, picker_body
 from .extproc_wire import metadata_context, streamed_body
 from .server import NoBackend, Router, Ticket
 
@@ -81,19 +81,22 @@ class _Exchange:
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     """``router`` holds the pods (their Triton gRPC addresses, which its health checks use); the answer names the
-    chosen pod's IP with ``target_port`` (the InferencePool's target port; default: the gRPC address's port)."""
+    chosen pod's IP with the InferencePool's target port: ``target_port`` for gRPC requests (default: the gRPC
+    address's own port), ``http_target_port`` for the others (Triton's HTTP port, for a pool of HTTP routes)."""
 
-    def __init__(self, router: Router, target_port: int | None = None):
-        self.r, self.target_port = router, target_port
+    def __init__(self, router: Router, target_port: int | None = None, http_target_port: int | None = None):
+        self.r, self.target_port, self.http_target_port = router, target_port, http_target_port
 
     # -- the choice ---------------------------------------------------------------------------------
-    def endpoint(self, addr: str) -> str:
+    def endpoint(self, addr: str, grpc_request: bool = True) -> str:
         """How the gateway names the pod whose Triton gRPC address is ``addr``: its IP and the target port."""
         host, port = addr.rsplit(":", 1)
-        return f"{host}:{self.target_port or port}"
+        target = self.target_port if grpc_request else (self.http_target_port or self.target_port)
+        return f"{host}:{target or port}"
 
     def choose(self, x: _Exchange, features) -> None:
-        named = {a: self.endpoint(a) for a in list(self.r.backends)}
+        grpc_request = picker_body.is_grpc(x.headers)
+        named = {a: self.endpoint(a, grpc_request) for a in list(self.r.backends)}
         exclude = set() if x.allowed is None else {a for a, e in named.items() if e not in x.allowed}
         if x.allowed is not None and len(exclude) == len(named):
             raise Refused(503, f"none of the offered endpoints ({', '.join(x.allowed) or 'empty subset'}) is a "
@@ -102,7 +105,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             x.ticket = self.r.route(features, exclude=exclude)
         except NoBackend as e:
             raise Refused(429 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else 503, str(e)) from None
-        x.endpoint = self.endpoint(x.ticket.backend.addr)
+        x.endpoint = named.get(x.ticket.backend.addr) or self.endpoint(x.ticket.backend.addr, grpc_request)
         log.info("picked", extra={"fields": {"endpoint": x.endpoint, "path": x.path, "template": features.template_key,
                                              "mask_ratio": round(features.mask_ratio, 4),
                                              "predicted_ms": round(x.ticket.booking.expected_ms, 1)}})
@@ -214,6 +217,7 @@ def serve_picker(picker: EndpointPicker, port: int, host: str = "127.0.0.1", wor
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="picker"))
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    server.add_generic_rpc_handlers((grpc_health.handler(lambda: bool(picker.r.available())),))
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, bound

@@ -32,8 +32,10 @@ def pool(settings, tmp_path_factory):
                                                                                                         servers):
         server, port = serve_picker(EndpointPicker(router), 0)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")  # raw bytes in and out
         try:
-            yield {"router": router, "servers": servers, "stub": ep_grpc.ExternalProcessorStub(channel)}
+            yield {"router": router, "servers": servers, "stub": ep_grpc.ExternalProcessorStub(channel),
+                   "health": lambda service: check(b"\x0a" + bytes([len(service)]) + service.encode(), timeout=5)}
         finally:
             channel.close()
             server.stop(grace=1).wait(10)
@@ -175,9 +177,13 @@ def test_no_eligible_endpoint_in_the_subset_is_an_immediate_503(pool, offered):
 def test_no_healthy_endpoint_is_503_and_full_is_429(pool):
     router = pool["router"]
     doc = json.dumps({"PROMPT": "x"}).encode()
+    serving, not_serving = b"\x08\x01", b"\x08\x02"  # grpc.health.v1 HealthCheckResponse.status
+    assert pool["health"]("readiness") == serving and pool["health"]("envoy.service.ext_proc.v3.ExternalProcessor") \
+        == serving
     for b in router.backends.values():
         b.open_until = time.monotonic() + 60  # circuit breakers open: nothing in rotation
     try:
+        assert pool["health"]("readiness") == not_serving and pool["health"]("liveness") == serving
         p = Proxy(pool["stub"])
         p.send(headers("/v2/models/edit/generate", "application/json"))
         p.send(body(doc, True))

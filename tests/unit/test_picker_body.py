@@ -80,3 +80,42 @@ def test_dns_discovery_lists_every_address():
     assert "127.0.0.1:8001" in discovery.from_dns("localhost:8001")
     assert discovery.from_dns("no-such-host.invalid:8001") == []
     assert discovery.from_list("a:1, b:2\nc:3") == ["a:1", "b:2", "c:3"]
+
+
+def test_picker_names_the_pools_target_port_for_each_protocol_and_matches_the_subset_on_it():
+    """The picker's protocol logic, called directly (the integration test runs it over gRPC)."""
+    from maskedit_router.__main__ import build
+    from maskedit_router.picker import EndpointPicker
+
+    router = build(["10.0.0.1:8001", "10.0.0.2:8001"], resolution=256)
+    picker = EndpointPicker(router, target_port=8001, http_target_port=8000)
+    doc = json.dumps({"TEMPLATE": base64.b64encode(TPL).decode(), "MASK": base64.b64encode(MASK).decode()}).encode()
+
+    def run(content_type, data, offered=None):
+        hs = ep.HttpHeaders()
+        for k, v in ((":path", "/v2/models/edit/generate"), ("content-type", content_type)):
+            hs.headers.headers.add(key=k, raw_value=v.encode())
+        req = ep.ProcessingRequest(request_headers=hs)
+        if offered is not None:
+            md = base_pb2.Metadata()
+            md.filter_metadata["envoy.lb.subset_hint"].update({"x-gateway-destination-endpoint-subset": offered})
+            req = with_metadata_context(req, md)
+        out = list(picker.Process(iter([req, ep.ProcessingRequest(request_body=ep.HttpBody(body=data,
+                                                                                             end_of_stream=True))]),
+                                  None))
+        if out[0].WhichOneof("response") == "immediate_response":
+            return out[0].immediate_response.status.code
+        return out[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+            "x-gateway-destination-endpoint"].string_value
+
+    first = run("application/json", doc)
+    assert first in ("10.0.0.1:8000", "10.0.0.2:8000")
+    assert run("application/json", doc) == first  # affinity
+    other = "10.0.0.2:8000" if first == "10.0.0.1:8000" else "10.0.0.1:8000"
+    assert run("application/json", doc, [other]) == other
+    assert run("application/json", doc, [other.replace(":8000", ":8001")]) == 503  # the gRPC port is not offered
+    assert run("application/grpc", _grpc_body(), [other.replace(":8000", ":8001")]) == \
+        other.replace(":8000", ":8001")
+    assert all(b.load.inflight == 0 for b in router.backends.values())
+    for b in router.backends.values():
+        b.close()
