@@ -72,7 +72,7 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
     return server, bound, httpd
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--backends", help="comma-separated host:port of Triton gRPC endpoints")
@@ -93,7 +93,11 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter("router"))
     logging.getLogger("maskedit").addHandler(handler)
