@@ -38,6 +38,8 @@ async def read_form(request: web.Request) -> dict:
     form: dict = {}
     reader = await request.multipart()
     async for part in reader:
+        if not part.name:
+            raise ApiError(400, "a form part has no name", None, "invalid_body")
         data = await part.read()
         value = bytes(data) if part.filename is not None else data.decode("utf-8", errors="strict")
         if part.name.endswith("[]"):

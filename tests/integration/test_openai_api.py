@@ -3,6 +3,7 @@ front of a real tritonserver."""
 
 import base64
 import io
+import json
 import time
 
 import numpy as np
@@ -187,3 +188,25 @@ def test_full_router_gives_429_and_no_backend_gives_503(api, template_img, box_m
     finally:
         backend.open_until = 0.0
     assert api["client"].images.edit(**kw).data  # serving again
+
+
+def test_bodies_that_are_not_a_form_and_unknown_paths_get_openai_errors(api):
+    import urllib.error
+    import urllib.request
+
+    def call(path, data=None, ctype="application/json"):
+        req = urllib.request.Request(f"http://127.0.0.1:{api['port']}{path}", data=data,
+                                     headers={"Content-Type": ctype})
+        try:
+            urllib.request.urlopen(req, timeout=30)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]
+        raise AssertionError("expected an error")
+
+    status, err = call("/v1/images/edits", b'{"prompt": "a hat"}')
+    assert status == 400 and "multipart/form-data" in err["message"] and set(err) == {"message", "type", "param",
+                                                                                        "code"}
+    status, err = call("/v1/images/edits", b"--x\r\nnot a form", "multipart/form-data; boundary=x")
+    assert status == 400, err
+    status, err = call("/v1/nothing-here")
+    assert status == 404 and err["type"] == "invalid_request_error"
