@@ -19,6 +19,7 @@ import threading
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from PIL import Image
 
 from maskedit_client import EditClient, EditError
@@ -36,16 +37,20 @@ async def read_form(request: web.Request) -> dict:
         raise ApiError(400, f"expected a multipart/form-data body, got {request.content_type or 'none'}", None,
                        "invalid_content_type")
     form: dict = {}
-    reader = await request.multipart()
-    async for part in reader:
-        if not part.name:
-            raise ApiError(400, "a form part has no name", None, "invalid_body")
-        data = await part.read()
-        value = bytes(data) if part.filename is not None else data.decode("utf-8", errors="strict")
-        if part.name.endswith("[]"):
-            form.setdefault(part.name, []).append(value)
-        else:
-            form[part.name] = value
+    try:
+        reader = await request.multipart()
+        async for part in reader:
+            if not part.name:
+                raise ApiError(400, "a form part has no name", None, "invalid_body")
+            data = await part.read()
+            value = bytes(data) if part.filename is not None else data.decode("utf-8", errors="strict")
+            if part.name.endswith("[]"):
+                form.setdefault(part.name, []).append(value)
+            else:
+                form[part.name] = value
+    except (ValueError, HttpProcessingError) as e:  # a malformed multipart body (UnicodeDecodeError included)
+        raise ApiError(400, f"could not read the multipart form: {getattr(e, 'message', None) or e}", None,
+                       "invalid_body") from None
     return form
 
 
@@ -85,9 +90,6 @@ class OpenAIFrontend:
             return web.json_response(ApiError(e.status, e.reason if e.status != 413 else
                                               f"request body is above the limit of {MAX_BODY_BYTES} bytes",
                                               param, e.reason.lower().replace(" ", "_")).body(), status=e.status)
-        except (ValueError, UnicodeDecodeError) as e:  # a malformed multipart body
-            return web.json_response(ApiError(400, f"could not read the form: {e}", None, "invalid_body").body(),
-                                     status=400)
 
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "maskedit"}

@@ -68,7 +68,7 @@ def test_edit_returns_a_png_of_the_template_size_changed_only_inside_the_mask(ap
     assert np.abs(out[inside].astype(int) - src[inside]).mean() > 5  # the masked area changed
     outside = _outside(mask)
     assert np.array_equal(out[outside], src[outside])  # the rest is the template's own pixels
-    info = r.data[0].model_extra["edit_info"] if r.data[0].model_extra else r.data[0].edit_info
+    info = r.data[0].model_extra["edit_info"]  # our extra field, kept by the openai package
     assert info["seed"] == 5 and info["steps"] == 3
 
 
@@ -210,3 +210,9 @@ def test_bodies_that_are_not_a_form_and_unknown_paths_get_openai_errors(api):
     assert status == 400, err
     status, err = call("/v1/nothing-here")
     assert status == 404 and err["type"] == "invalid_request_error"
+
+
+def test_size_resizes_the_result(api, template_img, box_mask):
+    r = api["client"].images.edit(image=_png_file(template_img), mask=_png_file(box_mask, "m.png"), prompt="a hat",
+                                  size="128x128", extra_body={"steps": 1})
+    assert _image(r.data[0]).shape == (128, 128, 3) and r.size == "128x128"
