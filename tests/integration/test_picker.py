@@ -245,3 +245,44 @@ def test_a_pod_removed_mid_run_is_no_longer_picked(pool):
         assert immediate(p.close()).status.code == 503
     finally:
         router.set_backends(everyone)
+
+
+def test_the_router_command_serves_the_picker_with_dns_discovery(tmp_path):
+    """`maskedit-router --backends-dns ... --ext-proc-port ...` as the picker Deployment runs it: the name resolves to
+    an address where no Triton answers, so the picker is live and not ready, and an edit gets an immediate 503."""
+    import json as _json
+    import signal
+    import subprocess
+    import sys
+
+    from maskedit.launcher import free_port
+
+    ports = [free_port() for _ in range(3)]
+    dead = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "maskedit_router", "--backends-dns", f"localhost:{dead}",
+                             "--port", str(ports[0]), "--http-port", str(ports[1]), "--openai-port", "0",
+                             "--ext-proc-port", str(ports[2]), "--target-port", "8001"],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "router.log", "w"), text=True)
+    try:
+        started = _json.loads(proc.stdout.readline())
+        assert started["ext_proc"] == ports[2] and started["backends"] == [f"127.0.0.1:{dead}"]
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports[2]}")
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        assert check(b"\x0a\x08liveness", timeout=5) == b"\x08\x01"
+        deadline = time.time() + 30
+        while check(b"\x0a\x09readiness", timeout=5) != b"\x08\x02" and time.time() < deadline:
+            time.sleep(0.5)  # the health checker finds nothing answering there
+        assert check(b"\x0a\x09readiness", timeout=5) == b"\x08\x02"
+        p = Proxy(ep_grpc.ExternalProcessorStub(channel))
+        p.send(headers(STREAM_PATH))
+        p.send(body(edit_message(samples.template(64, 64), np.zeros((64, 64), np.uint8)), True))
+        assert immediate(p.close()).status.code == 503
+        channel.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 0, (tmp_path / "router.log").read_text()[-2000:]
