@@ -119,3 +119,34 @@ def test_picker_names_the_pools_target_port_for_each_protocol_and_matches_the_su
     assert all(b.load.inflight == 0 for b in router.backends.values())
     for b in router.backends.values():
         b.close()
+
+
+def test_a_grpc_stream_is_placed_at_its_first_message_without_waiting_for_its_end():
+    """A model stream stays open for more requests: the picker answers once the first message is whole, and later
+    chunks pass through as they come."""
+    import queue
+
+    from maskedit_router.__main__ import build
+    from maskedit_router.picker import EndpointPicker
+
+    router = build(["10.0.0.1:8001", "10.0.0.2:8001"], resolution=256)
+    picker = EndpointPicker(router)
+    hs = ep.HttpHeaders()
+    for k, v in ((":path", STREAM), ("content-type", "application/grpc")):
+        hs.headers.headers.add(key=k, raw_value=v.encode())
+    first, second = _grpc_body(4), _grpc_body(5)
+    q = queue.Queue()
+    answers = picker.Process(iter(q.get, None), None)
+    q.put(ep.ProcessingRequest(request_headers=hs))
+    q.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=first[:100])))
+    q.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=first[100:] + second[:10])))  # no end of stream
+    assert next(answers).request_headers.response.header_mutation.set_headers[0].header.raw_value.startswith(b"10.")
+    assert read_streamed_body(next(answers).request_body.response.body_mutation) == (first + second[:10], False)
+    assert sum(b.load.inflight for b in router.backends.values()) == 1  # booked while the stream lives
+    q.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=second[10:], end_of_stream=True)))
+    assert read_streamed_body(next(answers).request_body.response.body_mutation) == (second[10:], True)
+    q.put(None)
+    assert list(answers) == []
+    assert sum(b.load.inflight for b in router.backends.values()) == 0  # and released when it ends
+    for b in router.backends.values():
+        b.close()
