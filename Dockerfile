@@ -13,6 +13,9 @@ RUN pip install --no-cache-dir -r requirements-serve.txt
 COPY pyproject.toml ./
 COPY python_backends ./python_backends
 COPY client ./client
+# The router (also the Kubernetes endpoint picker and the Triton pods' readiness probe) runs from this image too.
+COPY router ./router
+COPY perf_profiles/cost_model_bench-flux-fill.json ./perf_profiles/
 COPY model_repository ./model_repository
 RUN pip install --no-cache-dir --no-deps -e . \
  && python3 -m maskedit.repository --kind gpu --out /opt/maskedit/model_repository_gpu \

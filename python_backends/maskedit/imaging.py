@@ -47,6 +47,9 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
             img.load()  # forces the full decode: truncated files fail here, not later
     except InvalidInput:
         raise
+    except Image.UnidentifiedImageError:  # its message is a repr of our buffer: say what it means instead
+        raise InvalidInput("could not decode image (not a PNG, JPEG, WebP or other format Pillow reads)",
+                           field) from None
     except Exception as e:  # Pillow raises many types for bad data
         raise InvalidInput(f"could not decode image ({type(e).__name__}: {e})", field) from None
     if w < 16 or h < 16:

@@ -2,6 +2,8 @@
 
     python -m maskedit_router --backends 127.0.0.1:8001,127.0.0.1:9001 --port 7001 --http-port 7002
     python -m maskedit_router --backends-file backends.txt   # one host:port a line, re-read every 5 s
+    python -m maskedit_router --backends-dns triton-headless.ns.svc:8001   # every address of a headless Service
+    python -m maskedit_router ... --ext-proc-port 9002 --target-port 8001   # also a GIE endpoint picker
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from maskedit.cache.cost_model import CostModel
 from maskedit.logs import JsonFormatter
 from maskedit.settings import REPO_ROOT, load_settings
 
-from . import policies
+from . import discovery, policies
 from .health import HealthChecker
 from .metrics import serve_http
+from .openai_api import OpenAIServer
+from .picker import EndpointPicker, serve_picker
 from .server import CHANNEL_OPTIONS, Router
 
 
@@ -68,19 +72,32 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
     return server, bound, httpd
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--backends", help="comma-separated host:port of Triton gRPC endpoints")
     src.add_argument("--backends-file", type=Path)
+    src.add_argument("--backends-dns", help="host:port; every address the name resolves to (a headless Service), "
+                     "re-resolved every 5 s")
     ap.add_argument("--port", type=int, default=7001)
     ap.add_argument("--http-port", type=int, default=7002)
+    ap.add_argument("--openai-port", type=int, default=7003, help="OpenAI-compatible HTTP API (0: off)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    ap.add_argument("--ext-proc-port", type=int, default=0, help="serve Envoy ext_proc as a Gateway API Inference "
+                    "Extension endpoint picker on this port (0: off)")
+    ap.add_argument("--target-port", type=int, help="the port the picker names on the chosen pod for gRPC requests "
+                    "(the InferencePool's target port; default: the backend's own gRPC port)")
+    ap.add_argument("--http-target-port", type=int, help="the same for HTTP requests (Triton's HTTP port)")
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter("router"))
     logging.getLogger("maskedit").addHandler(handler)
@@ -88,20 +105,30 @@ def main(argv=None) -> None:
 
     def read_backends():
         if args.backends:
-            return [a.strip() for a in args.backends.split(",") if a.strip()]
-        return [line.strip() for line in args.backends_file.read_text().splitlines() if line.strip()]
+            return discovery.from_list(args.backends)
+        if args.backends_dns:
+            return discovery.from_dns(args.backends_dns)
+        return discovery.from_file(args.backends_file)
 
     router = build(read_backends(), args.policy, args.profile, args.resolution)
-    server, port, httpd = serve(router, args.port, args.http_port)
+    server, port, httpd = serve(router, args.port, args.http_port, args.host)
     HealthChecker(router).start()
-    print(json.dumps({"router": f"127.0.0.1:{port}", "http": args.http_port, "policy": args.policy,
+    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
+    picker = EndpointPicker(router, args.target_port, args.http_target_port)
+    ext_proc = serve_picker(picker, args.ext_proc_port, args.host) if args.ext_proc_port else None
+    print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
+                      "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
                       "backends": list(router.backends)}), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     while not stop.wait(5.0):
-        if args.backends_file:
+        if args.backends_file or args.backends_dns:
             router.set_backends(read_backends())
+    if ext_proc:
+        ext_proc[0].stop(grace=5).wait(10)
+    if openai:
+        openai.stop()
     server.stop(grace=5).wait(10)
     if httpd:
         httpd.shutdown()

@@ -21,13 +21,16 @@ from maskedit.settings import REPO_ROOT
 
 from .__main__ import build, serve
 from .health import HealthChecker
+from .openai_api import OpenAIServer
 
 
 @contextlib.contextmanager
 def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
-                    policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None):
+                    policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None,
+                    openai_port: int | None = None):
     """Start ``instances`` Triton servers (own ports and store directories each) and the router in front of
-    them; yield ``(router, router_grpc_url, servers)``; stop everything, by pid, on the way out."""
+    them (with the OpenAI API on ``openai_port`` if given); yield ``(router, router_grpc_url, servers)``; stop
+    everything, by pid, on the way out."""
     servers = []
     # Instances on one host share its cores: each denoise loop gets its share. With every instance using all
     # cores, OpenMP thread teams oversubscribe them and a step can take seconds instead of milliseconds.
@@ -45,9 +48,12 @@ def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | N
         router = build([s.grpc_url for s in servers], policy)
         grpc_server, bound, httpd = serve(router, port, http_port)
         checker = HealthChecker(router, **(health or {})).start()
+        openai = OpenAIServer(f"127.0.0.1:{bound}", openai_port).start() if openai_port else None
         try:
             yield router, f"127.0.0.1:{bound}", servers
         finally:
+            if openai:
+                openai.stop()
             checker.stop()
             grpc_server.stop(grace=1).wait(10)
             if httpd:
@@ -63,14 +69,16 @@ def main(argv=None) -> None:
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--port", type=int, default=7001)
     ap.add_argument("--http-port", type=int, default=7002)
+    ap.add_argument("--openai-port", type=int, default=7003, help="OpenAI-compatible HTTP API (0: off)")
     ap.add_argument("--policy", default="predicted")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "cluster")
     args = ap.parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with running_cluster(args.instances, args.out, args.port, args.http_port, args.policy) as (router, url, servers):
-        print(json.dumps({"router_grpc": url, "router_http": args.http_port,
+    with running_cluster(args.instances, args.out, args.port, args.http_port, args.policy,
+                         openai_port=args.openai_port or None) as (router, url, servers):
+        print(json.dumps({"router_grpc": url, "router_http": args.http_port, "openai": args.openai_port or None,
                           "backends": [s.grpc_url for s in servers]}), flush=True)
         stop.wait()
 

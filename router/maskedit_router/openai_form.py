@@ -1,0 +1,235 @@
+"""OpenAI's ``POST /v1/images/edits`` form, read into the ``edit`` ensemble's inputs.
+
+Plain functions over the form's fields (name -> bytes for files, str for text), so the rules unit-test without a
+server. Bad input raises ``ApiError`` naming the form field, in OpenAI's error shape.
+
+Mask rule: OpenAI marks the area to edit by the *transparent* pixels of the mask (alpha); maskedit's own masks
+are white = edit. A mask with an alpha channel in which some pixel is not fully opaque is read the OpenAI way
+(alpha < 128 edits) and sent on as a white-is-edit grayscale PNG; any other mask (no alpha, or fully opaque) is
+sent unchanged and read the maskedit way (grayscale >= 128 edits). Without a mask, the image's own transparent
+pixels are the edit area (as OpenAI does); an image without any is an error naming ``mask``.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+MAX_N = 10  # OpenAI's own limit for n
+MAX_SIDE = 4096  # matches the server's default input limit (MASKEDIT_MAX_INPUT_PIXELS = 4096x4096)
+# Accepted for compatibility and not used: they do not change what an inpainting model computes here.
+IGNORED = {"quality", "input_fidelity", "safety_identifier", "output_compression", "user"}
+# Only the tensors' own ranges are checked here: the server checks the limits (and says them) as for any client.
+INT_EXTRAS = {"seed": (-2 ** 63, 2 ** 63 - 1), "steps": (-2 ** 31, 2 ** 31 - 1),
+              "template_seed": (-2 ** 63, 2 ** 63 - 1), "deadline_ms": (-2 ** 63, 2 ** 63 - 1)}
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {message}", param, code)
+
+
+@dataclass
+class EditJob:
+    """One ``/v1/images/edits`` call: ``n`` edits of one template with seeds ``seed``, ``seed + 1``, ..."""
+
+    image: bytes
+    mask: bytes  # white = edit (maskedit's convention), encoded
+    prompt: str
+    n: int = 1
+    size: tuple[int, int] | None = None  # (w, h) to resize the result to; None: the template's own size
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    template_seed: int | None = None
+    deadline_ms: int | None = None
+    use_cache: bool | None = None
+    model: str | None = None
+    user: str | None = None
+    ignored: list = field(default_factory=list)
+
+    def seeds(self) -> list[int | None]:
+        """Each of the n edits' seed: consecutive from ``seed`` (0 by default, the server's default)."""
+        base = self.seed or 0
+        return [self.seed if self.n == 1 else base + i for i in range(self.n)]
+
+
+def _text(form: dict, name: str) -> str | None:
+    v = form.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        try:
+            v = v.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad(name, "is not UTF-8 text") from None
+    return v
+
+
+def _int(form: dict, name: str, lo: int, hi: int) -> int | None:
+    v = _text(form, name)
+    if v is None or v == "":
+        return None
+    try:
+        x = int(v)
+    except ValueError:
+        raise bad(name, f"must be an integer, got {v[:40]!r}") from None
+    if not lo <= x <= hi:
+        raise bad(name, f"must be between {lo} and {hi}, got {x}")
+    return x
+
+
+def _float(form: dict, name: str) -> float | None:
+    v = _text(form, name)
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise bad(name, f"must be a number, got {v[:40]!r}") from None
+
+
+def _bool(form: dict, name: str) -> bool | None:
+    v = _text(form, name)
+    if v is None or v == "":
+        return None
+    if v.lower() in ("true", "1"):
+        return True
+    if v.lower() in ("false", "0"):
+        return False
+    raise bad(name, f"must be true or false, got {v[:40]!r}")
+
+
+def _file(form: dict, *names: str) -> bytes | None:
+    for name in names:
+        v = form.get(name)
+        if isinstance(v, list):  # image[]: one image is supported
+            if len(v) != 1:
+                raise bad("image", f"one image is supported, got {len(v)}")
+            v = v[0]
+        if v is not None:
+            return v if isinstance(v, bytes) else v.encode()
+    return None
+
+
+def _open(data: bytes) -> Image.Image | None:
+    """The decoded image, or None if it is not one (the server then rejects it with its own message)."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if w * h > MAX_SIDE * MAX_SIDE:
+            return None  # the server rejects it from its header, with the limit in the message
+        img.load()
+        return img
+    except Exception:  # Pillow raises many types for bad data
+        return None
+
+
+def _alpha(img: Image.Image) -> np.ndarray | None:
+    """The alpha channel, if the image has one and some pixel is not fully opaque."""
+    if img.mode not in ("RGBA", "LA", "PA") and "transparency" not in img.info:
+        return None
+    a = np.asarray(img.convert("RGBA"))[..., 3]
+    return a if (a < 255).any() else None
+
+
+def _png(white_is_edit: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(white_is_edit.astype(np.uint8) * 255).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def edit_mask(mask: bytes | None, image: bytes) -> bytes:
+    """The white-is-edit mask to send, by the rule in this module's docstring."""
+    if mask is not None:
+        img = _open(mask)
+        alpha = _alpha(img) if img is not None else None
+        return mask if alpha is None else _png(alpha < 128)
+    img = _open(image)
+    alpha = _alpha(img) if img is not None else None
+    if alpha is None:
+        raise bad("mask", "is required unless the image has transparent pixels marking the area to edit",
+                  "missing_required_parameter")
+    return _png(alpha < 128)
+
+
+def parse_size(value: str | None, image: bytes) -> tuple[int, int] | None:
+    if value in (None, "", "auto"):
+        return None
+    m = _SIZE.match(value)
+    if not m:
+        raise bad("size", f"must be WIDTHxHEIGHT (e.g. 512x512) or auto, got {value[:40]!r}")
+    w, h = int(m.group(1)), int(m.group(2))
+    if not (16 <= w <= MAX_SIDE and 16 <= h <= MAX_SIDE):
+        raise bad("size", f"sides must be between 16 and {MAX_SIDE} pixels, got {w}x{h}")
+    img = _open(image)
+    if img is not None and abs(w / h - img.width / img.height) > 0.01 * img.width / img.height:
+        raise bad("size", f"{w}x{h} does not keep the image's aspect ratio ({img.width}x{img.height}); the "
+                          "edit keeps the template outside the mask, so the result cannot be reshaped")
+    return None if img is not None and (w, h) == img.size else (w, h)
+
+
+def parse(form: dict, models: list[str]) -> EditJob:
+    """An ``EditJob`` from the form's fields, or ``ApiError`` naming the field at fault."""
+    unknown = sorted(set(form) - KNOWN)
+    if unknown:
+        raise bad(unknown[0], "is not a parameter of this endpoint (see docs/openai.md)", "unknown_parameter")
+    image = _file(form, "image", "image[]")
+    if not image:
+        raise bad("image", "is required: the image (PNG, JPEG or WebP) to edit", "missing_required_parameter")
+    prompt = _text(form, "prompt")
+    if prompt is None:
+        raise bad("prompt", "is required", "missing_required_parameter")
+    model = _text(form, "model")
+    if model and model not in models:
+        raise ApiError(404, f"model: {model!r} does not exist; this server has {', '.join(models)}", "model",
+                       "model_not_found")
+    fmt = _text(form, "response_format")
+    if fmt not in (None, "", "b64_json"):
+        raise bad("response_format", f"only b64_json is supported (this server keeps no images to link to), "
+                                     f"got {fmt[:40]!r}")
+    out_fmt = _text(form, "output_format")
+    if out_fmt not in (None, "", "png"):
+        raise bad("output_format", f"only png is supported, got {out_fmt[:40]!r}")
+    if _bool(form, "stream"):
+        raise bad("stream", "streaming is not supported by this endpoint")
+    background = _text(form, "background")
+    if background not in (None, "", "auto", "opaque"):
+        raise bad("background", f"only auto or opaque is supported, got {background[:40]!r}")
+    guidance = _float(form, "guidance")
+    job = EditJob(
+        image=image, mask=edit_mask(_file(form, "mask"), image), prompt=prompt,
+        n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
+        guidance=guidance, use_cache=_bool(form, "use_cache"), model=model or None, user=_text(form, "user"),
+        ignored=sorted(k for k in form if k in IGNORED - {"user"}),
+        **{k: _int(form, k, *r) for k, r in INT_EXTRAS.items()})
+    if job.seed is not None and job.seed + job.n - 1 > INT_EXTRAS["seed"][1]:
+        raise bad("seed", f"seed + n - 1 must be at most {INT_EXTRAS['seed'][1]}")
+    return job
+
+
+KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
+         "background", "guidance", "use_cache"} | IGNORED | set(INT_EXTRAS)
+# Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
+PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "SEED": "seed", "STEPS": "steps",
+                   "GUIDANCE": "guidance", "TEMPLATE_SEED": "template_seed", "DEADLINE_MS": "deadline_ms",
+                   "USE_CACHE": "use_cache"}

@@ -1,0 +1,224 @@
+"""The router as a Gateway API Inference Extension endpoint picker (EPP): Envoy's external-processing protocol.
+
+A GIE gateway (Envoy Gateway, kgateway, GKE ...) opens one ``ExternalProcessor.Process`` stream per HTTP request
+and sends its headers and body (``FULL_DUPLEX_STREAMED``, as the protocol requires). The picker reads the edit's
+features from the body (``picker_body``), chooses a Triton pod with the router's own policy and books
+(predicted latency + cache affinity, health checks: a ``Router`` over the pods' gRPC addresses), and answers:
+
+- the request-headers response sets ``x-gateway-destination-endpoint: <ip:port>`` and the dynamic metadata
+  ``envoy.lb / x-gateway-destination-endpoint`` to the same value (and clears the route cache);
+- the request body goes back unchanged as ``streamed_response`` chunks; later phases pass through;
+- only endpoints in the proxy's subset (``metadata_context`` ``envoy.lb.subset_hint`` /
+  ``x-gateway-destination-endpoint-subset``) are eligible when it sends one; none eligible or none healthy: an
+  immediate 503; the router's in-flight limits reached: 429; a body that cannot be read: 400 (gRPC requests get
+  the matching grpc-status).
+
+Decision point: JSON bodies (Triton's generate endpoints) at their end; gRPC bodies at their first complete
+message (a stream stays on one pod: the gateway routes streams, not the messages in them); bodiless requests at
+their headers. The booking ends when the ext_proc stream ends (the HTTP request is over).
+Protocol: kubernetes-sigs/gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from . import grpc_health, picker_body
+from .extproc_wire import metadata_context, streamed_body
+from .server import NoBackend, Router, Ticket
+
+log = logging.getLogger("maskedit.router.picker")
+DESTINATION = "x-gateway-destination-endpoint"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+GRPC_CODE = {400: 3, 429: 8, 503: 14}  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
+
+
+class Refused(Exception):
+    """End the HTTP request at the gateway with ``status`` (an immediate response)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def subset(req: ep.ProcessingRequest) -> list[str] | None:
+    """The endpoints the proxy allows for this request, None if it sent no subset."""
+    md = metadata_context(req)
+    if SUBSET_NAMESPACE not in md.filter_metadata:
+        return None
+    hint = md.filter_metadata[SUBSET_NAMESPACE]
+    if SUBSET not in hint.fields:
+        return None
+    value = hint.fields[SUBSET]
+    if value.HasField("list_value"):
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    return [a.strip() for a in value.string_value.split(",") if a.strip()]
+
+
+@dataclass
+class _Exchange:
+    """One HTTP request as the picker sees it."""
+
+    headers: dict = field(default_factory=dict)
+    path: str = ""
+    body: bytearray = field(default_factory=bytearray)
+    allowed: list | None = None
+    ticket: Ticket | None = None
+    endpoint: str | None = None
+    status: int | None = None
+
+
+class EndpointPicker(ep_grpc.ExternalProcessorServicer):
+    """``router`` holds the pods (their Triton gRPC addresses, which its health checks use); the answer names the
+    chosen pod's IP with the InferencePool's target port: ``target_port`` for gRPC requests (default: the gRPC
+    address's own port), ``http_target_port`` for the others (Triton's HTTP port, for a pool of HTTP routes)."""
+
+    def __init__(self, router: Router, target_port: int | None = None, http_target_port: int | None = None):
+        self.r, self.target_port, self.http_target_port = router, target_port, http_target_port
+
+    # -- the choice ---------------------------------------------------------------------------------
+    def endpoint(self, addr: str, grpc_request: bool = True) -> str:
+        """How the gateway names the pod whose Triton gRPC address is ``addr``: its IP and the target port."""
+        host, port = addr.rsplit(":", 1)
+        target = self.target_port if grpc_request else (self.http_target_port or self.target_port)
+        return f"{host}:{target or port}"
+
+    def choose(self, x: _Exchange, features) -> None:
+        grpc_request = picker_body.is_grpc(x.headers)
+        named = {a: self.endpoint(a, grpc_request) for a in list(self.r.backends)}
+        exclude = set() if x.allowed is None else {a for a, e in named.items() if e not in x.allowed}
+        if x.allowed is not None and len(exclude) == len(named):
+            raise Refused(503, f"none of the offered endpoints ({', '.join(x.allowed) or 'empty subset'}) is a "
+                               "known model server")
+        try:
+            x.ticket = self.r.route(features, exclude=exclude)
+        except NoBackend as e:
+            raise Refused(429 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else 503, str(e)) from None
+        x.endpoint = named.get(x.ticket.backend.addr) or self.endpoint(x.ticket.backend.addr, grpc_request)
+        log.info("picked", extra={"fields": {"endpoint": x.endpoint, "path": x.path, "template": features.template_key,
+                                             "mask_ratio": round(features.mask_ratio, 4),
+                                             "predicted_ms": round(x.ticket.booking.expected_ms, 1)}})
+
+    # -- the protocol -------------------------------------------------------------------------------
+    def Process(self, request_iterator, context):
+        x = _Exchange()
+        try:
+            yield from self._process(x, request_iterator)
+        except Refused as e:
+            log.info("refused", extra={"fields": {"status": e.status, "path": x.path, "why": str(e)}})
+            yield self._immediate(x, e.status, str(e))
+        finally:
+            if x.ticket is not None:
+                # a single edit's latency refits the model; a gRPC stream's lifetime says nothing about one edit
+                self.r.release(x.ticket, ok=x.status == 200 and not picker_body.is_grpc(x.headers))
+
+    def _process(self, x: _Exchange, request_iterator):
+        for req in request_iterator:
+            kind = req.WhichOneof("request")
+            if kind == "request_headers":
+                x.headers = {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+                             for h in req.request_headers.headers.headers}
+                x.path = x.headers.get(":path", "")
+                x.allowed = subset(req)
+                if req.request_headers.end_of_stream:  # no body: decide now
+                    self.choose(x, picker_body.NO_WORK)
+                    yield self._headers_answer(x)
+            elif kind == "request_body":
+                chunk = req.request_body
+                if x.endpoint is not None:  # decided: the rest of the body passes through
+                    yield _body_answer(chunk.body, chunk.end_of_stream)
+                    continue
+                x.body += chunk.body
+                features = self._features(x, chunk.end_of_stream)
+                if features is None:
+                    continue  # not enough of the body yet: Envoy keeps streaming it to us
+                self.choose(x, features)
+                yield self._headers_answer(x)
+                yield _body_answer(bytes(x.body), chunk.end_of_stream)
+                x.body = bytearray()
+            elif kind == "request_trailers":
+                if x.endpoint is None:  # a body that never completed a message: decide on what we have
+                    self.choose(x, picker_body.NO_WORK)
+                    yield self._headers_answer(x)
+                    yield _body_answer(bytes(x.body), False)
+                yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            elif kind == "response_headers":
+                for h in req.response_headers.headers.headers:
+                    if h.key == ":status":
+                        x.status = int(h.raw_value or h.value or 0)
+                yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+            elif kind == "response_body":
+                yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+                    body_mutation=streamed_body(req.response_body.body, req.response_body.end_of_stream))))
+            elif kind == "response_trailers":
+                yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+    def _features(self, x: _Exchange, end_of_stream: bool):
+        try:
+            if picker_body.is_grpc(x.headers):
+                msg = picker_body.first_grpc_message(bytes(x.body))
+                if msg is None:
+                    if end_of_stream:
+                        raise picker_body.BadBody("the body ended inside its first gRPC message")
+                    return None
+                return picker_body.grpc_features(x.path, msg, self.r.resolution)
+            if not end_of_stream:
+                return None
+            return picker_body.json_features(x.path, bytes(x.body), self.r.resolution)
+        except picker_body.BadBody as e:
+            raise Refused(400, str(e)) from None
+
+    def _headers_answer(self, x: _Exchange) -> ep.ProcessingResponse:
+        value = x.endpoint.encode()
+        mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value))])
+        dynamic = struct_pb2.Struct()
+        dynamic.update({LB_NAMESPACE: {DESTINATION: x.endpoint}})
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation,
+                                                                          clear_route_cache=True)),
+            dynamic_metadata=dynamic)
+
+    def _immediate(self, x: _Exchange, status: int, message: str) -> ep.ProcessingResponse:
+        grpc_req = picker_body.is_grpc(x.headers)
+        body = ('{"error": {"message": %s, "type": "%s", "param": null, "code": null}}' % (
+            json.dumps(message), "invalid_request_error" if status < 500 else "server_error"))
+        imm = ep.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status), details=message,
+                                   body=body if not grpc_req else "")
+        if grpc_req:
+            imm.grpc_status.status = GRPC_CODE.get(status, 2)
+            imm.headers.set_headers.add(header=base_pb2.HeaderValue(key="grpc-message", raw_value=message.encode()))
+        else:
+            imm.headers.set_headers.add(header=base_pb2.HeaderValue(key="content-type",
+                                                                     raw_value=b"application/json"))
+        return ep.ProcessingResponse(immediate_response=imm)
+
+
+def _body_answer(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=streamed_body(body, end_of_stream))))
+
+
+def serve_picker(picker: EndpointPicker, port: int, host: str = "127.0.0.1", workers: int = 256):
+    """The ext_proc gRPC server. A gRPC model stream holds its ext_proc stream (and a worker) for its whole life,
+    hence many workers."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="picker"))
+    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    server.add_generic_rpc_handlers((grpc_health.handler(lambda: bool(picker.r.available())),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound
+

@@ -1,0 +1,32 @@
+"""`python -m maskedit_router.probe HOST:PORT`: exit 0 if that Triton answers a real edit request in time.
+
+The Kubernetes readiness probe of a Triton pod: Triton 2.51 keeps saying ready after a Python stub died, so the
+pod is ready only while a request through every stage of the ``edit`` ensemble (an empty mask: no model work)
+comes back. The same probe the router's health checker sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .health import probe
+from .server import Backend
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("addr", help="Triton gRPC address, e.g. 127.0.0.1:8001")
+    ap.add_argument("--timeout", type=float, default=20.0)
+    args = ap.parse_args(argv)
+    backend = Backend(args.addr)
+    try:
+        ok = probe(backend, args.timeout)
+    finally:
+        backend.close()
+    print(f"{args.addr}: {'answered' if ok else 'did not answer'} an edit within {args.timeout:g} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

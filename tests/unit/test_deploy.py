@@ -1,0 +1,176 @@
+"""deploy/: every overlay renders with ``kubectl kustomize`` and every object validates against its schema (the
+``kubernetes`` package's models for core objects, with unknown fields forbidden; the vendored CRD OpenAPI
+schemas for InferencePool, HTTPRoute and GRPCRoute), and the objects agree with each other and with the code."""
+
+import json
+import shutil
+import subprocess
+
+import jsonschema
+import kubernetes.client
+import pytest
+import yaml
+
+from maskedit.settings import REPO_ROOT
+from maskedit_router.__main__ import parser as router_parser
+
+DEPLOY = REPO_ROOT / "deploy"
+OVERLAYS = ["standalone", "gateway"]
+SCHEMAS = {}
+for path in (DEPLOY / "schemas").glob("*.json"):
+    s = json.loads(path.read_text())
+    SCHEMAS[(f"{s['group']}/{s['version']}", s["kind"])] = s["openAPIV3Schema"]
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def strict(schema):
+    """The CRD schema with unknown fields rejected (the API server would prune them: a typo would vanish)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+        return schema
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def validate(obj: dict) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    if key in SCHEMAS:
+        schema = strict(SCHEMAS[key])
+        schema["properties"]["metadata"] = {"type": "object"}  # ObjectMeta: checked with the core model below
+        jsonschema.validate(obj, schema)
+        kubernetes.client.V1ObjectMeta.model_validate(obj["metadata"])
+        return
+    version = obj["apiVersion"].split("/")[-1].capitalize()
+    model = getattr(kubernetes.client, f"{version}{obj['kind']}", None)
+    assert model is not None, f"no schema for {key}"
+    model.model_validate(obj)  # pydantic: strict types, required fields, unknown fields forbidden
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def objects(request):
+    return request.param, render(request.param)
+
+
+def _by_kind(objs, kind):
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def test_every_object_validates(objects):
+    _, objs = objects
+    for obj in objs:
+        validate(obj)
+
+
+def test_the_validator_rejects_typos_and_bad_values():
+    objs = render("gateway")
+    dep = json.loads(json.dumps(_by_kind(objs, "Deployment")["maskedit-triton"]))
+    dep["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(Exception, match="volumeMount"):
+        validate(dep)
+    pool = json.loads(json.dumps(_by_kind(objs, "InferencePool")["maskedit-grpc"]))
+    pool["spec"]["targetPorts"][0]["number"] = 70000
+    with pytest.raises(jsonschema.ValidationError):
+        validate(pool)
+    route = json.loads(json.dumps(_by_kind(objs, "HTTPRoute")["maskedit-http"]))
+    route["spec"]["rules"][0]["matchs"] = route["spec"]["rules"][0].pop("matches")
+    with pytest.raises(jsonschema.ValidationError, match="matchs"):
+        validate(route)
+
+
+def _container(dep):
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(container) -> dict:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _gib(q: str) -> int:
+    assert q.endswith("Gi"), q
+    return int(q[:-2]) << 30
+
+
+def test_triton_pods_have_a_gpu_a_real_readiness_probe_and_shm_for_the_memory_tier(objects):
+    _, objs = objects
+    triton = _by_kind(objs, "Deployment")["maskedit-triton"]
+    c = _container(triton)
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "1" == c["resources"]["limits"]["nvidia.com/gpu"]
+    assert c["readinessProbe"]["exec"]["command"][:3] == ["python3", "-m", "maskedit_router.probe"]
+    volumes = {v["name"]: v for v in triton["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    env = _env(c)
+    assert shm["medium"] == "Memory" and env["MASKEDIT_CACHE_MEM_DIR"].startswith("/dev/shm/")
+    # the memory tier plus room for Triton's Python-backend regions
+    assert _gib(shm["sizeLimit"]) >= int(env["MASKEDIT_CACHE_MEM_BYTES"]) + (2 << 30)
+    disk_mount = next(p for p in mounts if env["MASKEDIT_CACHE_DISK_DIR"].startswith(p + "/"))
+    assert "hostPath" in volumes[mounts[disk_mount]]  # node-local
+    svc = _by_kind(objs, "Service")["maskedit-triton"]
+    assert svc["spec"]["clusterIP"] == "None"  # headless: DNS lists the pods
+    assert svc["spec"]["selector"].items() <= triton["spec"]["template"]["metadata"]["labels"].items()
+
+
+def _router_args(dep):
+    """The container's command, parsed by the router's own command line."""
+    cmd = _container(dep)["command"]
+    assert cmd[0] == "maskedit-router"
+    return router_parser().parse_args(cmd[1:])
+
+
+def test_router_and_picker_find_the_triton_pods_and_expose_their_ports(objects):
+    overlay, objs = objects
+    deps, svcs = _by_kind(objs, "Deployment"), _by_kind(objs, "Service")
+    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker"}[overlay]
+    args = _router_args(deps[name])
+    host, port = args.backends_dns.split(":")
+    assert host in svcs and svcs[host]["spec"]["clusterIP"] == "None"
+    assert int(port) in [p["port"] for p in svcs[host]["spec"]["ports"] if p["name"] == "grpc"]
+    assert args.host == "0.0.0.0"
+    ports = {p["containerPort"] for p in _container(deps[name])["ports"]}
+    assert {args.http_port, args.openai_port} <= ports
+    if overlay == "gateway":
+        assert args.ext_proc_port in ports
+    svc_targets = {p["targetPort"] for p in svcs[name]["spec"]["ports"]}
+    assert svc_targets <= {p["name"] for p in _container(deps[name])["ports"]}
+
+
+def test_pools_routes_and_picker_agree():
+    objs = render("gateway")
+    pools, svcs, deps = _by_kind(objs, "InferencePool"), _by_kind(objs, "Service"), _by_kind(objs, "Deployment")
+    triton_labels = deps["maskedit-triton"]["spec"]["template"]["metadata"]["labels"]
+    args = _router_args(deps["maskedit-picker"])
+    ports = {"maskedit-grpc": args.target_port, "maskedit-http": args.http_target_port}
+    for name, pool in pools.items():
+        assert pool["spec"]["selector"]["matchLabels"].items() <= triton_labels.items()
+        assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports[name]]
+        ref = pool["spec"]["endpointPickerRef"]
+        assert ref["port"]["number"] in [p["port"] for p in svcs[ref["name"]]["spec"]["ports"]]
+        assert args.ext_proc_port == ref["port"]["number"]
+    refs = [b for kind in ("HTTPRoute", "GRPCRoute") for r in _by_kind(objs, kind).values()
+            for rule in r["spec"]["rules"] for b in rule["backendRefs"]]
+    for b in refs:
+        if b.get("kind") == "InferencePool":
+            assert b["name"] in pools
+        else:
+            assert b["port"] in [p["port"] for p in svcs[b["name"]]["spec"]["ports"]]
+    assert {b["name"] for b in refs} == {"maskedit-grpc", "maskedit-http", "maskedit-picker"}
+
+
+def test_the_image_has_what_the_manifests_run():
+    """Router, picker and the readiness probe run from the project's image (see the Dockerfile)."""
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert "COPY router ./router" in dockerfile and "cost_model_bench-flux-fill.json" in dockerfile
+    serve = (REPO_ROOT / "requirements-serve.txt").read_text()
+    for pkg in ("tritonclient[all]", "aiohttp", "xds-protos", "prometheus-client"):
+        assert f"\n{pkg}==" in serve, pkg

@@ -1,0 +1,99 @@
+"""The OpenAI form's rules (mask convention, fields, errors) without a server."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from maskedit_client import EditError
+from maskedit_router.openai_errors import from_edit_error
+from maskedit_router.openai_form import ApiError, edit_mask, parse
+from tests.conftest import png
+
+TPL = png(np.full((64, 96, 3), 120, np.uint8))
+
+
+def _gray(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("L"))
+
+
+def _form(**kw):
+    form = {"image": TPL, "mask": png(np.zeros((64, 96), np.uint8)), "prompt": "a hat"}
+    form.update(kw)
+    return {k: v for k, v in form.items() if v is not None}
+
+
+def test_transparent_pixels_of_an_rgba_mask_are_the_edit_area():
+    rgba = np.zeros((64, 96, 4), np.uint8)
+    rgba[..., 3] = 255
+    rgba[10:20, 30:50, 3] = 0  # OpenAI: transparent = edit, whatever the colour
+    rgba[..., :3] = 255  # all white: under our own rule this would edit everything
+    out = _gray(edit_mask(png(rgba), TPL))
+    assert (out[10:20, 30:50] == 255).all() and out.sum() == 255 * 10 * 20
+
+
+def test_masks_without_transparency_are_sent_unchanged():
+    gray = np.zeros((64, 96), np.uint8)
+    gray[5:9, 5:9] = 255
+    opaque = np.dstack([np.dstack([gray] * 3), np.full((64, 96), 255, np.uint8)])  # RGBA, all opaque
+    for m in (png(gray), png(opaque)):
+        assert edit_mask(m, TPL) == m
+
+
+def test_without_a_mask_the_images_transparent_pixels_are_edited_else_mask_is_required():
+    rgba = np.full((64, 96, 4), 200, np.uint8)
+    rgba[..., 3] = 255
+    rgba[0:8, 0:8, 3] = 0
+    assert _gray(edit_mask(None, png(rgba)))[0:8, 0:8].min() == 255
+    with pytest.raises(ApiError) as e:
+        edit_mask(None, TPL)
+    assert e.value.param == "mask" and e.value.status == 400
+
+
+def test_n_seeds_and_extras():
+    job = parse(_form(n="3", seed="7", steps="4", guidance="12.5", template_seed="2", deadline_ms="900",
+                      use_cache="false", user="u1", quality="high"), ["edit"])
+    assert job.seeds() == [7, 8, 9] and job.steps == 4 and job.guidance == 12.5 and job.template_seed == 2
+    assert job.deadline_ms == 900 and job.use_cache is False and job.ignored == ["quality"]
+    assert parse(_form(), ["edit"]).seeds() == [None]  # one edit: the server's default seed
+
+
+@pytest.mark.parametrize("change,param,status", [
+    (dict(image=None), "image", 400), (dict(prompt=None), "prompt", 400), (dict(n="0"), "n", 400),
+    (dict(n="x"), "n", 400), (dict(size="10x10"), "size", 400), (dict(size="200x100"), "size", 400),
+    (dict(response_format="url"), "response_format", 400), (dict(model="dall-e-2"), "model", 404),
+    (dict(stream="true"), "stream", 400), (dict(strength="1"), "strength", 400),
+    (dict(seed="-1", n="1"), None, None),  # passes the form: the server says the limit
+])
+def test_form_errors_name_the_field(change, param, status):
+    if param is None:
+        parse(_form(**change), ["edit"])
+        return
+    with pytest.raises(ApiError) as e:
+        parse(_form(**change), ["edit"])
+    assert e.value.param == param and e.value.status == status and e.value.message.startswith(param + ": ")
+    body = e.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+
+
+def test_size_that_keeps_the_aspect_ratio_resizes():
+    assert parse(_form(size="192x128"), ["edit"]).size == (192, 128)
+    assert parse(_form(size="96x64"), ["edit"]).size is None  # the template's own
+    assert parse(_form(size="auto"), ["edit"]).size is None
+
+
+@pytest.mark.parametrize("message,status,param,text", [
+    ("in ensemble 'edit', INVALID_ARGUMENT: STEPS: must be between 1 and 100, got 0", 400, "steps",
+     "steps: must be between 1 and 100, got 0"),
+    ("INVALID_ARGUMENT: TEMPLATE: could not decode image (x)", 400, "image", "image: could not decode image (x)"),
+    ("UNAVAILABLE: RESOURCE_EXHAUSTED: denoise queue is full (4 waiting); retry later", 429, None,
+     "denoise queue is full (4 waiting); retry later"),
+    ("RESOURCE_EXHAUSTED: router has 256 requests in flight", 429, None, "router has 256 requests in flight"),
+    ("UNAVAILABLE: no healthy backend", 503, None, "no healthy backend"),
+    ("UNAVAILABLE: DEADLINE_EXCEEDED: cannot finish within 1 ms", 504, None, "cannot finish within 1 ms"),
+])
+def test_service_errors_map_to_http_status_and_param(message, status, param, text):
+    e = EditError.from_server(message)
+    api = from_edit_error(e.code, e.field, str(e))
+    assert (api.status, api.param, api.message) == (status, param, text)
