@@ -302,6 +302,9 @@ class ActivationStore:
         try:
             save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
             os.replace(tmp, path)  # the entry becomes visible complete, or not at all
+            # LRU order must come from one clock: the filesystem stamps a new file with a coarse (jiffy) time,
+            # which can sort before a touch made a moment earlier with the fine one.
+            self._touch(path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
