@@ -40,8 +40,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_request_names_the_field(case, client, template_img, box_mask, good):
+def bad_args(case: str, template_img, box_mask) -> tuple[dict, str, str]:
+    """The edit arguments of bad-input ``case``, the field it must be refused for, and a text the error holds."""
     change, field, text = CASES[case]
     args = dict(template=png(template_img), mask=png(box_mask), prompt="a hat", steps=2)
     if change == "truncated":
@@ -51,6 +51,12 @@ def test_bad_request_names_the_field(case, client, template_img, box_mask, good)
         args["mask"] = png(np.zeros((4100, 4100), np.uint8))
     else:
         args.update(change)
+    return args, field, text
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_request_names_the_field(case, client, template_img, box_mask, good):
+    args, field, text = bad_args(case, template_img, box_mask)
     e = _err(client, **args)
     assert e.code == "INVALID_ARGUMENT" and e.field == field and text in str(e), str(e)
 

@@ -15,7 +15,7 @@ from maskedit import samples
 from maskedit.launcher import free_port
 from maskedit_router.cluster import running_cluster
 from tests.conftest import png
-from tests.integration.test_bad_input import CASES
+from tests.integration.test_bad_input import CASES, bad_args
 
 MARGIN = 12  # px: the edit is feathered (grown 4 px, blurred) at the model size and resized back; beyond, the template
 
@@ -106,15 +106,7 @@ def test_n_edits_have_different_seeds_and_share_the_templates_cache(api):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_triton_apis_bad_inputs_are_400_naming_the_field(case, api, template_img, box_mask):
-    change, field, text = CASES[case]
-    args = dict(template=png(template_img), mask=png(box_mask), prompt="a hat", steps=2)
-    if change == "truncated":
-        args["template"] = args["template"][:-200]
-    elif change == "huge":
-        args["template"] = png(np.zeros((4100, 4100, 3), np.uint8))
-        args["mask"] = png(np.zeros((4100, 4100), np.uint8))
-    else:
-        args.update(change)
+    args, field, text = bad_args(case, template_img, box_mask)
     extra = {k: str(args[k]) for k in ("steps", "guidance") if k in args}
     with pytest.raises(openai.BadRequestError) as e:
         api["client"].images.edit(image=("i.png", args["template"], "image/png"),
