@@ -50,8 +50,8 @@ class DenoiseEngine:
     # -- called from other threads ------------------------------------------------------------------
     def submit(self, job: DenoiseJob) -> None:
         with self._cv:
-            if self.broken is not None:
-                raise self.broken
+            if self.broken is not None:  # a fresh error per caller (one shared instance would pile up tracebacks)
+                raise Unavailable(str(self.broken))
             if self._stopping:
                 raise Unavailable("server is shutting down")
             if len(self._waiting) >= self.max_queue:

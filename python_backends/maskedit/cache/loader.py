@@ -75,6 +75,9 @@ class RowLoader:
         for b in range(n_blocks):
             for jc, step in hits:
                 for kind in needed(jc, b):
+                    stale = jc.futures.get((step, b, kind))  # a step retried after a failure: drop its old load
+                    if stale is not None:
+                        stale.cancel()
                     fut = jc.futures[(step, b, kind)] = Future()
                     work.append((fut, jc, step, b, kind))
         self._pool.submit(self._run, work, window)
