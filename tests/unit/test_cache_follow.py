@@ -98,3 +98,19 @@ def _plain(runner, x):
     job = start(plain, x)
     finish(plain, job)
     return job.result()
+
+
+def test_requests_decided_before_a_template_run_hit_its_entry_once_it_is_stored(env):
+    """A burst on a new template is decided all at once, before any of it runs: every request is a would-be template
+    run then. Admitted later, after the first one's entry is stored, they must hit it, not record it again."""
+    runner, rt, store, inputs = env
+    first, later = DenoiseJob(inputs(7)), DenoiseJob(inputs(8))
+    for j in (first, later):
+        runner.decide(j)
+    assert first.decision.status == later.decision.status == "record"
+    runner.prepare(first)
+    finish(runner, first)
+    rt.flush()
+    runner.prepare(later)
+    assert later.cache.status == "hit" and later.cache.info()["cache_source"] == "store"
+    finish(runner, later)

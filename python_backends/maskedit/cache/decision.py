@@ -47,15 +47,16 @@ def fits(meta: dict, n: int, steps: int, dim: int, blocks: int) -> bool:
 
 
 def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
-           record: bool = True) -> CacheDecision:
-    """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing."""
+           record: bool = True, count: bool = True) -> CacheDecision:
+    """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing but
+    the store's hit/miss counts (``count=False``: a second look for the same request)."""
     key = x.cache_key
     if store is None or not key:
         return CacheDecision("off")
     n = x.latents.shape[0]
     if x.register:
         return CacheDecision("record" if record else "off", key)
-    entry = store.open(key)
+    entry = store.open(key, count=count)
     if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks):
         log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
         entry = None

@@ -104,12 +104,12 @@ class CacheRuntime:
         self.heals = HealsInProgress()
 
     # -- before admission -----------------------------------------------------------------------------
-    def decide(self, x) -> CacheDecision:
+    def decide(self, x, count: bool = True) -> CacheDecision:
         """What the cache will do for ``x`` (``DenoiseInputs``). Bad cache state never fails a request: full."""
         if self.block_policy is None:
             return CacheDecision("off")
         try:
-            return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record)
+            return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record, count)
         except Exception:
             log.exception("activation cache unusable for %s; running in full", x.cache_key)
             return CacheDecision("off", x.cache_key)
@@ -132,11 +132,15 @@ class CacheRuntime:
         return jc
 
     def _admit(self, job, d: CacheDecision) -> JobCache:
+        if d.status == "record" and not job.inputs.register:
+            # The costly outcome is looked at again: while the request waited, its template may have been recorded
+            # or a run of it started (a burst on a new template is decided all at once).
+            d = self.decide(job.inputs, count=False)
         if d.status == "record":
             jc = self._start_recording(job, d.key)
             if jc.status != "off" or job.inputs.register:
                 return jc
-            d = self.decide(job.inputs)  # a run of this key started since the decision: follow it instead
+            d = self.decide(job.inputs, count=False)  # a run of this key started just now: follow it instead
             if d.status == "record":
                 return JobCache("off", key=d.key)
         if d.status in ("off", "full"):

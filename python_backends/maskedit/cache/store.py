@@ -222,17 +222,18 @@ class ActivationStore:
                 "disk_entries": len(self.entries("disk"))}
 
     # -- reads --------------------------------------------------------------------------------------
-    def open(self, key: str, promote: bool = True) -> Entry | None:
-        """The entry for ``key`` from the memory tier (promoting it from disk first), or None (a miss)."""
+    def open(self, key: str, promote: bool = True, count: bool = True) -> Entry | None:
+        """The entry for ``key`` from the memory tier (promoting it from disk first), or None (a miss).
+        ``count=False``: a second look for the same request (not another hit or miss in the stats)."""
         self.wait_promotion(key)
         path = self._path(self.mem_dir, key)
         if not path.exists() and promote and self._path(self.disk_dir, key).exists():
             self.promote(key)
         entry = self._open_path(path, key, "mem")
         if entry is None:
-            self.stats.misses += 1
+            self.stats.misses += count
             return None
-        self.stats.hits += 1
+        self.stats.hits += count
         self._touch(path)
         return entry
 
