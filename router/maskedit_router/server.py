@@ -343,7 +343,7 @@ class _StreamSession:
         error = bool(resp.error_message)
         resp.infer_response.id = p.client_id
         if error:
-            resp.error_message = resp.error_message.replace(rid, p.client_id)
+            resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
         empty_final = final and not resp.infer_response.outputs and not error
         if not empty_final or p.want_final:
             self.out.put(resp)
@@ -504,8 +504,17 @@ def _features(req, resolution: int) -> EditFeatures:
         return EditFeatures(None, 1.0, grid_tokens(resolution), None)
 
 
+def _with_request_id(message: str, client_id: str) -> str:
+    """The error text naming the client's request id. tritonclient's stream callback hands a client only the
+    error text (the response's id field is dropped), so a client with several requests pending on one stream can
+    match an error to its request only by this."""
+    if not client_id or f"request id: {client_id}" in message:
+        return message
+    return f"{message} [request id: {client_id}]"
+
+
 def _error(client_id: str, message: str):
-    resp = service_pb2.ModelStreamInferResponse(error_message=message)
+    resp = service_pb2.ModelStreamInferResponse(error_message=_with_request_id(message, client_id))
     resp.infer_response.id = client_id
     resp.infer_response.parameters[FINAL].bool_param = True
     return resp

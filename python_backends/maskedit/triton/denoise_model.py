@@ -38,6 +38,7 @@ class TritonPythonModel:
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
             reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
         self.cancels = CancelBoard()
+        self._sweeper = self.cancels.sweep_every(float(env.get("MASKEDIT_CANCEL_SWEEP_S", 60)))
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
@@ -48,9 +49,10 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 self._submit(request, sender)
-            except Exception as e:
+            except Exception as e:  # refused at admission (queue full, deadline, bad tensors): answered at once
                 self.log.warning("rejected request: %s", e)
-                sender.send(io.error_response(e), flags=FINAL)
+                self.metrics.outcome(getattr(e, "code", "INTERNAL"))
+                sender.send(io.error_response(e, request.request_id()), flags=FINAL)
         return None
 
     def _submit(self, request, sender):
@@ -79,11 +81,13 @@ class TritonPythonModel:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
             self.metrics.observe(info)
             self.metrics.outcome("OK")
+            self.cancels.clear(rid)  # a marker that came too late to matter
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
 
         def failed(job: DenoiseJob, e: BaseException):
             self.metrics.outcome(getattr(e, "code", "INTERNAL"))
-            sender.send(io.error_response(e), flags=FINAL)
+            self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
+            sender.send(io.error_response(e, rid), flags=FINAL)
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
             sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
@@ -103,6 +107,7 @@ class TritonPythonModel:
         return io.response({"DENOISED": latents, "MODEL_SIZE_OUT": size, **relay, "REQUEST_INFO_OUT": info})
 
     def finalize(self):
+        self._sweeper.set()
         self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()

@@ -38,7 +38,7 @@ class TritonPythonModel:
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
             self.log.warning("rejected request: %s", e)
-            return io.error_response(e)
+            return io.error_response(e, request.request_id())
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
