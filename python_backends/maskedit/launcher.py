@@ -121,6 +121,7 @@ class TritonServer:
         if self.proc is not None and self.proc.poll() is None:
             return self  # already running (``with TritonServer(...).start()`` must not start a second, orphaned one)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"  # per start: a restart's regions are told apart
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
