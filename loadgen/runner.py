@@ -39,7 +39,7 @@ LOST = "LOST"  # neither a result nor an error arrived before the load generator
 
 
 def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.0, progress: bool = True,
-        register_templates: bool = False) -> tuple[list[Record], float]:
+        register_templates: bool = False, on_start=None) -> tuple[list[Record], float]:
     """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time.
 
     Waits at most ``timeout_s`` after the last request was sent; a request with no answer by then is recorded
@@ -58,6 +58,8 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.
     closed = False
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     t0 = time.perf_counter()
+    if on_start is not None:  # records' times count from t0 (perf_counter): a caller timing events aligns on it
+        on_start(t0)
 
     def finish(rec: Record, fut) -> None:
         with closing:
