@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maskedit import admission
 from maskedit.launcher import free_port
 from maskedit_router.cluster import running_backends
 from maskedit_router.supervisor import Supervisor
@@ -113,7 +114,9 @@ class Topology:
         return {
             "processes": [f"{p.pid}:{procs.label(p)}" for g in self.seen.get("pgids", set()) - live_pgids
                           for p in procs.group_members(g)],
-            "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in procs.shm_regions(pre)],
+            "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in procs.shm_regions(pre)] +
+                           [str(p) for g in self.seen.get("pgids", set()) - live_pgids
+                            if (p := admission.board_path(g)).exists()],
             "ports": sorted(p for p in self.seen.get("ports", set()) - live_ports if procs.port_in_use(p)),
         }
 

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 class DenoiseEngine:
     def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64,
-                 scheduler: BatchScheduler | None = None):
+                 scheduler: BatchScheduler | None = None, on_queue=None):
         self.runner = runner
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
+        self.on_queue = on_queue  # on_queue(waiting, max_queue) whenever the queue changes (early admission)
         self._waiting: list[DenoiseJob] = []
         self._inline: list = []  # callables the loop runs between steps (the naive baseline's CPU work)
         self._running: list[DenoiseJob] = []
@@ -56,7 +57,12 @@ class DenoiseEngine:
             if err is not None:
                 raise err
             self._waiting.append(job)
+            self._published()
             self._cv.notify()
+
+    def _published(self) -> None:
+        if self.on_queue is not None:
+            self.on_queue(len(self._waiting), self.max_queue)
 
     def call_soon(self, fn) -> None:
         """Run ``fn()`` on the loop thread before the next step (blocking the loop, as inline work would)."""
@@ -91,6 +97,7 @@ class DenoiseEngine:
         chosen, rejected = self.scheduler.admit(self._waiting, self._running)
         gone = set(map(id, chosen)) | {id(j) for j, _ in rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]
+        self._published()
         for job, err in rejected:
             _fail(job, err)
         for job in chosen:

@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from . import admission
 from .repository import REPOSITORY
 from .settings import REPO_ROOT
 
@@ -178,10 +179,11 @@ class TritonServer:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        self.proc = None
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind by a killed server
             with contextlib.suppress(OSError):
                 region.unlink()
+        admission.remove(pgid, server_env(self.env))  # its denoise queue board
+        self.proc = None
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -37,6 +37,8 @@ def probe(backend, timeout_s: float) -> bool:
         call = backend.stub.ModelStreamInfer(requests(), timeout=timeout_s)
         for resp in call:  # drains until the backend ends the stream after our half-close
             if resp.error_message:
+                # refused because it is busy (its denoise queue is full): alive and serving, just not this probe
+                ok = "RESOURCE_EXHAUSTED" in resp.error_message
                 answered.set()
             elif FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param:
                 ok = True

@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..admission import QueueBoard
 from ..cancel import CancelBoard
 from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
@@ -33,10 +34,11 @@ class TritonPythonModel:
         runner = ModelRunner(self.settings)
         runner.cache = cache_runtime(runner.transformer, self.settings, self.log)
         env = os.environ
+        self.board = QueueBoard()  # pre-processing refuses early while the queue is full
         self.engine = DenoiseEngine(runner, max_queue=int(env.get("MASKEDIT_MAX_QUEUE", 64)), scheduler=BatchScheduler(
             env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
-            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"))
+            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0"), on_queue=self.board.publish)
         self.cancels = CancelBoard()
         self._sweeper = self.cancels.sweep_every(float(env.get("MASKEDIT_CANCEL_SWEEP_S", 60)))
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
@@ -47,6 +49,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            self.board.arrived()
             try:
                 self._submit(request, sender)
             except Exception as e:  # refused at admission (queue full, deadline, bad tensors): answered at once
