@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--rate", type=float, help="arrivals per second (default: the knee of a short sweep first)")
-    ap.add_argument("--sweep", default="1,2,3,4,5", help="rates tried for the knee")
+    ap.add_argument("--sweep", default="1,2,3,4,5,6", help="rates tried for the knee")
     ap.add_argument("--sweep-s", type=float, default=30.0)
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--templates", type=int, default=2000, help="distinct templates (Zipf): churn past the budget")
@@ -130,6 +131,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     env = {"MASKEDIT_CACHE_MEM_BYTES": str(args.mem_mb << 20), "MASKEDIT_CACHE_DISK_BYTES": str(args.disk_mb << 20)}
     started = time.time()
+    revision = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or None
     with running_topology(args.instances, args.out, env) as topo:
         sweep_rows = None
         rate = args.rate
@@ -170,7 +173,8 @@ def main(argv=None) -> None:
     flat = {k: v is not None and abs(v) <= args.flat_mb for k, v in slopes.items()}
     result = {
         "command": "python -m loadgen.soak " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "minutes": args.minutes,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "revision": revision,
+        "minutes": args.minutes,
         "rate": rate, "knee_sweep": sweep_rows, "instances": args.instances, "templates": args.templates,
         "zipf": args.zipf, "mem_budget_mb": args.mem_mb, "disk_budget_mb": args.disk_mb,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note},

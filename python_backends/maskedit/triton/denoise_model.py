@@ -43,6 +43,7 @@ class TritonPythonModel:
         self._sweeper = self.cancels.sweep_every(float(env.get("MASKEDIT_CANCEL_SWEEP_S", 60)))
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
+        self._metrics_sync = self.metrics.sync_every(float(env.get("MASKEDIT_METRICS_SYNC_S", 5)))
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
 
@@ -89,6 +90,7 @@ class TritonPythonModel:
 
         def failed(job: DenoiseJob, e: BaseException):
             self.metrics.outcome(getattr(e, "code", "INTERNAL"))
+            self.metrics.sync()
             self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
             sender.send(io.error_response(e, rid), flags=FINAL)
 
@@ -111,6 +113,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self._sweeper.set()
+        self._metrics_sync.set()
         self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()
