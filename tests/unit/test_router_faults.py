@@ -301,3 +301,4 @@ def test_a_broken_stream_fails_every_pending_request_of_the_client():
         assert client._pending == {} and client._stream_broken
     finally:
         client.close()
+
