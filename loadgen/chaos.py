@@ -127,7 +127,10 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
             return
         time.sleep(max(0.0, t0 + at - time.perf_counter()))
         times["injected"] = time.perf_counter()
-        box.update(FAULTS[fault](topo, rng))
+        try:
+            box.update(FAULTS[fault](topo, rng))
+        except Exception as e:  # reported with the case, which then cannot meet its targets
+            box["error"] = f"{type(e).__name__}: {e}"
         restored = box.get("restored") or time.perf_counter()
         deadline = time.perf_counter() + recover_timeout_s
         while time.perf_counter() < deadline:  # full capacity: every backend serving again, the router answering
@@ -176,7 +179,7 @@ def summarize_case(fault: str, records: list[Record], wall: float, t0: float, ti
         "recovered_after_restart_s": None if rec is None or restored is None else round(max(0.0, rec - restored), 2),
         "fault_detail": {k: (round(v - t0, 2) if k == "restored" and v else v) for k, v in box.items()},
         "leftovers": leftovers,
-        "met": {"zero_lost": codes.get(runner.LOST, 0) == 0,
+        "met": {"fault_injected": "error" not in box, "zero_lost": codes.get(runner.LOST, 0) == 0,
                 "recovered_within_30s_of_restart": rec is not None and (restored is None or rec - restored <= 30),
                 "nothing_left": not any(leftovers.values())},
     }
