@@ -26,13 +26,14 @@ def sweep(url: str, rates: list[float], duration_s: float = 30.0, **kw) -> list[
     return out
 
 
-def knee(rows: list[dict], p95_factor: float = 2.0) -> float:
-    """The highest rate that is served in full (no errors, throughput within 10 % of the offered rate) with a P95
-    at most ``p95_factor`` times the lowest rate's: past it, queues grow."""
+def knee(rows: list[dict], p95_factor: float = 3.0) -> float:
+    """The highest rate up to which every rate is served in full (no errors, at least 90 % completed) with a P95
+    at most ``p95_factor`` times the lowest rate's: past it, queues grow. (A factor of 2 stopped at noise on a
+    shared host: 0.65 s at 3 req/s, 0.45 s at 4, 2.3 s at 5.)"""
     base = rows[0]["p95_s"] or 0.0
     best = rows[0]["rate"]
     for s in rows:
-        served = not s["errors"] and s["throughput"] and s["completed"] >= 0.9 * s["requests"]
+        served = not s["errors"] and s["completed"] >= 0.9 * s["requests"]
         if served and s["p95_s"] is not None and s["p95_s"] <= p95_factor * base:
             best = s["rate"]
         else:
