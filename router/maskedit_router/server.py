@@ -46,8 +46,9 @@ def backend_fault(message: str) -> bool:
 
 class Backend:
     """One Triton instance as the router sees it. It is in rotation when it is healthy (the health checker's
-    latest verdict) and its circuit breaker is closed. The breaker opens on a definite fault (its stream broke, a
-    dead stub answered, a health check failed) or after ``failure_threshold`` failures in a row, and closes only
+    latest verdict) and its circuit breaker is closed. The breaker opens on a definite fault (a dead stub answered,
+    a health check failed) or after ``failure_threshold`` failures in a row (a broken stream, an UNAVAILABLE
+    answer), and closes only
     when a real request succeeds on it (the health checker's probe request, once the backend says ready again):
     a restarted backend is not trusted because it answers readiness, only once it has served an edit."""
 
