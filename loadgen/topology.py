@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -127,11 +128,20 @@ class Topology:
         return out
 
 
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def running_topology(instances: int, out: Path, env: dict | None = None):
-    """``instances`` supervised Triton servers and the router process in front of them."""
+    """``instances`` supervised Triton servers and the router process in front of them. SIGTERM and SIGINT end
+    the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
+    sessions and would outlive a plain kill of this process)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGINT, _exit_on_signal)
     with running_backends(instances, out, env, supervise=True) as (servers, supervisor):
         topo = Topology(servers, supervisor, out)
         topo.remember()
