@@ -139,9 +139,19 @@ def running_topology(instances: int, out: Path, env: dict | None = None):
     sessions and would outlive a plain kill of this process)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        signal.signal(signal.SIGINT, _exit_on_signal)
+        previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with _running(instances, out, env) as topo:
+            yield topo
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _running(instances: int, out: Path, env: dict | None):
     with running_backends(instances, out, env, supervise=True) as (servers, supervisor):
         topo = Topology(servers, supervisor, out)
         topo.remember()
