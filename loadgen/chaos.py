@@ -80,7 +80,7 @@ def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> d
     env = topo.servers[i].env
     budget = int(float(env["MASKEDIT_CACHE_MEM_BYTES"]))
     store = ActivationStore(env["MASKEDIT_CACHE_MEM_DIR"], env["MASKEDIT_CACHE_DISK_DIR"], budget,
-                            int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 1 << 30))))
+                            int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))))  # the servers' own default
     filler = np.random.default_rng(0).standard_normal(entry_mb << 18, dtype=np.float32)
     written = 0
     while written < budget:
