@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos overload soak clean
 
 setup: $(STAMP)
 
@@ -74,3 +74,13 @@ router-validate: $(STAMP)
 
 serve-cluster: model
 	$(PY) -m maskedit_router.cluster --instances $${INSTANCES:-2}
+
+# Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
+chaos: model
+	$(PY) -m loadgen.chaos $(ARGS)
+
+overload: model
+	$(PY) -m loadgen.overload $(ARGS)
+
+soak: model
+	$(PY) -m loadgen.soak $(ARGS)

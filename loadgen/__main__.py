@@ -34,6 +34,8 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=int, default=256, help="template side in pixels")
     ap.add_argument("--register", action="store_true", help="warm the activation cache for every template first")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0,
+                    help="after the last send, wait this long; requests still unanswered are recorded as LOST")
     ap.add_argument("--out", type=Path, default=Path("out/loadgen"))
     ap.add_argument("--name", default="run")
     args = ap.parse_args(argv)
@@ -52,7 +54,8 @@ def main(argv=None) -> None:
         reqs = workload.poisson(args.rate, args.requests, **kw)
         rate = args.rate
     with EditClient(args.url) as client:
-        recs, wall = runner.run(client, reqs, runner.Assets(args.size), register_templates=args.register)
+        recs, wall = runner.run(client, reqs, runner.Assets(args.size), timeout_s=args.timeout_s,
+                                register_templates=args.register)
     summary = dict(records.summarize(recs, wall), rate=rate, mode=args.name)
     records.write(recs, summary, args.out, args.name)
     records.plot_runs({args.name: (recs, summary)}, args.out / f"{args.name}.png", title=args.name)

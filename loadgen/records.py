@@ -32,6 +32,11 @@ class Record:
         return None if self.done_s is None or self.error else self.done_s - self.submit_s
 
     @property
+    def answered_after_s(self) -> float | None:
+        """Time from send to the final answer, result or error (None: no answer)."""
+        return None if self.done_s is None else self.done_s - self.submit_s
+
+    @property
     def on_time(self) -> bool:
         lat = self.latency_s
         return lat is not None and (self.deadline_ms is None or lat * 1000 <= self.deadline_ms)
@@ -47,8 +52,13 @@ def summarize(records: list[Record], wall_s: float) -> dict:
             errors[r.error_code or "ERROR"] = errors.get(r.error_code or "ERROR", 0) + 1
     queue = [r.queue_s for r in records if r.queue_s is not None]
     hits = [r.cache_hit for r in records if r.cache_hit is not None]
+    error_s: dict[str, float] = {}  # per code, the slowest error: a refusal must be fast
+    for r in records:
+        if r.error and r.answered_after_s is not None:
+            error_s[r.error_code or "ERROR"] = max(error_s.get(r.error_code or "ERROR", 0.0), r.answered_after_s)
     return {
-        "requests": len(records), "completed": ok, "errors": errors,
+        "requests": len(records), "completed": ok, "errors": errors, "lost": errors.get("LOST", 0),
+        "error_max_s": {k: round(v, 3) for k, v in error_s.items()},
         "mean_s": float(lat.mean()) if ok else None, "p50_s": q(50), "p95_s": q(95), "p99_s": q(99),
         "queue_mean_s": float(np.mean(queue)) if queue else None,
         "throughput": ok / wall_s if wall_s > 0 else None,

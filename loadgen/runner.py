@@ -35,9 +35,16 @@ class Assets:
         return encode_image(samples.mask(self.size, self.size, r.mask_ratio, r.mask_shape, seed=r.seed))
 
 
-def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.0, progress: bool = True,
-        register_templates: bool = False) -> tuple[list[Record], float]:
-    """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time."""
+LOST = "LOST"  # neither a result nor an error arrived before the load generator stopped waiting
+
+
+def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.0, progress: bool = True,
+        register_templates: bool = False, on_start=None) -> tuple[list[Record], float]:
+    """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time.
+
+    Waits at most ``timeout_s`` after the last request was sent; a request with no answer by then is recorded
+    as ``LOST``, and anything that arrives for it later (the client's own cancel when it closes) is ignored, so
+    a record says what the service did, never what the load generator did on its way out."""
     if register_templates:
         for tid in sorted({r.template for r in requests}):
             steps = {r.steps for r in requests if r.template == tid}
@@ -47,11 +54,18 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.
     records = [Record(index=i, template=r.template, mask_ratio=r.mask_ratio, arrival_s=r.t, submit_s=0.0,
                       deadline_ms=r.deadline_ms) for i, r in enumerate(requests)]
     done = threading.Semaphore(0)
+    closing = threading.Lock()
+    closed = False
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     t0 = time.perf_counter()
+    if on_start is not None:  # records' times count from t0 (perf_counter): a caller timing events aligns on it
+        on_start(t0)
 
     def finish(rec: Record, fut) -> None:
-        rec.done_s = time.perf_counter() - t0
+        with closing:
+            if closed:
+                return
+            rec.done_s = time.perf_counter() - t0
         try:
             res = fut.result()
             info = res.info
@@ -87,9 +101,11 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 600.
         if not done.acquire(timeout=max(0.0, deadline - time.perf_counter())):
             break
     bar.close()
-    for rec in records:
-        if rec.done_s is None:
-            rec.error, rec.error_code = "no response before the load generator's timeout", "TIMEOUT"
+    with closing:
+        closed = True
+        for rec in records:
+            if rec.done_s is None:
+                rec.error, rec.error_code = f"no result and no error within {timeout_s:g} s of the last send", LOST
     return records, time.perf_counter() - t0
 
 

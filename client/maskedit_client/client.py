@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import logging
 import re
 import threading
 import uuid
@@ -27,6 +28,8 @@ _FIELD = re.compile(r"^([A-Z_]+): ")
 _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
                              r"|expected number of inputs|shape")
 _TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
+_REQUEST_ID = re.compile(r"request id: ([\w-]+)")
+log = logging.getLogger("maskedit.client")
 
 
 class EditError(Exception):
@@ -95,16 +98,22 @@ class EditClient:
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self._client = grpcclient.InferenceServerClient(url, channel_args=[
-            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+            # an endpoint that restarts (the router, a server) is reconnected to within ~2 s, not minutes
+            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._pending: dict[str, tuple[Future, dict]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
+        self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
 
     def _ensure_stream(self) -> None:
         with self._lock:
             if not self._stream_open:
+                if self._stream_broken:  # its thread has ended (it reported the break): joined at once
+                    self._client.stop_stream()
+                    self._stream_broken = False
                 self._client.start_stream(callback=self._on_response)
                 self._stream_open = True
 
@@ -121,6 +130,9 @@ class EditClient:
 
     def _handle(self, result, error) -> None:
         if error is not None:
+            if getattr(error, "status", lambda: None)():  # the stream itself ended (a per-request error has none)
+                self._stream_ended(error)
+                return
             rid = self._error_request_id(error)
             with self._lock:
                 entry = self._pending.pop(rid, None) if rid else None
@@ -128,6 +140,8 @@ class EditClient:
                     entry = self._pending.pop(next(iter(self._pending)))
             if entry is not None:
                 entry[0].set_exception(EditError.from_server(str(error.message() if hasattr(error, "message") else error)))
+            else:
+                log.warning("an error matched no pending request: %s", error)
             return
         resp = result.get_response()
         rid = resp.id
@@ -156,9 +170,21 @@ class EditClient:
             else:
                 fut.set_exception(EditError("stream ended without an image", "INTERNAL"))
 
+    def _stream_ended(self, error) -> None:
+        """The stream broke (the endpoint died or restarted): no answer will come on it, so every request pending
+        on it fails now with the stream's status (UNAVAILABLE, ...); the next submit opens a new stream."""
+        code = str(error.status()).replace("StatusCode.", "")
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+            self._stream_open, self._stream_broken = False, True
+        for fut, _ in pending:
+            if not fut.done():
+                fut.set_exception(EditError(f"{code}: the stream to {self.url} ended before the response arrived "
+                                            f"({error.message()})", code))
+
     @staticmethod
     def _error_request_id(error) -> str | None:
-        m = re.search(r"request id: ([\w-]+)", str(error))
+        m = _REQUEST_ID.search(str(error))
         return m.group(1) if m else None
 
     def submit(self, template, mask, prompt: str, seed: int | None = None, steps: int | None = None,
@@ -199,7 +225,14 @@ class EditClient:
         fut.request_id = rid
         with self._lock:
             self._pending[rid] = (fut, {"on_progress": on_progress})
-        self._client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+        try:
+            self._client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+        except Exception as e:  # the stream broke just now: this request fails too, never hangs
+            with self._lock:
+                self._pending.pop(rid, None)
+                self._stream_open, self._stream_broken = False, True
+            if not fut.done():
+                fut.set_exception(EditError(f"UNAVAILABLE: could not send the request: {e}", "UNAVAILABLE"))
         return fut
 
     def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
@@ -258,7 +291,7 @@ class EditClient:
         for fut, _ in pending:
             if not fut.done():
                 fut.set_exception(EditError("client closed before the response arrived", "CANCELLED"))
-        if self._stream_open:
+        if self._stream_open or self._stream_broken:
             self._client.stop_stream(cancel_requests=True)
         self._client.close()
 

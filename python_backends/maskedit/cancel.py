@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -43,9 +44,26 @@ class CancelBoard:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / request_id).unlink()
 
-    def sweep(self, max_age_s: float = MAX_AGE_S) -> None:
-        now = time.time()
+    def sweep(self, max_age_s: float = MAX_AGE_S) -> int:
+        """Remove markers older than ``max_age_s`` (ids that never reached a denoise loop, or reached it after it
+        had ended); returns how many."""
+        now, n = time.time(), 0
         for p in self.dir.iterdir():
             with contextlib.suppress(OSError):
                 if now - p.stat().st_mtime > max_age_s:
                     p.unlink()
+                    n += 1
+        return n
+
+    def sweep_every(self, interval_s: float = 60.0, max_age_s: float = MAX_AGE_S) -> threading.Event:
+        """Sweep in a daemon thread every ``interval_s`` (markers must not wait for the next cancel call to be
+        removed); set the returned event to stop it."""
+        stop = threading.Event()
+
+        def loop():
+            while not stop.wait(interval_s):
+                with contextlib.suppress(OSError):
+                    self.sweep(max_age_s)
+
+        threading.Thread(target=loop, daemon=True, name="cancel-sweeper").start()
+        return stop

@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 
 class DenoiseEngine:
     def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64,
-                 scheduler: BatchScheduler | None = None):
+                 scheduler: BatchScheduler | None = None, on_queue=None):
         self.runner = runner
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
+        self.on_queue = on_queue  # on_queue(waiting, max_queue) whenever the queue changes (early admission)
         self._waiting: list[DenoiseJob] = []
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
@@ -62,7 +63,12 @@ class DenoiseEngine:
             if err is not None:
                 raise err
             self._waiting.append(job)
+            self._published()
             self._cv.notify()
+
+    def _published(self) -> None:
+        if self.on_queue is not None:
+            self.on_queue(len(self._waiting), self.max_queue)
 
     def stats(self) -> dict:
         with self._cv:
@@ -105,6 +111,7 @@ class DenoiseEngine:
         out = self.scheduler.select(self._waiting, self._running)
         gone = set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]
+        self._published()
         for job, err in out.rejected:
             _fail(job, err)
         failed = set()
@@ -148,6 +155,7 @@ class DenoiseEngine:
             if fatal:
                 self.broken = err
                 waiting, self._waiting = list(self._waiting), []
+                self._published()
             else:
                 waiting = []
             running = list(self._running)

@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from . import admission
 from .repository import REPOSITORY
 from .settings import REPO_ROOT
 
@@ -126,6 +127,7 @@ class TritonServer:
         if self.proc is not None and self.proc.poll() is None:
             return self  # already running (``with TritonServer(...).start()`` must not start a second, orphaned one)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"  # per start: a restart's regions are told apart
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -183,10 +185,11 @@ class TritonServer:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        self.proc = None
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind by a killed server
             with contextlib.suppress(OSError):
                 region.unlink()
+        admission.remove(pgid, server_env(self.env))  # its denoise queue board
+        self.proc = None
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -13,7 +13,6 @@ import json
 import logging
 import signal
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -63,9 +62,10 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
 
     def health():
         bs = [{"addr": b.addr, "healthy": b.load.healthy, "inflight": b.load.inflight,
-               "backlog_ms": round(b.load.backlog_ms, 1), "circuit_open": b.open_until > time.monotonic()}
+               "backlog_ms": round(b.load.backlog_ms, 1), "circuit_open": b.circuit_open,
+               "in_rotation": b.available()}
               for b in router.backends.values()]
-        return {"ready": any(b["healthy"] and not b["circuit_open"] for b in bs), "policy": router.policy.name,
+        return {"ready": any(b["in_rotation"] for b in bs), "policy": router.policy.name,
                 "backends": bs}
 
     httpd = serve_http(http_port, router.metrics, health, host) if http_port is not None else None

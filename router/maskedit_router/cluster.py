@@ -1,7 +1,8 @@
 """`make serve-cluster`: N local Triton instances plus the router in front of them, until Ctrl-C.
 
 Each instance gets its own ports and activation-store directories, as separate machines would (memory tier in
-/dev/shm, removed on exit; disk tier under ``--out``).
+/dev/shm, removed on exit; disk tier under ``--out``). A supervisor restarts an instance that dies (see
+``supervisor``); the router takes it back once a real request succeeds on it.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from maskedit.settings import REPO_ROOT
 from .__main__ import build, serve
 from .health import HealthChecker
 from .openai_api import OpenAIServer
+from .supervisor import Supervisor
 
 
 @contextlib.contextmanager
-def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
-                    policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None,
-                    openai_port: int | None = None):
-    """Start ``instances`` Triton servers (own ports and store directories each) and the router in front of
-    them (with the OpenAI API on ``openai_port`` if given); yield ``(router, router_grpc_url, servers)``; stop
-    everything, by pid, on the way out."""
+def running_backends(instances: int, out: Path, env: dict | None = None, supervise: bool = True):
+    """Start ``instances`` Triton servers (own ports and store directories each), watched by a ``Supervisor``
+    that reaps and restarts one that dies; yield ``(servers, supervisor or None)``; stop everything, by pid, on
+    the way out."""
     servers = []
     # Instances on one host share its cores: each denoise loop gets its share. With every instance using all
     # cores, OpenMP thread teams oversubscribe them and a step can take seconds instead of milliseconds.
@@ -38,13 +38,32 @@ def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | N
     # The activation store's memory tier in RAM, as in production (a disk-backed directory would add page
     # writeback to every entry written); removed on the way out.
     ram = Path(tempfile.mkdtemp(prefix="maskedit-cluster-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    supervisor = None
     try:
         for i in range(instances):
             d = Path(out) / f"instance{i}"
             servers.append(TritonServer(log_path=d / "tritonserver.log", env={
-                **share, **(env or {}), "MASKEDIT_CACHE_MEM_DIR": str(ram / f"instance{i}"),
-                "MASKEDIT_CACHE_DISK_DIR": str(d / "cache"),
+                **share, **(env or {}),
+                "MASKEDIT_CACHE_MEM_DIR": str(ram / f"instance{i}"), "MASKEDIT_CACHE_DISK_DIR": str(d / "cache"),
             }).start())
+        supervisor = Supervisor(servers).start() if supervise else None
+        yield servers, supervisor
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        for s in servers:
+            s.stop()
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
+                    policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None,
+                    supervise: bool = True, openai_port: int | None = None):
+    """Start ``instances`` Triton servers (see ``running_backends``) and the router in front of them (with the
+    OpenAI API on ``openai_port`` if given); yield ``(router, router_grpc_url, servers)``; stop everything, by pid,
+    on the way out."""
+    with running_backends(instances, out, env, supervise) as (servers, _):
         router = build([s.grpc_url for s in servers], policy)
         grpc_server, bound, httpd = serve(router, port, http_port)
         checker = HealthChecker(router, **(health or {})).start()
@@ -58,10 +77,6 @@ def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | N
             grpc_server.stop(grace=1).wait(10)
             if httpd:
                 httpd.shutdown()
-    finally:
-        for s in servers:
-            s.stop()
-        shutil.rmtree(ram, ignore_errors=True)
 
 
 def main(argv=None) -> None:

@@ -37,6 +37,8 @@ def probe(backend, timeout_s: float) -> bool:
         call = backend.stub.ModelStreamInfer(requests(), timeout=timeout_s)
         for resp in call:  # drains until the backend ends the stream after our half-close
             if resp.error_message:
+                # refused because it is busy (its denoise queue is full): alive and serving, just not this probe
+                ok = "RESOURCE_EXHAUSTED" in resp.error_message
                 answered.set()
             elif FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param:
                 ok = True
@@ -71,11 +73,14 @@ class HealthChecker:
         if not ready:
             return False
         now = time.monotonic()
-        if now - self._last_probe.get(backend.addr, 0) >= self.probe_every:
+        # Out of rotation (unhealthy, or its breaker open): only a real request that succeeds brings it back, so
+        # it is probed at every check once it says ready again; recent answers do not count.
+        suspect = not backend.load.healthy or getattr(backend, "circuit_open", False)
+        if suspect or now - self._last_probe.get(backend.addr, 0) >= self.probe_every:
             self._last_probe[backend.addr] = now
             # Silent for a whole interval: ask it. The verdict holds until the next probe (readiness alone would
             # put a backend that accepts but never answers back in rotation a second later).
-            self._verdict[backend.addr] = (now - backend.last_answer < self.probe_every or
+            self._verdict[backend.addr] = ((not suspect and now - backend.last_answer < self.probe_every) or
                                            probe(backend, self.probe_timeout))
         return self._verdict.get(backend.addr, True)
 
@@ -88,9 +93,10 @@ class HealthChecker:
                     log.warning("backend %s is now %s", backend.addr, "healthy" if ok else "UNHEALTHY")
                 backend.load.healthy = ok
                 if not ok:
-                    backend.load.templates.clear()  # a dead backend's cache entries are purged at once
+                    backend.open_circuit()  # out of rotation until a real request succeeds; caches purged
                     if was_healthy:  # its requests end now (retried or failed), not when the client gives up
                         self.r.backend_down(backend, "health check failed")
-                else:
+                elif backend.circuit_open:  # ok here means a probe request succeeded (see ``check``)
+                    log.warning("backend %s served a probe request: back in rotation", backend.addr)
                     backend.succeeded()
                 self.r.metrics.healthy.labels(backend.addr).set(1 if ok else 0)

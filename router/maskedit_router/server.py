@@ -45,31 +45,45 @@ def backend_fault(message: str) -> bool:
 
 
 class Backend:
-    def __init__(self, addr: str, failure_threshold: int = 3, cooldown_s: float = 5.0):
+    """One Triton instance as the router sees it. It is in rotation when it is healthy (the health checker's
+    latest verdict) and its circuit breaker is closed. The breaker opens on a definite fault (a dead stub answered,
+    a health check failed) or after ``failure_threshold`` failures in a row (a broken stream, an UNAVAILABLE
+    answer), and closes only
+    when a real request succeeds on it (the health checker's probe request, once the backend says ready again):
+    a restarted backend is not trusted because it answers readiness, only once it has served an edit."""
+
+    def __init__(self, addr: str, failure_threshold: int = 3):
         self.addr = addr
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.load = BackendLoad(addr)
-        self.failures, self.threshold, self.cooldown_s = 0, failure_threshold, cooldown_s
-        self.open_until = 0.0  # circuit breaker: no traffic before this time
+        self.failures, self.threshold = 0, failure_threshold
+        self.circuit_open = False
+        self.opened_at: float | None = None  # monotonic time the breaker last opened
         self.last_answer = 0.0  # monotonic time of its latest response (any: progress, result, error)
 
-    def available(self, now: float) -> bool:
-        return self.load.healthy and now >= self.open_until
+    def available(self, now: float | None = None) -> bool:
+        return self.load.healthy and not self.circuit_open
 
     def failed(self) -> None:
         self.failures += 1
         if self.failures >= self.threshold:
-            self.open_until = time.monotonic() + self.cooldown_s
-            self.load.templates.clear()  # its caches are no longer trusted
+            self.open_circuit()
 
     def trip(self) -> None:
-        """A definite fault, not a timeout that may pass: out of rotation for the cool-down at once."""
-        self.failures = max(self.failures, self.threshold - 1)
-        self.failed()
+        """A definite fault, not a timeout that may pass: out of rotation at once."""
+        self.failures = max(self.failures, self.threshold)
+        self.open_circuit()
+
+    def open_circuit(self) -> None:
+        if not self.circuit_open:
+            self.circuit_open, self.opened_at = True, time.monotonic()
+        self.load.templates.clear()  # its caches are no longer trusted
 
     def succeeded(self) -> None:
+        """A real request succeeded on it: the breaker closes."""
         self.failures = 0
+        self.circuit_open = False
 
     def close(self) -> None:
         self.channel.close()
@@ -343,7 +357,7 @@ class _StreamSession:
         error = bool(resp.error_message)
         resp.infer_response.id = p.client_id
         if error:
-            resp.error_message = resp.error_message.replace(rid, p.client_id)
+            resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
         empty_final = final and not resp.infer_response.outputs and not error
         if not empty_final or p.want_final:
             self.out.put(resp)
@@ -504,8 +518,17 @@ def _features(req, resolution: int) -> EditFeatures:
         return EditFeatures(None, 1.0, grid_tokens(resolution), None)
 
 
+def _with_request_id(message: str, client_id: str) -> str:
+    """The error text naming the client's request id. tritonclient's stream callback hands a client only the
+    error text (the response's id field is dropped), so a client with several requests pending on one stream can
+    match an error to its request only by this."""
+    if not client_id or f"request id: {client_id}" in message:
+        return message
+    return f"{message} [request id: {client_id}]"
+
+
 def _error(client_id: str, message: str):
-    resp = service_pb2.ModelStreamInferResponse(error_message=message)
+    resp = service_pb2.ModelStreamInferResponse(error_message=_with_request_id(message, client_id))
     resp.infer_response.id = client_id
     resp.infer_response.parameters[FINAL].bool_param = True
     return resp

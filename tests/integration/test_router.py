@@ -24,7 +24,8 @@ def cluster(settings, tmp_path_factory):
     http_port = free_port()
     health = {"interval_s": 0.5, "probe_every_s": 1.0, "probe_timeout_s": 3.0}
     with running_cluster(2, tmp_path_factory.mktemp("cluster"), http_port=http_port,
-                         env={"MASKEDIT_MODEL_DIR": str(settings.model_dir)}, health=health) as (router, url, servers):
+                         env={"MASKEDIT_MODEL_DIR": str(settings.model_dir)}, health=health,
+                         supervise=False) as (router, url, servers):  # these tests keep a killed backend dead
         yield {"servers": servers, "router": router, "url": url, "http": http_port}
 
 

@@ -44,3 +44,39 @@ def test_summary_counts_goodput_and_errors():
     recs.append(records.Record(2, 0, 0.2, 0, 0.0, done_s=0.1, error="x", error_code="DEADLINE_EXCEEDED"))
     s = records.summarize(recs, wall_s=10.0)
     assert s["completed"] == 2 and s["goodput"] == pytest.approx(0.1) and s["errors"] == {"DEADLINE_EXCEEDED": 1}
+
+
+def test_the_runner_records_what_the_service_did_and_never_waits_forever():
+    """A request that never answers is LOST after the timeout, and the client's own cancel when it closes later
+    does not relabel it CANCELLED; a backend failure keeps its code."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from loadgen import runner
+    from maskedit_client import EditError
+
+    futs = []
+
+    class _Client:  # answers the first request, fails the second, never answers the third
+        def submit(self, *a, **kw):
+            f = Future()
+            futs.append(f)
+            if len(futs) == 1:
+                f.set_result(SimpleNamespace(info={"cache_hit": True}))
+            elif len(futs) == 2:
+                f.set_exception(EditError("UNAVAILABLE: backend failed [request id: x-1]", "UNAVAILABLE"))
+            return f
+
+    class _Assets:
+        def template(self, i):
+            return b""
+
+        def mask(self, r):
+            return b""
+
+    reqs = workload.poisson(50.0, 3, seed=0)
+    recs, wall = runner.run(_Client(), reqs, _Assets(), timeout_s=0.5, progress=False)
+    futs[2].set_exception(EditError("cancelled by the client", "CANCELLED"))  # what EditClient.close does
+    assert [r.error_code for r in recs] == [None, "UNAVAILABLE", runner.LOST]
+    s = records.summarize(recs, wall)
+    assert s["lost"] == 1 and s["errors"] == {"UNAVAILABLE": 1, "LOST": 1} and wall < 5

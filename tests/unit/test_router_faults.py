@@ -214,3 +214,91 @@ def test_a_unary_call_answered_by_a_dead_stub_is_retried_and_the_backend_leaves_
     with pytest.raises(_Aborted) as err:  # an ordinary error is the request's: relayed, not retried
         router.ModelInfer(service_pb2.ModelInferRequest(model_name="cancel"), ctx)
     assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- the router's errors reach the right caller through tritonclient and EditClient ------------------------------
+from concurrent.futures import Future  # noqa: E402
+
+from tritonclient.grpc import InferResult  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from maskedit_client import EditClient, EditError  # noqa: E402
+
+
+def _client_with_pending(ids):
+    """An EditClient (never connected) with ``ids`` pending, as after ``submit`` on one stream."""
+    c = EditClient("127.0.0.1:1")
+    futs = {}
+    for i in ids:
+        futs[i] = Future()
+        c._pending[i] = (futs[i], {})
+    return c, futs
+
+
+def _deliver(client, resp) -> None:
+    """What tritonclient's stream thread does with one response: an error reaches the callback as its text only
+    (the response's id field is dropped), anything else as an InferResult."""
+    if resp.error_message:
+        client._on_response(None, InferenceServerException(msg=resp.error_message))
+    else:
+        client._on_response(InferResult(resp.infer_response), None)
+
+
+def test_a_request_cut_off_after_streaming_fails_for_its_own_caller_with_several_pending(session):
+    """Issue 16's lost request: a backend died after one of several requests on a stream had streamed progress.
+    The router fails it (not replayable) and retries the others; its error must reach that request's caller,
+    not be dropped because several are pending."""
+    for i in range(3):
+        session.submit(service_pb2.ModelInferRequest(model_name="edit", id=f"c-{i}"))
+    addr, rid = _Stream.sent[0]
+    dead = session.r.backends[addr]
+    session.on_response(dead, _response(rid))  # c-0 streamed a progress response
+    session.on_broken(dead, "UNAVAILABLE")  # then its backend's stream broke
+    client, futs = _client_with_pending(["c-0", "c-1", "c-2"])
+    try:
+        for resp in _drain(session.out):
+            _deliver(client, resp)
+        with pytest.raises(EditError) as err:
+            futs["c-0"].result(0)
+        assert err.value.code == "UNAVAILABLE" and "c-0" in str(err.value)
+        assert not futs["c-1"].done() and not futs["c-2"].done()  # still pending: c-1 was retried elsewhere
+    finally:
+        client._pending.clear()
+        client.close()
+
+
+def test_a_backend_refusal_reaches_its_own_caller_through_the_router(session):
+    """A backend's refusal ("denoise queue is full") names the router's id in its id field only, as Triton 2.51
+    sends it: the router relays it with the client's id in the text."""
+    for i in range(2):
+        session.submit(service_pb2.ModelInferRequest(model_name="edit", id=f"c-{i}"))
+    addr, rid = _Stream.sent[1]
+    full = "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full (1 waiting); retry later"
+    session.on_response(session.r.backends[addr], _response(rid, full, final=True))
+    client, futs = _client_with_pending(["c-0", "c-1"])
+    try:
+        for resp in _drain(session.out):
+            _deliver(client, resp)
+        with pytest.raises(EditError) as err:
+            futs["c-1"].result(0)
+        assert err.value.code == "RESOURCE_EXHAUSTED" and not futs["c-0"].done()
+        assert rid not in str(err.value)  # the router's own id does not leak out
+    finally:
+        client._pending.clear()
+        client.close()
+
+
+def test_a_broken_stream_fails_every_pending_request_of_the_client():
+    """The endpoint itself went away (the router restarted): tritonclient reports one error with a status for the
+    whole stream; every pending request ends with it, none waits forever."""
+    client, futs = _client_with_pending(["c-0", "c-1", "c-2"])
+    try:
+        client._on_response(None, InferenceServerException(msg="Socket closed", status="StatusCode.UNAVAILABLE"))
+        for f in futs.values():
+            with pytest.raises(EditError) as err:
+                f.result(0)
+            assert err.value.code == "UNAVAILABLE"
+        assert client._pending == {} and client._stream_broken
+    finally:
+        client.close()
+

@@ -43,3 +43,34 @@ def test_a_silent_backend_is_probed_and_a_failed_probe_makes_it_unhealthy(monkey
     assert checker.check(silent) and probes == [3.0]
     assert not checker.check(_backend(last_answer=time.monotonic(), ready=False))  # not ready: no probe needed
     assert probes == [3.0]
+
+
+def test_a_backend_out_of_rotation_comes_back_only_after_a_probe_request_succeeds(monkeypatch):
+    """Readiness and recent answers are not enough once it was found down (a restarted server says ready before
+    it can serve): it is probed at every check until a real request succeeds."""
+    answers = [False, False, True]
+    monkeypatch.setattr(health, "probe", lambda b, timeout_s: answers.pop(0))
+    checker = HealthChecker(router=None, probe_every_s=60.0)
+    down = _backend(last_answer=time.monotonic())
+    down.load.healthy = False  # as the checker's loop leaves it after a failed check
+    assert not checker.check(down) and not checker.check(down)  # probed each time, though it answered just now
+    assert checker.check(down) and answers == []
+
+
+def test_the_circuit_breaker_closes_on_a_success_not_after_a_time():
+    from maskedit_router.server import Backend
+
+    b = Backend("127.0.0.1:1", failure_threshold=3)
+    try:
+        b.failed(), b.failed()
+        assert b.available()  # two failures: still in rotation
+        b.failed()
+        assert b.circuit_open and not b.available()
+        b.opened_at -= 3600  # an hour later, still out: no cool-down puts it back unproven
+        assert not b.available()
+        b.succeeded()
+        assert b.available() and not b.circuit_open
+        b.trip()  # a definite fault opens it at once
+        assert not b.available()
+    finally:
+        b.close()

@@ -190,3 +190,18 @@ def test_a_corrupt_bf16_entry_is_a_miss(tmp_path):
     s._verified.clear()
     s._mapped.clear()
     assert s.open("k") is None and s.stats.corrupt == 1
+
+
+def test_disk_tier_is_bounded_by_the_free_space_it_finds(tmp_path, monkeypatch):
+    """A cap larger than the disk: the tier keeps to its share of what the filesystem has, not the cap."""
+    import shutil
+    from collections import namedtuple
+
+    s = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1, 1 << 40, disk_free_fraction=0.5)  # 1 TiB cap
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100_000, 0, 60_000))  # 60 kB free
+    for i in range(6):
+        s.put(f"k{i}", arrays(i), {})  # ~24 kB each, all evicted to disk (memory budget 1 byte)
+    held = sum(st.st_size for _, st in s.entries("disk"))
+    assert 0 < held <= s.disk_limit(held) <= 0.5 * (60_000 + held)
+    assert len(s.entries("disk")) < 6  # the oldest were dropped to keep within the free space

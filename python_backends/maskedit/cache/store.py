@@ -41,6 +41,9 @@ SUFFIX = ".safetensors"
 _DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
            "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32)}
 _STALE_TMP_S = 600.0
+# The disk tier never takes more than this share of the space its filesystem has (free plus what the tier holds):
+# a fixed cap alone would fill a small disk.
+DISK_FREE_FRACTION = 0.5
 
 
 @dataclass
@@ -154,9 +157,11 @@ def open_file(path: Path, verify: bool = True) -> tuple[dict, dict[str, np.ndarr
 
 
 class ActivationStore:
-    def __init__(self, mem_dir: str | Path, disk_dir: str | Path, mem_bytes: int, disk_bytes: int):
+    def __init__(self, mem_dir: str | Path, disk_dir: str | Path, mem_bytes: int, disk_bytes: int,
+                 disk_free_fraction: float = DISK_FREE_FRACTION):
         self.mem_dir, self.disk_dir = Path(mem_dir), Path(disk_dir)
         self.mem_bytes, self.disk_bytes = int(mem_bytes), int(disk_bytes)
+        self.disk_free_fraction = disk_free_fraction
         for d in (self.mem_dir, self.disk_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
@@ -333,13 +338,23 @@ class ActivationStore:
                 self.stats.evictions += 1
             disk = sorted(self.entries("disk"), key=lambda e: e[1].st_atime_ns)
             total = sum(s.st_size for _, s in disk)
+            limit = self.disk_limit(total)
             for p, s in disk:
-                if total <= self.disk_bytes:
+                if total <= limit:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                 total -= s.st_size
                 self.stats.dropped += 1
+
+    def disk_limit(self, held: int) -> int:
+        """The disk tier's budget now: the configured cap, bounded by ``disk_free_fraction`` of the space it finds
+        (free space on its filesystem plus the ``held`` bytes the tier already uses)."""
+        try:
+            free = shutil.disk_usage(self.disk_dir).free
+        except OSError:
+            return self.disk_bytes
+        return min(self.disk_bytes, int((free + held) * self.disk_free_fraction))
 
     def _copy_atomic(self, src: Path, dst: Path) -> None:
         tmp = dst.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{dst.name}"
@@ -401,4 +416,5 @@ def from_env(env: dict | None = None) -> ActivationStore:
     mem = env.get("MASKEDIT_CACHE_MEM_DIR", f"/dev/shm/maskedit-{uid}/activations")
     disk = env.get("MASKEDIT_CACHE_DISK_DIR", str(Path.home() / ".cache" / "maskedit" / "activations"))
     return ActivationStore(mem, disk, int(float(env.get("MASKEDIT_CACHE_MEM_BYTES", 4 << 30))),
-                           int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))))
+                           int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))),
+                           float(env.get("MASKEDIT_CACHE_DISK_FREE_FRACTION", DISK_FREE_FRACTION)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -85,6 +86,7 @@ class CacheMetrics:
             name="maskedit_denoise_requests_total", description="denoise requests by how they ended",
             kind=pb_utils.MetricFamily.COUNTER)
         self._out = {}
+        self._sync_lock = threading.Lock()
 
     def outcome(self, code: str) -> None:
         if code not in self._out:
@@ -95,8 +97,32 @@ class CacheMetrics:
         outcome = info.get("cache", "off")
         if outcome in self._req:
             self._req[outcome].increment(1)
+        self.sync()
+
+    def sync(self) -> None:
+        """Bring the store's event counters up to date. Called when any request ends, failed ones included (a
+        request that looked its entry up and was then cancelled must still show its lookup), and every few
+        seconds (a template run's entry is written after its answer: its insert used to show only when the next
+        request ended, so the counters disagreed by one while the server was idle)."""
         if self.store is None:
             return
+        with self._sync_lock:
+            self._sync()
+
+    def sync_every(self, interval_s: float = 5.0) -> threading.Event:
+        stop = threading.Event()
+
+        def loop():
+            while not stop.wait(interval_s):
+                try:
+                    self.sync()
+                except Exception:  # metrics must never take the model down
+                    logging.getLogger(__name__).exception("cache metrics sync failed")
+
+        threading.Thread(target=loop, daemon=True, name="cache-metrics").start()
+        return stop
+
+    def _sync(self) -> None:
         m = self.store.metrics()
         counters = list(self._ev.items()) + [(f"{k}_cpu_s", c) for k, c in self._cpu.items()]
         for k, metric in counters:

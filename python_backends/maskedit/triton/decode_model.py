@@ -38,4 +38,4 @@ class TritonPythonModel:
             return io.response({"IMAGE": image, "EDIT_INFO": info})
         except Exception as e:
             self.log.exception("decode failed")
-            return io.error_response(e)
+            return io.error_response(e, request.request_id())

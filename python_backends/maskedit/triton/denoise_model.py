@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..admission import QueueBoard
 from ..cancel import CancelBoard
 from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
@@ -33,25 +34,30 @@ class TritonPythonModel:
         runner = ModelRunner(self.settings)
         runner.cache = cache_runtime(runner.transformer, self.settings, self.log)
         env = os.environ
+        self.board = QueueBoard()  # pre-processing refuses early while the queue is full
         self.engine = DenoiseEngine(runner, max_queue=int(env.get("MASKEDIT_MAX_QUEUE", 64)), scheduler=BatchScheduler(
             env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
             max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
             reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0",
-            max_wait_steps=int(env.get("MASKEDIT_MAX_WAIT_STEPS", 8))))
+            max_wait_steps=int(env.get("MASKEDIT_MAX_WAIT_STEPS", 8))), on_queue=self.board.publish)
         self.cancels = CancelBoard()
+        self._sweeper = self.cancels.sweep_every(float(env.get("MASKEDIT_CANCEL_SWEEP_S", 60)))
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
+        self._metrics_sync = self.metrics.sync_every(float(env.get("MASKEDIT_METRICS_SYNC_S", 5)))
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            self.board.arrived()
             try:
                 self._submit(request, sender)
-            except Exception as e:
+            except Exception as e:  # refused at admission (queue full, deadline, bad tensors): answered at once
                 self.log.warning("rejected request: %s", e)
-                sender.send(io.error_response(e), flags=FINAL)
+                self.metrics.outcome(getattr(e, "code", "INTERNAL"))
+                sender.send(io.error_response(e, request.request_id()), flags=FINAL)
         return None
 
     def _submit(self, request, sender):
@@ -80,11 +86,14 @@ class TritonPythonModel:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
             self.metrics.observe(info)
             self.metrics.outcome("OK")
+            self.cancels.clear(rid)  # a marker that came too late to matter
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
 
         def failed(job: DenoiseJob, e: BaseException):
             self.metrics.outcome(getattr(e, "code", "INTERNAL"))
-            sender.send(io.error_response(e), flags=FINAL)
+            self.metrics.sync()
+            self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
+            sender.send(io.error_response(e, rid), flags=FINAL)
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
             sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
@@ -104,6 +113,8 @@ class TritonPythonModel:
         return io.response({"DENOISED": latents, "MODEL_SIZE_OUT": size, **relay, "REQUEST_INFO_OUT": info})
 
     def finalize(self):
+        self._sweeper.set()
+        self._metrics_sync.set()
         self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()

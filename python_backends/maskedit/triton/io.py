@@ -22,10 +22,18 @@ _CODES = {
 }
 
 
-def as_triton_error(exc: BaseException) -> "pb_utils.TritonError":
+def error_text(exc: BaseException, request_id: str | None = None) -> str:
+    """``CODE: message [request id: ID]``. tritonclient's stream callback passes a client only the error text
+    (not the response's id field), so the id must be in the text for a client with several requests pending on
+    one stream to tell whose error it is."""
     code = exc.code if isinstance(exc, EditError) else "INTERNAL"
     msg = str(exc) if isinstance(exc, EditError) else f"{type(exc).__name__}: {exc}"
-    return pb_utils.TritonError(f"{code}: {msg}", getattr(pb_utils.TritonError, _CODES[code]))
+    return f"{code}: {msg}" + (f" [request id: {request_id}]" if request_id else "")
+
+
+def as_triton_error(exc: BaseException, request_id: str | None = None) -> "pb_utils.TritonError":
+    code = exc.code if isinstance(exc, EditError) else "INTERNAL"
+    return pb_utils.TritonError(error_text(exc, request_id), getattr(pb_utils.TritonError, _CODES[code]))
 
 
 def array(request, name: str) -> np.ndarray | None:
@@ -62,8 +70,8 @@ def response(outputs: dict) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=[tensor(k, v) for k, v in outputs.items()])
 
 
-def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(output_tensors=[], error=as_triton_error(exc))
+def error_response(exc: BaseException, request_id: str | None = None) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=as_triton_error(exc, request_id))
 
 
 def limit_threads(args: dict, default: int) -> None:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from .. import logs
+from ..admission import QueueBoard
 from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
@@ -20,6 +21,7 @@ class TritonPythonModel:
         io.limit_threads(args, default=1)
         self.settings = load_settings()
         self.pre = Preprocessor(self.settings, store=cache_store(self.log))
+        self.board = QueueBoard()
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
@@ -29,6 +31,7 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         arrived = time.time()
         try:
+            self.board.check()  # the denoise queue is full: refused before any work, so refusals come at once
             params = parse_params(
                 self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
                 io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"), io.scalar(request, "TEMPLATE_SEED"),
@@ -38,7 +41,7 @@ class TritonPythonModel:
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
             self.log.warning("rejected request: %s", e)
-            return io.error_response(e)
+            return io.error_response(e, request.request_id())
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
@@ -49,6 +52,7 @@ class TritonPythonModel:
             "guidance": params.guidance, "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
         }
+        self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({
             "LATENTS": p.latents, "COND": p.cond, "PROMPT_EMBEDS": p.prompt_embeds, "POOLED_EMBEDS": p.pooled_embeds,
             "TOKEN_MASK": p.token_mask.astype(bool), "MODEL_SIZE": np.array([p.model_w, p.model_h], np.int32),

@@ -1,0 +1,110 @@
+"""`python -m loadgen.overload` (`make overload`): open-loop load at twice capacity, straight to one server and
+through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second.
+
+    python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
+
+Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
+refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
+(max, P99, share within 1 s) and the P95 of the requests that were served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from maskedit.settings import REPO_ROOT
+
+from . import capacity
+from .topology import running_topology
+
+RESULTS = REPO_ROOT / "perf_profiles" / "results"
+
+
+def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
+    refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    other = {k: v for k, v in summary["errors"].items() if k not in ("RESOURCE_EXHAUSTED", "LOST")}
+    return {
+        "rate": round(rate, 2), "capacity": round(cap, 2), "sent": summary["requests"], "ok": summary["completed"],
+        "refused": len(refused), "other_errors": other, "lost": summary["lost"],
+        "refusal_max_s": round(max(refused), 3) if refused else None,
+        "refusal_p99_s": round(float(np.percentile(refused, 99)), 3) if refused else None,
+        "refused_within_1s": round(float(np.mean(np.array(refused) < 1.0)), 4) if refused else None,
+        "ok_p95_s": summary["p95_s"], "throughput": summary["throughput"],
+        "met": {"nothing_lost": summary["lost"] == 0, "only_refusals": not other,
+                "refusals_within_1s": bool(refused) and max(refused) < 1.0},
+    }
+
+
+def plot(result: dict, runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.2), squeeze=False)
+    for ax, (name, recs) in zip(axes[0], runs.items()):
+        ok = [(r.submit_s, r.latency_s) for r in recs if r.latency_s is not None]
+        ref = [(r.submit_s, r.answered_after_s) for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+        if ok:
+            ax.scatter(*zip(*ok), s=6, label="served: latency")
+        if ref:
+            ax.scatter(*zip(*ref), s=6, c="red", label="refused: time to RESOURCE_EXHAUSTED")
+        ax.axhline(1.0, ls="--", c="gray", lw=0.8)
+        j = result["targets"][name]
+        ax.set(xlabel="send time (s)", ylabel="seconds", title=f"{name}: {j['rate']} req/s = 2x capacity {j['capacity']}; "
+               f"{j['ok']} ok, {j['refused']} refused, {j['lost']} lost")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--probe-rate", type=float, default=12.0, help="load used to measure capacity (well past it)")
+    ap.add_argument("--probe-s", type=float, default=30.0)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds at 2x capacity per target")
+    ap.add_argument("--steps", type=int, default=30, help="denoising steps per request")
+    ap.add_argument("--max-queue", type=int, default=8, help="each server's denoise queue (MASKEDIT_MAX_QUEUE)")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "overload")
+    ap.add_argument("--result", type=Path, default=RESULTS / "overload.json")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+    env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
+    started = time.time()
+    result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
+                                                                  __import__("sys").argv[1:]),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
+              "max_queue": args.max_queue, "instances": args.instances,
+              "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note}, "targets": {}}
+    runs = {}
+    with running_topology(args.instances, args.out, env) as topo:
+        for name, url, probe in (("server", topo.servers[0].grpc_url, args.probe_rate / args.instances),
+                                 ("router", topo.url, args.probe_rate)):
+            print(f"{name}: capacity at {probe:g} req/s offered", flush=True)
+            _, s = capacity.run_at(url, probe, args.probe_s, steps=args.steps, seed=1)
+            cap = capacity.capacity([s])
+            print(f"{name}: capacity {cap:.2f} req/s; overload at {2 * cap:.2f} req/s", flush=True)
+            recs, s2 = capacity.run_at(url, 2 * cap, args.duration, steps=args.steps, seed=2, progress=True)
+            result["targets"][name] = judge(recs, s2, 2 * cap, cap)
+            runs[name] = recs
+            print(json.dumps(result["targets"][name]), flush=True)
+        topo.remember()
+    result["leftovers_after_shutdown"] = topo.leftovers()
+    result["all_met"] = all(all(t["met"].values()) for t in result["targets"].values())
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps(result, indent=1))
+    plot(result, runs, args.result.with_suffix(".png"))
+    print(f"wrote {args.result} and {args.result.with_suffix('.png')}; all targets met: {result['all_met']}")
+
+
+if __name__ == "__main__":
+    main()

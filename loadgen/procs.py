@@ -1,0 +1,63 @@
+"""What a run leaves on the host: processes of a process group, their memory, /dev/shm bytes, listening ports.
+
+Chaos and soak runs use these to check that nothing leaks (a reaped backend leaves no process, port or shared
+memory region) and to sample every process's resident memory over time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+import psutil
+
+from maskedit_router.supervisor import group_members
+
+SHM = Path("/dev/shm")
+__all__ = ["group_members", "label", "rss_by_process", "shm_regions", "dir_bytes", "port_in_use"]
+
+
+def label(p: psutil.Process) -> str:
+    """A stable name for a process: the Triton model a stub serves, else its program."""
+    with contextlib.suppress(psutil.Error):
+        cmd = p.cmdline()
+        stub = next((a[:-4] for a in cmd if a.endswith("_0_0")), None)
+        if stub:
+            return f"stub:{stub}"
+        if any("maskedit_router" in a for a in cmd):
+            return "router"
+        return p.name()
+    return "?"
+
+
+def rss_by_process(pgids: dict[str, int]) -> dict[str, int]:
+    """Resident bytes of every live process in each named process group: ``{"<name>/<label>": rss}``."""
+    out: dict[str, int] = {}
+    for name, pgid in pgids.items():
+        for p in group_members(pgid):
+            with contextlib.suppress(psutil.Error):
+                out[f"{name}/{label(p)}"] = out.get(f"{name}/{label(p)}", 0) + p.memory_info().rss
+    return out
+
+
+def shm_regions(prefix: str) -> list[str]:
+    """Names of /dev/shm entries starting with ``prefix`` (a Triton server's Python-backend regions)."""
+    return sorted(p.name for p in SHM.glob(f"{prefix}*"))
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, f)).st_size
+    return total
+
+
+def port_in_use(port: int) -> bool:
+    """True if something listens on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0

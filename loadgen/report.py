@@ -1,0 +1,81 @@
+"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, overload and
+soak results (perf_profiles/results/{chaos,overload,soak}.json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from maskedit.settings import REPO_ROOT
+
+RESULTS = REPO_ROOT / "perf_profiles" / "results"
+
+
+def _f(v, nd=2):
+    return "–" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def _codes(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
+
+
+def chaos(r: dict) -> str:
+    rows = ["| fault | sent | ok | failed by code | lost | P95 before / during / after (s) | time to recover (s) | "
+            "in rotation after restart (s) | left behind |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        left = sum(len(v) for v in c["leftovers"].values())
+        rows.append(f"| {c['fault']} | {c['sent']} | {c['ok']} | {_codes(c['failed_by_code'])} | {c['lost']} | "
+                    f"{_f(c['p95_before_s'])} / {_f(c['p95_during_s'])} / {_f(c['p95_after_s'])} | "
+                    f"{_f(c['time_to_recover_s'], 1)} | {_f(c['recovered_after_restart_s'], 1)} | {left} |")
+    left = sum(len(v) for v in r["leftovers_after_shutdown"].values())
+    return "\n".join(rows) + (f"\n\n{r['instances']} instances, {r['rate']} req/s open loop through the router, "
+                              f"{r['duration_s']:g} s per fault; after shutdown {left} processes/regions/ports left; "
+                              f"all targets met: {r['all_met']}. `{r['command']}`, started {r['started']}.")
+
+
+def overload(r: dict) -> str:
+    rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | refused (RESOURCE_EXHAUSTED) | other errors | "
+            "lost | refusal max / P99 (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, t in r["targets"].items():
+        rows.append(f"| {name} | {t['capacity']} | {t['rate']} | {t['sent']} | {t['ok']} | {t['refused']} | "
+                    f"{_codes(t['other_errors'])} | {t['lost']} | {_f(t['refusal_max_s'], 3)} / "
+                    f"{_f(t['refusal_p99_s'], 3)} | {_f(t['refused_within_1s'] and 100 * t['refused_within_1s'], 1)} % | "
+                    f"{_f(t['ok_p95_s'])} |")
+    return "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "
+                              f"{r['all_met']}. `{r['command']}`, started {r['started']}.")
+
+
+def soak(r: dict) -> str:
+    s = r["summary"]
+    rows = ["| window | sent | ok | errors | P50 (s) | P95 (s) | hit rate |", "|---|---|---|---|---|---|---|"]
+    for w in r["windows"]:
+        rows.append(f"| {w['window']} | {w['sent']} | {w['ok']} | {_codes(w['errors'])} | {_f(w['p50_s'])} | "
+                    f"{_f(w['p95_s'])} | {_f(w['hit_rate'])} |")
+    slopes = ", ".join(f"{k} {_f(v)}" for k, v in r["memory_slope_mb_per_10min"].items())
+    first, last = r["samples"][0], r["samples"][-1]
+    rss = ", ".join(f"{k} {first['rss'].get(k, 0) / 2**20:.0f}→{v / 2**20:.0f}" for k, v in sorted(last["rss"].items()))
+    return "\n".join(rows) + (
+        f"\n\n{r['minutes']:g} min at {r['rate']:g} req/s (the knee of the sweep) through the router, {r['instances']} "
+        f"instances, {r['templates']} templates (Zipf {r['zipf']}), store memory budget {r['mem_budget_mb']} MB per "
+        f"instance: {s['requests']} sent, {s['completed']} ok, errors {_codes(s['errors'])}, {s['lost']} lost. "
+        f"Memory slope after the first window (MB per 10 min): {slopes}. RSS first→last sample (MiB): {rss}. "
+        f"/dev/shm {sum(first['shm'].values()) / 2**20:.0f}→{sum(last['shm'].values()) / 2**20:.0f} MiB, disk tier "
+        f"{sum(first['disk'].values()) / 2**20:.0f}→{sum(last['disk'].values()) / 2**20:.0f} MiB. Targets met: "
+        f"{r['met']}. Host: {r['host']['note']}. `{r['command']}` at revision {r.get('revision')}, started "
+        f"{r['started']}.")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    for name, fn in (("chaos", chaos), ("overload", overload), ("soak", soak)):
+        p = args.results / f"{name}.json"
+        if p.exists():
+            print(f"### {name} ({p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p})\n")
+            print(fn(json.loads(p.read_text())) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The system chaos and soak runs drive: supervised Triton instances (the launcher's ``running_backends``) and
+the router as its own process (``python -m maskedit_router``), so the router can be killed and restarted like
+any other part. Everything is stopped by pid on the way out and checked for leftovers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from maskedit import admission
+from maskedit.launcher import free_port
+from maskedit_router.cluster import running_backends
+from maskedit_router.supervisor import Supervisor
+
+from . import procs
+
+
+@dataclass
+class Topology:
+    servers: list
+    supervisor: Supervisor
+    out: Path
+    router_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    router: subprocess.Popen | None = None
+    seen: dict = field(default_factory=dict)  # every pgid / shm prefix / port used, for the leak check
+    router_starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.router_port}"
+
+    def remember(self) -> None:
+        """Note the current generation of every part (a restart makes a new one) for the final leak check."""
+        for s in self.servers:
+            if s.proc is not None:
+                self.seen.setdefault("pgids", set()).add(s.proc.pid)
+                self.seen.setdefault("shm", set()).add(s.shm_prefix)
+                self.seen.setdefault("ports", set()).update({s.grpc_port, s.http_port, s.metrics_port})
+        if self.router is not None:
+            self.seen.setdefault("pgids", set()).add(self.router.pid)
+        self.seen.setdefault("ports", set()).update({self.router_port, self.http_port})
+
+    # -- the router process ---------------------------------------------------------------------------
+    def start_router(self, timeout_s: float = 60.0) -> None:
+        log = open(self.out / "router.log", "ab")
+        self.router = subprocess.Popen(
+            [sys.executable, "-m", "maskedit_router", "--backends", ",".join(s.grpc_url for s in self.servers),
+             "--port", str(self.router_port), "--http-port", str(self.http_port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.router_starts += 1
+        self.remember()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"router exited with {self.router.returncode}; see {self.out / 'router.log'}")
+            h = self.health()
+            if h and h.get("ready"):
+                return
+            time.sleep(0.2)
+        raise TimeoutError("router not ready")
+
+    def kill_router(self) -> None:
+        if self.router is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.router.pid, signal.SIGKILL)
+        self.router.wait(10)
+
+    def stop_router(self) -> None:
+        if self.router is None or self.router.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.router.pid, signal.SIGTERM)
+        try:
+            self.router.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill_router()
+
+    def health(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def all_in_rotation(self) -> bool:
+        h = self.health()
+        return bool(h) and all(b.get("in_rotation") for b in h["backends"])
+
+    # -- what is left -----------------------------------------------------------------------------------
+    def leftovers(self) -> dict:
+        """Processes, /dev/shm regions and listening ports of any generation that should be gone: those of
+        parts no longer running (call after a recovery, or after everything stopped)."""
+        live_pgids = {s.proc.pid for s in self.servers if s.proc is not None}
+        live_shm = {s.shm_prefix for s in self.servers if s.proc is not None}
+        if self.router is not None and self.router.poll() is None:
+            live_pgids.add(self.router.pid)
+        live_ports = set()
+        for s in self.servers:
+            if s.proc is not None:
+                live_ports |= {s.grpc_port, s.http_port, s.metrics_port}
+        if self.router is not None and self.router.poll() is None:
+            live_ports |= {self.router_port, self.http_port}
+        return {
+            "processes": [f"{p.pid}:{procs.label(p)}" for g in self.seen.get("pgids", set()) - live_pgids
+                          for p in procs.group_members(g)],
+            "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in procs.shm_regions(pre)] +
+                           [str(p) for g in self.seen.get("pgids", set()) - live_pgids
+                            if (p := admission.board_path(g)).exists()],
+            "ports": sorted(p for p in self.seen.get("ports", set()) - live_ports if procs.port_in_use(p)),
+        }
+
+    def pgids(self) -> dict[str, int]:
+        out = {f"server{i}": s.proc.pid for i, s in enumerate(self.servers) if s.proc is not None}
+        if self.router is not None and self.router.poll() is None:
+            out["router"] = self.router.pid
+        return out
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def running_topology(instances: int, out: Path, env: dict | None = None):
+    """``instances`` supervised Triton servers and the router process in front of them. SIGTERM and SIGINT end
+    the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
+    sessions and would outlive a plain kill of this process)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with _running(instances, out, env) as topo:
+            yield topo
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _running(instances: int, out: Path, env: dict | None):
+    with running_backends(instances, out, env, supervise=True) as (servers, supervisor):
+        topo = Topology(servers, supervisor, out)
+        topo.remember()
+        try:
+            topo.start_router()
+            yield topo
+        finally:
+            topo.stop_router()
+            topo.remember()
+    # running_backends stopped the servers here; the caller checks ``topo.leftovers()``

@@ -1,0 +1,64 @@
+"""The chaos suite's fast cases against real Triton instances, the supervisor and the router process: nothing is
+lost under a fault or under overload, and nothing is left behind (``make chaos`` runs every fault, longer)."""
+
+import time
+
+import pytest
+
+from loadgen import chaos, runner, workload
+from loadgen.topology import running_topology
+from maskedit_client import EditClient
+
+MAX_QUEUE = 2
+
+
+@pytest.fixture(scope="module")
+def topo(settings, tmp_path_factory):
+    # One request per denoise step and a short queue: the denoise queue, not pre-processing (the tiny model's
+    # bottleneck on a small CPU), limits the server, so a burst meets the queue-full refusal.
+    env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_MAX_QUEUE": str(MAX_QUEUE),
+           "MASKEDIT_MAX_BATCH": "1", "MASKEDIT_CACHE_MEM_BYTES": str(64 << 20)}
+    with running_topology(2, tmp_path_factory.mktemp("chaos"), env) as t:
+        yield t
+    assert not any(t.leftovers().values()), t.leftovers()  # after shutdown: no process, region or port left
+
+
+@pytest.mark.parametrize("through,rate", [("server", 6.0), ("router", 10.0)])
+def test_overload_refusals_reach_their_own_stream_within_a_second(topo, through, rate):
+    """Open-loop arrivals far past capacity on one stream (as the load generator sends them): every request ends,
+    the refused ones with RESOURCE_EXHAUSTED on their own future within a second of their send, none is lost."""
+    url = topo.servers[0].grpc_url if through == "server" else topo.url
+    reqs = workload.poisson(rate, int(rate * 4), n_templates=2, steps=100, seed=5)  # long denoising: the queue fills
+    with EditClient(url) as c:
+        recs, _ = runner.run(c, reqs, runner.Assets(256), timeout_s=60, progress=False)
+    codes = [r.error_code or "OK" for r in recs]
+    refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes  # nothing lost, nothing else
+    assert refused and codes.count("OK") >= MAX_QUEUE + 1, codes
+    assert max(refused) < 1.0, sorted(refused)
+
+
+def test_a_server_killed_under_load_loses_nothing_is_restarted_and_taken_back(topo):
+    case = chaos.run_case(topo, "kill_server", rate=2.0, duration_s=12, seed=3, progress=False)
+    assert case["lost"] == 0 and case["ok"] > 0, case
+    assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
+    assert case["time_to_recover_s"] is not None and case["recovered_after_restart_s"] <= 30, case
+    assert not any(case["leftovers"].values()), case["leftovers"]  # the killed generation left nothing
+
+
+def test_a_router_restart_under_load_loses_nothing(topo):
+    case = chaos.run_case(topo, "restart_router", rate=2.0, duration_s=10, seed=4, progress=False)
+    assert case["lost"] == 0 and case["ok"] > 0, case
+    assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
+    assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
+
+
+def test_a_hung_server_loses_nothing_and_is_taken_back_after_it_resumes(topo):
+    """SIGSTOP for 10 s, then SIGCONT: a hang, not a crash. The router takes it out of rotation (its requests
+    retried or failed), and back only after a probe request succeeds once it resumes; the supervisor leaves it."""
+    restarts = sum(i.total_restarts for i in topo.supervisor.instances)
+    case = chaos.run_case(topo, "sigstop_server", rate=2.0, duration_s=10, seed=6, progress=False)
+    assert case["lost"] == 0 and case["ok"] > 0, case
+    assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
+    assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
+    assert sum(i.total_restarts for i in topo.supervisor.instances) == restarts  # not restarted: it was not dead
