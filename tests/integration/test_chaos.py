@@ -1,7 +1,6 @@
 """The chaos suite's fast cases against real Triton instances, the supervisor and the router process: nothing is
 lost under a fault or under overload, and nothing is left behind (``make chaos`` runs every fault, longer)."""
 
-import time
 
 import pytest
 

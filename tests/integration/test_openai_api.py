@@ -172,13 +172,17 @@ def test_full_router_gives_429_and_no_backend_gives_503(api, template_img, box_m
     finally:
         router.max_inflight = limit
     backend = next(iter(router.backends.values()))
-    backend.open_until = time.monotonic() + 60  # its circuit breaker open: no backend in rotation
+    # Its circuit breaker open and held open (the health checker's probe would close it once an edit succeeds):
+    # no backend in rotation.
+    backend.open_circuit()
+    backend.succeeded = lambda: None
     try:
         with pytest.raises(openai.InternalServerError) as e:
             api["client"].images.edit(**kw)
         assert e.value.status_code == 503 and e.value.body["type"] == "server_error", e.value.body
     finally:
-        backend.open_until = 0.0
+        del backend.succeeded
+        backend.succeeded()
     assert api["client"].images.edit(**kw).data  # serving again
 
 

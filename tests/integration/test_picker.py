@@ -180,8 +180,9 @@ def test_no_healthy_endpoint_is_503_and_full_is_429(pool):
     serving, not_serving = b"\x08\x01", b"\x08\x02"  # grpc.health.v1 HealthCheckResponse.status
     assert pool["health"]("readiness") == serving and pool["health"]("envoy.service.ext_proc.v3.ExternalProcessor") \
         == serving
-    for b in router.backends.values():
-        b.open_until = time.monotonic() + 60  # circuit breakers open: nothing in rotation
+    for b in router.backends.values():  # circuit breakers open and held open (a probe would close them)
+        b.open_circuit()
+        b.succeeded = lambda: None
     try:
         assert pool["health"]("readiness") == not_serving and pool["health"]("liveness") == serving
         p = Proxy(pool["stub"])
@@ -191,7 +192,8 @@ def test_no_healthy_endpoint_is_503_and_full_is_429(pool):
         assert imm.status.code == 503 and "no healthy backend" in json.loads(imm.body)["error"]["message"]
     finally:
         for b in router.backends.values():
-            b.open_until = 0.0
+            del b.succeeded
+            b.succeeded()
     limit, router.max_inflight = router.max_inflight, 0
     try:
         p = Proxy(pool["stub"])
