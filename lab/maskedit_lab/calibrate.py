@@ -29,6 +29,7 @@ from maskedit.cache.loader import RowLoader
 from maskedit.cache.planner import FULL, KV, Y
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.denoise import DenoiseJob
+from maskedit.device import SideStream, seconds_between, time_mark
 from maskedit.settings import REPO_ROOT
 
 from .baselines import InlineRowLoader
@@ -44,26 +45,17 @@ class BlockTimer(ModelHook):
         super().__init__()
         self.sink, self.index = sink, index
 
-    def _mark(self, device):
-        if device.type != "cuda":
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
     def new_forward(self, module, *args, **kwargs):
         device = next(module.parameters()).device
-        t0 = self._mark(device)
+        t0 = time_mark(device)
         out = self.fn_ref.original_forward(*args, **kwargs)
-        self.sink.append((self.index, t0, self._mark(device)))
+        self.sink.append((self.index, t0, time_mark(device)))
         return out
 
 
 def resolve(sink: list) -> list[tuple[int, float]]:
     """(block, ms) of every timed call in ``sink`` (waiting for the GPU to pass the last event first)."""
-    if sink and not isinstance(sink[-1][2], float):
-        sink[-1][2].synchronize()
-    return [(i, (b - a) * 1000.0 if isinstance(a, float) else a.elapsed_time(b)) for i, a, b in sink]
+    return [(i, 1000.0 * seconds_between(a, b, wait=True)) for i, a, b in sink]
 
 
 def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
@@ -113,18 +105,11 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
         out = torch.empty(src.shape, dtype=src.dtype, device=device)
         times = []
         for _ in range(5):
-            if device.type == "cuda":  # on a side stream, as the loader copies
-                with torch.cuda.stream(torch.cuda.Stream()):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    out.copy_(src, non_blocking=True)
-                    b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                out.copy_(src)
-                times.append((time.perf_counter() - t0) * 1000.0)
+            with SideStream.shared(device, "load").use():  # on the loader's copy stream (a GPU's)
+                a = time_mark(device)
+                out.copy_(src, non_blocking=True)
+                b = time_mark(device)
+            times.append(1000.0 * seconds_between(a, b, wait=True))
         loads["mem"].append((out.numel() * out.element_size(), float(np.median(times))))
     # Disk tier: reading an entry's slice from a file on disk (page cache permitting).
     entry_path = next(h.store.mem_dir.glob("*.safetensors"))

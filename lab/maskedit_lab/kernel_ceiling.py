@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
 from maskedit.cache.planner import FULL, KV, Y
-from maskedit.device import is_cuda
+from maskedit.device import is_cuda, seconds_between, time_mark
 
 
 def _calls(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> list[tuple]:
@@ -75,18 +74,10 @@ class KernelTimer:
         """Seconds per call: wall time on the CPU, CUDA events on a GPU (the host only queues kernels there)."""
         for _ in range(3):
             fn()
-        if is_cuda(self.device):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(self.reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0 / self.reps
-        t0 = time.perf_counter()
+        t0 = time_mark(self.device)
         for _ in range(self.reps):
             fn()
-        return (time.perf_counter() - t0) / self.reps
+        return seconds_between(t0, time_mark(self.device), wait=True) / self.reps
 
     def _randn(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, device=self.device, dtype=self.dtype)

@@ -115,11 +115,12 @@ class ModelRunner:
 
     def decide(self, job: DenoiseJob) -> None:
         """Make the job's cache decision (once, before admission) and count the tokens it will compute."""
-        if job.decision is None and self.cache is not None:
+        n = int(job.inputs.latents.shape[0])
+        if self.cache is None:
+            job.tokens = n
+        elif job.decision is None:
             job.decision = self.cache.decide(job.inputs)
-            job.tokens = job.decision.tokens(int(job.inputs.latents.shape[0]))
-        elif job.tokens is None or self.cache is None:
-            job.tokens = int(job.inputs.latents.shape[0])
+            job.tokens = job.decision.tokens(n)
 
     def prepare(self, job: DenoiseJob) -> None:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""

@@ -157,13 +157,26 @@ def pin_in_place(a) -> bool:
     return True
 
 
-def mark_current(device):
-    """An event at the current end of this thread's stream on ``device`` (None on the CPU)."""
+def time_mark(device):
+    """A point in time on ``device``: the wall clock on the CPU; on a GPU a timing event recorded on this thread's
+    current stream (the host only queues kernels there, so its clock says when they were queued, not run)."""
     if not is_cuda(device):
-        return None
-    ev = torch.cuda.Event()
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True, blocking=True)  # waiting on it yields the core, no spinning
     ev.record(torch.cuda.current_stream(torch.device(device)))
     return ev
+
+
+def seconds_between(start, end, wait: bool = False) -> float | None:
+    """Seconds from ``start`` to ``end`` (two ``time_mark`` results); None if a GPU has not passed ``end`` yet,
+    unless ``wait``."""
+    if isinstance(start, float):
+        return end - start
+    if wait:
+        end.synchronize()
+    elif not end.query():
+        return None
+    return start.elapsed_time(end) / 1000.0
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -213,32 +226,22 @@ class StepClock:
         self._pending: deque[_Span] = deque()
         self._open: _Span | None = None
 
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True, blocking=True)  # waiting on it yields the core, no spinning
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
     def begin(self, tokens: int) -> None:
-        self._open = _Span(tokens, self._now(), None)
+        self._open = _Span(tokens, time_mark(self.device), None)
 
     def end(self) -> None:
         span, self._open = self._open, None
         if span is not None:
-            span.end = self._now()
+            span.end = time_mark(self.device)
             self._pending.append(span)
 
     def finished(self) -> list[tuple[int, float]]:
         out = []
         while self._pending:
             s = self._pending[0]
-            if self.cuda:
-                if not s.end.query():
-                    break
-                secs = s.start.elapsed_time(s.end) / 1000.0
-            else:
-                secs = s.end - s.start
+            secs = seconds_between(s.start, s.end)
+            if secs is None:
+                break
             self._pending.popleft()
             out.append((s.tokens, secs))
         return out
@@ -254,8 +257,3 @@ class StepClock:
         if self.cuda and self._pending:
             self._pending[-1].end.synchronize()
 
-    def drain(self) -> list[tuple[int, float]]:
-        """Wait for every recorded step and return them all (shutdown, benchmarks)."""
-        if self.cuda and self._pending:
-            self._pending[-1].end.synchronize()
-        return self.finished()
