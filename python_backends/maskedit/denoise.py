@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 
 from .cache.flux import FULL, FluxCacheHooks, RowView, StepContext
-from .components import load_scheduler_config, load_transformer, torch_dtype, vae_scale_factor
+from .components import FLUX, load_scheduler_config, load_transformer, model_family, torch_dtype, vae_scale_factor
 from .errors import InvalidInput
 from .schedule import make_scheduler
 from .settings import Settings
@@ -109,8 +109,10 @@ class ModelRunner:
         self.dtype = torch_dtype(settings)
         self.transformer = transformer if transformer is not None else load_transformer(settings)
         self.scheduler_config = load_scheduler_config(settings)
-        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
-        self.pixels_per_token = 2 * vae_scale_factor(settings)  # Flux packs 2x2 latents into one token
+        # SD 2 / SDXL inpainting: ``transformer`` is the UNet and one token is one latent pixel (``unet_runner``).
+        self.unet = model_family(settings.model_dir) != FLUX
+        self.guidance_embeds = not self.unet and bool(self.transformer.config.guidance_embeds)
+        self.pixels_per_token = (1 if self.unet else 2) * vae_scale_factor(settings)  # Flux packs 2x2 latents
         self.cache = cache
 
     def decide(self, job: DenoiseJob) -> None:
@@ -126,6 +128,12 @@ class ModelRunner:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
         x = job.inputs
         _check_shapes(x, self.pixels_per_token)
+        if self.unet:
+            from .unet_runner import prepare_job
+
+            prepare_job(self, job)
+            self._admit_cache(job)
+            return
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype).unsqueeze(0)
         job.latents = t(x.latents)
         # Token grid ids, as FluxFillPipeline._prepare_latent_image_ids builds them.
@@ -137,10 +145,13 @@ class ModelRunner:
             guidance=torch.full([1], x.guidance, device=self.device, dtype=torch.float32)
             if self.guidance_embeds else None)
         job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
+        self._admit_cache(job)
+
+    def _admit_cache(self, job: DenoiseJob) -> None:
         self.decide(job)
         if self.cache is not None:
             jc = self.cache.admit(job, job.decision)
-            job.tokens = max(1, int(jc.idx_c.numel())) if jc.status == "hit" else int(x.latents.shape[0])
+            job.tokens = max(1, int(jc.idx_c.numel())) if jc.status == "hit" else int(job.inputs.latents.shape[0])
         job.started_at = time.perf_counter()
 
     def estimate_tokens(self, job: DenoiseJob) -> int:
@@ -160,13 +171,23 @@ class ModelRunner:
 
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one transformer call: equal text length (text tokens attend, so they cannot be padded);
-        different resolutions pack into one call."""
+        different resolutions pack into one call (UNet: one resolution per call)."""
+        if self.unet:
+            return group_by(jobs, lambda j: (tuple(j.tensors.prompt_embeds.shape), j.inputs.model_h, j.inputs.model_w))
         return group_by(jobs, lambda j: tuple(j.tensors.prompt_embeds.shape))
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
         """Advance every job by one denoising step: one transformer call per group of ``groups``."""
         for group in self.groups(jobs):
+            if self.unet:
+                from .unet_runner import step_group
+
+                ctx = self.cache.context(group) if self.cache is not None else None
+                step_group(self, group, ctx)
+                if self.cache is not None:
+                    self.cache.after_step(group)
+                continue
             timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
             tokens = [j.latents.shape[1] for j in group]
             packed = len({(j.inputs.model_h, j.inputs.model_w) for j in group}) > 1

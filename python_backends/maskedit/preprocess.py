@@ -1,6 +1,7 @@
 """Stage 1: turn an edit request (encoded template + mask + prompt) into the denoiser's tensors.
 
-The tensor math mirrors ``FluxFillPipeline.__call__`` step for step and calls the pipeline's own
+For Flux Fill the tensor math mirrors ``FluxFillPipeline.__call__`` step for step (SD 2 / SDXL inpainting:
+``unet_prepare``) and calls the pipeline's own
 methods (image/mask processors, ``encode_prompt``, ``prepare_mask_latents``) with one generator consumed
 in the same order, so the served result equals stock Diffusers for the same seed (tested).
 """
@@ -17,7 +18,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from . import imaging
 from .cache.key import cache_key, model_fingerprint
-from .components import load_pipeline
+from .components import FLUX, load_pipeline, model_family
 from .errors import InvalidInput
 from .params import EditParams
 from .schedule import make_scheduler
@@ -67,11 +68,20 @@ class Preprocessor:
         self.scheduler_config = dict(self.pipe.scheduler.config)
         self.fingerprint = model_fingerprint(settings.model_dir)
         self.store = store
-        self.scale = self.pipe.vae_scale_factor  # 8 for Flux: pixels per latent
-        self.patch = self.scale * 2  # pixels per packed token side
+        self.family = model_family(settings.model_dir)
+        self.scale = self.pipe.vae_scale_factor  # 8: pixels per latent
+        if self.family == FLUX:
+            self.patch = self.multiple = self.scale * 2  # pixels per packed token side
+        else:  # one token per latent pixel; sides divisible through every UNet downsampling
+            from diffusers import UNet2DConditionModel
+
+            levels = len(UNet2DConditionModel.load_config(settings.model_dir, subfolder="unet")["block_out_channels"])
+            self.patch, self.multiple = self.scale, self.scale * 2 ** (levels - 1)
 
     def count_t5_tokens(self, prompt: str) -> int:
-        return len(self.pipe.tokenizer_2(prompt).input_ids)
+        """Tokens of ``prompt`` in the encoder whose length is limited (Flux: T5; SD 2 / SDXL: CLIP's 77)."""
+        tokenizer = self.pipe.tokenizer_2 if self.family == FLUX else self.pipe.tokenizer
+        return len(tokenizer(prompt).input_ids)
 
     @torch.no_grad()
     def __call__(self, template: bytes, mask: bytes, params: EditParams) -> PreparedEdit:
@@ -86,7 +96,7 @@ class Preprocessor:
             raise InvalidInput(
                 f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", "PROMPT")
 
-        w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.patch)
+        w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
         mask_t = self.pipe.mask_processor.preprocess(mask_img, height=h, width=w)  # (1,1,h,w) in {0,1}
@@ -105,6 +115,14 @@ class Preprocessor:
             self.store.prefetch(prepared.cache_key)  # promote from disk while the request queues
 
         pipe, device = self.pipe, s.torch_device
+        if self.family != FLUX:
+            from .unet_prepare import prepare_unet
+
+            init_image = pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
+            t = prepare_unet(pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, device)
+            prepared.latents, prepared.cond = _np(t["latents"]), _np(t["cond"])
+            prepared.prompt_embeds, prepared.pooled_embeds = _np(t["prompt_embeds"]), _np(t["pooled_embeds"])
+            return prepared
         # One generator seeded with TEMPLATE_SEED is consumed exactly as FluxFillPipeline consumes its generator
         # (image sample, noise, masked-image sample); the masked tokens then take noise drawn from SEED.
         generator = torch.Generator("cpu").manual_seed(params.template_seed)

@@ -59,6 +59,7 @@ def load_settings(env: dict | None = None) -> Settings:
     env = os.environ if env is None else env
     model_dir = Path(env.get("MASKEDIT_MODEL_DIR", DEFAULT_MODEL_DIR))
     s = Settings(model_dir=model_dir)
+    s = replace(s, **_family_defaults(model_dir))
     defaults_file = model_dir / SERVING_DEFAULTS_FILE
     if defaults_file.exists():
         known = {k: v for k, v in json.loads(defaults_file.read_text()).items() if k in Settings.__dataclass_fields__}
@@ -67,3 +68,18 @@ def load_settings(env: dict | None = None) -> Settings:
         if var in env:
             s = replace(s, **{field: cast(env[var])})
     return s
+
+
+def _family_defaults(model_dir: Path) -> dict:
+    """Defaults of an SD 2 / SDXL inpainting directory without a ``maskedit.json``: classifier-free guidance 7.5
+    (Flux's 30 is an embedded guidance), CLIP's 77 tokens, the model's native resolution."""
+    index = model_dir / "model_index.json"
+    try:
+        name = json.loads(index.read_text()).get("_class_name") if index.exists() else None
+    except (OSError, ValueError):
+        return {}
+    if name == "StableDiffusionXLInpaintPipeline":
+        return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 1024, "steps": 30}
+    if name == "StableDiffusionInpaintPipeline":
+        return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 512, "steps": 50}
+    return {}

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .settings import SERVING_DEFAULTS_FILE
+from .tiny_unet import UNET_PRESETS, build_unet
 
 # A small fixed corpus for training the tokenizers; what matters is that it is deterministic
 # and covers the letters and words prompts use.
@@ -222,13 +223,18 @@ def generate_transformer(model_dir: Path, seed: int, device, dtype):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + sorted(UNET_PRESETS), default="tiny",
+                    help="a Flux Fill preset, or an SD 2 / SDXL inpainting one (sd2-*, sdxl*)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     if (out / "model_index.json").exists() and not args.force:
         print(f"model exists: {out}")
+        return
+    if args.preset in UNET_PRESETS:
+        build_unet(out, args.preset, args.seed)
+        print(f"built {args.preset} inpainting model in {out}: {json.dumps(asdict(UNET_PRESETS[args.preset]))}")
         return
     build(out, args.preset, args.seed)
     print(f"built {args.preset} Flux Fill model in {out}: {json.dumps(asdict(PRESETS[args.preset]))}")

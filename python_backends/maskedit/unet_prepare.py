@@ -1,0 +1,100 @@
+"""Stage 1 for SD 2 / SDXL inpainting: an edit's tensors for the 9-channel inpainting UNet.
+
+Mirrors ``StableDiffusionInpaintPipeline.__call__`` / ``StableDiffusionXLInpaintPipeline.__call__`` at
+``strength=1.0`` (the masked region is generated from noise) and calls the pipeline's own methods
+(``encode_prompt``, ``mask_processor``, ``prepare_mask_latents``) with one generator consumed in the same order
+(noise, then the masked image's VAE sample), so the served result equals stock Diffusers for the same seed.
+
+The tensors travel in the same four slots as Flux's, one row per latent pixel (row-major):
+- ``latents`` (N, 4): the initial noise, scaled by the scheduler's ``init_noise_sigma``;
+- ``cond`` (N, 5): the latent-size mask and the masked image's latents (what the UNet's extra input channels get);
+- ``prompt_embeds`` (R*77, D): with classifier-free guidance (guidance > 1, R = 2) the negative prompt's rows, then
+  the prompt's, as the pipeline concatenates them; R = 1 without;
+- ``pooled_embeds``: SDXL: per guidance row its pooled text embedding then its time ids (R*(P+T),); SD 2: one 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+UNET_LATENT_CHANNELS = 4
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """(1, C, h, w) -> (h*w, C): one row per latent pixel."""
+    return x[0].permute(1, 2, 0).reshape(-1, x.shape[1])
+
+
+def from_rows(rows: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h*w, C) -> (B, C, h, w)."""
+    return rows.unflatten(1, (h, w)).permute(0, 3, 1, 2)
+
+
+def cfg_rows(guidance: float) -> int:
+    """UNet rows per request: 2 with classifier-free guidance (the pipelines' ``guidance_scale > 1``), else 1."""
+    return 2 if guidance > 1 else 1
+
+
+def make_unet_scheduler(config: dict, steps: int, device="cpu"):
+    """The request's own scheduler (its class from the model directory), set as the pipelines set it at strength 1
+    (``retrieve_timesteps`` then ``get_timesteps``: every timestep, begin index 0)."""
+    import diffusers
+
+    cls = getattr(diffusers, config["_class_name"])
+    scheduler = cls.from_config(config)
+    scheduler.set_timesteps(steps, device=device)
+    if len(scheduler.timesteps) != steps:
+        raise ValueError(f"scheduler {config['_class_name']} runs {len(scheduler.timesteps)} timesteps for {steps} "
+                         "steps; serve a one-timestep-per-step scheduler (Euler, DDIM, DPM-Solver, ...)")
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(0)
+    return scheduler
+
+
+def time_ids(pipe, h: int, w: int) -> tuple[list[float], list[float]]:
+    """SDXL's added time ids (positive, negative) for an uncropped h x w request, as ``_get_add_time_ids`` builds
+    them with the pipeline's defaults (it reads the UNet, which this process does not load)."""
+    size, crop = (h, w), (0, 0)
+    if pipe.config.requires_aesthetics_score:
+        return list(size + crop + (6.0,)), list(size + crop + (2.5,))
+    return list(size + crop + size), list(size + crop + size)
+
+
+@torch.no_grad()
+def prepare_unet(pipe, scheduler_config: dict, init_image: torch.Tensor, mask_t: torch.Tensor, token_mask: np.ndarray,
+                 w: int, h: int, params, device) -> dict[str, torch.Tensor]:
+    """The four tensors of one edit. ``init_image`` (1, 3, h, w) from the image processor, ``mask_t`` (1, 1, h, w)
+    from the mask processor, ``token_mask`` (N,) the latent pixels the edit touches."""
+    xl = hasattr(pipe, "text_encoder_2")
+    cfg = params.guidance > 1
+    if xl:
+        pos, neg, pooled, neg_pooled = pipe.encode_prompt(
+            prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1,
+            do_classifier_free_guidance=cfg, negative_prompt=None)
+    else:
+        pos, neg = pipe.encode_prompt(params.prompt, device, 1, cfg, None)
+    dtype = pos.dtype
+    scheduler = make_unet_scheduler(scheduler_config, params.steps, device)
+    generator = torch.Generator("cpu").manual_seed(params.template_seed)
+    shape = (1, UNET_LATENT_CHANNELS, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor)
+    # prepare_latents at strength 1: noise (the generator's first draw) scaled by the scheduler's initial sigma.
+    latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
+    latent_rows = to_rows(latents * scheduler.init_noise_sigma)
+    if params.seed != params.template_seed:  # the edit's own noise on the tokens it changes
+        own = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(params.seed),
+                           device=torch.device(device), dtype=dtype) * scheduler.init_noise_sigma
+        rows = torch.from_numpy(token_mask).to(latents.device)
+        latent_rows[rows] = to_rows(own)[rows]
+    masked_image = init_image * (mask_t < 0.5)
+    mask, masked_latents = pipe.prepare_mask_latents(mask_t, masked_image, 1, h, w, dtype, device, generator, False)
+    out = {"latents": latent_rows, "cond": to_rows(torch.cat([mask, masked_latents], dim=1)),
+           "prompt_embeds": torch.cat([neg[0], pos[0]]) if cfg else pos[0]}
+    if xl:
+        ids, neg_ids = (torch.tensor(t, dtype=dtype, device=pooled.device) for t in time_ids(pipe, h, w))
+        rows = [(neg_pooled[0], neg_ids)] if cfg else []
+        out["pooled_embeds"] = torch.cat([t for r in rows + [(pooled[0], ids)] for t in r])
+    else:
+        out["pooled_embeds"] = torch.zeros(1, dtype=dtype)
+    return out

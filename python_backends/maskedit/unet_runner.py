@@ -1,0 +1,86 @@
+"""One denoising step of SD 2 / SDXL inpainting requests: the UNet call of ``ModelRunner`` for those families.
+
+Mirrors the pipelines' loop body (``StableDiffusion(XL)InpaintPipeline.__call__``): each request's latents doubled
+for classifier-free guidance, scaled by its own scheduler, concatenated with its mask and masked-image latents; one
+UNet call for the whole group (every request with its own timestep, text and SDXL conditioning rows); then per
+request the guidance combination and its scheduler's step. Requests of one resolution share a call (a UNet's
+convolutions cannot pack different sizes into one batch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .unet_prepare import cfg_rows, from_rows, make_unet_scheduler
+
+
+def prepare_job(runner, job) -> None:
+    """Admit an SD 2 / SDXL request: its tensors on the device (``JobTensors`` with the UNet's shapes)."""
+    from .denoise import JobTensors
+
+    x = job.inputs
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(runner.device, runner.dtype)  # noqa: E731
+    r = cfg_rows(x.guidance)
+    text = t(x.prompt_embeds)
+    if text.shape[0] % r:
+        from .errors import InvalidInput
+
+        raise InvalidInput(f"has {text.shape[0]} rows, not a multiple of the {r} guidance rows", "PROMPT_EMBEDS")
+    job.latents = t(x.latents).unsqueeze(0)  # (1, N, 4): rows, as the engine and the cache address tokens
+    job.tensors = JobTensors(cond=t(x.cond).unsqueeze(0), prompt_embeds=text.unflatten(0, (r, -1)),
+                             pooled=t(x.pooled_embeds).unflatten(0, (r, -1)) if _xl(runner.transformer) else None,
+                             img_ids=None, txt_ids=None,
+                             guidance=None)
+    job.scheduler = make_unet_scheduler(runner.scheduler_config, x.steps, runner.device)
+
+
+def _xl(unet) -> bool:
+    return unet.config.addition_embed_type == "text_time"  # SDXL: pooled text and time ids condition the UNet
+
+
+def _time_ids_len(unet, row: int) -> int:
+    """How many SDXL time ids end each pooled row: the add-embedding reads ``time_dim * T + P`` features and the
+    row holds ``P + T`` numbers."""
+    time_dim = unet.config.addition_time_embed_dim
+    return (unet.add_embedding.linear_1.in_features - row) // (time_dim - 1)
+
+
+@torch.no_grad()
+def step_group(runner, group: list, ctx=None) -> None:
+    """Advance ``group`` (same resolution, same guidance rows, same text length) by one step."""
+    unet = runner.transformer
+    x0 = group[0].inputs
+    h, w = x0.model_h // runner.pixels_per_token, x0.model_w // runner.pixels_per_token
+    r = group[0].tensors.prompt_embeds.shape[0]
+    timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
+    rows, ts = [], []
+    for job, t in zip(group, timesteps):
+        lat = from_rows(job.latents, h, w)
+        lat = job.scheduler.scale_model_input(torch.cat([lat] * r) if r > 1 else lat, t)
+        cond = from_rows(job.tensors.cond, h, w).expand(r, -1, -1, -1)
+        rows.append(torch.cat([lat, cond], dim=1))
+        ts.append(t.reshape(1).expand(r))
+    sample = torch.cat(rows)
+    text = torch.cat([j.tensors.prompt_embeds for j in group])
+    added = None
+    if _xl(unet):
+        pooled = torch.cat([j.tensors.pooled for j in group])
+        n_ids = _time_ids_len(unet, pooled.shape[1])
+        added = {"text_embeds": pooled[:, :-n_ids], "time_ids": pooled[:, -n_ids:]}
+    forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
+                           added_cond_kwargs=added, return_dict=False)[0]
+    if ctx is not None and any(v is not None for v in ctx.rows):
+        from .cache.unet import UNetCacheHooks, per_unet_row
+
+        noise = UNetCacheHooks.of(unet).run(per_unet_row(ctx, r), forward)
+    else:
+        noise = forward()
+    for i, (job, t) in enumerate(zip(group, timesteps)):
+        pred = noise[i * r:(i + 1) * r]
+        if r > 1:
+            uncond, cond_pred = pred.chunk(2)
+            pred = uncond + job.inputs.guidance * (cond_pred - uncond)
+        lat = job.scheduler.step(pred, t, from_rows(job.latents, h, w), return_dict=False)[0]
+        job.latents = lat.permute(0, 2, 3, 1).reshape(1, h * w, -1)
+        job.step_index += 1
