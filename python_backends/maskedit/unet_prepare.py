@@ -28,8 +28,9 @@ def to_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def from_rows(rows: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """(B, h*w, C) -> (B, C, h, w)."""
-    return rows.unflatten(1, (h, w)).permute(0, 3, 1, 2)
+    """(B, h*w, C) -> (B, C, h, w), contiguous: a channels-last view would make torch.cat and the convolutions take
+    other kernels than the pipeline's (results off in the last bits)."""
+    return rows.unflatten(1, (h, w)).permute(0, 3, 1, 2).contiguous()
 
 
 def cfg_rows(guidance: float) -> int:

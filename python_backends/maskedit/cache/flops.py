@@ -41,3 +41,15 @@ def edges(config) -> dict:
 def ideal_speedup(modes: list[str], n_dual: int, n: int, c: int, text: int, dim: int, **edges) -> float:
     full = step_flops(["full"] * len(modes), n_dual, n, n, text, dim, **edges)
     return full / step_flops(modes, n_dual, n, c, text, dim, **edges)
+
+
+def unet_block_flops(mode: str, n: int, c: int, text: int, dim: int) -> float:
+    """FLOPs of one SD/SDXL ``BasicTransformerBlock`` with ``n`` tokens of which ``c`` are computed: per computed
+    token self-attention q/k/v/out (8*D^2), cross-attention q/out (4*D^2), GEGLU feed-forward (24*D^2); attention
+    over all ``n`` keys and the ``text`` tokens; ``y`` also projects the cached tokens' keys/values (4*D^2)."""
+    d2 = dim * dim
+    if mode == FULL:
+        c = n
+    u = n - c
+    keys = c if mode not in (FULL, Y, KV) else n  # noctx: only the computed tokens
+    return float(2 * (18 * d2 * c + (2 * d2 * u if mode == Y else 0)) + 4 * c * keys * dim + 4 * c * text * dim)

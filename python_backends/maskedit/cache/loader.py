@@ -120,7 +120,9 @@ class RowLoader:
         text part the block fills)."""
         t0 = time.perf_counter()
         entry, m = jc.entry, jc.entry.meta
-        if kind == Y_ROWS:
+        if m.get("layout") == "per_block":  # a UNet's blocks differ in size: one array per block, (R, N_b, D_b)
+            src = entry.tensor(f"{kind[0]}.{b}")[step]
+        elif kind == Y_ROWS:
             src = entry.tensor("y")[step, m["y_blocks"].index(b)]  # (N, D)
         else:
             src = entry.tensor(kind[0])[step, m["kv_blocks"].index(b)]  # (N, inner)
@@ -128,10 +130,12 @@ class RowLoader:
             if kind == Y_ROWS:
                 out = dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             else:
-                n = src.shape[0]
-                out = torch.empty((1, jc.text_len + n, self.heads, self.head_dim), dtype=src.dtype,
+                rows = src if src.dim() == 3 else src[None]  # (R, N, inner): one per guidance row
+                r, n, inner = rows.shape
+                out = torch.empty((r, jc.text_len + n, inner // self.head_dim, self.head_dim), dtype=src.dtype,
                                   device=self.device)
-                dst = out[0, jc.text_len:].view(n, -1)
+                dst = out[:, jc.text_len:].flatten(-2)
+                src = rows
             self._copy_in(dst, src, entry, step)
             event = self._copy.mark()
         if event is not None:

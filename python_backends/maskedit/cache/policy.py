@@ -28,6 +28,8 @@ class PlanInput:
     itemsize: int  # bytes per element of the rows (the model's dtype)
     has_y: list[bool]  # per block: output rows recorded
     has_kv: list[bool]  # per block: keys/values recorded
+    # Blocks of different sizes (a UNet's levels): per block (tokens, computed tokens, width); None: all alike.
+    blocks: list[tuple[int, int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,14 @@ class BlockPolicy:
     def plan(self, p: PlanInput) -> tuple[list[str], float | None]:
         """Modes per block, and the predicted latency when a cost model decided."""
         if self.name in ("planner", "planner_y"):
-            row_bytes = p.n * p.dim * p.itemsize
-            costs = self.cost.block_costs(p.kinds, p.n, p.c, p.text, p.dim, row_bytes, 2 * row_bytes, p.has_y,
-                                          p.has_kv)
+            if p.blocks is not None:
+                costs = [self.cost.block_costs([k], n, c, p.text, d, n * d * p.itemsize, 2 * n * d * p.itemsize,
+                                                [hy], [hk])[0]
+                         for k, (n, c, d), hy, hk in zip(p.kinds, p.blocks, p.has_y, p.has_kv)]
+            else:
+                row_bytes = p.n * p.dim * p.itemsize
+                costs = self.cost.block_costs(p.kinds, p.n, p.c, p.text, p.dim, row_bytes, 2 * row_bytes, p.has_y,
+                                              p.has_kv)
             r = plan(costs, MODES if self.name == "planner" else (FULL, Y))
             return list(r.modes), r.latency_ms
         if self.name == "all_y":

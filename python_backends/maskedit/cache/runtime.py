@@ -61,6 +61,8 @@ class JobCache:
     heal: np.ndarray | None = None  # those tokens
     patch_pos: torch.Tensor | None = None  # their positions among idx_c
     full_steps: int = 0  # steps a follower computed in full (the run had not recorded them)
+    computed: np.ndarray | None = None  # UNet hits: latent pixels computed (host), and per-level indices
+    level_idx: dict | None = None
 
     def ready(self, step: int) -> bool:
         """Are this hit's rows for ``step`` there? Always for a stored entry; for a follower once the run has
@@ -78,8 +80,18 @@ class JobCache:
                 "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0}
 
 
+def hooks_for(model):
+    """The masked-block hooks of a denoiser: ``FluxCacheHooks`` for a Flux transformer, ``UNetCacheHooks`` for an
+    SD 2 / SDXL UNet. Everything else in the cache (key, store, decision, planner, loader, writer) is shared."""
+    if hasattr(model, "down_blocks"):
+        from .unet import UNetCacheHooks
+
+        return UNetCacheHooks.of(model)
+    return FluxCacheHooks.of(model)
+
+
 class CacheRuntime:
-    def __init__(self, hooks: FluxCacheHooks, store: ActivationStore | None, cost: CostModel | None = None,
+    def __init__(self, hooks, store: ActivationStore | None, cost: CostModel | None = None,
                  policy: str | BlockPolicy = "planner", budget_bytes: int = 1 << 30, record: bool = True,
                  heal_min_ratio: float = HEAL_MIN_RATIO, loader: type[RowLoader] = RowLoader):
         """``policy``: a name in ``POLICIES`` or a ``BlockPolicy``; ``off`` caches nothing. ``loader``: how rows
@@ -92,12 +104,16 @@ class CacheRuntime:
         self.hooks, self.store = hooks, store
         self.budget_bytes, self.record = int(budget_bytes), record
         cfg = hooks.transformer.config
-        self.dim = cfg.num_attention_heads * cfg.attention_head_dim
-        self.kinds = ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
+        self.per_block = getattr(hooks, "layout", None) == "per_block"  # UNet: blocks differ in tokens and width
+        self.dim = hooks.dim
+        self.kinds = getattr(hooks, "kinds", None) or \
+            ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
         param = next(hooks.transformer.parameters())
         self.device, self.dtype = param.device, param.dtype  # rows are recorded, stored and loaded in these
         self.itemsize = param.element_size()
-        self.loader = loader(self.device, cfg.num_attention_heads, cfg.attention_head_dim)
+        # A UNet's keys/values are read back as (rows, tokens, width) whatever its heads (head_dim 1 below).
+        self.loader = loader(self.device, 1, 1) if self.per_block else \
+            loader(self.device, cfg.num_attention_heads, cfg.attention_head_dim)
         self.writer = EntryWriter(store) if store is not None else None
         self.live_runs = LiveRuns()
         self.heal_min_ratio = heal_min_ratio
@@ -149,17 +165,25 @@ class CacheRuntime:
         n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
         dev = job.latents.device if job.latents is not None else "cpu"
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
-        jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=text,
+        jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=0 if self.per_block else text,
                       live=d.entry.recorder if d.follows else None)
         idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)
         m = d.entry.meta
+        blocks = None
+        if self.per_block:  # per block: (tokens, computed, width) at its level; rows of every guidance row
+            grid = _grid(x, n)
+            shapes = self.hooks.shapes(grid)
+            r = m.get("rows", 1)
+            blocks = [(shapes[b][0] * r, c * r, shapes[b][1]) for b, c in
+                      enumerate(self.hooks.computed_counts(d.computed, grid))]
         jc.modes, jc.predicted_ms = self.block_policy.plan(PlanInput(
             self.kinds, n, int(d.computed.sum()), text, self.dim, self.itemsize,
-            [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))]))
-        jc.needs_output = needs_output(jc.modes)
-        if d.heal is not None:
+            [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))],
+            blocks))
+        jc.needs_output = self.hooks.needs_output(jc.modes) if self.per_block else needs_output(jc.modes)
+        if d.heal is not None and getattr(self.hooks, "heals", True):
             self._maybe_heal(jc, x, d.heal, idx_c)
         return jc
 
@@ -181,22 +205,33 @@ class CacheRuntime:
             return JobCache("off", key=key)
         x = job.inputs
         n = x.latents.shape[0]
-        per_y = x.steps * n * self.dim * self.itemsize
-        per_kv = 2 * per_y
+        if self.per_block:
+            from .unet import UNetRecorder
+            from ..unet_prepare import cfg_rows
+
+            r, shapes = cfg_rows(x.guidance), self.hooks.shapes(_grid(x, n))
+            per_y = [x.steps * r * shapes[b][0] * shapes[b][1] * self.itemsize for b in range(len(self.kinds))]
+        else:
+            per_y = [x.steps * n * self.dim * self.itemsize] * len(self.kinds)
         budget = self.budget_bytes
         y_blocks, kv_blocks = [], []
         for b in range(len(self.kinds)):
-            if budget >= per_y:
+            if budget >= per_y[b]:
                 y_blocks.append(b)
-                budget -= per_y
+                budget -= per_y[b]
         for b in range(len(self.kinds)):
-            if budget >= per_kv:
+            if budget >= 2 * per_y[b]:
                 kv_blocks.append(b)
-                budget -= per_kv
-        rec = Recorder(x.steps, n, self.dim, self.dim, y_blocks, kv_blocks, self.dtype, self.device)
+                budget -= 2 * per_y[b]
+        if self.per_block:
+            rec = UNetRecorder(x.steps, r, shapes, y_blocks, kv_blocks, self.dtype, self.device)
+        else:
+            rec = Recorder(x.steps, n, self.dim, self.dim, y_blocks, kv_blocks, self.dtype, self.device)
         valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
         meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
                 "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
+        if self.per_block:
+            meta.update(layout="per_block", rows=r, grid=list(_grid(x, n)))
         # The run's entry while it records: followers read it; once complete it is what the store saves.
         live = LiveEntry(meta, {**rec.tensors(), "valid": valid}, rec)
         if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
@@ -209,17 +244,33 @@ class CacheRuntime:
         for job in jobs:
             jc: JobCache = job.cache
             if jc.status == "record":
-                views.append(RowView(modes=jc.modes, recorder=jc.recorder))
+                views.append(self._unet_view(job, jc, recorder=jc.recorder) if self.per_block else
+                             RowView(modes=jc.modes, recorder=jc.recorder))
             elif jc.status == "hit" and jc.ready(job.step_index):
-                views.append(RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
-                                     rows=self.loader.rows(jc, job.step_index), patch=jc.patch,
-                                     patch_pos=jc.patch_pos))
+                rows = self.loader.rows(jc, job.step_index)
+                views.append(self._unet_view(job, jc, rows=rows) if self.per_block else
+                             RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
+                                     rows=rows, patch=jc.patch, patch_pos=jc.patch_pos))
                 hits.append((jc, job.step_index))
             else:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
         return StepContext(views, on_block=self.loader.start_step(hits, self._needed))
+
+    def _unet_view(self, job, jc: JobCache, rows=None, recorder=None):
+        from .unet import UNetRowView
+
+        x = job.inputs
+        if jc.computed is None and jc.status == "hit":
+            jc.computed = np.zeros(x.latents.shape[0], bool)
+            jc.computed[jc.idx_c.cpu().numpy()] = True
+        view = UNetRowView(modes=jc.modes, grid=_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
+                           needs_output=jc.needs_output, recorder=recorder)
+        if jc.level_idx is None:
+            jc.level_idx = view._memo  # per-level token indices, made once per request
+        view._memo = jc.level_idx
+        return view
 
     @staticmethod
     def _needed(jc: JobCache, b: int) -> list[str]:
@@ -264,3 +315,10 @@ class CacheRuntime:
         if self.writer is not None:
             self.writer.close()
         self.loader.close()
+
+
+def _grid(x, n: int) -> tuple[int, int]:
+    """A UNet request's latent grid (h, w): one token per latent pixel."""
+    ppt = x.model_h * x.model_w // n  # pixels per token: 64 (8 x 8)
+    side = int(round(ppt ** 0.5))
+    return x.model_h // side, x.model_w // side

@@ -14,8 +14,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from ..cache.cost_model import CostModel, profile_path
-from ..cache.flux import FluxCacheHooks
-from ..cache.runtime import CacheRuntime
+from ..cache.runtime import CacheRuntime, hooks_for
 from ..cache.store import from_env
 from ..settings import REPO_ROOT, Settings
 
@@ -52,7 +51,7 @@ def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> Cache
     store = cache_store(log)
     if store is None:
         return None
-    return CacheRuntime(FluxCacheHooks.of(transformer), store, cost_model(settings, log),
+    return CacheRuntime(hooks_for(transformer), store, cost_model(settings, log),
                         policy=os.environ.get("MASKEDIT_CACHE", "planner"),
                         budget_bytes=int(float(os.environ.get("MASKEDIT_CACHE_BUDGET_BYTES", 1 << 30))))
 

@@ -1,0 +1,328 @@
+"""Mask-aware computation of SD 2 / SDXL UNet transformer blocks, attached to Diffusers' blocks as hooks.
+
+Each ``BasicTransformerBlock`` of the UNet (every ``Transformer2DModel`` of the down, mid and up blocks, at every
+resolution level) gets a hook, as the Flux blocks do (``cache.flux``): with no context set it calls the block's own
+forward. During a step the runner sets a context with one view per UNet batch row: with classifier-free guidance a
+request has two rows (negative and positive prompt), both recorded and both read back, each in its own slot.
+
+Per block and row the plan's modes mean what they mean for Flux:
+- ``full``: the block's forward on every token (a recording row records its output rows and keys/values);
+- ``y``: the masked tokens' self-attention queries, cross-attention and feed-forward only; keys/values of the cached
+  tokens projected from the block's input rows; cached tokens' output rows from the store;
+- ``kv``: as ``y`` with the cached tokens' keys/values from the store.
+Self-attention is the only place tokens meet, so this is exact for the computed tokens given the cached rows.
+
+What runs in full: the ResNets, down/up-sampling, GroupNorm and the in/out projections of each ``Transformer2DModel``
+(convolutions and group statistics mix neighbouring tokens; they are a quarter of an SDXL step). So the first block
+of every ``Transformer2DModel`` sees freshly computed input rows for every token (its ``y`` keys/values are exact
+for the current request), and every such model's last block writes all output rows (its ``proj_out`` reads them).
+
+Tokens are latent pixels; a block at level ``l`` (the UNet halves the grid ``l`` times) works on the grid
+``(h >> l, w >> l)``, and a token there is computed if any latent pixel under it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+
+from ..device import SideStream, host_empty
+from .flux import FULL, KV, NOCTX, Y, StepContext, _index
+
+HOOK_NAME = "maskedit_masked_unet_block"
+
+
+def level_mask(computed: np.ndarray, grid: tuple[int, int], level: int) -> np.ndarray:
+    """Latent-pixel mask (h*w,) pooled to level ``level``: a token is set if any pixel under it is."""
+    h, w = grid
+    f = 1 << level
+    return computed.reshape(h // f, f, w // f, f).any(axis=(1, 3)).reshape(-1)
+
+
+@dataclass
+class UNetRowView:
+    """One UNet batch row of a request (``slot`` 0/1: the negative / positive prompt's row under guidance)."""
+
+    modes: list[str]
+    grid: tuple[int, int]  # the request's latent grid (h, w)
+    computed: np.ndarray | None = None  # (h*w,) bool: latent pixels this request computes (a hit)
+    slot: int = 0
+    rows: Callable[[int, str], torch.Tensor] | None = None  # (block, kind) -> the loaded (R, N_b, D_b) rows
+    needs_output: list[bool] = field(default_factory=list)
+    recorder: "UNetRecorder | None" = None
+    _memo: dict = field(default_factory=dict)  # level -> (computed, cached) token indices on the device
+
+    def tokens(self, level: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if level not in self._memo:
+            m = level_mask(self.computed, self.grid, level)
+            self._memo[level] = (torch.from_numpy(np.flatnonzero(m)).to(device),
+                                 torch.from_numpy(np.flatnonzero(~m)).to(device))
+        return self._memo[level]
+
+    @property
+    def all_full(self) -> bool:
+        return all(m == FULL for m in self.modes)
+
+
+def per_unet_row(ctx: StepContext, r: int) -> StepContext:
+    """The runner's per-request context as one view per UNet row: ``r`` slots of each request share its loads."""
+    rows = []
+    for v in ctx.rows:
+        if v is None:
+            rows.extend([None] * r)
+            continue
+        if v.rows is not None:
+            v.rows = _shared(v.rows)
+        rows.extend([v] + [UNetRowView(**{**vars(v), "slot": s, "_memo": v._memo}) for s in range(1, r)])
+    return StepContext(rows, on_block=ctx.on_block)
+
+
+def _shared(get):
+    """A row getter whose loads are taken once and shared by the request's guidance rows."""
+    got: dict = {}
+
+    def once(b: int, kind: str) -> torch.Tensor:
+        if (b, kind) not in got:
+            got[(b, kind)] = get(b, kind)
+        return got[(b, kind)]
+
+    return once
+
+
+class UNetRecorder:
+    """A template run's rows per block in the model's dtype, in host memory (pinned on a GPU): ``y.<b>`` of shape
+    (steps, R, N_b, D_b) for the recorded blocks' outputs, ``k.<b>`` / ``v.<b>`` for their self-attention keys and
+    values. Copies run on the recording stream as for Flux (``cache.flux.Recorder``)."""
+
+    def __init__(self, steps: int, r: int, shapes: dict[int, tuple[int, int]], y_blocks: list[int],
+                 kv_blocks: list[int], dtype: torch.dtype = torch.float32, device="cpu"):
+        self.step, self.r = 0, r
+        self._written: set = set()
+        self.y = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in y_blocks}
+        self.k = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
+        self.v = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
+        self.steps = steps
+        self._out = SideStream.shared(device, "record")
+        self._events: list = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.y, self.k, self.v) for t in d.values())
+
+    @property
+    def writes(self) -> int:
+        return len(self._written)
+
+    @property
+    def complete(self) -> bool:
+        return self.writes == self.steps * self.r * (len(self.y) + len(self.k))
+
+    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._out.after():
+            dst.copy_(src, non_blocking=True)
+        self._out.keep_alive(src)
+
+    def put_y(self, block: int, slot: int, rows: torch.Tensor) -> None:
+        if block in self.y:
+            self._copy_out(self.y[block][self.step, slot], rows)
+            self._written.add((self.step, "y", block, slot))
+
+    def wants_kv(self, block: int) -> bool:
+        return block in self.k
+
+    def put_kv(self, block: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._copy_out(self.k[block][self.step, slot], k)
+        self._copy_out(self.v[block][self.step, slot], v)
+        self._written.add((self.step, "kv", block, slot))
+
+    def next_step(self) -> None:
+        self._events.append(self._out.mark())
+        self.step += 1
+
+    def step_event(self, step: int):
+        if step >= len(self._events):
+            raise RuntimeError(f"step {step} has not been recorded yet ({len(self._events)} steps so far)")
+        return self._events[step]
+
+    def synchronize(self) -> None:
+        if self._events and self._events[-1] is not None:
+            self._events[-1].synchronize()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"y.{b}": t for b, t in self.y.items()}
+        out.update({f"k.{b}": t for b, t in self.k.items()})
+        out.update({f"v.{b}": t for b, t in self.v.items()})
+        return out
+
+
+class UNetCacheHooks:
+    """Attach / detach the masked-block hooks on a ``UNet2DConditionModel``; the blocks' levels and widths."""
+
+    _ATTR = "_maskedit_cache_hooks"
+    heals = False  # an entry's invalid tokens are not healed: a latent pixel maps to different rows per level
+    layout = "per_block"  # entry arrays y.<b> / k.<b> / v.<b> (blocks differ in tokens and width)
+
+    @classmethod
+    def of(cls, unet) -> "UNetCacheHooks":
+        hooks = getattr(unet, cls._ATTR, None)
+        return hooks if hooks is not None else cls(unet)
+
+    def __init__(self, unet):
+        self.transformer = unet
+        self.blocks, self.levels, self.group_last = [], [], []
+        n = len(unet.down_blocks)
+        groups = [(a, i) for i, blk in enumerate(unet.down_blocks) for a in getattr(blk, "attentions", None) or []]
+        groups += [(a, n - 1) for a in getattr(unet.mid_block, "attentions", None) or []]
+        groups += [(a, n - 1 - j) for j, blk in enumerate(unet.up_blocks) for a in getattr(blk, "attentions", None) or []]
+        for model, level in groups:  # execution order: down, mid, up; within a model its blocks in order
+            for k, block in enumerate(model.transformer_blocks):
+                self.blocks.append(block)
+                self.levels.append(level)
+                self.group_last.append(k == len(model.transformer_blocks) - 1)
+        self.dims = [int(b.norm1.normalized_shape[0]) for b in self.blocks]
+        self.n_dual = 0
+        self.kinds = ["unet"] * len(self.blocks)
+        self._local = threading.local()
+        for i, block in enumerate(self.blocks):
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedUNetBlockHook(self, i), HOOK_NAME)
+        object.__setattr__(unet, self._ATTR, self)
+
+    @property
+    def dim(self) -> int:
+        """The width signature an entry is checked against (``decision.fits``)."""
+        return int(sum(self.dims))
+
+    @property
+    def context(self) -> StepContext | None:
+        return getattr(self._local, "ctx", None)
+
+    def run(self, ctx: StepContext, fn: Callable):
+        self._local.ctx = ctx
+        try:
+            return fn()
+        finally:
+            self._local.ctx = None
+
+    def detach(self) -> None:
+        for block in self.blocks:
+            HookRegistry.check_if_exists_or_initialize(block).remove_hook(HOOK_NAME, recurse=False)
+        if getattr(self.transformer, self._ATTR, None) is self:
+            object.__delattr__(self.transformer, self._ATTR)
+
+    # -- geometry of one request ---------------------------------------------------------------------
+    def shapes(self, grid: tuple[int, int]) -> dict[int, tuple[int, int]]:
+        """Block -> (tokens, width) for a request on latent grid ``grid``."""
+        h, w = grid
+        return {b: ((h >> lv) * (w >> lv), d) for b, (lv, d) in enumerate(zip(self.levels, self.dims))}
+
+    def computed_counts(self, computed: np.ndarray, grid: tuple[int, int]) -> list[int]:
+        by_level = {lv: int(level_mask(computed, grid, lv).sum()) for lv in set(self.levels)}
+        return [by_level[lv] for lv in self.levels]
+
+    def needs_output(self, modes: list[str]) -> list[bool]:
+        """As ``policy.needs_output``, but the last block of each ``Transformer2DModel`` always writes its rows
+        (``proj_out`` reads every token) and a model's first block reads fresh input rows, not its predecessor's."""
+        out = []
+        for b, m in enumerate(modes):
+            nxt = None if self.group_last[b] else modes[b + 1]
+            out.append(m in (Y, NOCTX) or (m == KV and (nxt is None or nxt in (FULL, Y, NOCTX))))
+        return out
+
+
+class MaskedUNetBlockHook(ModelHook):
+    def __init__(self, owner: UNetCacheHooks, index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+
+    def new_forward(self, module, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+        forward = self.fn_ref.original_forward
+        ctx = self.owner.context
+        if ctx is not None and ctx.on_block is not None:
+            ctx.on_block(self.index)
+        call = lambda h, e: forward(h, attention_mask=attention_mask, encoder_hidden_states=e, **kwargs)  # noqa
+        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
+            return call(hidden_states, encoder_hidden_states)
+        b = self.index
+        full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
+        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        out = torch.empty_like(hidden_states) if full_rows else hidden_states
+        if full_rows:
+            sel = _index(full_rows, hidden_states.device)
+            h = call(hidden_states[sel], encoder_hidden_states[sel])
+            out[sel] = h
+            for j, i in enumerate(full_rows):
+                rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
+                if rec is not None:
+                    rec.put_y(b, ctx.rows[i].slot, h[j])
+                    if rec.wants_kv(b):
+                        n1 = module.norm1(hidden_states[i])
+                        rec.put_kv(b, ctx.rows[i].slot, module.attn1.to_k(n1), module.attn1.to_v(n1))
+        if masked_rows:
+            masked_unet_block(module, b, self.owner.levels[b], masked_rows, [ctx.rows[i] for i in masked_rows],
+                              hidden_states, encoder_hidden_states, out)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The math. It mirrors BasicTransformerBlock.forward (norm_type "layer_norm", no positional embedding, self- then
+# cross-attention then feed-forward) and AttnProcessor2_0 in diffusers 0.37 on gathered tokens; tests check it
+# against the block's own forward.
+
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(c, inner) queries over (N, inner) keys/values -> (c, inner), as AttnProcessor2_0 (before ``to_out``)."""
+    hd = q.shape[-1] // attn.heads
+    split = lambda t: t.view(1, -1, attn.heads, hd).transpose(1, 2)  # noqa: E731
+    o = F.scaled_dot_product_attention(split(q), split(k), split(v), dropout_p=0.0, is_causal=False)
+    return o.transpose(1, 2).reshape(-1, attn.heads * hd).to(q.dtype)
+
+
+def _out(attn, x: torch.Tensor) -> torch.Tensor:
+    return attn.to_out[1](attn.to_out[0](x)) / attn.rescale_output_factor
+
+
+def masked_unet_block(block, b: int, level: int, rows: list[int], views: list[UNetRowView], hidden, enc, out):
+    """Compute batch ``rows`` of the block in their cached modes and write ``out``."""
+    attn1 = block.attn1
+    dev = hidden.device
+    idx = [vw.tokens(level, dev) for vw in views]  # (computed, cached) per row
+    counts = [int(c.numel()) for c, _ in idx]
+    x = torch.cat([hidden[i, c] for i, (c, _) in zip(rows, idx)])  # computed tokens of every row
+    n1 = block.norm1(x)
+    q, k_c, v_c = attn1.to_q(n1), attn1.to_k(n1), attn1.to_v(n1)
+    offs = np.cumsum([0] + counts)
+    attn_rows = []
+    for j, (i, vw) in enumerate(zip(rows, views)):
+        s0, s1 = int(offs[j]), int(offs[j + 1])
+        c, u = idx[j]
+        mode = vw.modes[b]
+        if mode == NOCTX:
+            keys, vals = k_c[s0:s1], v_c[s0:s1]
+        else:
+            if mode == KV:  # the request's loaded (R, N, D) rows: this row's slot, computed rows written in place
+                keys, vals = vw.rows(b, "kbuf")[vw.slot].flatten(-2), vw.rows(b, "vbuf")[vw.slot].flatten(-2)
+            else:
+                nu = block.norm1(hidden[i, u])
+                keys, vals = hidden.new_empty((hidden.shape[1], q.shape[1])), hidden.new_empty(
+                    (hidden.shape[1], q.shape[1]))
+                keys[u], vals[u] = attn1.to_k(nu), attn1.to_v(nu)
+            keys[c], vals[c] = k_c[s0:s1], v_c[s0:s1]
+        attn_rows.append(_attend(attn1, q[s0:s1], keys, vals))
+    x = _out(attn1, torch.cat(attn_rows)) + x
+    if block.attn2 is not None:
+        n2 = block.norm2(x)
+        x = torch.cat([block.attn2(n2[int(offs[j]):int(offs[j + 1])][None], encoder_hidden_states=enc[i:i + 1])[0]
+                       for j, i in enumerate(rows)]) + x
+    x = block.ff(block.norm3(x)) + x
+    for j, (i, vw) in enumerate(zip(rows, views)):
+        c, _ = idx[j]
+        if vw.needs_output[b]:
+            out[i] = vw.rows(b, "y")[vw.slot]  # every row from the store; computed rows overwritten below
+        elif out is not hidden:
+            out[i] = hidden[i]
+        out[i, c] = x[int(offs[j]):int(offs[j + 1])]

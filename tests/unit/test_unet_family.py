@@ -1,0 +1,204 @@
+"""SD 2 and SDXL inpainting: the served stages equal stock Diffusers, and mask-aware caching in the UNet's
+transformer blocks keeps the cache's invariants (the same ones the Flux tests check)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from maskedit import samples
+from maskedit.cache.runtime import CacheRuntime, hooks_for
+from maskedit.cache.store import ActivationStore
+from maskedit.cache.unet import UNetCacheHooks, level_mask
+from maskedit.denoise import ModelRunner
+from maskedit.engine import DenoiseEngine
+from maskedit.local import LocalEditor, denoise_inputs, run_job
+from maskedit.params import parse_params
+from maskedit.preprocess import Preprocessor
+from maskedit.settings import load_settings
+from maskedit.tiny_unet import build_unet
+from tests.conftest import atol, exact_here, png
+
+STEPS = 3
+SIZE = 128  # template pixels; the model runs at its preset's 256 x 256 (32 x 32 latents)
+
+
+@pytest.fixture(scope="module", params=["sd2-tiny", "sdxl-tiny"])
+def family(request, tmp_path_factory, settings):
+    d = tmp_path_factory.mktemp(request.param) / "model"
+    build_unet(d, request.param)
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": settings.dtype,
+                       "MASKEDIT_DEVICE": settings.device})
+    store_dir = tmp_path_factory.mktemp("store")
+    store = ActivationStore(store_dir / "mem", store_dir / "disk", 1 << 30, 1 << 30)
+    pre = Preprocessor(s, store=store)
+    runner = ModelRunner(s)
+    engines = {}
+
+    def run(inputs, policy="planner"):
+        if policy not in engines:
+            rt = CacheRuntime(hooks_for(runner.transformer), store, policy=policy)
+            engines[policy] = (DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt)), rt)
+        eng, rt = engines[policy]
+        job = run_job(eng, inputs)
+        rt.flush()
+        return job
+
+    yield request.param, s, pre, runner, run, store
+    for eng, rt in engines.values():
+        eng.shutdown()
+        rt.close()
+
+
+def prepared(pre, s, tpl, mask, **kw):
+    params = parse_params(s, "a red hat", steps=STEPS, **kw)
+    return denoise_inputs(pre(png(tpl), png(mask), params))
+
+
+def plain(runner, inputs):
+    eng = DenoiseEngine(ModelRunner(runner.settings, transformer=runner.transformer))
+    try:
+        return run_job(eng, replace(inputs, cache_key=None))
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("guidance", [7.5, 1.0])
+def test_latents_equal_the_stock_pipeline(family, guidance):
+    """The served stages (preprocess, UNet steps, decode) against ``StableDiffusion(XL)InpaintPipeline`` itself at
+    strength 1 with the same components, seed and guidance (1.0: no classifier-free guidance)."""
+    from diffusers import DiffusionPipeline
+
+    name, s, *_ = family
+    tpl, mask = samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.25, "box", seed=1)
+    ed = LocalEditor(s)
+    try:
+        _, p, job = ed.edit(png(tpl), png(mask), "a red hat", seed=5, steps=STEPS, guidance=guidance,
+                            raw_output=True, template_seed=5)
+    finally:
+        ed.close()
+    extra = {"safety_checker": None, "requires_safety_checker": False} if name.startswith("sd2") else {}
+    pipe = DiffusionPipeline.from_pretrained(s.model_dir, dtype=ed.runner.dtype, **extra).to(s.torch_device)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), height=p.model_h,
+               width=p.model_w, num_inference_steps=STEPS, guidance_scale=guidance, strength=1.0,
+               generator=torch.Generator().manual_seed(5), output_type="latent").images[0]
+    ref = ref.permute(1, 2, 0).reshape(-1, ref.shape[0]).float().cpu().numpy()
+    if exact_here(s):
+        np.testing.assert_array_equal(job.result(), ref)
+    else:
+        np.testing.assert_allclose(job.result(), ref, atol=atol(s, 0))
+
+
+def test_blocks_and_levels(family):
+    """Every transformer block of the UNet is hooked, in execution order, at the level whose grid it really sees."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    name, s, pre, runner, *_ = family
+    unet = runner.transformer
+    hooks = UNetCacheHooks.of(unet)
+    assert len(hooks.blocks) == sum(isinstance(m, BasicTransformerBlock) for m in unet.modules())
+    seen = []
+    handles = [blk.register_forward_pre_hook(lambda m, args, kw: seen.append((m, args[0].shape[1])), with_kwargs=True)
+               for blk in hooks.blocks]
+    try:
+        x = prepared(pre, s, samples.template(SIZE, SIZE, seed=2), samples.mask(SIZE, SIZE, 0.2, "box", seed=2))
+        plain(runner, replace(x, steps=1))
+    finally:
+        for h in handles:
+            h.remove()
+    grid = (x.model_h // 8, x.model_w // 8)
+    shapes = hooks.shapes(grid)
+    assert [m for m, _ in seen[:len(hooks.blocks)]] == hooks.blocks
+    assert [n for _, n in seen[:len(hooks.blocks)]] == [shapes[b][0] for b in range(len(hooks.blocks))]
+    assert len(set(hooks.levels)) >= 2 and hooks.group_last[-1]
+    m = np.zeros((8, 8), bool)
+    m[0, 0] = True
+    pooled = level_mask(m.reshape(-1), (8, 8), 1).reshape(4, 4)
+    assert pooled[0, 0] and pooled.sum() == 1
+
+
+def test_record_then_same_mask_reproduces_the_template_run(family):
+    name, s, pre, runner, run, store = family
+    tpl, mask = samples.template(SIZE, SIZE, seed=21), samples.mask(SIZE, SIZE, 0.2, "box", seed=21)
+    x = prepared(pre, s, tpl, mask)
+    first = run(x)
+    assert first.cache.status == "record" and store.locate(x.cache_key) == "mem"
+    assert first.cache.recorder.complete
+    np.testing.assert_array_equal(first.result(), plain(runner, x).result())  # recording changes nothing
+    for policy in ("planner", "all_y", "all_kv"):
+        again = run(x, policy)
+        jc = again.cache
+        assert jc.status == "hit" and jc.idx_c.numel() == int(np.asarray(x.token_mask).sum())
+        assert set(jc.modes) - {"full"}, jc.modes  # some blocks really took rows from the store
+        np.testing.assert_allclose(again.result(), first.result(), atol=atol(s, 1e-5))
+
+
+def test_full_mask_is_full_computation(family):
+    name, s, pre, runner, run, store = family
+    tpl = samples.template(SIZE, SIZE, seed=22)
+    run(prepared(pre, s, tpl, samples.mask(SIZE, SIZE, 0.1, "blob", seed=1), register=True))
+    x = prepared(pre, s, tpl, np.full((SIZE, SIZE), 255, np.uint8))
+    job = run(x)
+    assert job.cache.status == "full"
+    np.testing.assert_array_equal(job.result(), plain(runner, x).result())
+
+
+def test_empty_mask_on_a_cached_template_is_the_template_run(family):
+    name, s, pre, runner, run, store = family
+    tpl = samples.template(SIZE, SIZE, seed=23)
+    reg = prepared(pre, s, tpl, np.zeros((SIZE, SIZE), np.uint8), register=True)
+    template_run = run(reg)
+    job = run(replace(reg, register=False))
+    assert job.cache.status == "hit" and job.cache.idx_c.numel() == 0
+    np.testing.assert_allclose(job.result(), template_run.result(), atol=atol(s, 1e-6))
+
+
+def test_new_mask_uses_the_cached_context(family):
+    """A hit for another mask approximates the full computation better than dropping the cached context."""
+    name, s, pre, runner, run, store = family
+    tpl = samples.template(SIZE, SIZE, seed=25)
+    run(prepared(pre, s, tpl, np.zeros((SIZE, SIZE), np.uint8), register=True))
+    x = prepared(pre, s, tpl, samples.mask(SIZE, SIZE, 0.2, "blob", seed=5))
+    full = plain(runner, x).result()
+    m = np.asarray(x.token_mask, bool)
+    err = {}
+    for policy in ("all_y", "noctx"):
+        job = run(x, policy)
+        assert job.cache.status == "hit"
+        err[policy] = float(np.abs(job.result()[m] - full[m]).mean())
+    assert err["all_y"] < err["noctx"], err
+
+
+def test_batched_requests_equal_their_runs_alone(family):
+    """Continuous batching: two requests (one a cache hit, one plain, different guidance rows) share steps."""
+    name, s, pre, runner, run, store = family
+    tpl = samples.template(SIZE, SIZE, seed=27)
+    run(prepared(pre, s, tpl, np.zeros((SIZE, SIZE), np.uint8), register=True))
+    a = prepared(pre, s, tpl, samples.mask(SIZE, SIZE, 0.2, "box", seed=6))
+    b = replace(prepared(pre, s, samples.template(SIZE, SIZE, seed=28), samples.mask(SIZE, SIZE, 0.3, "blob", seed=7),
+                         guidance=1.0), cache_key=None)
+    alone = [run(a, "all_y").result(), plain(runner, b).result()]
+    rt = CacheRuntime(hooks_for(runner.transformer), store, policy="all_y")
+    eng = DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt), max_batch=2)
+    try:
+        from maskedit.denoise import DenoiseJob
+
+        done = []
+        jobs = [DenoiseJob(x, on_done=done.append) for x in (a, b)]
+        for j in jobs:
+            eng.submit(j)
+        import time
+
+        t0 = time.time()
+        while len(done) < 2 and time.time() - t0 < 120:
+            time.sleep(0.05)
+        assert len(done) == 2 and eng.max_running == 2
+        assert jobs[0].cache.status == "hit"
+        for j, ref in zip(jobs, alone):
+            np.testing.assert_allclose(j.result(), ref, atol=atol(s, 1e-5))
+    finally:
+        eng.shutdown()
+        rt.close()
