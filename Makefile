@@ -40,7 +40,7 @@ test: model
 	MASKEDIT_DTYPE=bfloat16 $(PY) -m pytest -q -ra -m "not integration" $(BF16_TESTS) $(PYTEST_ARGS)
 
 BF16_TESTS := tests/unit/test_cache_invariants.py tests/unit/test_cache_heal.py tests/unit/test_cache_follow.py \
-	tests/unit/test_packed_batch.py tests/unit/test_engine.py tests/unit/test_local_parity.py
+	tests/unit/test_packed_batch.py tests/unit/test_engine.py tests/unit/test_local_parity.py tests/unit/test_unet_family.py
 
 test-unit: model
 	$(PY) -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)
