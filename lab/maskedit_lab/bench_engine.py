@@ -98,10 +98,18 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     decoder = Decoder(h.settings)
     engines = {m: h.engine(*MODES[m]) for m in modes}
     cfg = h.runner.transformer.config
-    dim = cfg.num_attention_heads * cfg.attention_head_dim
-    n_blocks = cfg.num_layers + cfg.num_single_layers
-    io = edges(cfg)  # x_embedder / proj_out widths: they run on every token in every mode
-    kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads, h.runner.device, h.runner.dtype)
+    unet = h.runner.unet  # SD 2 / SDXL: the rest of the UNet is measured, the blocks added per plan (unet_costs)
+    if unet:
+        from .unet_costs import UNetStepCosts, timers
+
+        n_blocks = len(h.hooks.blocks)
+        unet_costs = UNetStepCosts.measure(h.runner, h.inputs(h.mask(0.0), register=True), h.hooks)
+        kernels, streamed = timers(h.runner.device, h.runner.dtype)
+    else:
+        dim = cfg.num_attention_heads * cfg.attention_head_dim
+        n_blocks = cfg.num_layers + cfg.num_single_layers
+        io = edges(cfg)  # x_embedder / proj_out widths: they run on every token in every mode
+        kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads, h.runner.device, h.runner.dtype)
     rows = []
     try:
         for ratio in tqdm(ratios, desc="mask ratios"):
@@ -124,11 +132,13 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                 jc = jobs[m].cache
                 plan_modes = jc.modes if jc is not None and jc.status == "hit" else ["full"] * n_blocks
                 c = int(jc.idx_c.numel()) if jc is not None and jc.idx_c is not None else n
+                computed = np.isin(np.arange(n), jc.idx_c.cpu().numpy()) if c < n else None
                 d = statistics.median(times[m])
                 row = {
                     "mask_ratio": ratio, "mode": m, "denoise_s": round(d, 5), "steps": h.steps,
                     "speedup": round(full_s / d, 3) if full_s else None,
-                    "ideal_speedup": round(ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3),
+                    "ideal_speedup": round(unet_costs.ideal_speedup(plan_modes, computed) if unet else
+                                           ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3),
                     "computed_tokens": c, "tokens": n, "block_modes": jc.info()["block_modes"] if jc else "",
                     "cache": jc.status if jc else "off", "load_s": round(jc.load_s, 5) if jc else 0.0,
                     "device": device_slug(h.runner.device), "dtype": h.settings.dtype,
@@ -138,7 +148,8 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                 }
                 row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3) if row["speedup"] else None
                 for name, timer in (("kernel_ceiling", kernels), ("streamed_ceiling", streamed)):
-                    row[name] = round(timer.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
+                    row[name] = round(unet_costs.ceiling_speedup(plan_modes, computed, timer) if unet else
+                                      timer.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
                     row["of_" + name] = round(row["speedup"] / row[name], 3) if row["speedup"] else None
                 rows.append(row)
     finally:
@@ -200,7 +211,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="default: the model's (8 for the bench preset)")
     ap.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS))
-    ap.add_argument("--preset", default="bench", help="model preset (bench; flux-dev: FLUX.1-Fill-dev size, GPU)")
+    ap.add_argument("--preset", default="bench", help="model preset (bench; flux-dev: FLUX.1-Fill-dev size, GPU; "
+                    "sd2-bench / sdxl-bench: SD 2 / SDXL inpainting layouts on the CPU; sdxl: SDXL's real size, GPU)")
     ap.add_argument("--device", default=None, help="cpu, cuda (default: MASKEDIT_DEVICE or auto)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
     ap.add_argument("--budget-gib", type=float, default=8.0, help="activation bytes recorded per template (Y first, "
@@ -211,7 +223,8 @@ def main(argv=None) -> None:
     rows = run(args.ratios, reps=args.reps, steps=args.steps, preset=args.preset, device=args.device,
                dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
     hw = rows[0]["device"] if rows else "cpu"
-    out = args.out or RESULTS / ("engine.json" if hw == "cpu" else f"engine_{hw}.json")
+    name = "engine" if args.preset in ("bench", "flux-dev", "flux-width") else f"engine_{args.preset}"
+    out = args.out or RESULTS / (f"{name}.json" if hw == "cpu" else f"{name}_{hw}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "preset": args.preset,

@@ -16,9 +16,8 @@ from PIL import Image
 
 from maskedit import samples
 from maskedit.cache.cost_model import CostModel
-from maskedit.cache.flux import FluxCacheHooks
 from maskedit.cache.loader import RowLoader
-from maskedit.cache.runtime import CacheRuntime
+from maskedit.cache.runtime import CacheRuntime, hooks_for
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import DenoiseInputs, ModelRunner
 from maskedit.engine import DenoiseEngine
@@ -27,6 +26,7 @@ from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import REPO_ROOT, load_settings
 from maskedit.tiny_model import build
+from maskedit.tiny_unet import UNET_PRESETS, build_unet
 
 from .baselines import InlineRowLoader, InlineWorkEngine, PerResolutionRunner
 
@@ -61,7 +61,7 @@ def _memory_dir(need: int) -> str | None:
 class Harness:
     pre: Preprocessor
     runner: ModelRunner
-    hooks: FluxCacheHooks
+    hooks: object  # FluxCacheHooks or UNetCacheHooks
     store: ActivationStore
     template: Image.Image
     steps: int
@@ -72,9 +72,10 @@ class Harness:
                cost: CostModel | None = None, budget_bytes: int = 8 << 30, device: str | None = None,
                dtype: str | None = None) -> "Harness":
         """``device``/``dtype`` override MASKEDIT_DEVICE/MASKEDIT_DTYPE; the environment's other settings apply."""
-        model_dir = Path(model_dir or REPO_ROOT / "models" / f"{preset}-flux-fill")
+        unet = preset in UNET_PRESETS  # an SD 2 / SDXL inpainting preset
+        model_dir = Path(model_dir or REPO_ROOT / "models" / (preset if unet else f"{preset}-flux-fill"))
         if not (model_dir / "model_index.json").exists():
-            build(model_dir, preset)
+            (build_unet if unet else build)(model_dir, preset)
         env = {**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)}
         env.update({k: v for k, v in (("MASKEDIT_DEVICE", device), ("MASKEDIT_DTYPE", dtype)) if v})
         settings = load_settings(env)
@@ -82,7 +83,7 @@ class Harness:
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)
         runner = ModelRunner(settings)
-        h = cls(pre, runner, FluxCacheHooks.of(runner.transformer), store,
+        h = cls(pre, runner, hooks_for(runner.transformer), store,
                 samples.template(settings.resolution, settings.resolution, seed=3), steps or settings.steps,
                 cost or CostModel.fallback())
         h.budget_bytes = budget_bytes
