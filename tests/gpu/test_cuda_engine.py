@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "bfloat16", "float16")
 UNIT_SUITE = ["tests/unit/test_cache_invariants.py", "tests/unit/test_cache_heal.py", "tests/unit/test_cache_follow.py",
               "tests/unit/test_packed_batch.py", "tests/unit/test_engine.py", "tests/unit/test_local_parity.py",
-              "tests/unit/test_cache_crash.py"]
+              "tests/unit/test_cache_crash.py", "tests/unit/test_unet_family.py"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

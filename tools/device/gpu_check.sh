@@ -5,6 +5,7 @@
 #   run(command="bash tools/device/gpu_check.sh tests", carry=[".whl"])       # gpu tests, every dtype (~5 min)
 #   run(command="bash tools/device/gpu_check.sh calibrate", carry=[".whl"])   # FLUX.1-Fill-dev size, bf16
 #   run(command="bash tools/device/gpu_check.sh bench", carry=[".whl"])       # engine benchmark, bf16, 8 steps
+#   run(command="bash tools/device/gpu_check.sh unet", carry=[".whl"])        # SDXL-inpainting size, bf16 (issue 20)
 #   run(command="bash tools/device/gpu_check.sh serving", carry=[".whl"])     # Triton on the GPU vs stock Diffusers
 #                                                 (needs tools/device/triton_pack.sh's tritonserver in .whl/ too)
 #
@@ -33,9 +34,13 @@ case "${1:-tests}" in
     python3 -m maskedit_lab.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
       --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
+  unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the issue's stock timing
+    python3 -m maskedit_lab.bench_engine --preset sdxl --device cuda --dtype bfloat16 --steps "${STEPS_UNET:-30}" \
+      --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.1 0.2 0.3 0.5} \
+      --out "$OUT/engine_sdxl_h100.json" 2>&1 | tee "$OUT/bench_sdxl.log" ;;
   serving)
     python3 -m maskedit.tiny_model models/flux-width-flux-fill --preset flux-width
     python3 -m maskedit_lab.bench_serving --preset flux-width --device cuda --dtype bfloat16 --steps "$STEPS" \
       --requests "${REQUESTS:-12}" --loads ${LOADS:-0.5 1 2 4} --out "$OUT/serving_h100.json" 2>&1 | tee "$OUT/serving.log" ;;
-  *) echo "usage: $0 tests|calibrate|bench|serving"; exit 2 ;;
+  *) echo "usage: $0 tests|calibrate|bench|unet|serving"; exit 2 ;;
 esac

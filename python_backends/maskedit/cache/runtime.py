@@ -166,7 +166,8 @@ class CacheRuntime:
         dev = job.latents.device if job.latents is not None else "cpu"
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
         jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=0 if self.per_block else text,
-                      live=d.entry.recorder if d.follows else None)
+                      live=d.entry.recorder if d.follows else None,
+                      computed=np.asarray(d.computed, bool) if self.per_block else None)
         idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)
@@ -262,9 +263,6 @@ class CacheRuntime:
         from .unet import UNetRowView
 
         x = job.inputs
-        if jc.computed is None and jc.status == "hit":
-            jc.computed = np.zeros(x.latents.shape[0], bool)
-            jc.computed[jc.idx_c.cpu().numpy()] = True
         view = UNetRowView(modes=jc.modes, grid=_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
                            needs_output=jc.needs_output, recorder=recorder)
         if jc.level_idx is None:
