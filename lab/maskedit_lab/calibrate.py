@@ -67,7 +67,8 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
     blocks = h.hooks.blocks
     for i, b in enumerate(blocks):  # outermost: wraps our masked-block hook
         HookRegistry.check_if_exists_or_initialize(b).register_hook(BlockTimer(sink, i), "maskedit_timer")
-    kinds = ["dual"] * h.hooks.n_dual + ["single"] * (len(blocks) - h.hooks.n_dual)
+    kinds = getattr(h.hooks, "kinds", None) or ["dual"] * h.hooks.n_dual + ["single"] * (len(blocks) - h.hooks.n_dual)
+    unet = h.runner.unet  # a UNet's blocks differ in tokens and width: features per block, as the planner asks
     loads = defaultdict(list)
     try:
         plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in RATIOS]
@@ -80,6 +81,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
             h.runner.prepare(job)
             jc = job.cache
             c = n if mode == FULL else int(jc.idx_c.numel())
+            sizes = _unet_sizes(h, x, jc, mode) if unet else None
             h.runner.step([job])  # warm-up
             for _ in range(reps):
                 sink.clear()
@@ -87,7 +89,8 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
                     break
                 h.runner.step([job])
                 for i, ms in resolve(sink):
-                    samples_[(kinds[i], mode)].append((features(mode, n, c, text), ms))
+                    n_i, c_i = sizes[i] if unet else (n, c)
+                    samples_[(kinds[i], mode)].append((features(mode, n_i, c_i, text), ms))
             h.runner.release(job, ok=False)
             h.runner.cache = None
             rt.close()
@@ -96,7 +99,11 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
             HookRegistry.check_if_exists_or_initialize(b).remove_hook("maskedit_timer", recurse=False)
     # Memory tier: copies of 1..16 blocks' rows out of the shared mapping, as the loader does.
     entry = h.store.open(base.cache_key)
-    flat = entry.tensor("y").reshape(-1, entry.arrays["y"].shape[-1])
+    if unet:  # the widest recorded block's rows
+        name = max((k for k in entry.arrays if k.startswith("y.")), key=lambda k: entry.arrays[k].size)
+        flat = entry.tensor(name).reshape(-1, entry.arrays[name].shape[-1])
+    else:
+        flat = entry.tensor("y").reshape(-1, entry.arrays["y"].shape[-1])
     device = h.runner.device
     loads["pinned"] = device.type == "cuda" and RowLoader._page_locked(entry)
     for blocks_ in (1, 2, 3, 4, 6, 8, 12, 16):
@@ -124,6 +131,19 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
         loads["disk"].append((nbytes, (time.perf_counter() - t0) * 1000.0))
     disk_copy.unlink()
     return samples_, loads
+
+
+def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:
+    """Per block (tokens, computed tokens) over all the request's UNet rows, as ``CacheRuntime`` plans them."""
+    from maskedit.cache.runtime import _grid
+    from maskedit.unet_prepare import cfg_rows
+
+    n = x.latents.shape[0]
+    grid, r = _grid(x, n), cfg_rows(x.guidance)
+    shapes = h.hooks.shapes(grid)
+    counts = [shapes[b][0] for b in range(len(shapes))] if mode == FULL else \
+        h.hooks.computed_counts(jc.computed, grid)
+    return [(shapes[b][0] * r, counts[b] * r) for b in range(len(shapes))]
 
 
 def fit(samples_: dict, loads: dict, meta: dict) -> CostModel:

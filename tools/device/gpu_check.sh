@@ -35,6 +35,9 @@ case "${1:-tests}" in
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
       --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
   unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the stock timing
+    python3 -m maskedit_lab.calibrate --preset sdxl --device cuda --dtype bfloat16 --steps 4 \
+      --out "$OUT/cost_model_sdxl_h100.json" 2>&1 | tee "$OUT/calibrate_sdxl.log"
+    cp "$OUT/cost_model_sdxl_h100.json" perf_profiles/
     python3 -m maskedit_lab.bench_engine --preset sdxl --device cuda --dtype bfloat16 --steps "${STEPS_UNET:-30}" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.1 0.2 0.3 0.5} \
       --out "$OUT/engine_sdxl_h100.json" 2>&1 | tee "$OUT/bench_sdxl.log" ;;

@@ -75,7 +75,7 @@ class CostModel:
     fallback_flops_per_ms: float = 0.0  # set when no profile: FLOP-proportional estimate
 
     def block_ms(self, kind: str, mode: str, n: int, c: int, text: int, dim: int) -> float:
-        if kind == "unet" and kind not in self.compute:  # not calibrated yet: FLOPs at the fallback rate
+        if kind.startswith("unet") and kind not in self.compute:  # a UNet block not calibrated: FLOPs, fallback rate
             return unet_block_flops(mode, n, c, text, dim) / (self.fallback_flops_per_ms or 2e7)
         if self.fallback_flops_per_ms:
             return block_flops(mode, kind == "dual", n, c, text, dim) / self.fallback_flops_per_ms

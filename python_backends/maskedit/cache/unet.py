@@ -187,7 +187,8 @@ class UNetCacheHooks:
                 self.group_last.append(k == len(model.transformer_blocks) - 1)
         self.dims = [int(b.norm1.normalized_shape[0]) for b in self.blocks]
         self.n_dual = 0
-        self.kinds = ["unet"] * len(self.blocks)
+        # Cost-model kinds: one per level (its blocks share width and token count; calibrated as ``unet-l<level>``).
+        self.kinds = [f"unet-l{lv}" for lv in self.levels]
         self._local = threading.local()
         for i, block in enumerate(self.blocks):
             HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedUNetBlockHook(self, i), HOOK_NAME)
