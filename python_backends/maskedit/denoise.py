@@ -111,6 +111,10 @@ class ModelRunner:
         self.scheduler_config = load_scheduler_config(settings)
         # SD 2 / SDXL inpainting: ``transformer`` is the UNet and one token is one latent pixel (``unet_runner``).
         self.unet = model_family(settings.model_dir) != FLUX
+        if self.unet:
+            from .unet_prepare import check_unet_scheduler
+
+            check_unet_scheduler(self.scheduler_config)
         self.guidance_embeds = not self.unet and bool(self.transformer.config.guidance_embeds)
         self.pixels_per_token = (1 if self.unet else 2) * vae_scale_factor(settings)  # Flux packs 2x2 latents
         self.cache = cache

@@ -38,6 +38,20 @@ def cfg_rows(guidance: float) -> int:
     return 2 if guidance > 1 else 1
 
 
+_STOCHASTIC = ("EulerAncestralDiscreteScheduler", "KDPM2AncestralDiscreteScheduler", "DPMSolverSDEScheduler")
+
+
+def check_unet_scheduler(config: dict) -> None:
+    """Refuse at start-up a scheduler this server cannot run deterministically per request: samplers that add fresh
+    noise at every step (ancestral, SDE) would need the pipeline's generator state in the denoise process, and
+    multi-timestep-per-step schedulers (PNDM) break the one-step-per-iteration batching."""
+    name = config.get("_class_name", "")
+    if name in _STOCHASTIC or "sde" in str(config.get("algorithm_type", "")):
+        raise ValueError(f"scheduler {name} adds noise at every step; serve a deterministic one (Euler, DDIM, "
+                         "DPM-Solver++, ...): edit the model directory's scheduler/scheduler_config.json")
+    make_unet_scheduler(config, 4)
+
+
 def make_unet_scheduler(config: dict, steps: int, device="cpu"):
     """The request's own scheduler (its class from the model directory), set as the pipelines set it at strength 1
     (``retrieve_timesteps`` then ``get_timesteps``: every timestep, begin index 0)."""

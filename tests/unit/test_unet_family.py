@@ -245,3 +245,14 @@ def test_a_request_joining_after_the_template_run_follows_it(family, tmp_path):
         np.testing.assert_allclose(follower.result(), again.result(), atol=atol(s, 1e-4))
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("name", ["EulerAncestralDiscreteScheduler", "PNDMScheduler"])
+def test_a_scheduler_that_cannot_batch_deterministically_is_refused_at_start(name):
+    from maskedit.unet_prepare import check_unet_scheduler
+
+    cfg = {"_class_name": name, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+           "num_train_timesteps": 1000, "steps_offset": 1, "skip_prk_steps": True}
+    with pytest.raises(ValueError, match=name):
+        check_unet_scheduler(cfg)
+    check_unet_scheduler({**cfg, "_class_name": "EulerDiscreteScheduler"})
