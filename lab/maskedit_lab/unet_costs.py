@@ -113,6 +113,13 @@ class UNetStepCosts:
             [shapes[b][0] for b in range(len(modes))]
         return [(m, shapes[b][0], counts[b], shapes[b][1]) for b, m in enumerate(modes)]
 
+    def rest_share(self, full_step_s: float) -> dict:
+        """How much of a full step the part that always runs in full takes, in FLOPs and in time."""
+        blocks = self.rows * sum(unet_block_flops(FULL, n, n, self.text, d)
+                                 for _, n, _, d in self._blocks([FULL] * len(self.hooks.blocks), None))
+        return {"rest_flops_share": round(self.rest_flops / (self.rest_flops + blocks), 4),
+                "rest_time_share": round(self.rest_s / full_step_s, 4) if full_step_s else None}
+
     def ideal_speedup(self, modes: list[str], computed: np.ndarray | None) -> float:
         flops = lambda ms: self.rest_flops + self.rows * sum(  # noqa: E731
             unet_block_flops(m, n, c, self.text, d) for m, n, c, d in self._blocks(ms, computed))
