@@ -39,8 +39,9 @@ test: model
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 	MASKEDIT_DTYPE=bfloat16 $(PY) -m pytest -q -ra -m "not integration" $(BF16_TESTS) $(PYTEST_ARGS)
 
-BF16_TESTS := tests/unit/test_cache_invariants.py tests/unit/test_cache_heal.py tests/unit/test_cache_follow.py \
-	tests/unit/test_packed_batch.py tests/unit/test_engine.py tests/unit/test_local_parity.py
+BF16_TESTS := tests/unit/maskedit/cache/test_invariants.py tests/unit/maskedit/cache/test_heal.py \
+	tests/unit/maskedit/cache/test_follow.py tests/unit/maskedit/test_packed_batch.py tests/unit/maskedit/test_engine.py \
+	tests/unit/maskedit/test_local_parity.py
 
 test-unit: model
 	$(PY) -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)

@@ -65,7 +65,7 @@ class Preprocessor:
         self.settings = settings
         self.pipe = load_pipeline(settings, with_transformer=False)
         self.scheduler_config = dict(self.pipe.scheduler.config)
-        self.fingerprint = model_fingerprint(settings.model_dir)
+        self.fingerprint = model_fingerprint(settings.model_dir, settings.model_version)
         self.store = store
         self.scale = self.pipe.vae_scale_factor  # 8 for Flux: pixels per latent
         self.patch = self.scale * 2  # pixels per packed token side

@@ -3,7 +3,7 @@
 import re
 
 from maskedit import repository
-from maskedit.settings import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
 
