@@ -74,7 +74,7 @@ router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate
 
 serve-cluster: model
-	$(PY) -m maskedit_router.cluster --instances $${INSTANCES:-2}
+	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2}
 
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model
