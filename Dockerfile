@@ -11,9 +11,11 @@ COPY requirements-serve.txt ./
 RUN pip install --no-cache-dir -r requirements-serve.txt
 
 COPY pyproject.toml ./
+COPY common ./common
 COPY python_backends ./python_backends
 COPY client ./client
-# The router (also the Kubernetes endpoint picker and the Triton pods' readiness probe) runs from this image too.
+# The router (also the Kubernetes endpoint picker and the Triton pods' readiness probe) runs from this image too;
+# it imports only `common` of the server side (its cost model, settings and log format).
 COPY router ./router
 COPY perf_profiles/cost_model_bench-flux-fill.json ./perf_profiles/
 COPY model_repository ./model_repository
@@ -22,7 +24,7 @@ RUN pip install --no-cache-dir --no-deps -e . \
  && python3 -m maskedit.tiny_model /opt/maskedit/models/tiny-flux-fill
 
 # The model.py shims put these first on the stub's sys.path.
-ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/client \
+ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/common:/opt/maskedit/client \
     MASKEDIT_MODEL_DIR=/opt/maskedit/models/tiny-flux-fill
 
 EXPOSE 8000 8001 8002

@@ -39,8 +39,9 @@ test: model
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 	MASKEDIT_DTYPE=bfloat16 $(PY) -m pytest -q -ra -m "not integration" $(BF16_TESTS) $(PYTEST_ARGS)
 
-BF16_TESTS := tests/unit/test_cache_invariants.py tests/unit/test_cache_heal.py tests/unit/test_cache_follow.py \
-	tests/unit/test_packed_batch.py tests/unit/test_engine.py tests/unit/test_local_parity.py tests/unit/test_unet_family.py
+BF16_TESTS := tests/unit/maskedit/cache/test_invariants.py tests/unit/maskedit/cache/test_heal.py \
+	tests/unit/maskedit/cache/test_follow.py tests/unit/maskedit/test_packed_batch.py tests/unit/maskedit/test_engine.py \
+	tests/unit/maskedit/test_local_parity.py tests/unit/maskedit/test_unet_family.py
 
 test-unit: model
 	$(PY) -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)
@@ -73,7 +74,7 @@ router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate
 
 serve-cluster: model
-	$(PY) -m maskedit_router.cluster --instances $${INSTANCES:-2}
+	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2}
 
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maskedit.cache.store import ActivationStore
+from maskedit.cache.store import from_settings
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
@@ -77,10 +77,9 @@ def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> d
     """Fill one backend's activation-store memory tier to its limit with entries nobody asks for: the store must
     evict (to disk) and keep serving."""
     i = rng.randrange(len(topo.servers))
-    env = topo.servers[i].env
-    budget = int(float(env["MASKEDIT_CACHE_MEM_BYTES"]))
-    store = ActivationStore(env["MASKEDIT_CACHE_MEM_DIR"], env["MASKEDIT_CACHE_DISK_DIR"], budget,
-                            int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))))  # the servers' own default
+    cache = topo.servers[i].settings.cache  # the server's own store: its directories and sizes
+    budget = cache.mem_bytes
+    store = from_settings(cache)
     filler = np.random.default_rng(0).standard_normal(entry_mb << 18, dtype=np.float32)
     written = 0
     while written < budget:

@@ -37,7 +37,7 @@ def shm_bytes(topo: Topology) -> dict[str, int]:
     """Bytes this system holds in /dev/shm: each instance's store memory tier and its Python-backend regions."""
     out = {}
     for i, s in enumerate(topo.servers):
-        out[f"server{i}/store"] = procs.dir_bytes(Path(s.env["MASKEDIT_CACHE_MEM_DIR"]))
+        out[f"server{i}/store"] = procs.dir_bytes(s.settings.cache.mem_dir)
         out[f"server{i}/backend_regions"] = sum((procs.SHM / r).stat().st_size for r in procs.shm_regions(s.shm_prefix)
                                                 if (procs.SHM / r).exists())
     return out
@@ -46,7 +46,7 @@ def shm_bytes(topo: Topology) -> dict[str, int]:
 def sample(topo: Topology, t0: float) -> dict:
     return {"t_s": round(time.perf_counter() - t0, 1), "rss": procs.rss_by_process(topo.pgids()),
             "shm": shm_bytes(topo),
-            "disk": {f"server{i}": procs.dir_bytes(Path(s.env["MASKEDIT_CACHE_DISK_DIR"]))
+            "disk": {f"server{i}": procs.dir_bytes(s.settings.cache.disk_dir)
                      for i, s in enumerate(topo.servers)},
             "restarts": sum(i.total_restarts for i in topo.supervisor.instances)}
 

@@ -1,4 +1,4 @@
-"""The system chaos and soak runs drive: supervised Triton instances (the launcher's ``running_backends``) and
+"""The system chaos and soak runs drive: supervised Triton instances (the lab's ``cluster.running_backends``) and
 the router as its own process (``python -m maskedit_router``), so the router can be killed and restarted like
 any other part. Everything is stopped by pid on the way out and checked for leftovers."""
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from maskedit import admission
 from maskedit.launcher import free_port
-from maskedit_router.cluster import running_backends
-from maskedit_router.supervisor import Supervisor
+from maskedit_lab.cluster import running_backends
+from maskedit_lab.supervisor import Supervisor
 
 from . import procs
 
@@ -102,6 +102,7 @@ class Topology:
     def leftovers(self) -> dict:
         """Processes, /dev/shm regions and listening ports of any generation that should be gone: those of
         parts no longer running (call after a recovery, or after everything stopped)."""
+        boards = self.servers[0].settings.service.admission_dir  # the same for every server
         live_pgids = {s.proc.pid for s in self.servers if s.proc is not None}
         live_shm = {s.shm_prefix for s in self.servers if s.proc is not None}
         if self.router is not None and self.router.poll() is None:
@@ -117,7 +118,7 @@ class Topology:
                           for p in procs.group_members(g)],
             "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in procs.shm_regions(pre)] +
                            [str(p) for g in self.seen.get("pgids", set()) - live_pgids
-                            if (p := admission.board_path(g)).exists()],
+                            if (p := admission.board_path(boards, g)).exists()],
             "ports": sorted(p for p in self.seen.get("ports", set()) - live_ports if procs.port_in_use(p)),
         }
 

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,8 @@ def settings():
         build(s.model_dir, "tiny")
     return s
 
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout under test
 
 png = encode_image  # PNG bytes of a PIL image or uint8 array
 

@@ -1,5 +1,7 @@
 """The benchmarks' baselines, built by composition from the serving classes (which carry no baseline switches).
 
+- ``FixedPolicy``: every recorded block of a hit in one mode, no planning (``all_y``, ``all_kv``, and ``noctx``:
+  masked tokens computed without the unmasked context, the naive shortcut); what the planner is measured against;
 - ``InlineRowLoader``: cached rows loaded inside the block that needs them, nothing queued ahead (the naive
   loading the paper's pipelined loader is measured against);
 - ``PerResolutionRunner``: one transformer call per resolution in a step (what packing saves);
@@ -11,12 +13,44 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+from maskedit.cache.flux import FULL, KV, NOCTX, Y
 from maskedit.cache.loader import RowLoader
+from maskedit.cache.policy import BlockPolicy, PlanInput
 from maskedit.denoise import ModelRunner, group_by
 from maskedit.engine import DenoiseEngine
 
 log = logging.getLogger(__name__)
+FIXED_POLICIES = ("all_y", "all_kv", "noctx")
+
+
+@dataclass(frozen=True)
+class FixedPolicy(BlockPolicy):
+    """``all_y``: Y wherever the entry recorded a block; ``all_kv``: KV where recorded, else Y where recorded;
+    ``noctx``: masked tokens attend only to themselves and the text (so its hits compute no template context and
+    never heal an entry)."""
+
+    def __post_init__(self):
+        if self.name not in FIXED_POLICIES:
+            raise ValueError(f"fixed cache policy must be one of {FIXED_POLICIES}")
+
+    @property
+    def heals(self) -> bool:
+        return self.name != "noctx"
+
+    def plan(self, p: PlanInput) -> tuple[list[str], None]:
+        if self.name == "all_y":
+            return [Y if h else FULL for h in p.has_y], None
+        if self.name == "noctx":
+            return [NOCTX if h else FULL for h in p.has_y], None
+        return [KV if k else (Y if y else FULL) for y, k in zip(p.has_y, p.has_kv)], None
+
+
+def cache_policy(name: str) -> str | BlockPolicy:
+    """What a ``CacheRuntime`` is given for policy ``name``: a serving policy's name as it is (``off``,
+    ``planner``, ``planner_y``), or the fixed baseline of that name."""
+    return FixedPolicy(name) if name in FIXED_POLICIES else name
 
 
 class InlineRowLoader(RowLoader):

@@ -30,13 +30,14 @@ import torch
 from tqdm import tqdm
 
 from maskedit import samples
-from maskedit.cache.cost_model import CostModel, profile_path
+from maskedit.cache.cost_model import CostModel, device_slug
 from .harness import Harness, png
 from maskedit.denoise import DenoiseJob
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.scheduler import BatchScheduler
-from maskedit.settings import REPO_ROOT
+
+from . import REPO_ROOT
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 _worker: dict = {}
@@ -47,7 +48,7 @@ def _init_worker(model_dir: str, kind: str, mem: str, disk: str) -> None:
     from maskedit.cache.store import ActivationStore
     from maskedit.decode import Decoder
     from maskedit.preprocess import Preprocessor
-    from maskedit.settings import load_settings
+    from maskedit_common.settings import load_settings
 
     s = load_settings({"MASKEDIT_MODEL_DIR": model_dir})
     if kind == "pre":
@@ -192,7 +193,7 @@ def closed_loop_throughput(h: Harness, batch: int, n: int = 16) -> float:
 def batching_ceilings(h: Harness, batch: int) -> dict:
     """What batching can gain on this machine's kernels for the closed-loop request (mask ratio 0.2, its plan):
     ``KernelTimer.batching_ceiling`` with cache-hot and with streamed weights."""
-    from maskedit.cache.flops import edges
+    from maskedit_common.flops import edges
     from .kernel_ceiling import KernelTimer
     from maskedit.local import run_job
 
@@ -234,7 +235,7 @@ def main(argv=None) -> None:
     from loadgen import workload
 
     h = Harness.create(preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype)
-    profile = profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
+    profile = h.settings.cost_profile_for(device_slug(h.runner.device))
     h.cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     size = h.settings.resolution
     n_templates = 4

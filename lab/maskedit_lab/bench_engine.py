@@ -34,12 +34,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from maskedit.cache.cost_model import CostModel, device_slug, profile_path
-from maskedit.cache.flops import edges, ideal_speedup
+from maskedit.cache.cost_model import device_slug
 from maskedit.decode import Decoder
 from maskedit.local import run_job
-from maskedit.settings import REPO_ROOT
+from maskedit_common.cost_model import CostModel
+from maskedit_common.flops import edges, ideal_speedup
 
+from . import REPO_ROOT
 from .harness import Harness
 from .kernel_ceiling import KernelTimer
 
@@ -92,7 +93,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
         preset: str = "bench", device: str | None = None, dtype: str | None = None,
         budget_bytes: int = 8 << 30) -> list[dict]:
     h = Harness.create(model_dir, preset=preset, steps=steps, device=device, dtype=dtype, budget_bytes=budget_bytes)
-    profile = profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
+    profile = h.settings.cost_profile_for(device_slug(h.runner.device))
     h.cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     h.register()
     decoder = Decoder(h.settings)

@@ -32,10 +32,10 @@ from tqdm import tqdm
 from loadgen import records, runner, workload
 from maskedit.launcher import TritonServer, server_env
 from maskedit.repository import REPOSITORY, write
-from maskedit.settings import REPO_ROOT
 from maskedit.tiny_model import build
+from maskedit_common.settings import load_settings
 
-from . import stock
+from . import REPO_ROOT, stock
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 SYSTEMS = ("diffusers", "cache_off", "fcfs", "static", "service")
@@ -153,8 +153,6 @@ def run(systems=SYSTEMS, preset: str = "tiny", device: str = "cpu", dtype: str =
         write(ours, "gpu")
     base_repo = tmp / "repo_baseline"
     stock.render(base_repo, kind)
-    from maskedit.settings import load_settings
-
     size = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)}).resolution
     assets = runner.Assets(size)
     out = {"meta": {"preset": preset, "device": device, "dtype": dtype, "steps": steps, "requests_per_run": requests,

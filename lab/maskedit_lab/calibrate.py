@@ -1,6 +1,7 @@
 """`maskedit-calibrate`: measure block compute and cache-load latencies on this machine and model, fit the
-cost model the planner and the router use, print each fit's R², and write it under ``perf_profiles/``
-(``cost_model_<model>.json`` on the CPU, ``cost_model_<model>_<gpu>.json`` on a GPU, e.g. ``_h100``).
+cost model the planner and the router use, print each fit's R², and write it into the profiles directory
+(``MASKEDIT_PROFILES_DIR``, in a source checkout ``perf_profiles/``): ``cost_model_<model>.json`` on the CPU,
+``cost_model_<model>_<gpu>.json`` on a GPU, e.g. ``_h100``.
 
     maskedit-calibrate                         # the benchmark-size model (built if missing)
     maskedit-calibrate --model-dir models/tiny-flux-fill
@@ -24,15 +25,15 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from tqdm import tqdm
 
-from maskedit.cache.cost_model import CostModel, LinearFit, device_slug, features, profile_path
+from maskedit.cache.cost_model import device_slug
 from maskedit.cache.loader import RowLoader
-from maskedit.cache.planner import FULL, KV, Y
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.denoise import DenoiseJob
 from maskedit.device import SideStream, seconds_between, time_mark
-from maskedit.settings import REPO_ROOT
+from maskedit_common.blocks import FULL, KV, Y
+from maskedit_common.cost_model import CostModel, LinearFit, features
 
-from .baselines import InlineRowLoader
+from .baselines import FixedPolicy, InlineRowLoader
 from .harness import Harness
 
 RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
@@ -74,8 +75,8 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
         plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in RATIOS]
         for mode, ratio in tqdm(plan, desc="calibrating", unit="point"):
             x = h.inputs(h.mask(ratio, seed=1)) if mode != FULL else base
-            rt = CacheRuntime(h.hooks, h.store, h.cost, policy={FULL: "off", Y: "all_y", KV: "all_kv"}[mode],
-                              loader=InlineRowLoader)
+            policy = {FULL: "off", Y: FixedPolicy("all_y"), KV: FixedPolicy("all_kv")}[mode]
+            rt = CacheRuntime(h.hooks, h.store, h.cost, policy=policy, loader=InlineRowLoader)
             h.runner.cache = rt
             job = DenoiseJob(x)
             h.runner.prepare(job)
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
         "threads": torch.get_num_threads(), "device": h.settings.torch_device, "resolution": h.settings.resolution,
         "dtype": h.settings.dtype, "hardware": device_slug(h.runner.device),
     })
-    out = args.out or profile_path(REPO_ROOT / "perf_profiles", h.settings.model_dir.name, h.runner.device)
+    out = args.out or h.settings.profile_path(device_slug(h.runner.device))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(model.to_json(), indent=2))
     for kind, d in model.compute.items():

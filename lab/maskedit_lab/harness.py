@@ -15,7 +15,6 @@ from maskedit_client import encode_image
 from PIL import Image
 
 from maskedit import samples
-from maskedit.cache.cost_model import CostModel
 from maskedit.cache.loader import RowLoader
 from maskedit.cache.runtime import CacheRuntime, hooks_for
 from maskedit.cache.store import ActivationStore
@@ -24,11 +23,13 @@ from maskedit.engine import DenoiseEngine
 from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit.settings import REPO_ROOT, load_settings
 from maskedit.tiny_model import build
 from maskedit.tiny_unet import UNET_PRESETS, build_unet
+from maskedit_common.cost_model import CostModel
+from maskedit_common.settings import load_settings
 
-from .baselines import InlineRowLoader, InlineWorkEngine, PerResolutionRunner
+from . import REPO_ROOT
+from .baselines import InlineRowLoader, InlineWorkEngine, PerResolutionRunner, cache_policy
 
 
 png = encode_image  # PNG bytes of a PIL image or uint8 array, as clients send them
@@ -106,13 +107,13 @@ class Harness:
 
     def engine(self, policy: str, overlap: bool = True, scheduler=None, max_queue: int = 64,
                pack: bool = True, inline_work: bool = False) -> tuple[DenoiseEngine, CacheRuntime | None]:
-        """A denoise engine on the shared transformer with cache ``policy``; stop it with ``shutdown`` and
-        ``close`` its runtime. Baselines, composed from ``baselines``: ``overlap=False`` loads rows inside the
-        block, ``pack=False`` makes one transformer call per resolution, ``inline_work=True`` gives an engine
-        whose ``call_soon`` runs work on its loop thread."""
-        rt = None if policy == "off" else CacheRuntime(self.hooks, self.store, self.cost, policy=policy,
-                                                       budget_bytes=self.budget_bytes,
-                                                       loader=RowLoader if overlap else InlineRowLoader)
+        """A denoise engine on the shared transformer with cache ``policy`` (a serving policy, or a fixed baseline
+        of ``baselines.FIXED_POLICIES``); stop it with ``shutdown`` and ``close`` its runtime. Baselines, composed
+        from ``baselines``: ``overlap=False`` loads rows inside the block, ``pack=False`` makes one transformer call
+        per resolution, ``inline_work=True`` gives an engine whose ``call_soon`` runs work on its loop thread."""
+        rt = None if policy == "off" else CacheRuntime(
+            self.hooks, self.store, self.cost, policy=cache_policy(policy), budget_bytes=self.budget_bytes,
+            loader=RowLoader if overlap else InlineRowLoader)
         runner_cls = ModelRunner if pack else PerResolutionRunner
         runner = runner_cls(self.settings, transformer=self.runner.transformer, cache=rt)
         engine_cls = InlineWorkEngine if inline_work else DenoiseEngine

@@ -21,8 +21,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from maskedit.cache.planner import FULL, KV, Y
 from maskedit.device import is_cuda, seconds_between, time_mark
+from maskedit_common.blocks import FULL, KV, Y
 
 
 def _calls(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> list[tuple]:

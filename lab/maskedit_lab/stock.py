@@ -20,7 +20,7 @@ from maskedit.components import load_transformer, torch_dtype
 from maskedit.device import synchronize
 from maskedit.imaging import decode_image, encode_png, maybe_base64, model_size
 from maskedit.params import parse_params
-from maskedit.settings import Settings
+from maskedit_common.settings import Settings
 
 MODEL_NAME = "diffusers_baseline"
 INPUTS = [("TEMPLATE", "TYPE_STRING", False), ("MASK", "TYPE_STRING", False), ("PROMPT", "TYPE_STRING", False),
@@ -85,10 +85,11 @@ class TritonPythonModel:
 
     def initialize(self, args):
         from maskedit import logs
-        from maskedit.settings import load_settings
+        from maskedit_common.settings import load_settings
 
-        self.log = logs.setup(MODEL_NAME)
-        self.editor = StockEditor(load_settings())
+        settings = load_settings()
+        self.log = logs.setup(MODEL_NAME, settings.service.log_level)
+        self.editor = StockEditor(settings)
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from maskedit.cache.flops import unet_block_flops
+from maskedit_common.flops import unet_block_flops
 from maskedit.cache.planner import FULL, KV, Y
 from maskedit.device import seconds_between, time_mark
 

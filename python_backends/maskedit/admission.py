@@ -24,10 +24,10 @@ _WAITING, _MAX, _ARRIVED, _PASSED = 0, 8, 16, 24
 _SIZE = 32
 
 
-def board_path(server_pid: int | None = None, env: dict | None = None) -> Path:
-    env = os.environ if env is None else env
-    base = Path(env.get("MASKEDIT_ADMISSION_DIR", f"/dev/shm/maskedit-{os.getuid()}/admission"))
-    return base / f"server-{server_pid if server_pid is not None else os.getppid()}"
+def board_path(directory: Path, server_pid: int | None = None) -> Path:
+    """The board of server ``server_pid`` (default: this stub's parent, the ``tritonserver``) in ``directory``
+    (``Settings.service.admission_dir``)."""
+    return Path(directory) / f"server-{server_pid if server_pid is not None else os.getppid()}"
 
 
 class QueueBoard:
@@ -35,8 +35,8 @@ class QueueBoard:
     pre-processing has passed but denoise has not received yet count as queued: a burst is admitted only as far
     as the queue has room, so the rest are refused before pre-processing rather than after it."""
 
-    def __init__(self, path: Path | None = None):
-        self.path = Path(path or board_path())
+    def __init__(self, path: Path):
+        self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -80,7 +80,7 @@ class QueueBoard:
             self._map.close()
 
 
-def remove(server_pid: int, env: dict | None = None) -> None:
+def remove(directory: Path, server_pid: int) -> None:
     """Remove a server's board (the launcher does, when it stops or reaps the server)."""
     with contextlib.suppress(FileNotFoundError):
-        board_path(server_pid, env).unlink()
+        board_path(directory, server_pid).unlink()

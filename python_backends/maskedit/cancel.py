@@ -10,7 +10,6 @@ each running request at every step (a ``stat``, microseconds).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import threading
 import time
@@ -20,14 +19,10 @@ _SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_AGE_S = 600.0
 
 
-def cancel_dir(env: dict | None = None) -> Path:
-    env = os.environ if env is None else env
-    return Path(env.get("MASKEDIT_CANCEL_DIR", f"/dev/shm/maskedit-{os.getuid()}/cancel"))
-
-
 class CancelBoard:
-    def __init__(self, directory: Path | None = None):
-        self.dir = Path(directory or cancel_dir())
+    def __init__(self, directory: Path):
+        """``directory``: ``Settings.service.cancel_dir``, the same for the ``cancel`` model and denoise."""
+        self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def cancel(self, request_id: str) -> bool:

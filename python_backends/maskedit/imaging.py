@@ -5,8 +5,6 @@ Decoding is done by Pillow. Everything here is plain numpy/PIL so it unit-tests 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import math
 import warnings
@@ -14,23 +12,15 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFilter
 
+from maskedit_common.wire import maybe_base64  # shared with the router
+
 from .errors import InvalidInput
 
-_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
+__all__ = ["ASPECT_TOLERANCE", "binary_mask", "composite", "decode_image", "encode_png", "maybe_base64", "model_size",
+           "soft_mask", "token_mask"]
+
 # Aspect ratios closer than this are "the same" when a mask is resized onto its template.
 ASPECT_TOLERANCE = 0.01
-
-
-def maybe_base64(data: bytes) -> tuple[bytes, bool]:
-    """Return (raw bytes, was_base64). JSON clients (Triton's generate endpoint) must send images as base64."""
-    head = data[:16]
-    if any(head.startswith(m) for m in _MAGIC):
-        return data, False
-    try:
-        raw = base64.b64decode(data.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        return data, False
-    return raw, True
 
 
 def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import admission
 from .repository import REPOSITORY
-from .settings import REPO_ROOT
+from .settings import REPO_ROOT, Settings, load_settings
 
 log = logging.getLogger(__name__)
 MODELS = ("preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
@@ -67,7 +67,7 @@ def server_env(extra: dict | None = None) -> dict:
                                                          env.get("LD_LIBRARY_PATH", "")) if p)
     # The stub ignores PYTHONPATH: the shims put these first on sys.path (this environment's PYTHONPATH included,
     # e.g. packages unpacked beside a system Python on a machine without a package index).
-    paths = [str(REPO_ROOT / "python_backends"), str(REPO_ROOT / "client"),
+    paths = [str(REPO_ROOT / "python_backends"), str(REPO_ROOT / "common"), str(REPO_ROOT / "client"),
              *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p], sysconfig.get_paths()["purelib"]]
     env["MASKEDIT_PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -98,6 +98,11 @@ class TritonServer:
         # killed (its stubs cannot unlink them then) can have them removed by ``stop``.
         self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def settings(self) -> Settings:
+        """The settings this server's model processes read (this environment with the server's ``env`` over it)."""
+        return load_settings({**os.environ, **self.env})
 
     @property
     def grpc_url(self) -> str:
@@ -188,7 +193,7 @@ class TritonServer:
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind by a killed server
             with contextlib.suppress(OSError):
                 region.unlink()
-        admission.remove(pgid, server_env(self.env))  # its denoise queue board
+        admission.remove(self.settings.service.admission_dir, pgid)  # its denoise queue board
         self.proc = None
 
     def __enter__(self) -> "TritonServer":

@@ -1,43 +1,25 @@
-"""Structured (JSON lines) logging for the services: one object per line on stderr."""
+"""Structured logging for the model processes: the shared JSON-lines format (``maskedit_common.logs``) on stderr."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
-import time
+
+from maskedit_common.logs import JsonFormatter, event
+
+__all__ = ["JsonFormatter", "event", "setup"]
 
 
-class JsonFormatter(logging.Formatter):
-    def __init__(self, service: str):
-        super().__init__()
-        self.service = service
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "service": self.service,
-            "pid": os.getpid(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def setup(service: str, level: str | None = None) -> logging.Logger:
-    """Send the ``maskedit`` loggers to stderr as JSON; quiet the libraries' progress bars."""
+def setup(service: str, level: str = "INFO") -> logging.Logger:
+    """Send the ``maskedit`` loggers to stderr as JSON at ``level`` (``Settings.service.log_level``); quiet the
+    libraries' progress bars."""
     root = logging.getLogger("maskedit")
     if not any(isinstance(h.formatter, JsonFormatter) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter(service))
         root.addHandler(handler)
         root.propagate = False
-    root.setLevel(level or os.environ.get("MASKEDIT_LOG_LEVEL", "INFO"))
+    root.setLevel(level)
     try:
         import diffusers
         import transformers
@@ -49,8 +31,3 @@ def setup(service: str, level: str | None = None) -> logging.Logger:
     except ImportError:
         pass
     return root
-
-
-def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:
-    """Log ``msg`` with extra structured fields."""
-    logger.log(level, msg, extra={"fields": fields})

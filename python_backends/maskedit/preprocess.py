@@ -66,7 +66,7 @@ class Preprocessor:
         self.settings = settings
         self.pipe = load_pipeline(settings, with_transformer=False)
         self.scheduler_config = dict(self.pipe.scheduler.config)
-        self.fingerprint = model_fingerprint(settings.model_dir)
+        self.fingerprint = model_fingerprint(settings.model_dir, settings.model_version)
         self.store = store
         self.family = model_family(settings.model_dir)
         self.scale = self.pipe.vae_scale_factor  # 8: pixels per latent

@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from maskedit.cache.cost_model import CostModel
-from maskedit.logs import JsonFormatter
-from maskedit.settings import REPO_ROOT, load_settings
+from maskedit_common.cost_model import CostModel
+from maskedit_common.logs import JsonFormatter
+from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
 
 from . import discovery, policies
 from .health import HealthChecker
@@ -30,12 +30,20 @@ from .openai_api import OpenAIServer
 from .picker import EndpointPicker, serve_picker
 from .server import CHANNEL_OPTIONS, Router
 
+PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile the router predicts with unless told otherwise
+
+
+def default_profile() -> Path:
+    """The benchmark model's CPU cost profile in the profiles directory (``MASKEDIT_PROFILES_DIR``; in a source
+    checkout and in the container, ``perf_profiles/``)."""
+    return load_settings().profile_path("cpu", PROFILED_MODEL)
+
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on."""
-    path = profile or REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
@@ -45,11 +53,11 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
 
 def _profiled_resolution(model_dir: str | None) -> int | None:
     """The working resolution of the model a profile was measured on, if its directory (as recorded, or by
-    name under this repository's models/) is at hand."""
+    name beside the configured model directory, e.g. a checkout's models/) is at hand."""
     if not model_dir:
         return None
-    for d in (Path(model_dir), REPO_ROOT / "models" / Path(model_dir).name):
-        if (d / "maskedit.json").exists():
+    for d in (Path(model_dir), load_settings().model_dir.parent / Path(model_dir).name):
+        if (d / SERVING_DEFAULTS_FILE).exists():
             return load_settings({"MASKEDIT_MODEL_DIR": str(d)}).resolution
     return None
 
@@ -90,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-target-port", type=int, help="the same for HTTP requests (Triton's HTTP port)")
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
-    ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
+    ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's CPU profile "
+                    "in MASKEDIT_PROFILES_DIR)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
     return ap

@@ -53,7 +53,7 @@ def mask_tokens(mask: bytes, resolution: int = 1024) -> np.ndarray:
     row-major as the model orders image tokens: a token counts if any pixel of its cell is edited."""
     from PIL import Image
 
-    from maskedit.imaging import maybe_base64
+    from maskedit_common.wire import maybe_base64
 
     raw, _ = maybe_base64(mask)
     img = Image.open(io.BytesIO(raw)).convert("L")

@@ -13,14 +13,17 @@ pixels are the edit area (as OpenAI does); an image without any is an error nami
 from __future__ import annotations
 
 import io
+import math
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
 
+from maskedit_common.settings import Settings
+
 MAX_N = 10  # OpenAI's own limit for n
-MAX_SIDE = 4096  # matches the server's default input limit (MASKEDIT_MAX_INPUT_PIXELS = 4096x4096)
+MAX_SIDE = math.isqrt(Settings.max_input_pixels)  # the side of the server's default input limit (4096)
 # Accepted for compatibility and not used: they do not change what an inpainting model computes here.
 IGNORED = {"quality", "input_fidelity", "safety_identifier", "output_compression", "user"}
 # Only the tensors' own ranges are checked here: the server checks the limits (and says them) as for any client.

@@ -18,7 +18,7 @@ import struct
 
 from tritonclient.grpc import service_pb2
 
-from maskedit.imaging import maybe_base64
+from maskedit_common.wire import maybe_base64
 
 from .features import EditFeatures, extract
 

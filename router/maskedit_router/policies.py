@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from maskedit.cache.cost_model import CostModel
+from maskedit_common.cost_model import CostModel
 
 from .features import EditFeatures
 

@@ -28,13 +28,16 @@ from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
+from maskedit_lab.baselines import FixedPolicy
 from tests.conftest import atol, png
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "bfloat16", "float16")
-UNIT_SUITE = ["tests/unit/test_cache_invariants.py", "tests/unit/test_cache_heal.py", "tests/unit/test_cache_follow.py",
-              "tests/unit/test_packed_batch.py", "tests/unit/test_engine.py", "tests/unit/test_local_parity.py",
-              "tests/unit/test_cache_crash.py", "tests/unit/test_unet_family.py"]
+UNIT_SUITE = ["tests/unit/maskedit/cache/test_invariants.py", "tests/unit/maskedit/cache/test_heal.py",
+              "tests/unit/maskedit/cache/test_follow.py", "tests/unit/maskedit/test_packed_batch.py",
+              "tests/unit/maskedit/test_engine.py", "tests/unit/maskedit/test_local_parity.py",
+              "tests/unit/maskedit/cache/test_store_crash.py",
+              "tests/unit/maskedit/test_unet_family.py"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,7 +56,7 @@ def cuda_env(request, tmp_path_factory):
     store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
     pre = Preprocessor(s, store=store)
     base = ModelRunner(s)
-    rt = CacheRuntime(FluxCacheHooks.of(base.transformer), store, policy="all_kv")
+    rt = CacheRuntime(FluxCacheHooks.of(base.transformer), store, policy=FixedPolicy("all_kv"))
     runner = ModelRunner(s, transformer=base.transformer, cache=rt)
     tpl = samples.template(256, 256, seed=41)
 

@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2
 
 from maskedit import samples
 from maskedit_client import EditClient
-from maskedit_router.cluster import running_cluster
+from maskedit_lab.cluster import running_cluster
 from maskedit_router.extproc_wire import read_streamed_body, with_metadata_context
 from maskedit_router.picker import EndpointPicker, serve_picker
 from tests.conftest import png

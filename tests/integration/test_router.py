@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from maskedit import perf_analyzer, samples
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_router.cluster import running_cluster
+from maskedit_lab.cluster import running_cluster
 from maskedit_router.server import backend_fault
 
 

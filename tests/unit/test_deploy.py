@@ -11,8 +11,8 @@ import kubernetes.client
 import pytest
 import yaml
 
-from maskedit.settings import REPO_ROOT
 from maskedit_router.__main__ import parser as router_parser
+from tests.conftest import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
 OVERLAYS = ["standalone", "gateway"]

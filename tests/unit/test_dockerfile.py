@@ -3,7 +3,7 @@
 import re
 
 from maskedit import repository
-from maskedit.settings import REPO_ROOT
+from tests.conftest import REPO_ROOT
 
 DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
 
@@ -31,3 +31,9 @@ def test_serving_pins_agree_with_dev_pins():
             name, version = line.split("==")
             assert dev.get(name) == version, f"{name} pinned differently for serving"
     assert "MASKEDIT_PYTHONPATH=" in DOCKERFILE
+
+
+def test_image_holds_the_shared_package_on_every_import_path():
+    # The backend's stubs and the router both import maskedit_common: copied, installed, and on the shims' path.
+    assert "COPY common ./common" in DOCKERFILE
+    assert re.search(r"MASKEDIT_PYTHONPATH=\S*/opt/maskedit/common", DOCKERFILE)

@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
 test -f .whl/tritonserver.tar.xz && tar -C /tmp/site -xJf .whl/tritonserver.tar.xz
-export PYTHONPATH=/tmp/site:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
+export PYTHONPATH=/tmp/site:$PWD/common:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 df -h /dev/shm | tee -a "$OUT/gpu.txt"

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """Configs plus the name, size and mtime of every weight file; MASKEDIT_MODEL_VERSION can pin it."""
+def model_fingerprint(model_dir: Path, version: str = "") -> str:
+    """Configs plus the name, size and mtime of every weight file, and ``version`` (``Settings.model_version``,
+    MASKEDIT_MODEL_VERSION), which can pin it."""
     h = hashlib.sha256()
     model_dir = Path(model_dir)
     for rel in ("model_index.json", "transformer/config.json", "scheduler/scheduler_config.json",
@@ -31,7 +31,7 @@ def model_fingerprint(model_dir: Path) -> str:
     for p in sorted(model_dir.rglob("*.safetensors")) + sorted(model_dir.rglob("*.bin")):
         st = p.stat()
         h.update(f"{p.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(os.environ.get("MASKEDIT_MODEL_VERSION", "").encode())
+    h.update(version.encode())
     return h.hexdigest()[:16]
 
 

@@ -20,26 +20,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-FULL, Y, KV = "full", "y", "kv"
-MODES = (FULL, Y, KV)
+from maskedit_common.blocks import FULL, KV, MODES, Y, BlockCost
 
-
-@dataclass(frozen=True)
-class BlockCost:
-    """Predicted milliseconds for one block of one request at its mask ratio.
-
-    ``load_y``/``load_kv`` are None when that mode's rows were not recorded (budget) for this block.
-    ``load_y`` is also the price of the output rows a ``kv`` block must load when the next block needs them.
-    """
-
-    compute_full: float
-    compute_y: float
-    compute_kv: float
-    load_y: float | None
-    load_kv: float | None
-
-    def compute(self, mode: str) -> float:
-        return {FULL: self.compute_full, Y: self.compute_y, KV: self.compute_kv}[mode]
+# The modes and per-block costs are the cost model's vocabulary, shared with the router (``maskedit_common``).
+__all__ = ["FULL", "KV", "MODES", "Y", "BlockCost", "Plan", "brute_force", "evaluate", "plan"]
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,28 @@
 """Which mode each block of a hit runs in: the policy a cache runtime is given.
 
 Serving plans with InstGenIE's Algorithm 1 over the profiled cost model (``planner``: full / Y / KV per block;
-``planner_y``: full / Y). The fixed policies (every recorded block in Y, in KV, or without the unmasked context)
-are the baselines the benchmarks compare against. A policy only decides; it never touches tensors.
+``planner_y``: full / Y). A policy only decides; it never touches tensors. The benchmarks' fixed baselines (every
+recorded block in Y, in KV, or without the unmasked context) are ``BlockPolicy`` subclasses in the lab
+(``maskedit_lab.baselines.FixedPolicy``), handed to a ``CacheRuntime`` like any policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost_model import CostModel
+from maskedit_common.cost_model import CostModel
+
 from .flux import FULL, KV, NOCTX, Y
 from .planner import MODES, plan
 
-POLICIES = ("off", "planner", "planner_y", "all_y", "all_kv", "noctx")
+POLICIES = ("off", "planner", "planner_y")  # the values of MASKEDIT_CACHE
 
 
 @dataclass(frozen=True)
 class PlanInput:
     """What a plan depends on: the blocks' kinds, the request's token counts, the entry's recorded rows."""
 
-    kinds: list[str]  # "dual" / "single" per block
+    kinds: list[str]  # per block: "dual" / "single" (Flux), "unet-l<level>" (SD 2 / SDXL)
     n: int  # image tokens
     c: int  # image tokens computed (masked plus the entry's invalid ones)
     text: int  # text tokens
@@ -34,33 +36,28 @@ class PlanInput:
 
 @dataclass(frozen=True)
 class BlockPolicy:
+    """The planner over ``MODES`` (``planner``) or over full / Y (``planner_y``), predicting with ``cost``."""
+
     name: str
     cost: CostModel | None = None
 
     @property
     def heals(self) -> bool:
         """Does a hit under this policy compute template context (so its rows may heal the entry)?"""
-        return self.name != "noctx"
+        return True
 
     def plan(self, p: PlanInput) -> tuple[list[str], float | None]:
         """Modes per block, and the predicted latency when a cost model decided."""
-        if self.name in ("planner", "planner_y"):
-            if p.blocks is not None:
-                costs = [self.cost.block_costs([k], n, c, p.text, d, n * d * p.itemsize, 2 * n * d * p.itemsize,
-                                                [hy], [hk])[0]
-                         for k, (n, c, d), hy, hk in zip(p.kinds, p.blocks, p.has_y, p.has_kv)]
-            else:
-                row_bytes = p.n * p.dim * p.itemsize
-                costs = self.cost.block_costs(p.kinds, p.n, p.c, p.text, p.dim, row_bytes, 2 * row_bytes, p.has_y,
-                                              p.has_kv)
-            r = plan(costs, MODES if self.name == "planner" else (FULL, Y))
-            return list(r.modes), r.latency_ms
-        if self.name == "all_y":
-            return [Y if h else FULL for h in p.has_y], None
-        if self.name == "noctx":
-            return [NOCTX if h else FULL for h in p.has_y], None
-        # all_kv: KV where recorded, else Y where recorded
-        return [KV if k else (Y if y else FULL) for y, k in zip(p.has_y, p.has_kv)], None
+        if p.blocks is not None:
+            costs = [self.cost.block_costs([k], n, c, p.text, d, n * d * p.itemsize, 2 * n * d * p.itemsize,
+                                            [hy], [hk])[0]
+                     for k, (n, c, d), hy, hk in zip(p.kinds, p.blocks, p.has_y, p.has_kv)]
+        else:
+            row_bytes = p.n * p.dim * p.itemsize
+            costs = self.cost.block_costs(p.kinds, p.n, p.c, p.text, p.dim, row_bytes, 2 * row_bytes, p.has_y,
+                                          p.has_kv)
+        r = plan(costs, MODES if self.name == "planner" else (FULL, Y))
+        return list(r.modes), r.latency_ms
 
 
 def make_policy(name: str, cost: CostModel | None = None) -> BlockPolicy:

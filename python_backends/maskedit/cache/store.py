@@ -409,12 +409,7 @@ class ActivationStore:
                 self._promoting.pop(key, None)
 
 
-def from_env(env: dict | None = None) -> ActivationStore:
-    """The store configured by MASKEDIT_CACHE_* (the same in every model process, so they share it)."""
-    env = os.environ if env is None else env
-    uid = os.getuid()
-    mem = env.get("MASKEDIT_CACHE_MEM_DIR", f"/dev/shm/maskedit-{uid}/activations")
-    disk = env.get("MASKEDIT_CACHE_DISK_DIR", str(Path.home() / ".cache" / "maskedit" / "activations"))
-    return ActivationStore(mem, disk, int(float(env.get("MASKEDIT_CACHE_MEM_BYTES", 4 << 30))),
-                           int(float(env.get("MASKEDIT_CACHE_DISK_BYTES", 32 << 30))),
-                           float(env.get("MASKEDIT_CACHE_DISK_FREE_FRACTION", DISK_FREE_FRACTION)))
+def from_settings(cache) -> ActivationStore:
+    """The store ``cache`` (``Settings.cache``, from MASKEDIT_CACHE_*) describes: the same in every model process,
+    so they share it."""
+    return ActivationStore(cache.mem_dir, cache.disk_dir, cache.mem_bytes, cache.disk_bytes, cache.disk_free_fraction)

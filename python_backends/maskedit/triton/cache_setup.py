@@ -1,33 +1,29 @@
 """Activation-cache wiring inside the Triton processes: store, runtime and Triton custom metrics.
 
-``MASKEDIT_CACHE`` selects the policy (``planner`` by default, ``off`` disables caching); the store's
-directories and sizes come from ``MASKEDIT_CACHE_*`` (see ``maskedit.cache.store.from_env``), identical in
-every model process so they share one store.
+``Settings.cache`` (``MASKEDIT_CACHE``: the policy, ``planner`` by default, ``off`` disables caching; the store's
+directories and sizes from ``MASKEDIT_CACHE_*``) is the same in every model process, so they share one store.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import triton_python_backend_utils as pb_utils
 
-from ..cache.cost_model import CostModel, profile_path
+from maskedit_common.settings import CacheSettings
+
+from ..cache.cost_model import CostModel, device_slug
 from ..cache.runtime import CacheRuntime, hooks_for
-from ..cache.store import from_env
-from ..settings import REPO_ROOT, Settings
+from ..cache.store import from_settings
+from ..settings import Settings
 
 
-def enabled() -> bool:
-    return os.environ.get("MASKEDIT_CACHE", "planner") != "off"
-
-
-def cache_store(log: logging.Logger):
-    if not enabled():
+def cache_store(cache: CacheSettings, log: logging.Logger):
+    if not cache.enabled:
         return None
     try:
-        return from_env()
+        return from_settings(cache)
     except OSError as e:  # no usable shared memory: serve without the cache rather than not at all
         log.warning("activation store unavailable (%s); caching off", e)
         return None
@@ -35,9 +31,8 @@ def cache_store(log: logging.Logger):
 
 def cost_model(settings: Settings, log: logging.Logger) -> CostModel:
     """The profile measured for this model on this hardware (a GPU's own: its planner choices differ from a
-    CPU's), or ``MASKEDIT_COST_PROFILE``."""
-    path = os.environ.get("MASKEDIT_COST_PROFILE") or profile_path(REPO_ROOT / "perf_profiles",
-                                                                   settings.model_dir.name, settings.torch_device)
+    CPU's) in the profiles directory, or ``MASKEDIT_COST_PROFILE`` (``Settings.cost_profile_for``)."""
+    path = settings.cost_profile_for(device_slug(settings.torch_device))
     try:
         model = CostModel.load_file(path)
         log.info("cost model from %s", path)
@@ -48,12 +43,11 @@ def cost_model(settings: Settings, log: logging.Logger) -> CostModel:
 
 
 def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> CacheRuntime | None:
-    store = cache_store(log)
+    store = cache_store(settings.cache, log)
     if store is None:
         return None
     return CacheRuntime(hooks_for(transformer), store, cost_model(settings, log),
-                        policy=os.environ.get("MASKEDIT_CACHE", "planner"),
-                        budget_bytes=int(float(os.environ.get("MASKEDIT_CACHE_BUDGET_BYTES", 1 << 30))))
+                        policy=settings.cache.policy, budget_bytes=settings.cache.budget_bytes)
 
 
 class CacheMetrics:

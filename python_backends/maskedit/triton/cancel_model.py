@@ -6,13 +6,15 @@ import numpy as np
 
 from .. import logs
 from ..cancel import CancelBoard
+from ..settings import load_settings
 from . import io
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.log = logs.setup("cancel")
-        self.board = CancelBoard()
+        settings = load_settings()
+        self.log = logs.setup("cancel", settings.service.log_level)
+        self.board = CancelBoard(settings.service.cancel_dir)
 
     def execute(self, requests):
         out = []

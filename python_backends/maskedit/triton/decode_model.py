@@ -13,9 +13,10 @@ from . import io
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.log = logs.setup("vae_decode")
-        io.limit_threads(args, default=1)
-        self.decoder = Decoder(load_settings())
+        settings = load_settings()
+        self.log = logs.setup("vae_decode", settings.service.log_level)
+        io.limit_threads(args, settings.service, default=1)
+        self.decoder = Decoder(settings)
 
     def execute(self, requests):
         return [self._one(r) for r in requests]

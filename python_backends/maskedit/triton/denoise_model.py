@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
-from ..admission import QueueBoard
+from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
@@ -28,23 +28,21 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.log = logs.setup("masked_denoise")
-        io.limit_threads(args, default=max(1, os.cpu_count() or 1))
-        self.settings = load_settings()
-        runner = ModelRunner(self.settings)
-        runner.cache = cache_runtime(runner.transformer, self.settings, self.log)
-        env = os.environ
-        self.board = QueueBoard()  # pre-processing refuses early while the queue is full
-        self.engine = DenoiseEngine(runner, max_queue=int(env.get("MASKEDIT_MAX_QUEUE", 64)), scheduler=BatchScheduler(
-            env.get("MASKEDIT_BATCHING", "continuous"), max_batch=int(env.get("MASKEDIT_MAX_BATCH", 4)),
-            max_tokens=int(env.get("MASKEDIT_MAX_TOKENS_PER_STEP", 1 << 30)),
-            reject_late=env.get("MASKEDIT_REJECT_LATE", "1") != "0",
-            max_wait_steps=int(env.get("MASKEDIT_MAX_WAIT_STEPS", 8))), on_queue=self.board.publish)
-        self.cancels = CancelBoard()
-        self._sweeper = self.cancels.sweep_every(float(env.get("MASKEDIT_CANCEL_SWEEP_S", 60)))
+        self.settings = s = load_settings()
+        self.log = logs.setup("masked_denoise", s.service.log_level)
+        io.limit_threads(args, s.service, default=max(1, os.cpu_count() or 1))
+        runner = ModelRunner(s)
+        runner.cache = cache_runtime(runner.transformer, s, self.log)
+        b = s.batching
+        self.board = QueueBoard(board_path(s.service.admission_dir))  # pre-processing refuses early while it is full
+        self.engine = DenoiseEngine(runner, max_queue=b.max_queue, scheduler=BatchScheduler(
+            b.policy, max_batch=b.max_batch, max_tokens=b.max_tokens_per_step, reject_late=b.reject_late,
+            max_wait_steps=b.max_wait_steps), on_queue=self.board.publish)
+        self.cancels = CancelBoard(s.service.cancel_dir)
+        self._sweeper = self.cancels.sweep_every(s.service.cancel_sweep_s)
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
-        self._metrics_sync = self.metrics.sync_every(float(env.get("MASKEDIT_METRICS_SYNC_S", 5)))
+        self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
 
@@ -115,6 +113,6 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.set()
         self._metrics_sync.set()
-        self.engine.shutdown(timeout=float(os.environ.get("MASKEDIT_SHUTDOWN_GRACE_S", 10)))
+        self.engine.shutdown(timeout=self.settings.service.shutdown_grace_s)
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from maskedit_common.settings import ServiceSettings
 
 from ..errors import EditError
 
@@ -74,11 +75,12 @@ def error_response(exc: BaseException, request_id: str | None = None) -> "pb_uti
     return pb_utils.InferenceResponse(output_tensors=[], error=as_triton_error(exc, request_id))
 
 
-def limit_threads(args: dict, default: int) -> None:
-    """Give each stage process its share of the cores (parameter ``threads`` or MASKEDIT_THREADS_<MODEL>)."""
+def limit_threads(args: dict, service: ServiceSettings, default: int) -> None:
+    """Give each stage process its share of the cores: ``MASKEDIT_THREADS_<MODEL>`` (``service.threads``), else
+    ``default``."""
     import torch
 
-    name = args.get("model_name", "").upper()
-    n = int(os.environ.get(f"MASKEDIT_THREADS_{name}", default))
+    n = service.threads_for(args.get("model_name", ""))
+    n = default if n is None else n
     if n > 0:
         torch.set_num_threads(n)

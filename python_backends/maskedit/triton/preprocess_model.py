@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from .. import logs
-from ..admission import QueueBoard
+from ..admission import QueueBoard, board_path
 from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
@@ -17,11 +17,11 @@ from .cache_setup import cache_store
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.log = logs.setup("preprocess")
-        io.limit_threads(args, default=1)
         self.settings = load_settings()
-        self.pre = Preprocessor(self.settings, store=cache_store(self.log))
-        self.board = QueueBoard()
+        self.log = logs.setup("preprocess", self.settings.service.log_level)
+        io.limit_threads(args, self.settings.service, default=1)
+        self.pre = Preprocessor(self.settings, store=cache_store(self.settings.cache, self.log))
+        self.board = QueueBoard(board_path(self.settings.service.admission_dir))
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):

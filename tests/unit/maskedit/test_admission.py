@@ -22,4 +22,4 @@ def test_requests_on_their_way_to_denoise_count_against_its_queue(tmp_path):
 
 
 def test_the_board_is_named_after_the_server(tmp_path):
-    assert board_path(1234, {"MASKEDIT_ADMISSION_DIR": str(tmp_path)}) == tmp_path / "server-1234"
+    assert board_path(tmp_path, 1234) == tmp_path / "server-1234"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import psutil
 
-from maskedit_router.supervisor import Instance, group_members, reap, stubs_of, why_dead
+from maskedit_lab.supervisor import Instance, group_members, reap, stubs_of, why_dead
 
 
 class _Server:

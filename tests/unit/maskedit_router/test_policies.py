@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from maskedit.cache.cost_model import CostModel
+from maskedit_common.cost_model import CostModel
 from maskedit_router.features import EditFeatures, mask_ratio
 from maskedit_router.policies import (BackendLoad, Estimator, LeastMaskedTokens, LeastRequests, PredictedLatency,
                                       RoundRobin)

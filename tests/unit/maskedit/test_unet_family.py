@@ -19,6 +19,7 @@ from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
 from maskedit.tiny_unet import build_unet
+from maskedit_lab.baselines import cache_policy
 from tests.conftest import atol, exact_here, png
 
 STEPS = 3
@@ -39,7 +40,7 @@ def family(request, tmp_path_factory, settings):
 
     def run(inputs, policy="planner"):
         if policy not in engines:
-            rt = CacheRuntime(hooks_for(runner.transformer), store, policy=policy)
+            rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy(policy))
             engines[policy] = (DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt)), rt)
         eng, rt = engines[policy]
         job = run_job(eng, inputs)
@@ -181,7 +182,7 @@ def test_batched_requests_equal_their_runs_alone(family):
     b = replace(prepared(pre, s, samples.template(SIZE, SIZE, seed=28), samples.mask(SIZE, SIZE, 0.3, "blob", seed=7),
                          guidance=1.0), cache_key=None)
     alone = [run(a, "all_y").result(), plain(runner, b).result()]
-    rt = CacheRuntime(hooks_for(runner.transformer), store, policy="all_y")
+    rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy("all_y"))
     eng = DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt), max_batch=2)
     try:
         from maskedit.denoise import DenoiseJob
@@ -211,7 +212,7 @@ def test_a_request_joining_after_the_template_run_follows_it(family, tmp_path):
 
     name, s, pre, runner, run, _ = family
     store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
-    rt = CacheRuntime(hooks_for(runner.transformer), store, policy="all_y")
+    rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy("all_y"))
     r = ModelRunner(s, transformer=runner.transformer, cache=rt)
     tpl = samples.template(SIZE, SIZE, seed=33)
     x_rec = prepared(pre, s, tpl, samples.mask(SIZE, SIZE, 0.1, "box", seed=8))

@@ -14,6 +14,7 @@ from maskedit.engine import DenoiseEngine
 from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
+from maskedit_lab.baselines import FIXED_POLICIES, FixedPolicy, cache_policy
 from tests.conftest import atol, exact_here, png
 
 STEPS = 3
@@ -30,7 +31,7 @@ def env(settings, tmp_path_factory):
 
     def run(inputs, policy="planner"):
         if policy not in engines:
-            rt = CacheRuntime(hooks, store, policy=policy)
+            rt = CacheRuntime(hooks, store, policy=cache_policy(policy))
             r = ModelRunner(settings, transformer=runner.transformer, cache=rt)
             engines[policy] = (DenoiseEngine(r), rt)
         eng, rt = engines[policy]
@@ -168,7 +169,11 @@ def test_corrupt_entry_falls_back_to_full(env, settings):
 
 
 def test_policies_are_known():
-    assert set(POLICIES) >= {"off", "planner", "planner_y", "all_y", "all_kv", "noctx"}
+    """Serving knows its own policies; the fixed baselines are composed in the lab and accepted as policies."""
+    assert set(POLICIES) == {"off", "planner", "planner_y"}
+    assert set(FIXED_POLICIES) == {"all_y", "all_kv", "noctx"} and not set(FIXED_POLICIES) & set(POLICIES)
+    with pytest.raises(ValueError):
+        FixedPolicy("planner")
 
 
 def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exact(settings):

@@ -23,8 +23,8 @@ comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``
 step 5 on a saved measurement. Simulator variants: as used for the scale-out table ("plain": workers only
 denoise, at the speed measured alone, and pre/post-processing adds its measured time), and "shared_cpu": both
 instances' denoise loops and their single pre-processing and decoding instances share this host's cores
-(processor sharing, ``simulate.HostModel``, with the measured interference between busy cores and the measured CPU
-of each background entry write); both with the calibration before the run. "shared_cpu_bracketed" (the headline)
+(processor sharing, ``router_sim.HostModel``, with the measured interference between busy cores and the measured
+CPU of each background entry write); both with the calibration before the run. "shared_cpu_bracketed" (the headline)
 takes the mean of the calibrations before and after the run, "shared_cpu_calibrated_after" the one after alone.
 """
 
@@ -44,12 +44,14 @@ from pathlib import Path
 
 import numpy as np
 
-from maskedit.cache.cost_model import CostModel
-from maskedit.settings import REPO_ROOT, load_settings
+from maskedit_common.cost_model import CostModel
+from maskedit_common.settings import load_settings
+from maskedit_router.__main__ import default_profile
+from maskedit_router.features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
+from maskedit_router.policies import Estimator
 
-from .features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
-from .policies import Estimator
-from .simulate import HostModel, replay
+from . import REPO_ROOT
+from .router_sim import HostModel, replay
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
@@ -200,7 +202,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
     model_dir = _model_dir()
     settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)})
     res, steps = settings.resolution, settings.steps
-    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    profile = default_profile()
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
     # 3 GiB of activation memory tier (RAM) per instance: a load's templates and probes fit (~300 MB an entry),
@@ -323,7 +325,7 @@ def compare(measured: dict) -> list[dict]:
     """Replay the burst and each measured run in the simulator, each with the calibration measured just before
     it (older files: the one calibration); a row per variant."""
     meta = measured["meta"]
-    profile = REPO_ROOT / "perf_profiles" / meta["profile"]
+    profile = load_settings().profiles / meta["profile"]
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     rows = []
     base = {"policy": meta["policy"], "workers": meta["instances"], "validation": True}

@@ -10,7 +10,7 @@ does (a hit on a stored entry that leaves at least ``heal_min_ratio`` of the tok
 them valid when it completes). Optionally (``HostModel``) workers share CPU-only
 hosts with their pre/post-processing, as on the machine the validation runs on. Workload: loadgen's Poisson
 arrivals, InstGenIE's public mask-ratio distribution and Zipf-popular templates. The router side is the real policy code
-(``policies.py``) with the router's own bookkeeping. Writes JSON rows and a plot.
+(``maskedit_router.policies``) with the router's own bookkeeping. Writes JSON rows and a plot.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from maskedit.cache.cost_model import CostModel
-from maskedit.cache.heal import HEAL_MIN_RATIO, after_heal, computed_tokens, heal_candidates, worth_healing
-from maskedit.settings import REPO_ROOT
+from maskedit_common.cost_model import CostModel
+from maskedit_common.heal import HEAL_MIN_RATIO, after_heal, computed_tokens, heal_candidates, worth_healing
+from maskedit_router.__main__ import default_profile
+from maskedit_router.features import EditFeatures
+from maskedit_router.policies import BackendLoad, Booking, Estimator, make
 
-from .features import EditFeatures
-from .policies import BackendLoad, Booking, Estimator, make
+from . import REPO_ROOT
 
 POLICIES = ("predicted", "round_robin", "least_requests", "least_masked_tokens")
 
@@ -289,7 +290,7 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "perf_profiles" / "results" / "router.json")
     args = ap.parse_args(argv)
-    profile = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
+    profile = default_profile()
     est = Estimator(CostModel.load_file(profile) if profile.exists() else CostModel.fallback())
     mean_hit_s = est.request_ms(EditFeatures("x", 0.19, 1024, 8), True) / 1000
     rows = []

@@ -15,6 +15,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
+from maskedit_lab.baselines import FixedPolicy
 from tests.conftest import atol, png
 
 STEPS = 3
@@ -135,7 +136,7 @@ def test_an_overlapping_hit_heals_all_but_its_own_tokens_and_small_heals_are_ski
 
 def test_a_hit_that_computes_a_block_in_full_does_not_heal(env):
     runner_, store, inputs = env
-    runner, rt = runner_(policy="all_y")
+    runner, rt = runner_(policy=FixedPolicy("all_y"))
     left = inputs(LEFT)
     run(runner, left)
     rt.flush()

@@ -12,7 +12,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit_lab.baselines import PerResolutionRunner
+from maskedit_lab.baselines import PerResolutionRunner, cache_policy
 from tests.conftest import atol, png
 
 STEPS = 3
@@ -70,7 +70,7 @@ def test_cache_hit_and_template_run_of_other_sizes_pack_exactly(runner, settings
     results = {}
     for pack in (True, False):
         store = ActivationStore(tmp_path / f"{pack}mem", tmp_path / f"{pack}disk", 1 << 30, 1 << 30)
-        rt = CacheRuntime(FluxCacheHooks.of(runner.transformer), store, policy=policy)
+        rt = CacheRuntime(FluxCacheHooks.of(runner.transformer), store, policy=cache_policy(policy))
         r = (ModelRunner if pack else PerResolutionRunner)(settings, transformer=runner.transformer, cache=rt)
         try:
             run_together(r, [make(256, 256, 3, 0.0, register=True)])

@@ -2,9 +2,9 @@
 
 import pytest
 
-from maskedit.cache.flops import block_flops
+from maskedit_common.flops import block_flops
 from maskedit_lab.kernel_ceiling import KernelTimer, _calls
-from maskedit.cache.planner import FULL, KV, Y
+from maskedit_common.blocks import FULL, KV, Y
 
 
 def _flops(calls, dim):

@@ -7,7 +7,7 @@ cached tokens of a ``y`` block still pay their key/value projections (4*D^2).
 
 from __future__ import annotations
 
-from .planner import FULL, KV, Y
+from .blocks import FULL, KV, Y
 
 
 def block_flops(mode: str, dual: bool, n: int, c: int, text: int, dim: int) -> float:

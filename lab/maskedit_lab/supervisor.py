@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from maskedit import logs
 from maskedit.launcher import TritonServer
+from maskedit_common import logs
 
 log = logging.getLogger("maskedit.supervisor")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # wait before the n-th restart in a row; reset once it stays up

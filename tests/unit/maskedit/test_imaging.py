@@ -1,5 +1,3 @@
-import base64
-
 import numpy as np
 import pytest
 from PIL import Image
@@ -21,13 +19,6 @@ def test_decode_pixel_limit_checked_from_header():
     big = png(np.zeros((300, 400, 3), np.uint8))
     with pytest.raises(InvalidInput, match=r"MASK: image is 400x300 = 120000 pixels, above the limit of 100000"):
         imaging.decode_image(big, "MASK", 100_000)
-
-
-def test_base64_is_detected_and_raw_is_left_alone(template_img):
-    raw = png(template_img)
-    assert imaging.maybe_base64(raw) == (raw, False)
-    assert imaging.maybe_base64(base64.b64encode(raw)) == (raw, True)
-    assert imaging.maybe_base64(b"???") == (b"???", False)
 
 
 def test_binary_mask_thresholds_at_128():

@@ -18,11 +18,11 @@ import threading
 from pathlib import Path
 
 from maskedit.launcher import TritonServer
-from maskedit.settings import REPO_ROOT
+from maskedit_router.__main__ import build, serve
+from maskedit_router.health import HealthChecker
+from maskedit_router.openai_api import OpenAIServer
 
-from .__main__ import build, serve
-from .health import HealthChecker
-from .openai_api import OpenAIServer
+from . import REPO_ROOT
 from .supervisor import Supervisor
 
 

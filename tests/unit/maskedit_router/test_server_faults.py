@@ -10,7 +10,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
-from maskedit.cache.cost_model import CostModel
+from maskedit_common.cost_model import CostModel
 from maskedit_router import server
 from maskedit_router.policies import Estimator, make
 
