@@ -149,7 +149,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                 }
                 row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3) if row["speedup"] else None
                 if unet:  # ResNets, samplers, norms and projections: full computation in every mode
-                    row.update(unet_costs.rest_share(full_s / h.steps if full_s else 0.0))
+                    row.update(unet_costs.rest_share())
                 for name, timer in (("kernel_ceiling", kernels), ("streamed_ceiling", streamed)):
                     row[name] = round(unet_costs.ceiling_speedup(plan_modes, computed, timer) if unet else
                                       timer.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)

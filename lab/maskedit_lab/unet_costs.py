@@ -7,7 +7,9 @@ measured, not modelled: one step with every transformer block bypassed, its FLOP
 
 - ideal: ``(rest + sum of full blocks) / (rest + sum of the plan's blocks)`` in FLOPs (``unet_block_flops``);
 - kernel ceiling: the same with each block's GEMMs and attentions timed at their shapes (``kernel_ceiling``), i.e.
-  the speedup if the engine added nothing to the stock kernels and the rest of the step.
+  the speedup if the engine added nothing to the stock kernels and the rest of the step. The rest enters as its
+  share of a full step, timed in interleaved pairs (bypassed, full) so a host whose speed drifts (other work on
+  its cores) shifts both alike: ``1 / (share + (1 - share) * plan_kernels / full_kernels)``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class UNetStepCosts:
     text_dim: int
     rest_flops: float
     rest_s: float
+    rest_time_share: float  # of a full step, median over interleaved pairs
 
     @classmethod
     @torch.no_grad()
@@ -95,17 +98,26 @@ class UNetStepCosts:
             prepare_job(runner, job)
             step_group(runner, [job])
 
+        def timed() -> float:
+            t0 = time_mark(runner.device)
+            one()
+            return seconds_between(t0, time_mark(runner.device), wait=True)
+
         with blocks_bypassed(hooks):
             one()  # warm-up
             with FlopCounterMode(display=False) as fc:
                 one()
-            t0 = time_mark(runner.device)
-            for _ in range(reps):
-                one()
-            rest_s = seconds_between(t0, time_mark(runner.device), wait=True) / reps
+        one()
+        rests, shares = [], []
+        for _ in range(reps):  # interleaved pairs: drift in the host's speed hits both alike
+            with blocks_bypassed(hooks):
+                rest = timed()
+            rests.append(rest)
+            shares.append(rest / timed())
         text_rows = x.prompt_embeds.shape[0] // r
         return cls(hooks, (x.model_h // runner.pixels_per_token, x.model_w // runner.pixels_per_token), r,
-                   text_rows, x.prompt_embeds.shape[1], float(fc.get_total_flops()), rest_s)
+                   text_rows, x.prompt_embeds.shape[1], float(fc.get_total_flops()), float(np.median(rests)),
+                   float(np.median(shares)))
 
     def _blocks(self, modes: list[str], computed: np.ndarray | None) -> list[tuple[str, int, int, int]]:
         shapes = self.hooks.shapes(self.grid)
@@ -113,12 +125,12 @@ class UNetStepCosts:
             [shapes[b][0] for b in range(len(modes))]
         return [(m, shapes[b][0], counts[b], shapes[b][1]) for b, m in enumerate(modes)]
 
-    def rest_share(self, full_step_s: float) -> dict:
+    def rest_share(self) -> dict:
         """How much of a full step the part that always runs in full takes, in FLOPs and in time."""
         blocks = self.rows * sum(unet_block_flops(FULL, n, n, self.text, d)
                                  for _, n, _, d in self._blocks([FULL] * len(self.hooks.blocks), None))
         return {"rest_flops_share": round(self.rest_flops / (self.rest_flops + blocks), 4),
-                "rest_time_share": round(self.rest_s / full_step_s, 4) if full_step_s else None}
+                "rest_time_share": round(self.rest_time_share, 4)}
 
     def ideal_speedup(self, modes: list[str], computed: np.ndarray | None) -> float:
         flops = lambda ms: self.rest_flops + self.rows * sum(  # noqa: E731
@@ -127,8 +139,8 @@ class UNetStepCosts:
 
     def ceiling_speedup(self, modes: list[str], computed: np.ndarray | None, timer_for) -> float:
         """``timer_for(heads)``: the ``KernelTimer`` for blocks with that many heads (levels differ)."""
-        def step_s(ms):
-            total = self.rest_s
+        def blocks_s(ms):
+            total = 0.0
             for b, (m, n, c, d) in enumerate(self._blocks(ms, computed)):
                 timer = timer_for(self.hooks.blocks[b].attn1.heads)
                 for call in _calls(m, n, c, self.text, d, self.text_dim):
@@ -138,4 +150,5 @@ class UNetStepCosts:
                         total += self.rows * timer.call_s(call, d) if call[1] and call[2] else 0.0
             return total
 
-        return step_s([FULL] * len(modes)) / step_s(modes)
+        share = self.rest_time_share
+        return 1.0 / (share + (1.0 - share) * blocks_s(modes) / blocks_s([FULL] * len(modes)))
