@@ -8,7 +8,9 @@ Reliability: a request that has had no response yet is retried on another backen
 breaks, its backend is found unhealthy or answers that it cannot run requests (a dead stub); one that has streamed
 responses is never replayed and ends with a clear error. Cancelling the client
 stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
-does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall (RESOURCE_EXHAUSTED).
+does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall, and admission: an edit
+goes only to a backend that would reach its admission check within the wait budget (``admission.py``); when none
+would, or every backend is at its in-flight limit, the request is refused at once with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from .admission import AdmissionGauge, RefusalLog
 from .features import EditFeatures, extract, grid_tokens
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
@@ -52,7 +55,7 @@ class Backend:
     when a real request succeeds on it (the health checker's probe request, once the backend says ready again):
     a restarted backend is not trusted because it answers readiness, only once it has served an edit."""
 
-    def __init__(self, addr: str, failure_threshold: int = 3):
+    def __init__(self, addr: str, failure_threshold: int = 3, admission_wait_s: float = 0.5):
         self.addr = addr
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
@@ -61,6 +64,7 @@ class Backend:
         self.circuit_open = False
         self.opened_at: float | None = None  # monotonic time the breaker last opened
         self.last_answer = 0.0  # monotonic time of its latest response (any: progress, result, error)
+        self.admission = AdmissionGauge(wait_budget_s=admission_wait_s)  # its queue in front of admission
 
     def available(self, now: float | None = None) -> bool:
         return self.load.healthy and not self.circuit_open
@@ -106,8 +110,9 @@ class NoBackend(Exception):
 class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024):
-        self.backends = {a: Backend(a) for a in addrs}
+                 resolution: int = 1024, admission_wait_s: float = 0.5):
+        self.admission_wait_s = admission_wait_s  # 0: no admission in the router (each backend decides alone)
+        self.backends = {a: Backend(a, admission_wait_s=admission_wait_s) for a in addrs}
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
         self.metrics = metrics or RouterMetrics()
@@ -117,6 +122,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._prefix = uuid.uuid4().hex[:8]
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open client streams
         self._unary: set = set()  # (backend, call future) of unary calls in flight
+        self.refusals = RefusalLog()
 
     def backend_down(self, backend: "Backend", why: str) -> None:
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
@@ -140,7 +146,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def set_backends(self, addrs: list[str]) -> None:
         with self._lock:
             for a in addrs:
-                self.backends.setdefault(a, Backend(a))
+                self.backends.setdefault(a, Backend(a, admission_wait_s=self.admission_wait_s))
             for a in [a for a in self.backends if a not in addrs]:
                 self.backends.pop(a).close()
 
@@ -155,18 +161,41 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         cands = self.available(exclude)
         if not cands:
             raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+        now = time.monotonic()
         with self._lock:
             total = sum(b.load.inflight for b in self.backends.values())
             if total >= self.max_inflight:
-                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router has {total} requests in flight")
+                raise self._refuse("inflight_total", f"router has {total} requests in flight")
             open_ = [b for b in cands if b.load.inflight < self.max_per_backend]
             if not open_:
-                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "every backend is at its in-flight limit")
+                raise self._refuse("inflight_backend", "every backend is at its in-flight limit")
+            edit = f.runs_edit  # only edits pass the backends' admission check (pre-processing)
+            if edit:
+                admitting = [b for b in open_ if b.admission.admits(now, b.load.inflight)]
+                if not admitting:
+                    raise self._refuse("admission", "no backend can admit it within "
+                                       f"{self.admission_wait_s:g} s: " + _admission_summary(open_, now))
+                open_ = admitting
             by_load = {b.load.name: b for b in open_}
             choice = by_load[self.policy.choose([b.load for b in open_], f).name]
-            booking = Booking.add(choice.load, self.est, f, time.monotonic(), self.ttl)
+            booking = Booking.add(choice.load, self.est, f, now, self.ttl)
+            if edit:
+                choice.admission.on_sent(now)
         self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
         return Ticket(choice, f, booking)
+
+    def _refuse(self, reason: str, message: str) -> "NoBackend":
+        self.metrics.refused(reason)
+        self.refusals.note(reason, message)
+        return NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+    def observe_admission(self, backend: Backend, decided: int, busy_ns: int) -> None:
+        """``backend``'s statistics (``AdmissionWatcher``): its check finished ``decided`` requests so far."""
+        now = time.monotonic()
+        with self._lock:
+            backend.admission.observe(decided, busy_ns, now, backend.load.inflight)
+            wait = backend.admission.predicted_wait_s(backend.load.inflight)
+        self.metrics.admission(backend.addr, wait)
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -507,6 +536,15 @@ def _add_stats(dst, src) -> None:
         elif fd.label != fd.LABEL_REPEATED and isinstance(val, int) and fd.name != "batch_size":
             cur = getattr(dst, fd.name)
             setattr(dst, fd.name, max(cur, val) if fd.name.startswith("last_") else cur + val)
+
+
+def _admission_summary(backends: list[Backend], now: float) -> str:
+    parts = []
+    for b in backends:
+        v = b.admission.view(now, b.load.inflight)
+        stalled = f", no progress for {v['stalled_s']:.1f} s" if v["stalled_s"] > b.admission.wait_budget_s else ""
+        parts.append(f"{b.addr} has {v['waiting']} waiting, ~{v['predicted_wait_s']:.2f} s{stalled}")
+    return "; ".join(parts)
 
 
 def _features(req, resolution: int) -> EditFeatures:

@@ -1,0 +1,242 @@
+"""Admission in the router (``maskedit_router/admission.py``): an edit goes only to a backend that would reach its
+admission check within the wait budget; when none would, it is refused at once with RESOURCE_EXHAUSTED on its own
+stream. No server: the backends' statistics are fed in by hand."""
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from maskedit.cache.cost_model import CostModel
+from maskedit_client import EditClient, EditError
+from maskedit_router import admission, server
+from maskedit_router.admission import AdmissionGauge, AdmissionWatcher
+from maskedit_router.features import EditFeatures
+from maskedit_router.policies import Estimator, make
+
+EDIT = EditFeatures("t", 0.2, 256, 8)
+MS = 1_000_000  # nanoseconds
+
+
+def _gauge(**kw) -> AdmissionGauge:
+    g = AdmissionGauge(**kw)
+    g.observe(decided=0, busy_ns=0, now=0.0)
+    return g
+
+
+# -- the gauge ---------------------------------------------------------------------------------------
+def test_a_backend_never_observed_is_admitted_as_before():
+    g = AdmissionGauge()
+    for _ in range(50):
+        g.on_sent(0.0)
+    assert g.waiting() == 0 and g.admits(0.0)
+
+
+def test_waiting_is_what_was_sent_less_what_the_check_finished():
+    g = _gauge()
+    for _ in range(5):
+        g.on_sent(0.0)
+    assert g.waiting() == 5
+    g.observe(decided=3, busy_ns=3 * 100 * MS, now=0.3)
+    assert g.waiting() == 2 and g.per_request_s == pytest.approx(0.1)
+    assert g.predicted_wait_s() == pytest.approx(0.2)
+
+
+def test_the_budget_bounds_the_predicted_wait_not_the_number_waiting():
+    g = _gauge(wait_budget_s=0.5)
+    g.observe(decided=0, busy_ns=0, now=0.0)
+    g.sent, g.per_request_s = 5, 0.1  # 5 x 0.1 s = 0.5 s: still within
+    assert g.admits(0.0)
+    g.sent = 6
+    assert not g.admits(0.0)  # 0.6 s
+    g.per_request_s = 0.004  # cheap refusals: the same 6 waiting take 24 ms
+    assert g.admits(0.0)
+
+
+def test_two_may_always_wait_so_pre_processing_never_idles_for_want_of_work():
+    g = _gauge(wait_budget_s=0.5)
+    g.per_request_s = 2.0  # a slow check: one waiting is already past the budget
+    g.on_sent(0.0)
+    assert g.admits(0.0)  # one in the check, one more may queue behind it
+    g.on_sent(0.0)
+    assert not g.admits(0.0)
+
+
+def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
+    g = _gauge(wait_budget_s=0.5)
+    g.per_request_s = 0.01
+    g.on_sent(10.0)  # nothing waited before: the wait starts now, not at the last statistics
+    assert g.admits(10.4) and g.stalled_s(10.4) == pytest.approx(0.4)
+    g.observe(decided=0, busy_ns=0, now=10.6)  # statistics arrive, the check has not moved
+    assert not g.admits(10.6)  # stalled for 0.6 s: the per-request cost measured before no longer holds
+    g.observe(decided=1, busy_ns=10 * MS, now=10.7)
+    assert g.waiting() == 0 and g.admits(10.7)
+
+
+def test_requests_the_router_did_not_send_do_not_make_waiting_negative():
+    g = _gauge()
+    g.on_sent(0.0)
+    g.observe(decided=4, busy_ns=4 * MS, now=0.1)  # a health probe and two other clients' requests
+    assert g.waiting() == 0
+    g.on_sent(0.2)
+    assert g.waiting() == 1  # the next send counts at once, not after the surplus is used up
+
+
+def test_waiting_never_exceeds_the_requests_in_flight_and_a_restart_starts_again():
+    g = _gauge()
+    for _ in range(10):
+        g.on_sent(0.0)
+    g.observe(decided=2, busy_ns=0, now=0.1, inflight=4)  # six of them ended (e.g. failed over elsewhere)
+    assert g.waiting(inflight=4) == 4
+    g.observe(decided=0, busy_ns=0, now=0.2, inflight=1)  # the backend restarted: its counters start at 0
+    assert g.waiting(inflight=1) <= 1
+    g.on_sent(0.3)
+    g.observe(decided=1, busy_ns=MS, now=0.4, inflight=1)
+    assert g.waiting(inflight=1) <= 1 and g.admits(0.4, inflight=1)
+
+
+def test_a_budget_of_zero_turns_admission_in_the_router_off():
+    g = _gauge(wait_budget_s=0.0)
+    g.per_request_s = 1.0
+    for _ in range(20):
+        g.on_sent(0.0)
+    assert g.admits(100.0)
+
+
+def test_counts_read_the_preprocess_model_from_model_statistics():
+    resp = service_pb2.ModelStatisticsResponse()
+    m = resp.model_stats.add(name="preprocess", version="1")
+    m.inference_stats.success.count, m.inference_stats.fail.count = 7, 1
+    m.inference_stats.compute_input.ns, m.inference_stats.compute_infer.ns = 5, 90
+    m.inference_stats.compute_output.ns = 5
+    resp.model_stats.add(name="masked_denoise", version="1").inference_stats.success.count = 99
+    assert admission.counts(resp) == (8, 100)
+    assert admission.counts(resp, "vae_decode") is None
+
+
+# -- the router -----------------------------------------------------------------------------------
+@pytest.fixture
+def router():
+    est = Estimator(CostModel.fallback())
+    r = server.Router(["a:1", "b:2"], make("least_requests", est), est, admission_wait_s=0.5)
+    for b in r.backends.values():
+        r.observe_admission(b, 0, 0)
+        b.admission.per_request_s = 0.1
+    yield r
+    for b in r.backends.values():
+        b.close()
+
+
+def _fill(router, addr: str, n: int) -> None:
+    """``n`` edits routed to ``addr`` that its check has not reached."""
+    b = router.backends[addr]
+    for _ in range(n):
+        b.load.inflight += 1
+        b.admission.on_sent(b.admission.moved_at)
+
+
+def test_edits_go_to_a_backend_that_can_admit_them_while_the_other_is_full(router):
+    _fill(router, "a:1", 6)  # 0.6 s in front of a's check
+    assert {router.route(EDIT).backend.addr for _ in range(3)} == {"b:2"}
+
+
+def test_an_edit_is_refused_at_once_when_no_backend_can_admit_it(router):
+    _fill(router, "a:1", 6)
+    _fill(router, "b:2", 6)
+    with pytest.raises(server.NoBackend) as e:
+        router.route(EDIT)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "a:1 has 6 waiting" in str(e.value) and "b:2 has 6 waiting" in str(e.value)
+    assert router.metrics.refusals.labels("admission")._value.get() == 1
+    assert router.route(EditFeatures(None, 0.0, 0, None)).backend  # a call that runs no edit is not gated
+    router.observe_admission(router.backends["b:2"], 3, 3 * 100 * MS)  # b's check moved on: room again
+    assert router.route(EDIT).backend.addr == "b:2"
+
+
+def _session(router, monkeypatch):
+    sent = []
+
+    class _Stream:
+        def __init__(self, session, backend):
+            self.backend, self.broken = backend, False
+
+        def send(self, req):
+            sent.append((self.backend.addr, req.id))
+
+        def cancel(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(server, "_BackendStream", _Stream)
+    monkeypatch.setattr(server, "_features", lambda req, resolution: EDIT)
+    ctx = SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True)
+    return server._StreamSession(router, ctx), sent
+
+
+def test_a_refusal_in_the_router_reaches_its_own_caller_with_several_pending(router, monkeypatch):
+    """EditClient matches an error to its request by the id in its text (tritonclient drops the id field)."""
+    session, sent = _session(router, monkeypatch)
+    for b in router.backends.values():
+        b.admission.per_request_s = 0.12  # the 0.5 s budget: up to 4 waiting
+    _fill(router, "a:1", 6)
+    _fill(router, "b:2", 4)
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="c-0"))  # b has room for one more
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="c-1"))  # now neither has
+    assert [a for a, _ in sent] == ["b:2"]
+    (resp,) = [session.out.get_nowait()]
+    assert resp.infer_response.id == "c-1" and resp.error_message.startswith("RESOURCE_EXHAUSTED")
+    c = EditClient("127.0.0.1:1")
+    futs = {i: Future() for i in ("c-0", "c-1")}
+    for i, f in futs.items():
+        c._pending[i] = (f, {})
+    try:
+        c._on_response(None, InferenceServerException(msg=resp.error_message))
+        with pytest.raises(EditError) as err:
+            futs["c-1"].result(0)
+        assert err.value.code == "RESOURCE_EXHAUSTED" and not futs["c-0"].done()
+    finally:
+        c._pending.clear()
+        c.close()
+    assert "c-0" in {p.client_id for p in session.pending.values()}  # the admitted one is still in flight
+
+
+# -- the watcher ----------------------------------------------------------------------------------
+class _Call:
+    def __init__(self, result=None, error=None):
+        self._result, self._error = result, error
+
+    def add_done_callback(self, cb):
+        cb(self)
+
+    def result(self):
+        if self._error:
+            raise self._error
+        return self._result
+
+
+class _NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+
+def test_the_watcher_feeds_each_backend_its_own_statistics_and_skips_a_backend_without_the_model():
+    resp = service_pb2.ModelStatisticsResponse()
+    m = resp.model_stats.add(name="preprocess", version="1")
+    m.inference_stats.success.count, m.inference_stats.compute_infer.ns = 3, 300 * MS
+    seen = []
+    backends = {
+        "a:1": SimpleNamespace(addr="a:1", stub=SimpleNamespace(ModelStatistics=SimpleNamespace(
+            future=lambda req, timeout: _Call(resp)))),
+        "b:2": SimpleNamespace(addr="b:2", stub=SimpleNamespace(ModelStatistics=SimpleNamespace(
+            future=lambda req, timeout: _Call(error=_NotFound())))),
+    }
+    r = SimpleNamespace(backends=backends, observe_admission=lambda b, d, busy: seen.append((b.addr, d, busy)))
+    w = AdmissionWatcher(r)
+    w.poll()
+    w.poll()
+    assert seen == [("a:1", 3, 300 * MS)] * 2 and w._missing == {"b:2"}
