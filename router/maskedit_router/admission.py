@@ -1,4 +1,5 @@
-"""Admission in the router: refuse at once when no backend could reach a new request's admission check soon.
+"""Admission in the router: refuse at once when no backend could reach a new request's admission check soon, and
+refuse on the backend's behalf a request that has waited too long in front of that check.
 
 A backend refuses what it cannot queue (its denoise queue is full) at its admission check, the first thing
 pre-processing does (``maskedit.admission``). In front of that check is Triton's queue for the ``preprocess``
@@ -11,23 +12,33 @@ of each backend's check:
 the second from Triton's own statistics of the ``preprocess`` model (``ModelStatistics``: its success and failure
 counts, kept by Triton in C++ with no Python stub involved), polled every 0.1 s over the backend's gRPC channel;
 the same statistics give what the check costs per request (compute time per request over the recent mix of
-admitted and refused ones). A request sent to b now reaches the check after about
+admitted and refused ones).
 
-    wait(b) = waiting(b) x per_request(b)
+1. **Where to send.** A request sent to b now reaches the check after about ``waiting(b) x per_request(b)``. The
+   router sends an edit to b only while that is within the budget (``wait_budget_s``, 0.4 s), or fewer than
+   ``min_window`` (2) requests wait (one in the check, one ready behind it, so pre-processing never idles for want
+   of work; also the limit while the check's cost is not measured yet, e.g. on a backend that has not served since
+   the router started), and not while its check has made no progress for longer than the budget (a stalled or
+   starved backend: the cost measured before no longer holds). When no backend admits, the edit is refused at
+   once with RESOURCE_EXHAUSTED on its own stream.
+2. **The backstop.** A prediction is only as good as the host: on a starved CPU one pre-processing took 0.9 s where
+   the cost measured just before said 0.05. So the router keeps its edits in flight on each backend in the order it
+   sent them; pre-processing runs them first come, first served, so the newest ``waiting(b)`` of them are those
+   its check has not reached. Any of those, except the oldest (which may be in the check right now), that has
+   waited ``timeout_s`` (0.6 s) is refused by the router with RESOURCE_EXHAUSTED and cancelled on the backend (the
+   ``cancel`` model; pre-processing drops a cancelled request before any work). Every refusal through the router
+   then comes within about ``timeout_s`` plus one poll, however slow the backend is.
 
-The router sends to b only while wait(b) is within the budget (``wait_budget_s``, 0.5 s: half the 1 s refusal
-target, the rest for the poll's lag, the check itself and the way back), or fewer than ``min_window`` (2)
-requests wait (one in the check, one ready behind it, so pre-processing never idles for want of work), and not
-while its check has made no progress for longer than the budget (a stalled or starved backend: the per-request
-cost measured before no longer holds). When no backend admits, the request is refused at once with
-RESOURCE_EXHAUSTED on its own stream. The backend's own check still decides whether the denoise queue has room;
-this only keeps the queue in front of that check short, so its refusals come quickly too, while keeping
-pre-processing busy: what it serves is unchanged (near capacity), what it would refuse late is refused early.
+The backend's own check still decides whether the denoise queue has room; this keeps the queue in front of that
+check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged
+(near capacity), what it would refuse late is refused early. The router's requests keep their order per backend
+stream; requests from other clients (or the health probe) make the backend's count run ahead, which at worst
+exempts a request from the backstop, never refuses one the check has passed.
 
-Counting is self-correcting: ``waiting`` is kept between 0 and the backend's requests in flight through the router
-(a restarted backend's counters start again at 0; requests from other clients or the health probe make the
-backend's count run ahead), so an error never accumulates; a backend never observed (no statistics yet, no
-``preprocess`` model, the watcher not running) is admitted as before.
+Counting is self-correcting: ``waiting`` is kept between 0 and the router's edits in flight on the backend (a
+restarted backend's counters start again at 0; other clients' requests make its count run ahead), so an error
+never accumulates; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running)
+is admitted as before and nothing on it expires.
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from tritonclient.grpc import service_pb2
@@ -44,50 +57,72 @@ log = logging.getLogger("maskedit.router")
 
 
 @dataclass
-class AdmissionGauge:
-    """One backend's admission queue as the router counts it. Not thread-safe: the router calls it under its
-    lock."""
+class _Sent:
+    sent_at: float  # monotonic
+    on_expire: Callable[[], None] | None  # refuses it on its own stream (None: it cannot be refused later)
+    expired: bool = False  # refused by the router; still in the backend's queue until the backend answers
 
-    wait_budget_s: float = 0.5
-    min_window: int = 2
-    sent: int = 0  # edit requests the router sent to this backend
-    decided: int | None = None  # the backend's own count of requests its check has finished (None: never seen)
-    busy_ns: int = 0  # the backend's own count of time spent in pre-processing, matching ``decided``
-    offset: int = 0  # correction of ``sent - decided`` (see ``_recount``)
-    per_request_s: float | None = None  # what the check costs per request, recent mix (exponential average)
-    moved_at: float = 0.0  # monotonic time the check last made progress, or last had nothing waiting
-    observed_at: float | None = None  # monotonic time of the latest statistics
-    alpha: float = 0.1  # weight of one request's cost in ``per_request_s``
+
+class AdmissionGauge:
+    """One backend's queue in front of its admission check as the router counts it. Not thread-safe: the router
+    calls it under its lock."""
+
+    def __init__(self, wait_budget_s: float = 0.4, timeout_s: float = 0.6, min_window: int = 2, executing: int = 1,
+                 alpha: float = 0.1):
+        self.wait_budget_s, self.timeout_s, self.min_window = wait_budget_s, timeout_s, min_window
+        self.executing = executing  # requests the check may be running at once (``preprocess`` instances)
+        self.alpha = alpha  # weight of one request's cost in ``per_request_s``
+        self.entries: OrderedDict[str, _Sent] = OrderedDict()  # the router's edits on it, in the order sent
+        self.sent = 0  # edits the router sent to this backend
+        self.decided: int | None = None  # the backend's own count of requests its check finished (None: never seen)
+        self.busy_ns = 0  # the backend's own count of time spent in pre-processing, matching ``decided``
+        self.offset = 0  # correction of ``sent - decided`` (see ``_recount``)
+        self.per_request_s: float | None = None  # what the check costs per request, recent mix (exponential average)
+        self.moved_at = 0.0  # monotonic time the check last made progress, or last had nothing waiting
+        self.observed_at: float | None = None  # monotonic time of the latest statistics
 
     # -- counting -------------------------------------------------------------------------------------
-    def waiting(self, inflight: int | None = None) -> int:
-        """Requests sent that the backend's check has not finished: at least 0, at most ``inflight`` (the
-        router's requests in flight on it) when given."""
+    def waiting(self) -> int:
+        """Edits sent that the backend's check has not finished: between 0 and the router's edits on it."""
         if self.decided is None:
             return 0
-        w = max(0, self.sent - self.decided - self.offset)
-        return w if inflight is None else min(w, max(0, inflight))
+        return min(len(self.entries), max(0, self.sent - self.decided - self.offset))
 
-    def _recount(self, inflight: int | None) -> None:
-        """Bring ``sent - decided - offset`` back within [0, inflight]: the backend counted requests the router did
-        not send (health probes, other clients) or restarted with fresh counters."""
+    def _undecided(self) -> list:
+        """(key, entry) of the edits the check has not reached or is running: the newest ``waiting`` (FIFO)."""
+        w = self.waiting()
+        return list(self.entries.items())[len(self.entries) - w:] if w else []
+
+    def _recount(self) -> None:
+        """Bring ``sent - decided - offset`` back within [0, edits in flight]: the backend counted requests the
+        router did not send (health probes, other clients), restarted with fresh counters, or answered requests
+        without running them (rejected by Triton before pre-processing)."""
         w = self.sent - self.decided - self.offset
         if w < 0:
             self.offset += w
-        elif inflight is not None and w > max(0, inflight):
-            self.offset += w - max(0, inflight)
+        elif w > len(self.entries):
+            self.offset += w - len(self.entries)
 
-    def on_sent(self, now: float) -> None:
+    def on_sent(self, key: str, now: float, on_expire: Callable[[], None] | None = None) -> None:
         if self.decided is not None and self.waiting() == 0:
             self.moved_at = now  # the check had nothing to do: the new request's wait starts now
         self.sent += 1
+        self.entries[key] = _Sent(now, on_expire)
 
-    def observe(self, decided: int, busy_ns: int, now: float, inflight: int | None = None) -> None:
+    def ended(self, key: str, answered: bool = True) -> None:
+        """``key``'s request is over for the router. One it refused itself (expired) stays counted until the
+        backend answers it (``answered``): it is still in the backend's queue."""
+        e = self.entries.get(key)
+        if e is not None and (answered or not e.expired):
+            del self.entries[key]  # ``waiting`` is capped by the entries at once; the offset moves only on fresh counts
+
+    def observe(self, decided: int, busy_ns: int, now: float) -> None:
         """The backend's statistics: ``decided`` requests finished by its check so far, ``busy_ns`` spent on them."""
         if self.decided is None or decided < self.decided:  # first sight, or a restart (counters from 0)
+            for key in [k for k, e in self.entries.items() if e.expired]:
+                del self.entries[key]  # a restarted backend will never answer them
             self.decided, self.busy_ns, self.moved_at = decided, busy_ns, now
-            self.offset = self.sent - decided  # nothing known to wait; ``inflight`` caps it below anyway
-            self._recount(inflight)
+            self.offset = self.sent - decided  # nothing known to wait
             self.observed_at = now
             return
         n = decided - self.decided
@@ -98,33 +133,56 @@ class AdmissionGauge:
                 self.per_request_s + weight * (sample - self.per_request_s)
             self.moved_at = now
         self.decided, self.busy_ns, self.observed_at = decided, busy_ns, now
-        self._recount(inflight)
-        if self.waiting(inflight) == 0:
+        self._recount()
+        if self.waiting() == 0:
             self.moved_at = now
 
+    def expire(self, now: float) -> list[tuple[str, Callable[[], None]]]:
+        """Mark expired, and return (key, refuse), every edit in front of the check, behind the one that may be
+        running, that has waited ``timeout_s``. Call right after ``observe`` (fresh counts)."""
+        if self.decided is None or self.timeout_s <= 0:
+            return []
+        out = []
+        for key, e in self._undecided()[self.executing:]:
+            if not e.expired and e.on_expire is not None and now - e.sent_at >= self.timeout_s:
+                e.expired = True
+                out.append((key, e.on_expire))
+        return out
+
+    def unexpire(self, key: str) -> None:
+        """``key`` could not be refused after all (it had ended or streamed meanwhile)."""
+        e = self.entries.get(key)
+        if e is not None:
+            e.expired = False
+
     # -- the decision ---------------------------------------------------------------------------------
-    def predicted_wait_s(self, inflight: int | None = None) -> float:
-        """How long a request sent now would wait before the backend's check (0 when not known)."""
-        return self.waiting(inflight) * (self.per_request_s or 0.0)
+    def predicted_wait_s(self) -> float:
+        """How long an edit sent now would wait before the backend's check (0 when not known). Requests the router
+        refused there are dropped by the check without work."""
+        live = sum(1 for _, e in self._undecided() if not e.expired)
+        return live * (self.per_request_s or 0.0)
 
-    def stalled_s(self, now: float, inflight: int | None = None) -> float:
+    def stalled_s(self, now: float) -> float:
         """How long requests have waited in front of the check without it finishing any (0 if none wait)."""
-        return max(0.0, now - self.moved_at) if self.waiting(inflight) > 0 else 0.0
+        return max(0.0, now - self.moved_at) if self.waiting() > 0 else 0.0
 
-    def admits(self, now: float, inflight: int | None = None) -> bool:
+    def admits(self, now: float) -> bool:
         if self.decided is None or self.wait_budget_s <= 0:
             return True  # never observed, or admission in the router is off: the backend decides alone
-        if self.stalled_s(now, inflight) > self.wait_budget_s:
+        if self.stalled_s(now) > self.wait_budget_s:
             return False
-        return self.waiting(inflight) < self.min_window or self.predicted_wait_s(inflight) <= self.wait_budget_s
+        if self.waiting() < self.min_window:
+            return True
+        # what the check costs is not measured yet (a backend that has not served since the router started):
+        # no more than the window, or a burst at start-up would all queue behind a cold pre-processing
+        return self.per_request_s is not None and self.predicted_wait_s() <= self.wait_budget_s
 
-    def view(self, now: float, inflight: int | None = None) -> dict:
+    def view(self, now: float) -> dict:
         """For /health and the refusal message."""
-        return {"waiting": self.waiting(inflight),
+        return {"waiting": self.waiting(), "in_flight": len(self.entries),
                 "per_request_ms": None if self.per_request_s is None else round(self.per_request_s * 1000, 1),
-                "predicted_wait_s": round(self.predicted_wait_s(inflight), 3),
-                "stalled_s": round(self.stalled_s(now, inflight), 3), "admits": self.admits(now, inflight),
-                "observed": self.decided is not None}
+                "predicted_wait_s": round(self.predicted_wait_s(), 3), "stalled_s": round(self.stalled_s(now), 3),
+                "admits": self.admits(now), "observed": self.decided is not None}
 
 
 def counts(resp, model: str = "preprocess") -> tuple[int, int] | None:

@@ -2,6 +2,7 @@
 admission check within the wait budget; when none would, it is refused at once with RESOURCE_EXHAUSTED on its own
 stream. No server: the backends' statistics are fed in by hand."""
 
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -27,18 +28,23 @@ def _gauge(**kw) -> AdmissionGauge:
     return g
 
 
-# -- the gauge ---------------------------------------------------------------------------------------
+def _send(g: AdmissionGauge, n: int, now: float = 0.0, refused=None) -> list[str]:
+    keys = [f"r{g.sent + i}" for i in range(n)]
+    for k in keys:
+        g.on_sent(k, now, (lambda k=k: refused.append(k) or True) if refused is not None else None)
+    return keys
+
+
+# -- the gauge: where to send ------------------------------------------------------------------------
 def test_a_backend_never_observed_is_admitted_as_before():
     g = AdmissionGauge()
-    for _ in range(50):
-        g.on_sent(0.0)
-    assert g.waiting() == 0 and g.admits(0.0)
+    _send(g, 50)
+    assert g.waiting() == 0 and g.admits(0.0) and g.expire(100.0) == []
 
 
 def test_waiting_is_what_was_sent_less_what_the_check_finished():
     g = _gauge()
-    for _ in range(5):
-        g.on_sent(0.0)
+    _send(g, 5)
     assert g.waiting() == 5
     g.observe(decided=3, busy_ns=3 * 100 * MS, now=0.3)
     assert g.waiting() == 2 and g.per_request_s == pytest.approx(0.1)
@@ -47,10 +53,10 @@ def test_waiting_is_what_was_sent_less_what_the_check_finished():
 
 def test_the_budget_bounds_the_predicted_wait_not_the_number_waiting():
     g = _gauge(wait_budget_s=0.5)
-    g.observe(decided=0, busy_ns=0, now=0.0)
-    g.sent, g.per_request_s = 5, 0.1  # 5 x 0.1 s = 0.5 s: still within
+    g.per_request_s = 0.1
+    _send(g, 5)  # 5 x 0.1 s = 0.5 s: still within
     assert g.admits(0.0)
-    g.sent = 6
+    _send(g, 1)
     assert not g.admits(0.0)  # 0.6 s
     g.per_request_s = 0.004  # cheap refusals: the same 6 waiting take 24 ms
     assert g.admits(0.0)
@@ -59,16 +65,27 @@ def test_the_budget_bounds_the_predicted_wait_not_the_number_waiting():
 def test_two_may_always_wait_so_pre_processing_never_idles_for_want_of_work():
     g = _gauge(wait_budget_s=0.5)
     g.per_request_s = 2.0  # a slow check: one waiting is already past the budget
-    g.on_sent(0.0)
+    _send(g, 1)
     assert g.admits(0.0)  # one in the check, one more may queue behind it
-    g.on_sent(0.0)
+    _send(g, 1)
     assert not g.admits(0.0)
+
+
+def test_until_the_check_s_cost_is_measured_only_the_window_may_wait():
+    g = _gauge()
+    _send(g, 1)
+    assert g.admits(0.0)
+    _send(g, 1)
+    assert not g.admits(0.0)  # a cold backend: a burst does not all queue behind its first pre-processing
+    g.observe(decided=1, busy_ns=20 * MS, now=0.1)
+    _send(g, 1, now=0.1)
+    assert g.waiting() == 2 and g.admits(0.1)  # 2 x 20 ms
 
 
 def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
     g = _gauge(wait_budget_s=0.5)
     g.per_request_s = 0.01
-    g.on_sent(10.0)  # nothing waited before: the wait starts now, not at the last statistics
+    _send(g, 1, now=10.0)  # nothing waited before: the wait starts now, not at the last statistics
     assert g.admits(10.4) and g.stalled_s(10.4) == pytest.approx(0.4)
     g.observe(decided=0, busy_ns=0, now=10.6)  # statistics arrive, the check has not moved
     assert not g.admits(10.6)  # stalled for 0.6 s: the per-request cost measured before no longer holds
@@ -78,32 +95,86 @@ def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
 
 def test_requests_the_router_did_not_send_do_not_make_waiting_negative():
     g = _gauge()
-    g.on_sent(0.0)
+    _send(g, 1)
     g.observe(decided=4, busy_ns=4 * MS, now=0.1)  # a health probe and two other clients' requests
     assert g.waiting() == 0
-    g.on_sent(0.2)
+    _send(g, 1, now=0.2)
     assert g.waiting() == 1  # the next send counts at once, not after the surplus is used up
 
 
-def test_waiting_never_exceeds_the_requests_in_flight_and_a_restart_starts_again():
+def test_waiting_never_exceeds_the_edits_in_flight_and_a_restart_starts_again():
     g = _gauge()
-    for _ in range(10):
-        g.on_sent(0.0)
-    g.observe(decided=2, busy_ns=0, now=0.1, inflight=4)  # six of them ended (e.g. failed over elsewhere)
-    assert g.waiting(inflight=4) == 4
-    g.observe(decided=0, busy_ns=0, now=0.2, inflight=1)  # the backend restarted: its counters start at 0
-    assert g.waiting(inflight=1) <= 1
-    g.on_sent(0.3)
-    g.observe(decided=1, busy_ns=MS, now=0.4, inflight=1)
-    assert g.waiting(inflight=1) <= 1 and g.admits(0.4, inflight=1)
+    keys = _send(g, 10)
+    for k in keys[:6]:
+        g.ended(k, answered=False)  # six of them ended on the router's side (e.g. failed over elsewhere)
+    g.observe(decided=2, busy_ns=0, now=0.1)
+    assert g.waiting() == 4
+    g.observe(decided=0, busy_ns=0, now=0.2)  # the backend restarted: its counters start at 0
+    assert g.waiting() == 0
+    _send(g, 1, now=0.3)
+    assert g.waiting() == 1
+    g.observe(decided=1, busy_ns=MS, now=0.4)
+    assert g.waiting() == 0 and g.admits(0.4)
 
 
 def test_a_budget_of_zero_turns_admission_in_the_router_off():
     g = _gauge(wait_budget_s=0.0)
     g.per_request_s = 1.0
-    for _ in range(20):
-        g.on_sent(0.0)
+    _send(g, 20)
     assert g.admits(100.0)
+
+
+# -- the gauge: the backstop ------------------------------------------------------------------------
+def test_edits_behind_the_one_in_the_check_expire_after_the_timeout():
+    g = _gauge(timeout_s=0.6)
+    refused = []
+    keys = _send(g, 4, now=0.0, refused=refused)
+    g.observe(decided=1, busy_ns=MS, now=0.5)  # r0 passed the check; r1 may be in it; r2, r3 wait behind
+    assert g.expire(0.5) == []  # not yet 0.6 s
+    due = g.expire(0.6)
+    assert [k for k, _ in due] == keys[2:]  # never the oldest undecided: it may be in the check (admitted)
+    assert all(refuse() for _, refuse in due) and refused == keys[2:]
+    assert g.expire(0.7) == []  # once
+    assert g.predicted_wait_s() == pytest.approx(g.per_request_s)  # refused ones cost the check nothing
+
+
+def test_an_edit_the_router_refused_counts_until_the_backend_answers_it():
+    g = _gauge(timeout_s=0.6)
+    keys = _send(g, 3, refused=[])
+    assert [k for k, _ in g.expire(1.0)] == keys[1:]
+    for k in keys[1:]:
+        g.ended(k, answered=False)  # the router released it when it refused it ...
+    assert g.waiting() == 3  # ... but it is still in the backend's queue
+    g.ended(keys[1], answered=True)  # the backend answered it (cancelled, before any work)
+    g.observe(decided=2, busy_ns=MS, now=1.1)  # r0 (admitted, still in flight) and r1
+    assert g.waiting() == 1 and list(g.entries) == [keys[0], keys[2]]
+
+
+def test_edits_that_passed_the_check_never_expire():
+    g = _gauge(timeout_s=0.6)
+    keys = _send(g, 3, refused=[])
+    g.observe(decided=3, busy_ns=3 * MS, now=0.1)  # all three admitted, now in the denoise loop for a while
+    assert g.expire(5.0) == [] and list(g.entries) == keys
+
+
+def test_a_refusal_that_came_too_late_is_taken_back():
+    g = _gauge(timeout_s=0.6)
+    keys = _send(g, 3)
+    g.entries[keys[2]].on_expire = lambda: False  # it streamed meanwhile
+    (key, refuse), = [d for d in g.expire(1.0) if d[0] == keys[2]]
+    assert not refuse()
+    g.unexpire(key)
+    assert not g.entries[key].expired
+
+
+def test_a_restart_forgets_the_edits_the_router_refused_there():
+    g = _gauge(timeout_s=0.6)
+    keys = _send(g, 3, refused=[])
+    g.expire(1.0)
+    g.observe(decided=0, busy_ns=0, now=1.1)  # same count: no restart yet
+    g.observe(decided=5, busy_ns=0, now=1.2)
+    g.observe(decided=0, busy_ns=0, now=1.3)  # restarted: it will never answer the refused ones
+    assert list(g.entries) == keys[:1]
 
 
 def test_counts_read_the_preprocess_model_from_model_statistics():
@@ -121,7 +192,7 @@ def test_counts_read_the_preprocess_model_from_model_statistics():
 @pytest.fixture
 def router():
     est = Estimator(CostModel.fallback())
-    r = server.Router(["a:1", "b:2"], make("least_requests", est), est, admission_wait_s=0.5)
+    r = server.Router(["a:1", "b:2"], make("least_requests", est), est, admission_wait_s=0.5, admission_timeout_s=0.6)
     for b in r.backends.values():
         r.observe_admission(b, 0, 0)
         b.admission.per_request_s = 0.1
@@ -135,7 +206,7 @@ def _fill(router, addr: str, n: int) -> None:
     b = router.backends[addr]
     for _ in range(n):
         b.load.inflight += 1
-        b.admission.on_sent(b.admission.moved_at)
+        b.admission.on_sent(f"{addr}-{b.admission.sent}", b.admission.moved_at)
 
 
 def test_edits_go_to_a_backend_that_can_admit_them_while_the_other_is_full(router):
@@ -240,3 +311,57 @@ def test_the_watcher_feeds_each_backend_its_own_statistics_and_skips_a_backend_w
     w.poll()
     w.poll()
     assert seen == [("a:1", 3, 300 * MS)] * 2 and w._missing == {"b:2"}
+
+
+def test_an_edit_left_waiting_in_front_of_the_check_is_refused_on_its_own_stream_and_cancelled(router, monkeypatch):
+    session, sent = _session(router, monkeypatch)
+    cancelled = []
+    monkeypatch.setattr(server, "_cancel_on_backend", lambda b, ids: cancelled.append((b.addr, ids)))
+    router.backends["b:2"].load.healthy = False  # one backend, to keep the order plain
+    for i in range(3):
+        session.submit(service_pb2.ModelInferRequest(model_name="edit", id=f"c-{i}"))
+    rids = [rid for _, rid in sent]
+    a = router.backends["a:1"]
+    for e in a.admission.entries.values():
+        e.sent_at -= 1.0  # they were sent a second ago
+    router.observe_admission(a, 0, 0)  # and the check has finished none: c-0 may be in it, c-1 and c-2 wait
+    errors = [session.out.get_nowait() for _ in range(2)]
+    assert [e.infer_response.id for e in errors] == ["c-1", "c-2"]
+    assert all(e.error_message.startswith("RESOURCE_EXHAUSTED: waited") and "refused by the router" in e.error_message
+               for e in errors)
+    assert "[request id: c-1]" in errors[0].error_message  # EditClient matches it by this
+    for _ in range(50):  # the cancel call runs in its own thread
+        if cancelled:
+            break
+        time.sleep(0.01)
+    assert cancelled == [("a:1", rids[1:])]
+    assert list(session.pending) == [rids[0]] and a.load.inflight == 1
+    # the backend answers them later (pre-processing dropped them): nothing reaches the client, the count clears
+    for rid in rids[1:]:
+        session.on_response(a, _final(rid, f"in ensemble 'edit', CANCELLED: cancelled before pre-processing "
+                                           f"[request id: {rid}]"))
+    assert session.out.empty() and list(a.admission.entries) == [rids[0]]
+    session.on_response(a, _final(rids[0]))  # c-0 was admitted and is served
+    assert session.out.get_nowait().infer_response.id == "c-0" and not a.admission.entries
+
+
+def test_an_edit_that_ended_is_never_refused_by_the_timeout_too(router, monkeypatch):
+    session, sent = _session(router, monkeypatch)
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="c-0"))
+    (_, rid), = sent
+    assert session.expire(rid) is True
+    session.on_response(router.backends[sent[0][0]], _final(rid))  # the backend's answer came too late
+    assert [r.infer_response.id for r in [session.out.get_nowait()]] == ["c-0"] and session.out.empty()
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="c-1"))
+    rid1 = sent[1][1]
+    session.on_response(router.backends[sent[1][0]], _final(rid1))
+    assert session.expire(rid1) is False  # it had ended: one answer only
+
+
+def _final(rid: str, error: str = ""):
+    resp = service_pb2.ModelStreamInferResponse(error_message=error)
+    resp.infer_response.id = rid
+    resp.infer_response.parameters[server.FINAL].bool_param = True
+    if not error:
+        resp.infer_response.outputs.add(name="IMAGE")
+    return resp
