@@ -5,7 +5,8 @@ through the router; every refused request must get RESOURCE_EXHAUSTED on its own
 
 Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
 refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
-(max, P99, share within 1 s) and the P95 of the requests that were served.
+(max, P99, share within 1 s), who refused (``refusal_source``) with the slowest refusal of each, what was served
+per second and the P95 of the requests that were served.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -27,8 +29,28 @@ from .topology import running_topology
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 
 
+SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/server.py, maskedit/admission.py)
+    ("router_admission", re.compile(r"no backend can admit it")),  # the router, at once: every backend's queue full
+    ("router_timeout", re.compile(r"refused by the router")),  # the router, for a request left waiting at a backend
+    ("router_inflight", re.compile(r"in flight|in-flight limit")),  # the router's in-flight limits
+)
+
+
+def refusal_source(message: str) -> str:
+    """``router_admission``, ``router_timeout``, ``router_inflight``, or ``backend`` (its admission check at
+    pre-processing, or its denoise loop)."""
+    for name, pattern in SOURCES:
+        if pattern.search(message or ""):
+            return name
+    return "backend"
+
+
 def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
     refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    by: dict[str, list] = {}
+    for r in recs:
+        if r.error_code == "RESOURCE_EXHAUSTED":
+            by.setdefault(refusal_source(r.error), []).append(r.answered_after_s)
     other = {k: v for k, v in summary["errors"].items() if k not in ("RESOURCE_EXHAUSTED", "LOST")}
     return {
         "rate": round(rate, 2), "capacity": round(cap, 2), "sent": summary["requests"], "ok": summary["completed"],
@@ -36,6 +58,7 @@ def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
         "refusal_max_s": round(max(refused), 3) if refused else None,
         "refusal_p99_s": round(float(np.percentile(refused, 99)), 3) if refused else None,
         "refused_within_1s": round(float(np.mean(np.array(refused) < 1.0)), 4) if refused else None,
+        "refused_by": {k: {"n": len(v), "max_s": round(max(v), 3)} for k, v in sorted(by.items())},
         "ok_p95_s": summary["p95_s"], "throughput": summary["throughput"],
         "met": {"nothing_lost": summary["lost"] == 0, "only_refusals": not other,
                 "refusals_within_1s": bool(refused) and max(refused) < 1.0},

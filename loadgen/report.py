@@ -35,11 +35,13 @@ def chaos(r: dict) -> str:
 
 
 def overload(r: dict) -> str:
-    rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | refused (RESOURCE_EXHAUSTED) | other errors | "
-            "lost | refusal max / P99 (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | served (req/s) | refused (RESOURCE_EXHAUSTED) | "
+            "refused by: n (slowest s) | other errors | lost | refusal max / P99 (s) | refused within 1 s | "
+            "P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in r["targets"].items():
-        rows.append(f"| {name} | {t['capacity']} | {t['rate']} | {t['sent']} | {t['ok']} | {t['refused']} | "
-                    f"{_codes(t['other_errors'])} | {t['lost']} | {_f(t['refusal_max_s'], 3)} / "
+        by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in t.get("refused_by", {}).items()) or "–"
+        rows.append(f"| {name} | {t['capacity']} | {t['rate']} | {t['sent']} | {t['ok']} | {_f(t.get('throughput'))} | "
+                    f"{t['refused']} | {by} | {_codes(t['other_errors'])} | {t['lost']} | {_f(t['refusal_max_s'], 3)} / "
                     f"{_f(t['refusal_p99_s'], 3)} | {_f(t['refused_within_1s'] and 100 * t['refused_within_1s'], 1)} % | "
                     f"{_f(t['ok_p95_s'])} |")
     return "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "

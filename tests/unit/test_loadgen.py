@@ -80,3 +80,24 @@ def test_the_runner_records_what_the_service_did_and_never_waits_forever():
     assert [r.error_code for r in recs] == [None, "UNAVAILABLE", runner.LOST]
     s = records.summarize(recs, wall)
     assert s["lost"] == 1 and s["errors"] == {"UNAVAILABLE": 1, "LOST": 1} and wall < 5
+
+
+def test_overload_results_say_who_refused_each_request():
+    from loadgen import overload
+    from loadgen.records import Record
+
+    def rec(i, code=None, error=None, after=0.1):
+        return Record(index=i, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=after,
+                      error=error, error_code=code)
+
+    recs = [rec(0), rec(1, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: no backend can admit it within 0.4 s: ...", 0.01),
+            rec(2, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: waited 0.61 s in front of backend a:1's admission check; "
+                                         "refused by the router, retry later [request id: c-2]", 0.7),
+            rec(3, "RESOURCE_EXHAUSTED", "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)", 0.2),
+            rec(4, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: every backend is at its in-flight limit", 0.02)]
+    summary = {"requests": 5, "completed": 1, "errors": {"RESOURCE_EXHAUSTED": 4}, "lost": 0, "p95_s": 0.1,
+               "throughput": 1.0}
+    j = overload.judge(recs, summary, rate=2.0, cap=1.0)
+    assert j["refused_by"] == {"backend": {"n": 1, "max_s": 0.2}, "router_admission": {"n": 1, "max_s": 0.01},
+                               "router_inflight": {"n": 1, "max_s": 0.02}, "router_timeout": {"n": 1, "max_s": 0.7}}
+    assert j["refused"] == 4 and j["met"] == {"nothing_lost": True, "only_refusals": True, "refusals_within_1s": True}
