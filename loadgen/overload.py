@@ -2,6 +2,7 @@
 through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second.
 
     python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
+    python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
 
 Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
 refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
@@ -16,6 +17,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -65,6 +67,34 @@ def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
     }
 
 
+ADMISSION_OFF = ["--admission-wait-s", "0", "--admission-timeout-s", "0"]
+
+
+def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dict]:
+    """``pairs`` pairs of runs through the router at ``rate``, its own admission on, then off (each backend decides
+    alone, as before it had any), interleaved so both see the same host; the two runs of a pair send the same
+    arrivals. The router process is restarted with the other arguments between runs."""
+    own = list(topo.router_args)
+    rows = []
+    try:
+        for i in range(pairs):
+            for mode, extra in (("on", own), ("off", own + ADMISSION_OFF)):
+                topo.stop_router()
+                topo.router_args = extra
+                topo.start_router()
+                recs, s = capacity.run_at(topo.url, rate, duration_s, steps=steps, seed=10 + i)
+                j = judge(recs, s, rate, rate / 2)
+                rows.append({"pair": i, "admission": mode, **{k: j[k] for k in (
+                    "sent", "ok", "refused", "refused_by", "lost", "refusal_max_s", "refused_within_1s", "ok_p95_s")},
+                    "served": round(j["throughput"], 2)})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        topo.stop_router()
+        topo.router_args = own
+        topo.start_router()
+    return rows
+
+
 def plot(result: dict, runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -99,6 +129,11 @@ def main(argv=None) -> None:
     ap.add_argument("--max-queue", type=int, default=8, help="each server's denoise queue (MASKEDIT_MAX_QUEUE)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "overload")
     ap.add_argument("--result", type=Path, default=RESULTS / "overload.json")
+    ap.add_argument("--router-args", default="", help="extra router arguments, e.g. '--admission-wait-s 0 "
+                    "--admission-timeout-s 0' for the router without its own admission (each backend decides alone)")
+    ap.add_argument("--ab-pairs", type=int, default=0, help="then this many pairs of runs through the router at 2x "
+                    "its capacity with its own admission on and off, interleaved (what it costs or gains)")
+    ap.add_argument("--ab-duration", type=float, default=45.0, help="seconds per run of a pair")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
@@ -106,10 +141,10 @@ def main(argv=None) -> None:
     result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
                                                                   __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
-              "max_queue": args.max_queue, "instances": args.instances,
+              "max_queue": args.max_queue, "instances": args.instances, "router_args": args.router_args,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note}, "targets": {}}
     runs = {}
-    with running_topology(args.instances, args.out, env) as topo:
+    with running_topology(args.instances, args.out, env, shlex.split(args.router_args)) as topo:
         for name, url, probe in (("server", topo.servers[0].grpc_url, args.probe_rate / args.instances),
                                  ("router", topo.url, args.probe_rate)):
             print(f"{name}: capacity at {probe:g} req/s offered", flush=True)
@@ -120,6 +155,10 @@ def main(argv=None) -> None:
             result["targets"][name] = judge(recs, s2, 2 * cap, cap)
             runs[name] = recs
             print(json.dumps(result["targets"][name]), flush=True)
+        if args.ab_pairs:
+            rate = result["targets"]["router"]["rate"]
+            print(f"router admission on / off: {args.ab_pairs} pairs at {rate:g} req/s", flush=True)
+            result["router_ab"] = ab(topo, rate, args.ab_duration, args.ab_pairs, args.steps)
         topo.remember()
     result["leftovers_after_shutdown"] = topo.leftovers()
     result["all_met"] = all(all(t["met"].values()) for t in result["targets"].values())

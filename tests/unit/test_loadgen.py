@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,22 @@ def test_overload_results_say_who_refused_each_request():
     assert j["refused_by"] == {"backend": {"n": 1, "max_s": 0.2}, "router_admission": {"n": 1, "max_s": 0.01},
                                "router_inflight": {"n": 1, "max_s": 0.02}, "router_timeout": {"n": 1, "max_s": 0.7}}
     assert j["refused"] == 4 and j["met"] == {"nothing_lost": True, "only_refusals": True, "refusals_within_1s": True}
+
+
+def test_the_overload_a_b_restarts_the_router_with_and_without_its_admission_and_restores_it(monkeypatch):
+    from loadgen import capacity, overload, report
+    from loadgen.records import Record
+
+    starts = []
+    topo = SimpleNamespace(router_args=["--policy", "round_robin"], url="r:1", stop_router=lambda: None)
+    topo.start_router = lambda: starts.append(list(topo.router_args))
+    recs = [Record(index=0, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=0.5)]
+    summary = {"requests": 1, "completed": 1, "errors": {}, "lost": 0, "p95_s": 0.5, "throughput": 2.0}
+    seeds = []
+    monkeypatch.setattr(capacity, "run_at", lambda url, rate, d, steps, seed: seeds.append(seed) or (recs, summary))
+    rows = overload.ab(topo, rate=4.0, duration_s=1.0, pairs=2, steps=8)
+    assert [r["admission"] for r in rows] == ["on", "off", "on", "off"] and seeds == [10, 10, 11, 11]
+    assert starts[1] == ["--policy", "round_robin", *overload.ADMISSION_OFF] and starts[-1] == topo.router_args
+    text = report.overload({"targets": {}, "steps": 8, "max_queue": 2, "all_met": True, "command": "c",
+                            "started": "s", "router_ab": rows})
+    assert "Served per second, mean: on 2.00 / off 2.00." in text
