@@ -67,7 +67,7 @@ def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
     }
 
 
-ADMISSION_OFF = ["--admission-wait-s", "0", "--admission-timeout-s", "0"]
+ADMISSION_OFF = ["--admission-wait-s", "0"]
 
 
 def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dict]:
@@ -129,8 +129,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-queue", type=int, default=8, help="each server's denoise queue (MASKEDIT_MAX_QUEUE)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "overload")
     ap.add_argument("--result", type=Path, default=RESULTS / "overload.json")
-    ap.add_argument("--router-args", default="", help="extra router arguments, e.g. '--admission-wait-s 0 "
-                    "--admission-timeout-s 0' for the router without its own admission (each backend decides alone)")
+    ap.add_argument("--router-args", default="", help="extra router arguments, e.g. '--admission-wait-s 0' for the "
+                    "router without its own admission (each backend decides alone)")
     ap.add_argument("--ab-pairs", type=int, default=0, help="then this many pairs of runs through the router at 2x "
                     "its capacity with its own admission on and off, interleaved (what it costs or gains)")
     ap.add_argument("--ab-duration", type=float, default=45.0, help="seconds per run of a pair")

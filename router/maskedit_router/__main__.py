@@ -34,18 +34,17 @@ from .server import CHANNEL_OPTIONS, Router
 
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
-          admission_wait_s: float = 0.4, admission_timeout_s: float = 0.6):
+          admission_wait_s: float = 0.6):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
-    masks are measured on; ``admission_wait_s`` and ``admission_timeout_s`` are the admission budget and the wait
-    after which the router refuses an edit on a backend's behalf (``admission.py``; 0: off)."""
+    masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
+    check (``admission.py``; 0: off)."""
     path = profile or REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost)
-    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s,
-                  admission_timeout_s=admission_timeout_s)
+    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s)
 
 
 def _profiled_resolution(model_dir: str | None) -> int | None:
@@ -99,12 +98,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
-    ap.add_argument("--admission-wait-s", type=float, default=0.4, help="send an edit only to a backend whose "
-                    "queue in front of its admission check is predicted to take at most this long; refuse it "
-                    "(RESOURCE_EXHAUSTED) when none is (0: off, each backend decides alone)")
-    ap.add_argument("--admission-timeout-s", type=float, default=0.6, help="refuse (RESOURCE_EXHAUSTED) and cancel a "
-                    "streamed edit still waiting in front of its backend's admission check after this long (0: off)")
-    ap.add_argument("--admission-poll-s", type=float, default=0.1, help="how often each backend's pre-processing "
+    ap.add_argument("--admission-wait-s", type=float, default=0.6, help="the longest an edit may wait in front of a "
+                    "backend's admission check: sent only where it is predicted to get there sooner, refused "
+                    "(RESOURCE_EXHAUSTED) at once when no backend is, and refused and cancelled on the backend once "
+                    "it has waited this long (0: off, each backend decides alone)")
+    ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
                     "statistics are read for admission")
     return ap
 
@@ -123,17 +121,15 @@ def main(argv=None) -> None:
             return discovery.from_dns(args.backends_dns)
         return discovery.from_file(args.backends_file)
 
-    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
-                   args.admission_timeout_s)
+    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s)
     server, port, httpd = serve(router, args.port, args.http_port, args.host)
     HealthChecker(router).start()
-    watcher = AdmissionWatcher(router, args.admission_poll_s).start() \
-        if args.admission_wait_s > 0 or args.admission_timeout_s > 0 else None
+    watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
     openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
-                      "admission": {"wait_s": args.admission_wait_s, "timeout_s": args.admission_timeout_s},
+                      "admission_wait_s": args.admission_wait_s,
                       "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
                       "backends": list(router.backends)}), flush=True)
     stop = threading.Event()

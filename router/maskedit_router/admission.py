@@ -10,24 +10,26 @@ of each backend's check:
     waiting(b) = edit requests the router sent to b - requests b's pre-processing has finished (admitted or not)
 
 the second from Triton's own statistics of the ``preprocess`` model (``ModelStatistics``: its success and failure
-counts, kept by Triton in C++ with no Python stub involved), polled every 0.1 s over the backend's gRPC channel;
+counts, kept by Triton in C++ with no Python stub involved), polled every 0.05 s over the backend's gRPC channel;
 the same statistics give what the check costs per request (compute time per request over the recent mix of
-admitted and refused ones).
+admitted and refused ones). One bound, ``wait_s`` (0.6 s), the longest an edit may wait in front of a check:
 
 1. **Where to send.** A request sent to b now reaches the check after about ``waiting(b) x per_request(b)``. The
-   router sends an edit to b only while that is within the budget (``wait_budget_s``, 0.4 s), or fewer than
+   router sends an edit to b only while that is within ``wait_s``, or fewer than
    ``min_window`` (2) requests wait (one in the check, one ready behind it, so pre-processing never idles for want
    of work; also the limit while the check's cost is not measured yet, e.g. on a backend that has not served since
-   the router started), and not while its check has made no progress for longer than the budget (a stalled or
-   starved backend: the cost measured before no longer holds). When no backend admits, the edit is refused at
-   once with RESOURCE_EXHAUSTED on its own stream.
+   the router started), and not while its check has made no progress for longer than ``wait_s`` (a stalled or
+   starved backend: what waits there now will be refused below anyway). When no backend admits, the edit is
+   refused at once with RESOURCE_EXHAUSTED on its own stream. (A tighter budget than ``wait_s`` refused more than
+   it had to: the counts arrive a poll late, and a window of two or three requests then let pre-processing run
+   dry; on this host it served ~15 % less than the router without admission.)
 2. **The backstop.** A prediction is only as good as the host: on a starved CPU one pre-processing took 0.9 s where
    the cost measured just before said 0.05. So the router keeps its edits in flight on each backend in the order it
    sent them; pre-processing runs them first come, first served, so the newest ``waiting(b)`` of them are those
    its check has not reached. Any of those, except the oldest (which may be in the check right now), that has
-   waited ``timeout_s`` (0.6 s) is refused by the router with RESOURCE_EXHAUSTED and cancelled on the backend (the
-   ``cancel`` model; pre-processing drops a cancelled request before any work). Every refusal through the router
-   then comes within about ``timeout_s`` plus one poll, however slow the backend is.
+   waited ``wait_s`` is refused by the router with RESOURCE_EXHAUSTED and cancelled on the backend (the ``cancel``
+   model; pre-processing drops a cancelled request before any work). Every refusal through the router then comes
+   within about ``wait_s`` plus one poll (0.05 s), however slow the backend is.
 
 The backend's own check still decides whether the denoise queue has room; this keeps the queue in front of that
 check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged
@@ -67,9 +69,8 @@ class AdmissionGauge:
     """One backend's queue in front of its admission check as the router counts it. Not thread-safe: the router
     calls it under its lock."""
 
-    def __init__(self, wait_budget_s: float = 0.4, timeout_s: float = 0.6, min_window: int = 2, executing: int = 1,
-                 alpha: float = 0.1):
-        self.wait_budget_s, self.timeout_s, self.min_window = wait_budget_s, timeout_s, min_window
+    def __init__(self, wait_s: float = 0.6, min_window: int = 2, executing: int = 1, alpha: float = 0.1):
+        self.wait_s, self.min_window = wait_s, min_window  # wait_s 0: off (the backend decides alone)
         self.executing = executing  # requests the check may be running at once (``preprocess`` instances)
         self.alpha = alpha  # weight of one request's cost in ``per_request_s``
         self.entries: OrderedDict[str, _Sent] = OrderedDict()  # the router's edits on it, in the order sent
@@ -139,12 +140,12 @@ class AdmissionGauge:
 
     def expire(self, now: float) -> list[tuple[str, Callable[[], None]]]:
         """Mark expired, and return (key, refuse), every edit in front of the check, behind the one that may be
-        running, that has waited ``timeout_s``. Call right after ``observe`` (fresh counts)."""
-        if self.decided is None or self.timeout_s <= 0:
+        running, that has waited ``wait_s``. Call right after ``observe`` (fresh counts)."""
+        if self.decided is None or self.wait_s <= 0:
             return []
         out = []
         for key, e in self._undecided()[self.executing:]:
-            if not e.expired and e.on_expire is not None and now - e.sent_at >= self.timeout_s:
+            if not e.expired and e.on_expire is not None and now - e.sent_at >= self.wait_s:
                 e.expired = True
                 out.append((key, e.on_expire))
         return out
@@ -167,15 +168,15 @@ class AdmissionGauge:
         return max(0.0, now - self.moved_at) if self.waiting() > 0 else 0.0
 
     def admits(self, now: float) -> bool:
-        if self.decided is None or self.wait_budget_s <= 0:
+        if self.decided is None or self.wait_s <= 0:
             return True  # never observed, or admission in the router is off: the backend decides alone
-        if self.stalled_s(now) > self.wait_budget_s:
+        if self.stalled_s(now) > self.wait_s:
             return False
         if self.waiting() < self.min_window:
             return True
         # what the check costs is not measured yet (a backend that has not served since the router started):
         # no more than the window, or a burst at start-up would all queue behind a cold pre-processing
-        return self.per_request_s is not None and self.predicted_wait_s() <= self.wait_budget_s
+        return self.per_request_s is not None and self.predicted_wait_s() <= self.wait_s
 
     def view(self, now: float) -> dict:
         """For /health and the refusal message."""
@@ -201,7 +202,7 @@ class AdmissionWatcher:
     """Polls every backend's ``preprocess`` statistics (asynchronously: a backend that does not answer delays no
     other) and feeds them to its ``AdmissionGauge``."""
 
-    def __init__(self, router, interval_s: float = 0.1, model: str = "preprocess", timeout_s: float = 1.0):
+    def __init__(self, router, interval_s: float = 0.05, model: str = "preprocess", timeout_s: float = 1.0):
         self.r, self.interval, self.model, self.timeout = router, interval_s, model, timeout_s
         self._stop = threading.Event()
         self._inflight: dict[str, object] = {}  # backend address -> its statistics call in flight

@@ -9,10 +9,10 @@ breaks, its backend is found unhealthy or answers that it cannot run requests (a
 responses is never replayed and ends with a clear error. Cancelling the client
 stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
 does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall, and admission
-(``admission.py``): an edit goes only to a backend predicted to reach its admission check within the wait budget;
+(``admission.py``): an edit goes only to a backend predicted to reach its admission check within the admission wait;
 when none would, or every backend is at its in-flight limit, it is refused at once with RESOURCE_EXHAUSTED; a
-streamed edit still waiting in front of a backend's check after the admission timeout is refused by the router
-with RESOURCE_EXHAUSTED and cancelled on the backend.
+streamed edit still waiting in front of a backend's check after the admission wait is refused by the router with
+RESOURCE_EXHAUSTED and cancelled on the backend.
 """
 
 from __future__ import annotations
@@ -113,9 +113,8 @@ class NoBackend(Exception):
 class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024, admission_wait_s: float = 0.4, admission_timeout_s: float = 0.6):
-        # 0: no admission in the router (wait), no refusal on a backend's behalf (timeout): each backend decides
-        self.admission = {"wait_budget_s": admission_wait_s, "timeout_s": admission_timeout_s}
+                 resolution: int = 1024, admission_wait_s: float = 0.6):
+        self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
         self.backends = {a: Backend(a, admission=self.admission) for a in addrs}
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
@@ -181,7 +180,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 admitting = [b for b in open_ if b.admission.admits(now)]
                 if not admitting:
                     raise self._refuse("admission", "no backend can admit it within "
-                                       f"{self.admission['wait_budget_s']:g} s: " + _admission_summary(open_, now))
+                                       f"{self.admission['wait_s']:g} s: " + _admission_summary(open_, now))
                 open_ = admitting
             by_load = {b.load.name: b for b in open_}
             choice = by_load[self.policy.choose([b.load for b in open_], f).name]
@@ -216,7 +215,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             for _ in refused:
                 self.metrics.refused("admission_timeout")
             self.refusals.note("admission_timeout", f"{len(refused)} request(s) waited "
-                               f"{backend.admission.timeout_s:g} s in front of {backend.addr}'s admission check")
+                               f"{backend.admission.wait_s:g} s in front of {backend.addr}'s admission check")
             threading.Thread(target=_cancel_on_backend, args=(backend, refused), daemon=True,
                              name="router-cancel").start()
 
@@ -590,7 +589,7 @@ def _admission_summary(backends: list[Backend], now: float) -> str:
     parts = []
     for b in backends:
         v = b.admission.view(now)
-        stalled = f", no progress for {v['stalled_s']:.1f} s" if v["stalled_s"] > b.admission.wait_budget_s else ""
+        stalled = f", no progress for {v['stalled_s']:.1f} s" if v["stalled_s"] > b.admission.wait_s else ""
         parts.append(f"{b.addr} has {v['waiting']} waiting, ~{v['predicted_wait_s']:.2f} s{stalled}")
     return "; ".join(parts)
 

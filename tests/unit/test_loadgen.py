@@ -92,7 +92,7 @@ def test_overload_results_say_who_refused_each_request():
         return Record(index=i, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=after,
                       error=error, error_code=code)
 
-    recs = [rec(0), rec(1, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: no backend can admit it within 0.4 s: ...", 0.01),
+    recs = [rec(0), rec(1, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: no backend can admit it within 0.6 s: ...", 0.01),
             rec(2, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: waited 0.61 s in front of backend a:1's admission check; "
                                          "refused by the router, retry later [request id: c-2]", 0.7),
             rec(3, "RESOURCE_EXHAUSTED", "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)", 0.2),

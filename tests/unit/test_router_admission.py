@@ -1,5 +1,5 @@
 """Admission in the router (``maskedit_router/admission.py``): an edit goes only to a backend that would reach its
-admission check within the wait budget; when none would, it is refused at once with RESOURCE_EXHAUSTED on its own
+admission check within the admission wait; when none would, it is refused at once with RESOURCE_EXHAUSTED on its own
 stream. No server: the backends' statistics are fed in by hand."""
 
 import time
@@ -51,8 +51,8 @@ def test_waiting_is_what_was_sent_less_what_the_check_finished():
     assert g.predicted_wait_s() == pytest.approx(0.2)
 
 
-def test_the_budget_bounds_the_predicted_wait_not_the_number_waiting():
-    g = _gauge(wait_budget_s=0.5)
+def test_the_admission_wait_bounds_the_predicted_wait_not_the_number_waiting():
+    g = _gauge(wait_s=0.5)
     g.per_request_s = 0.1
     _send(g, 5)  # 5 x 0.1 s = 0.5 s: still within
     assert g.admits(0.0)
@@ -63,8 +63,8 @@ def test_the_budget_bounds_the_predicted_wait_not_the_number_waiting():
 
 
 def test_two_may_always_wait_so_pre_processing_never_idles_for_want_of_work():
-    g = _gauge(wait_budget_s=0.5)
-    g.per_request_s = 2.0  # a slow check: one waiting is already past the budget
+    g = _gauge(wait_s=0.5)
+    g.per_request_s = 2.0  # a slow check: one waiting is already past the admission wait
     _send(g, 1)
     assert g.admits(0.0)  # one in the check, one more may queue behind it
     _send(g, 1)
@@ -83,7 +83,7 @@ def test_until_the_check_s_cost_is_measured_only_the_window_may_wait():
 
 
 def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
-    g = _gauge(wait_budget_s=0.5)
+    g = _gauge(wait_s=0.5)
     g.per_request_s = 0.01
     _send(g, 1, now=10.0)  # nothing waited before: the wait starts now, not at the last statistics
     assert g.admits(10.4) and g.stalled_s(10.4) == pytest.approx(0.4)
@@ -117,8 +117,8 @@ def test_waiting_never_exceeds_the_edits_in_flight_and_a_restart_starts_again():
     assert g.waiting() == 0 and g.admits(0.4)
 
 
-def test_a_budget_of_zero_turns_admission_in_the_router_off():
-    g = _gauge(wait_budget_s=0.0)
+def test_an_admission_wait_of_zero_turns_admission_in_the_router_off():
+    g = _gauge(wait_s=0.0)
     g.per_request_s = 1.0
     _send(g, 20)
     assert g.admits(100.0)
@@ -126,7 +126,7 @@ def test_a_budget_of_zero_turns_admission_in_the_router_off():
 
 # -- the gauge: the backstop ------------------------------------------------------------------------
 def test_edits_behind_the_one_in_the_check_expire_after_the_timeout():
-    g = _gauge(timeout_s=0.6)
+    g = _gauge(wait_s=0.6)
     refused = []
     keys = _send(g, 4, now=0.0, refused=refused)
     g.observe(decided=1, busy_ns=MS, now=0.5)  # r0 passed the check; r1 may be in it; r2, r3 wait behind
@@ -139,7 +139,7 @@ def test_edits_behind_the_one_in_the_check_expire_after_the_timeout():
 
 
 def test_an_edit_the_router_refused_counts_until_the_backend_answers_it():
-    g = _gauge(timeout_s=0.6)
+    g = _gauge(wait_s=0.6)
     keys = _send(g, 3, refused=[])
     assert [k for k, _ in g.expire(1.0)] == keys[1:]
     for k in keys[1:]:
@@ -151,14 +151,14 @@ def test_an_edit_the_router_refused_counts_until_the_backend_answers_it():
 
 
 def test_edits_that_passed_the_check_never_expire():
-    g = _gauge(timeout_s=0.6)
+    g = _gauge(wait_s=0.6)
     keys = _send(g, 3, refused=[])
     g.observe(decided=3, busy_ns=3 * MS, now=0.1)  # all three admitted, now in the denoise loop for a while
     assert g.expire(5.0) == [] and list(g.entries) == keys
 
 
 def test_a_refusal_that_came_too_late_is_taken_back():
-    g = _gauge(timeout_s=0.6)
+    g = _gauge(wait_s=0.6)
     keys = _send(g, 3)
     g.entries[keys[2]].on_expire = lambda: False  # it streamed meanwhile
     (key, refuse), = [d for d in g.expire(1.0) if d[0] == keys[2]]
@@ -168,7 +168,7 @@ def test_a_refusal_that_came_too_late_is_taken_back():
 
 
 def test_a_restart_forgets_the_edits_the_router_refused_there():
-    g = _gauge(timeout_s=0.6)
+    g = _gauge(wait_s=0.6)
     keys = _send(g, 3, refused=[])
     g.expire(1.0)
     g.observe(decided=0, busy_ns=0, now=1.1)  # same count: no restart yet
@@ -192,7 +192,7 @@ def test_counts_read_the_preprocess_model_from_model_statistics():
 @pytest.fixture
 def router():
     est = Estimator(CostModel.fallback())
-    r = server.Router(["a:1", "b:2"], make("least_requests", est), est, admission_wait_s=0.5, admission_timeout_s=0.6)
+    r = server.Router(["a:1", "b:2"], make("least_requests", est), est, admission_wait_s=0.5)
     for b in r.backends.values():
         r.observe_admission(b, 0, 0)
         b.admission.per_request_s = 0.1
@@ -253,7 +253,7 @@ def test_a_refusal_in_the_router_reaches_its_own_caller_with_several_pending(rou
     """EditClient matches an error to its request by the id in its text (tritonclient drops the id field)."""
     session, sent = _session(router, monkeypatch)
     for b in router.backends.values():
-        b.admission.per_request_s = 0.12  # the 0.5 s budget: up to 4 waiting
+        b.admission.per_request_s = 0.12  # a 0.5 s admission wait: up to 4 waiting
     _fill(router, "a:1", 6)
     _fill(router, "b:2", 4)
     session.submit(service_pb2.ModelInferRequest(model_name="edit", id="c-0"))  # b has room for one more
