@@ -4,43 +4,40 @@ refuse on the backend's behalf a request that has waited too long in front of th
 A backend refuses what it cannot queue (its denoise queue is full) at its admission check, the first thing
 pre-processing does (``maskedit.admission``). In front of that check is Triton's queue for the ``preprocess``
 model, which has no bound: when pre-processing falls behind (a busy host), requests wait there and a refusal can
-come seconds after the request was sent. The router sends every request, so it can tell how much waits in front
-of each backend's check:
-
-    waiting(b) = edit requests the router sent to b - requests b's pre-processing has finished (admitted or not)
-
-the second from Triton's own statistics of the ``preprocess`` model (``ModelStatistics``: its success and failure
-counts, kept by Triton in C++ with no Python stub involved), polled every 0.05 s over the backend's gRPC channel;
-the same statistics give what the check costs per request (compute time per request over the recent mix of
-admitted and refused ones). One bound, ``wait_s`` (0.6 s), the longest an edit may wait in front of a check:
+come seconds after the request was sent. The router sends every request, so it can tell which of its requests on a
+backend are still in front of that check (``AdmissionGauge``): pre-processing takes them first come, first served,
+so those past it are always the oldest. It learns how far the check got from Triton's own statistics of the
+``preprocess`` model (``ModelStatistics``: success and failure counts, kept by Triton in C++ with no Python stub
+involved; polled every 0.05 s over the backend's gRPC channel), and sooner from the backend's answers (a refusal at
+the check answers at once; an answered request and every older one are past it). The same statistics give what the
+check costs per request (compute time per request over the recent mix of admitted and refused ones). One bound,
+``wait_s`` (0.6 s), is the longest an edit may wait in front of a check:
 
 1. **Where to send.** A request sent to b now reaches the check after about ``waiting(b) x per_request(b)``. The
-   router sends an edit to b only while that is within ``wait_s``, or fewer than
-   ``min_window`` (2) requests wait (one in the check, one ready behind it, so pre-processing never idles for want
-   of work; also the limit while the check's cost is not measured yet, e.g. on a backend that has not served since
-   the router started), and not while its check has made no progress for longer than ``wait_s`` (a stalled or
-   starved backend: what waits there now will be refused below anyway). When no backend admits, the edit is
-   refused at once with RESOURCE_EXHAUSTED on its own stream. (A tighter budget than ``wait_s`` refused more than
-   it had to: the counts arrive a poll late, and a window of two or three requests then let pre-processing run
-   dry; on this host it served ~15 % less than the router without admission.)
+   router sends an edit to b only while that is within ``wait_s``, or fewer than ``min_window`` (2) requests wait
+   (one in the check, one ready behind it, so pre-processing never idles for want of work; also the limit while
+   the check's cost is not measured yet, e.g. on a backend that has not served since the router started), and not
+   while its check has made no progress for longer than ``wait_s`` (a stalled or starved backend: what waits there
+   now will be refused below anyway). When no backend admits, the edit is refused at once with RESOURCE_EXHAUSTED
+   on its own stream.
 2. **The backstop.** A prediction is only as good as the host: on a starved CPU one pre-processing took 0.9 s where
-   the cost measured just before said 0.05. So the router keeps its edits in flight on each backend in the order it
-   sent them; pre-processing runs them first come, first served, so the newest ``waiting(b)`` of them are those
-   its check has not reached. Any of those, except the oldest (which may be in the check right now), that has
-   waited ``wait_s`` is refused by the router with RESOURCE_EXHAUSTED and cancelled on the backend (the ``cancel``
-   model; pre-processing drops a cancelled request before any work). Every refusal through the router then comes
-   within about ``wait_s`` plus one poll (0.05 s), however slow the backend is.
+   the cost measured just before said 0.05. So any edit still in front of the check, except the oldest (which may
+   be in it right now), that has waited ``wait_s`` is refused by the router with RESOURCE_EXHAUSTED and cancelled
+   on the backend (the ``cancel`` model; pre-processing drops a cancelled request before any work). Every refusal
+   through the router then comes within about ``wait_s`` plus one poll, however slow the backend is.
 
 The backend's own check still decides whether the denoise queue has room; this keeps the queue in front of that
-check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged
-(near capacity), what it would refuse late is refused early. The router's requests keep their order per backend
-stream; requests from other clients (or the health probe) make the backend's count run ahead, which at worst
-exempts a request from the backstop, never refuses one the check has passed.
+check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged, what
+it would refuse late is refused early.
 
-Counting is self-correcting: ``waiting`` is kept between 0 and the router's edits in flight on the backend (a
-restarted backend's counters start again at 0; other clients' requests make its count run ahead), so an error
-never accumulates; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running)
-is admitted as before and nothing on it expires.
+What can go wrong, and which way: decisions the backend counts that are not the router's (the health probe, other
+clients) mark the router's oldest waiting edits as past the check — at worst one is exempt from the backstop, never
+one refused after it passed; a decision learnt from an answer that the count never shows (a request Triton rejected
+before pre-processing) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
+past the check; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running) is
+admitted as before and nothing on it expires. (A first version counted only ``sent - finished``: when younger
+requests were refused at the check and answered before the next poll, the count-based window slid back onto older,
+admitted requests, and the router refused those — late, and wrongly.)
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,70 +58,90 @@ log = logging.getLogger("maskedit.router")
 @dataclass
 class _Sent:
     sent_at: float  # monotonic
-    on_expire: Callable[[], None] | None  # refuses it on its own stream (None: it cannot be refused later)
+    on_expire: Callable[[], bool] | None  # refuses it on its own stream (None: it cannot be refused later)
     expired: bool = False  # refused by the router; still in the backend's queue until the backend answers
+    decided: bool = False  # known to be past the check (admitted or refused there)
 
 
 class AdmissionGauge:
-    """One backend's queue in front of its admission check as the router counts it. Not thread-safe: the router
-    calls it under its lock."""
+    """One backend's queue in front of its admission check as the router sees it: its edits in flight there, in the
+    order sent, each known to be past the check or not. Pre-processing takes them first come, first served, so
+    what passes the check is always the oldest of those not yet past it. Two sources say so: the backend's count
+    of requests its check finished (a poll behind), and the backend's answers — an answer (a refusal at the check,
+    or any other end) means that request and every older one are past the check, and a poll that then counts those
+    decisions must not pass them on to younger requests. Not thread-safe: the router calls it under its lock."""
 
-    def __init__(self, wait_s: float = 0.6, min_window: int = 2, executing: int = 1, alpha: float = 0.1):
+    def __init__(self, wait_s: float = 0.6, min_window: int = 2, executing: int = 1, alpha: float = 0.1,
+                 early_ttl_s: float = 2.0):
         self.wait_s, self.min_window = wait_s, min_window  # wait_s 0: off (the backend decides alone)
         self.executing = executing  # requests the check may be running at once (``preprocess`` instances)
         self.alpha = alpha  # weight of one request's cost in ``per_request_s``
+        self.early_ttl_s = early_ttl_s  # how long a decision learnt from an answer waits for the count to show it
         self.entries: OrderedDict[str, _Sent] = OrderedDict()  # the router's edits on it, in the order sent
+        self.undecided = 0  # entries not known to be past the check
+        self.early: deque = deque()  # times of decisions learnt from answers that the count has not shown yet
         self.sent = 0  # edits the router sent to this backend
         self.decided: int | None = None  # the backend's own count of requests its check finished (None: never seen)
         self.busy_ns = 0  # the backend's own count of time spent in pre-processing, matching ``decided``
-        self.offset = 0  # correction of ``sent - decided`` (see ``_recount``)
         self.per_request_s: float | None = None  # what the check costs per request, recent mix (exponential average)
         self.moved_at = 0.0  # monotonic time the check last made progress, or last had nothing waiting
         self.observed_at: float | None = None  # monotonic time of the latest statistics
 
     # -- counting -------------------------------------------------------------------------------------
     def waiting(self) -> int:
-        """Edits sent that the backend's check has not finished: between 0 and the router's edits on it."""
-        if self.decided is None:
-            return 0
-        return min(len(self.entries), max(0, self.sent - self.decided - self.offset))
+        """Edits sent that the backend's check has not finished (0 until its statistics are seen)."""
+        return self.undecided if self.decided is not None else 0
 
-    def _undecided(self) -> list:
-        """(key, entry) of the edits the check has not reached or is running: the newest ``waiting`` (FIFO)."""
-        w = self.waiting()
-        return list(self.entries.items())[len(self.entries) - w:] if w else []
+    def _pass(self, n: int, now: float, early: bool = False) -> None:
+        """The ``n`` oldest edits not yet past the check are past it (``early``: learnt before the count shows it)."""
+        if n <= 0:
+            return
+        for e in self.entries.values():
+            if n <= 0:
+                break
+            if not e.decided:
+                e.decided, n = True, n - 1
+                self.undecided -= 1
+                if early:
+                    self.early.append(now)
+        self.moved_at = now
 
-    def _recount(self) -> None:
-        """Bring ``sent - decided - offset`` back within [0, edits in flight]: the backend counted requests the
-        router did not send (health probes, other clients), restarted with fresh counters, or answered requests
-        without running them (rejected by Triton before pre-processing)."""
-        w = self.sent - self.decided - self.offset
-        if w < 0:
-            self.offset += w
-        elif w > len(self.entries):
-            self.offset += w - len(self.entries)
-
-    def on_sent(self, key: str, now: float, on_expire: Callable[[], None] | None = None) -> None:
-        if self.decided is not None and self.waiting() == 0:
+    def on_sent(self, key: str, now: float, on_expire: Callable[[], bool] | None = None) -> None:
+        if self.undecided == 0:
             self.moved_at = now  # the check had nothing to do: the new request's wait starts now
         self.sent += 1
         self.entries[key] = _Sent(now, on_expire)
+        self.undecided += 1
 
-    def ended(self, key: str, answered: bool = True) -> None:
-        """``key``'s request is over for the router. One it refused itself (expired) stays counted until the
-        backend answers it (``answered``): it is still in the backend's queue."""
+    def ended(self, key: str, answered: bool = True, now: float | None = None) -> None:
+        """``key``'s request is over for the router. ``answered``: the backend sent its final answer, so it and
+        every older edit are past the check. Otherwise (the router let go of it: retried elsewhere, the client gone,
+        refused by the router) one the router refused (expired) stays counted until the backend answers it: it is
+        still in the backend's queue."""
         e = self.entries.get(key)
-        if e is not None and (answered or not e.expired):
-            del self.entries[key]  # ``waiting`` is capped by the entries at once; the offset moves only on fresh counts
+        if e is None or (not answered and e.expired):
+            return
+        now = time.monotonic() if now is None else now
+        if answered and not e.decided:  # first come, first served: everything sent before it is past the check too
+            older = 0
+            for k, x in self.entries.items():
+                if k == key:
+                    break
+                older += not x.decided
+            self._pass(older + 1, now, early=True)
+        del self.entries[key]
+        if not e.decided:
+            self.undecided -= 1
 
     def observe(self, decided: int, busy_ns: int, now: float) -> None:
         """The backend's statistics: ``decided`` requests finished by its check so far, ``busy_ns`` spent on them."""
         if self.decided is None or decided < self.decided:  # first sight, or a restart (counters from 0)
             for key in [k for k, e in self.entries.items() if e.expired]:
                 del self.entries[key]  # a restarted backend will never answer them
-            self.decided, self.busy_ns, self.moved_at = decided, busy_ns, now
-            self.offset = self.sent - decided  # nothing known to wait
-            self.observed_at = now
+            for e in self.entries.values():
+                e.decided = True  # nothing known to wait
+            self.undecided, self.early = 0, deque()
+            self.decided, self.busy_ns, self.moved_at, self.observed_at = decided, busy_ns, now, now
             return
         n = decided - self.decided
         if n > 0:
@@ -132,19 +149,32 @@ class AdmissionGauge:
             weight = 1.0 - (1.0 - self.alpha) ** n
             self.per_request_s = sample if self.per_request_s is None else \
                 self.per_request_s + weight * (sample - self.per_request_s)
+            while self.early and now - self.early[0] > self.early_ttl_s:
+                self.early.popleft()  # never counted (rejected by Triton before pre-processing): forget it
+            known = min(n, len(self.early))
+            for _ in range(known):
+                self.early.popleft()  # decisions already learnt from answers
+            self._pass(n - known, now)  # more than the router's own: other clients' or the probe's, ignored
             self.moved_at = now
         self.decided, self.busy_ns, self.observed_at = decided, busy_ns, now
-        self._recount()
-        if self.waiting() == 0:
+        if self.undecided == 0:
             self.moved_at = now
 
-    def expire(self, now: float) -> list[tuple[str, Callable[[], None]]]:
+    def expire(self, now: float) -> list[tuple[str, Callable[[], bool]]]:
         """Mark expired, and return (key, refuse), every edit in front of the check, behind the one that may be
-        running, that has waited ``wait_s``. Call right after ``observe`` (fresh counts)."""
+        running, that has waited ``wait_s``, by what the router knows now (the latest count and every answer since).
+        If the check reached one of them within the last poll, it is refused here anyway and the backend drops it
+        (cancelled): a refusal, never a second answer."""
         if self.decided is None or self.wait_s <= 0:
             return []
         out = []
-        for key, e in self._undecided()[self.executing:]:
+        ahead = 0
+        for key, e in self.entries.items():
+            if e.decided:
+                continue
+            ahead += 1
+            if ahead <= self.executing:
+                continue  # it may be in the check right now (and admitted)
             if not e.expired and e.on_expire is not None and now - e.sent_at >= self.wait_s:
                 e.expired = True
                 out.append((key, e.on_expire))
@@ -160,7 +190,9 @@ class AdmissionGauge:
     def predicted_wait_s(self) -> float:
         """How long an edit sent now would wait before the backend's check (0 when not known). Requests the router
         refused there are dropped by the check without work."""
-        live = sum(1 for _, e in self._undecided() if not e.expired)
+        if self.decided is None:
+            return 0.0
+        live = sum(1 for e in self.entries.values() if not e.decided and not e.expired)
         return live * (self.per_request_s or 0.0)
 
     def stalled_s(self, now: float) -> float:
@@ -183,7 +215,8 @@ class AdmissionGauge:
         return {"waiting": self.waiting(), "in_flight": len(self.entries),
                 "per_request_ms": None if self.per_request_s is None else round(self.per_request_s * 1000, 1),
                 "predicted_wait_s": round(self.predicted_wait_s(), 3), "stalled_s": round(self.stalled_s(now), 3),
-                "admits": self.admits(now), "observed": self.decided is not None}
+                "admits": self.admits(now), "observed": self.decided is not None,
+                "counts_age_s": None if self.observed_at is None else round(now - self.observed_at, 3)}
 
 
 def counts(resp, model: str = "preprocess") -> tuple[int, int] | None:
@@ -219,6 +252,8 @@ class AdmissionWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.poll()
+            for b in list(self.r.backends.values()):
+                self.r.expire_admissions(b)
 
     def poll(self) -> None:
         request = service_pb2.ModelStatisticsRequest(name=self.model)

@@ -196,14 +196,24 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         return NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def observe_admission(self, backend: Backend, decided: int, busy_ns: int) -> None:
-        """``backend``'s statistics (``AdmissionWatcher``): its check finished ``decided`` requests so far. Edits
-        that have waited in front of it for the admission timeout are refused here and cancelled on it."""
+        """``backend``'s statistics (``AdmissionWatcher``): its check finished ``decided`` requests so far."""
         now = time.monotonic()
         with self._lock:
             backend.admission.observe(decided, busy_ns, now)
-            due = backend.admission.expire(now)
             wait = backend.admission.predicted_wait_s()
         self.metrics.admission(backend.addr, wait)
+        self.expire_admissions(backend, now)
+
+    def expire_admissions(self, backend: Backend, now: float | None = None) -> None:
+        """Refuse, and cancel on ``backend``, the edits that have waited the admission wait in front of its check
+        (by its latest counts: after every poll answer, and at every poll tick, so a slow answer does not delay
+        them)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = backend.admission.expire(now)
+            age = None if backend.admission.observed_at is None else now - backend.admission.observed_at
+        if not due:
+            return
         refused = []
         for key, refuse in due:
             if refuse():
@@ -215,7 +225,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             for _ in refused:
                 self.metrics.refused("admission_timeout")
             self.refusals.note("admission_timeout", f"{len(refused)} request(s) waited "
-                               f"{backend.admission.wait_s:g} s in front of {backend.addr}'s admission check")
+                               f"{backend.admission.wait_s:g} s in front of {backend.addr}'s admission check "
+                               f"(its counts {age:.2f} s old)")
             threading.Thread(target=_cancel_on_backend, args=(backend, refused), daemon=True,
                              name="router-cancel").start()
 

@@ -102,19 +102,44 @@ def test_requests_the_router_did_not_send_do_not_make_waiting_negative():
     assert g.waiting() == 1  # the next send counts at once, not after the surplus is used up
 
 
-def test_waiting_never_exceeds_the_edits_in_flight_and_a_restart_starts_again():
+def test_edits_the_router_let_go_of_leave_the_count_and_a_restart_starts_again():
     g = _gauge()
     keys = _send(g, 10)
     for k in keys[:6]:
         g.ended(k, answered=False)  # six of them ended on the router's side (e.g. failed over elsewhere)
-    g.observe(decided=2, busy_ns=0, now=0.1)
     assert g.waiting() == 4
+    g.observe(decided=2, busy_ns=0, now=0.1)  # (maybe those six's decisions: taken as the oldest four's)
+    assert g.waiting() == 2
     g.observe(decided=0, busy_ns=0, now=0.2)  # the backend restarted: its counters start at 0
     assert g.waiting() == 0
     _send(g, 1, now=0.3)
     assert g.waiting() == 1
     g.observe(decided=1, busy_ns=MS, now=0.4)
     assert g.waiting() == 0 and g.admits(0.4)
+
+
+def test_an_answer_before_the_next_poll_never_puts_an_admitted_edit_back_in_front_of_the_check():
+    """The race a count-only gauge lost: younger edits refused at the check are answered before the poll counts
+    them; the older, admitted ones (still in flight, in the denoise loop) must stay past the check."""
+    g = _gauge(wait_s=0.6)
+    refused = []
+    a, b, c, d = _send(g, 4, now=0.0, refused=refused)
+    g.observe(decided=2, busy_ns=2 * MS, now=0.1)  # a and b admitted (in flight for seconds)
+    g.ended(d, answered=True, now=0.2)  # d refused at the check: so c is past it too (first come, first served)
+    assert g.waiting() == 0 and g.expire(5.0) == [] and refused == []
+    g.observe(decided=4, busy_ns=4 * MS, now=0.25)  # the poll now counts c and d: already known, nothing more
+    e, = _send(g, 1, now=0.3, refused=refused)
+    assert g.waiting() == 1 and g.expire(5.0) == []  # e is the oldest in front of the check (maybe in it)
+    assert [x for x in g.entries if not g.entries[x].decided] == [e]
+
+
+def test_a_decision_the_count_never_shows_is_forgotten():
+    g = _gauge(early_ttl_s=2.0)
+    x, = _send(g, 1, now=0.0)
+    g.ended(x, answered=True, now=0.0)  # rejected by Triton before pre-processing: never counted
+    y, z = _send(g, 2, now=3.0)
+    g.observe(decided=1, busy_ns=MS, now=3.1)  # y's decision, not x's (that one is 3 s old)
+    assert [k for k in g.entries if not g.entries[k].decided] == [z]
 
 
 def test_an_admission_wait_of_zero_turns_admission_in_the_router_off():
@@ -365,3 +390,18 @@ def _final(rid: str, error: str = ""):
     if not error:
         resp.infer_response.outputs.add(name="IMAGE")
     return resp
+
+
+def test_the_poll_tick_refuses_on_time_even_when_the_backend_s_counts_are_slow_to_come(router, monkeypatch):
+    session, sent = _session(router, monkeypatch)
+    monkeypatch.setattr(server, "_cancel_on_backend", lambda b, ids: None)
+    router.backends["b:2"].load.healthy = False
+    for i in range(2):
+        session.submit(service_pb2.ModelInferRequest(model_name="edit", id=f"c-{i}"))
+    a = router.backends["a:1"]
+    router.expire_admissions(a)  # the latest counts (from the fixture) say neither passed; both are new
+    assert session.out.empty()
+    for e in a.admission.entries.values():
+        e.sent_at -= 1.0
+    router.expire_admissions(a)  # no new counts: the tick alone refuses the one behind the check
+    assert session.out.get_nowait().infer_response.id == "c-1" and session.out.empty()
