@@ -95,6 +95,23 @@ def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dic
     return rows
 
 
+def router_outcomes(topo) -> dict:
+    """What the backends did with the requests the router refused on their behalf (its metrics): ``before_check``
+    (dropped there, as the router counted) or ``after_check`` (the check had reached them: a miscount)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{topo.http_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^maskedit_router_admission_timeout_outcome_total\{[^}]*where="(\w+)"[^}]*\} ([\d.e+]+)$',
+                         text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0) + int(float(m.group(2)))
+    return out
+
+
 def plot(result: dict, runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -153,6 +170,9 @@ def main(argv=None) -> None:
             print(f"{name}: capacity {cap:.2f} req/s; overload at {2 * cap:.2f} req/s", flush=True)
             recs, s2 = capacity.run_at(url, 2 * cap, args.duration, steps=args.steps, seed=2, progress=True)
             result["targets"][name] = judge(recs, s2, 2 * cap, cap)
+            if name == "router":
+                time.sleep(2)  # the backends' answers to what the router refused on their behalf
+                result["targets"][name]["router_refusals_at_backend"] = router_outcomes(topo)
             runs[name] = recs
             print(json.dumps(result["targets"][name]), flush=True)
         if args.ab_pairs:

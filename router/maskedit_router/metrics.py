@@ -32,6 +32,11 @@ class RouterMetrics:
         self.refusals = Counter("maskedit_router_refused_total", "requests the router refused itself "
                                 "(RESOURCE_EXHAUSTED), by reason: admission, inflight_backend, inflight_total",
                                 ["reason"], registry=r)
+        self.refused_on_behalf = Counter("maskedit_router_admission_timeout_outcome_total", "requests the router "
+                                         "refused on a backend's behalf, by what the backend then did with them: "
+                                         "before_check (dropped there, as counted), after_check (it had reached the "
+                                         "check: a refusal the router's count got wrong)", ["backend", "where"],
+                                         registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
 
@@ -53,6 +58,9 @@ class RouterMetrics:
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def refused_late(self, backend: str, where: str) -> None:
+        self.refused_on_behalf.labels(backend, where).inc()
 
     def admission(self, backend: str, wait_s: float) -> None:
         self.admission_wait.labels(backend).set(wait_s)

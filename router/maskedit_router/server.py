@@ -230,10 +230,15 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             threading.Thread(target=_cancel_on_backend, args=(backend, refused), daemon=True,
                              name="router-cancel").start()
 
-    def answered(self, backend: Backend, rid: str) -> None:
+    def answered(self, backend: Backend, rid: str, message: str = "") -> None:
         """``backend`` sent the final answer for ``rid`` (also for a request the router no longer waits for)."""
         with self._lock:
+            e = backend.admission.entries.get(rid)
+            late = e is not None and e.expired
             backend.admission.ended(rid, answered=True)
+        if late:  # refused by the router: was it still in front of the check, as the router counted?
+            self.metrics.refused_late(backend.addr, "before_check" if "cancelled before pre-processing" in message
+                                      else "after_check")
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -420,7 +425,7 @@ class _StreamSession:
         final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
         error = bool(resp.error_message)
         if final or error:
-            self.r.answered(backend, rid)  # the backend is done with it (also one the router refused meanwhile)
+            self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
         with self.lock:  # taken off at once when it ends: the router's admission timeout may not refuse it too
             p = self.pending.pop(rid, None) if final or error else self.pending.get(rid)
             if p is not None and not (final or error):
