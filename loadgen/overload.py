@@ -96,8 +96,9 @@ def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dic
 
 
 def router_outcomes(topo) -> dict:
-    """What the backends did with the requests the router refused on their behalf (its metrics): ``before_check``
-    (dropped there, as the router counted) or ``after_check`` (the check had reached them: a miscount)."""
+    """What the backends did with the requests the router refused on their behalf (its metrics): ``dropped``
+    (cancelled before pre-processing), ``refused_there`` (reached the check first and refused) or ``admitted``
+    (passed the check first: the cancel came late or the router's count was wrong; dropped in the denoise loop)."""
     import urllib.request
 
     try:

@@ -34,8 +34,9 @@ class RouterMetrics:
                                 ["reason"], registry=r)
         self.refused_on_behalf = Counter("maskedit_router_admission_timeout_outcome_total", "requests the router "
                                          "refused on a backend's behalf, by what the backend then did with them: "
-                                         "before_check (dropped there, as counted), after_check (it had reached the "
-                                         "check: a refusal the router's count got wrong)", ["backend", "where"],
+                                         "dropped (cancelled before pre-processing), refused_there (reached the check "
+                                         "first and was refused), admitted (passed the check first)",
+                                         ["backend", "where"],
                                          registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)

@@ -236,9 +236,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             e = backend.admission.entries.get(rid)
             late = e is not None and e.expired
             backend.admission.ended(rid, answered=True)
-        if late:  # refused by the router: was it still in front of the check, as the router counted?
-            self.metrics.refused_late(backend.addr, "before_check" if "cancelled before pre-processing" in message
-                                      else "after_check")
+        if late:  # refused by the router: what did the backend do with it?
+            self.metrics.refused_late(backend.addr, _late_outcome(message))
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -599,6 +598,18 @@ def _add_stats(dst, src) -> None:
         elif fd.label != fd.LABEL_REPEATED and isinstance(val, int) and fd.name != "batch_size":
             cur = getattr(dst, fd.name)
             setattr(dst, fd.name, max(cur, val) if fd.name.startswith("last_") else cur + val)
+
+
+def _late_outcome(message: str) -> str:
+    """What a backend did with a request the router had refused on its behalf, from its final answer: ``dropped``
+    (the cancel reached pre-processing first, as meant), ``refused_there`` (it reached the check before the cancel
+    and was refused there: the router's refusal agreed), ``admitted`` (it passed the check: the cancel came late, or
+    the router's count was wrong; the denoise loop drops it at its next step)."""
+    if "cancelled before pre-processing" in message:
+        return "dropped"
+    if "RESOURCE_EXHAUSTED" in message:
+        return "refused_there"
+    return "admitted"
 
 
 def _admission_summary(backends: list[Backend], now: float) -> str:

@@ -366,7 +366,9 @@ def test_an_edit_left_waiting_in_front_of_the_check_is_refused_on_its_own_stream
         session.on_response(a, _final(rid, f"in ensemble 'edit', CANCELLED: cancelled before pre-processing "
                                            f"[request id: {rid}]"))
     assert session.out.empty() and list(a.admission.entries) == [rids[0]]
-    assert router.metrics.refused_on_behalf.labels("a:1", "before_check")._value.get() == 2  # as the router counted
+    assert router.metrics.refused_on_behalf.labels("a:1", "dropped")._value.get() == 2  # as the router counted
+    assert server._late_outcome("in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full") == "refused_there"
+    assert server._late_outcome("in ensemble 'edit', CANCELLED: cancelled") == "admitted" == server._late_outcome("")
     session.on_response(a, _final(rids[0]))  # c-0 was admitted and is served
     assert session.out.get_nowait().infer_response.id == "c-0" and not a.admission.entries
 
