@@ -30,9 +30,11 @@ The backend's own check still decides whether the denoise queue has room; this k
 check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged, what
 it would refuse late is refused early.
 
-What can go wrong, and which way: decisions the backend counts that are not the router's (the health probe, other
-clients) mark the router's oldest waiting edits as past the check — at worst one is exempt from the backstop, never
-one refused after it passed; a decision learnt from an answer that the count never shows (a request Triton rejected
+What can go wrong, and which way: the check may reach an edit within the last poll, or before the cancel lands,
+and the router refuses one that then passes the check (the denoise loop drops it: wasted work, still one answer;
+counted as ``admitted`` in ``maskedit_router_admission_timeout_outcome_total``); decisions the backend counts that
+are not the router's (the health probe, other clients) mark the router's oldest waiting edits as past the check —
+at worst one is exempt from the backstop; a decision learnt from an answer that the count never shows (a request Triton rejected
 before pre-processing) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
 past the check; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running) is
 admitted as before and nothing on it expires. (A first version counted only ``sent - finished``: when younger
