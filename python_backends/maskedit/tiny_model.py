@@ -203,20 +203,27 @@ def _visible_init(transformer) -> None:
 def generate_transformer(model_dir: Path, seed: int, device, dtype):
     """The transformer of a generated preset, built straight on ``device`` in ``dtype`` from its saved config with
     seeded random weights (seconds for FLUX.1 size on a GPU: no file is read)."""
-    import torch
     from diffusers import FluxTransformer2DModel
 
-    config = FluxTransformer2DModel.load_config(model_dir, subfolder="transformer")
+    return generate(FluxTransformer2DModel, model_dir, "transformer", seed, device, dtype, _visible_init)
+
+
+def generate(model_cls, model_dir: Path, subfolder: str, seed: int, device, dtype, init):
+    """``model_cls`` from ``model_dir/subfolder``'s config, its weights seeded and made on ``device`` in ``dtype``
+    (then ``init(model)``: the presets' visible-edit tweak)."""
+    import torch
+
+    config = model_cls.load_config(model_dir, subfolder=subfolder)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = FluxTransformer2DModel.from_config(config)
+            model = model_cls.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     if torch.device(device).type != "meta":
-        _visible_init(model)
+        init(model)
     return model.eval()
 
 

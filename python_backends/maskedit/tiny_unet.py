@@ -158,18 +158,8 @@ def _visible_init(unet) -> None:
 
 def generate_unet(model_dir: Path, seed: int, device, dtype):
     """The UNet of a generated preset, built on ``device`` in ``dtype`` from its saved config (seeded weights)."""
-    import torch
     from diffusers import UNet2DConditionModel
 
-    config = UNet2DConditionModel.load_config(model_dir, subfolder="unet")
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = UNet2DConditionModel.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    if torch.device(device).type != "meta":
-        _visible_init(model)
-    return model.eval()
+    from .tiny_model import generate
+
+    return generate(UNet2DConditionModel, model_dir, "unet", seed, device, dtype, _visible_init)

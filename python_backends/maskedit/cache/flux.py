@@ -25,7 +25,6 @@ block's forward on that request alone), so padding never reaches attention or th
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,11 +32,12 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks import ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
-from ..device import SideStream, host_empty
+from ..device import host_empty
+from .hooks import BlockHooks, RecordingStream
 
 HOOK_NAME = "maskedit_masked_block"
 FULL, Y, KV, NOCTX = "full", "y", "kv", "noctx"
@@ -101,7 +101,7 @@ class StepContext:
     on_block: Callable[[int], None] | None = None  # told as each block starts (the loader's look-ahead window)
 
 
-class Recorder:
+class Recorder(RecordingStream):
     """Collects a template run's block outputs (and keys/values within budget) for every step, in the model's
     dtype, in host memory (pinned when the model is on a GPU).
 
@@ -111,33 +111,21 @@ class Recorder:
 
     def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int],
                  dtype: torch.dtype = torch.float32, device="cpu"):
-        self.step = 0
-        self._written: set = set()  # (step, kind, slot) put so far: a step retried after a failure counts once
+        self._start_recording(device)
         self.y_slot = {b: i for i, b in enumerate(y_blocks)}
         self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
         # Not zeroed: every slot is written before the rows are read (``complete``, or a step a follower waits for).
         self.y = host_empty((steps, len(y_blocks), tokens, dim), dtype, device)
         self.k = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
         self.v = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
-        self._out = SideStream.shared(device, "record")
-        self._events: list = []  # per finished step: its copies' completion (None on the CPU)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.y, self.k, self.v))
 
     @property
-    def writes(self) -> int:
-        return len(self._written)
-
-    @property
     def complete(self) -> bool:
         return self.writes == self.y.shape[0] * (self.y.shape[1] + self.k.shape[1])
-
-    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self._out.after():
-            dst.copy_(src, non_blocking=True)
-        self._out.keep_alive(src)
 
     def put_y(self, block: int, hidden: torch.Tensor) -> None:
         if block in self.y_slot:
@@ -153,64 +141,19 @@ class Recorder:
         self._copy_out(self.v[self.step, slot], v.flatten(-2))
         self._written.add((self.step, "kv", block))
 
-    def next_step(self) -> None:
-        """The step's rows are all queued: mark them and move on."""
-        self._events.append(self._out.mark())
-        self.step += 1
-
-    def step_event(self, step: int):
-        """Completion of step ``step``'s copies (None on the CPU). Asking for a step not recorded yet is a bug in
-        the caller (``JobCache.ready`` guards it): on a GPU it would read rows still in flight."""
-        if step >= len(self._events):
-            raise RuntimeError(f"step {step} has not been recorded yet ({len(self._events)} steps so far)")
-        return self._events[step]
-
-    def synchronize(self) -> None:
-        if self._events and self._events[-1] is not None:
-            self._events[-1].synchronize()
-
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"y": self.y, "k": self.k, "v": self.v}
 
 
-class FluxCacheHooks:
+class FluxCacheHooks(BlockHooks):
     """Attach / detach the masked-block hooks on a ``FluxTransformer2DModel`` and hold the step context."""
 
-    _ATTR = "_maskedit_cache_hooks"
-
-    @classmethod
-    def of(cls, transformer) -> "FluxCacheHooks":
-        """The hooks attached to ``transformer``, attaching them on first use (several runners and cache
-        runtimes may share one transformer; each block carries the hook once)."""
-        hooks = getattr(transformer, cls._ATTR, None)
-        return hooks if hooks is not None else cls(transformer)
+    HOOK_NAME = HOOK_NAME
 
     def __init__(self, transformer):
-        self.transformer = transformer
-        self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
         self.n_dual = len(transformer.transformer_blocks)
-        self._local = threading.local()
-        for i, block in enumerate(self.blocks):
-            HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedBlockHook(self, i), HOOK_NAME)
-        object.__setattr__(transformer, self._ATTR, self)  # plain attribute: not a submodule of the model
-
-    @property
-    def context(self) -> StepContext | None:
-        return getattr(self._local, "ctx", None)
-
-    def run(self, ctx: StepContext, fn: Callable):
-        """Call ``fn`` (the transformer forward) with ``ctx`` active on this thread."""
-        self._local.ctx = ctx
-        try:
-            return fn()
-        finally:
-            self._local.ctx = None
-
-    def detach(self) -> None:
-        for block in self.blocks:
-            HookRegistry.check_if_exists_or_initialize(block).remove_hook(HOOK_NAME, recurse=False)
-        if getattr(self.transformer, self._ATTR, None) is self:
-            object.__delattr__(self.transformer, self._ATTR)
+        self._attach(transformer, list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks),
+                     MaskedBlockHook)
 
     @property
     def dim(self) -> int:

@@ -23,17 +23,17 @@ Tokens are latent pixels; a block at level ``l`` (the UNet halves the grid ``l``
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks import ModelHook
 
-from ..device import SideStream, host_empty
+from ..device import host_empty
 from .flux import FULL, KV, NOCTX, Y, StepContext, _index
+from .hooks import BlockHooks, RecordingStream
 
 HOOK_NAME = "maskedit_masked_unet_block"
 
@@ -95,38 +95,27 @@ def _shared(get):
     return once
 
 
-class UNetRecorder:
+class UNetRecorder(RecordingStream):
     """A template run's rows per block in the model's dtype, in host memory (pinned on a GPU): ``y.<b>`` of shape
     (steps, R, N_b, D_b) for the recorded blocks' outputs, ``k.<b>`` / ``v.<b>`` for their self-attention keys and
     values. Copies run on the recording stream as for Flux (``cache.flux.Recorder``)."""
 
     def __init__(self, steps: int, r: int, shapes: dict[int, tuple[int, int]], y_blocks: list[int],
                  kv_blocks: list[int], dtype: torch.dtype = torch.float32, device="cpu"):
-        self.step, self.r = 0, r
-        self._written: set = set()
+        self._start_recording(device)
+        self.r = r
         self.y = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in y_blocks}
         self.k = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
         self.v = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
         self.steps = steps
-        self._out = SideStream.shared(device, "record")
-        self._events: list = []
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.y, self.k, self.v) for t in d.values())
 
     @property
-    def writes(self) -> int:
-        return len(self._written)
-
-    @property
     def complete(self) -> bool:
         return self.writes == self.steps * self.r * (len(self.y) + len(self.k))
-
-    def _copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self._out.after():
-            dst.copy_(src, non_blocking=True)
-        self._out.keep_alive(src)
 
     def put_y(self, block: int, slot: int, rows: torch.Tensor) -> None:
         if block in self.y:
@@ -141,19 +130,6 @@ class UNetRecorder:
         self._copy_out(self.v[block][self.step, slot], v)
         self._written.add((self.step, "kv", block, slot))
 
-    def next_step(self) -> None:
-        self._events.append(self._out.mark())
-        self.step += 1
-
-    def step_event(self, step: int):
-        if step >= len(self._events):
-            raise RuntimeError(f"step {step} has not been recorded yet ({len(self._events)} steps so far)")
-        return self._events[step]
-
-    def synchronize(self) -> None:
-        if self._events and self._events[-1] is not None:
-            self._events[-1].synchronize()
-
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {f"y.{b}": t for b, t in self.y.items()}
         out.update({f"k.{b}": t for b, t in self.k.items()})
@@ -161,60 +137,34 @@ class UNetRecorder:
         return out
 
 
-class UNetCacheHooks:
+class UNetCacheHooks(BlockHooks):
     """Attach / detach the masked-block hooks on a ``UNet2DConditionModel``; the blocks' levels and widths."""
 
-    _ATTR = "_maskedit_cache_hooks"
+    HOOK_NAME = HOOK_NAME
     heals = False  # an entry's invalid tokens are not healed: a latent pixel maps to different rows per level
     layout = "per_block"  # entry arrays y.<b> / k.<b> / v.<b> (blocks differ in tokens and width)
 
-    @classmethod
-    def of(cls, unet) -> "UNetCacheHooks":
-        hooks = getattr(unet, cls._ATTR, None)
-        return hooks if hooks is not None else cls(unet)
-
     def __init__(self, unet):
-        self.transformer = unet
-        self.blocks, self.levels, self.group_last = [], [], []
+        blocks, self.levels, self.group_last = [], [], []
         n = len(unet.down_blocks)
         groups = [(a, i) for i, blk in enumerate(unet.down_blocks) for a in getattr(blk, "attentions", None) or []]
         groups += [(a, n - 1) for a in getattr(unet.mid_block, "attentions", None) or []]
         groups += [(a, n - 1 - j) for j, blk in enumerate(unet.up_blocks) for a in getattr(blk, "attentions", None) or []]
         for model, level in groups:  # execution order: down, mid, up; within a model its blocks in order
             for k, block in enumerate(model.transformer_blocks):
-                self.blocks.append(block)
+                blocks.append(block)
                 self.levels.append(level)
                 self.group_last.append(k == len(model.transformer_blocks) - 1)
-        self.dims = [int(b.norm1.normalized_shape[0]) for b in self.blocks]
+        self.dims = [int(b.norm1.normalized_shape[0]) for b in blocks]
         self.n_dual = 0
         # Cost-model kinds: one per level (its blocks share width and token count; calibrated as ``unet-l<level>``).
         self.kinds = [f"unet-l{lv}" for lv in self.levels]
-        self._local = threading.local()
-        for i, block in enumerate(self.blocks):
-            HookRegistry.check_if_exists_or_initialize(block).register_hook(MaskedUNetBlockHook(self, i), HOOK_NAME)
-        object.__setattr__(unet, self._ATTR, self)
+        self._attach(unet, blocks, MaskedUNetBlockHook)
 
     @property
     def dim(self) -> int:
         """The width signature an entry is checked against (``decision.fits``)."""
         return int(sum(self.dims))
-
-    @property
-    def context(self) -> StepContext | None:
-        return getattr(self._local, "ctx", None)
-
-    def run(self, ctx: StepContext, fn: Callable):
-        self._local.ctx = ctx
-        try:
-            return fn()
-        finally:
-            self._local.ctx = None
-
-    def detach(self) -> None:
-        for block in self.blocks:
-            HookRegistry.check_if_exists_or_initialize(block).remove_hook(HOOK_NAME, recurse=False)
-        if getattr(self.transformer, self._ATTR, None) is self:
-            object.__delattr__(self.transformer, self._ATTR)
 
     # -- geometry of one request ---------------------------------------------------------------------
     def shapes(self, grid: tuple[int, int]) -> dict[int, tuple[int, int]]:
