@@ -170,16 +170,7 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
         scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
         tokenizer_2=t5_tok, transformer=transformer,
     )
-    if p.generated_transformer:
-        pipe.transformer = None
-        pipe.register_to_config(transformer=(None, None))
-        pipe.save_pretrained(tmp)
-        transformer.save_config(tmp / "transformer")
-        index = json.loads((tmp / "model_index.json").read_text())
-        index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
-        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
-    else:
-        pipe.save_pretrained(tmp)
+    save(pipe, tmp, "transformer" if p.generated_transformer else None)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 30.0,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
     if p.generated_transformer:
@@ -188,6 +179,22 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # the directory appears complete or not at all
     return out
+
+
+def save(pipe, out: Path, generated: str | None = None) -> None:
+    """``pipe.save_pretrained(out)``; with ``generated`` (a component's name), that component's config only: its
+    weights are generated at load time (``generate``) and ``model_index.json`` still names its class."""
+    if generated is None:
+        pipe.save_pretrained(out)
+        return
+    model = getattr(pipe, generated)
+    setattr(pipe, generated, None)
+    pipe.register_to_config(**{generated: (None, None)})
+    pipe.save_pretrained(out)
+    model.save_config(out / generated)
+    index = json.loads((out / "model_index.json").read_text())
+    index[generated] = ["diffusers", type(model).__name__]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
 
 
 def _visible_init(transformer) -> None:

@@ -83,7 +83,7 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
                            StableDiffusionXLInpaintPipeline, UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from .tiny_model import _train_tokenizers
+    from .tiny_model import _train_tokenizers, save
 
     p = UNET_PRESETS[preset]
     out = Path(out_dir)
@@ -125,16 +125,7 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
             vae=vae, text_encoder=clip(p.text_dims[0], False), tokenizer=tok, unet=unet,
             scheduler=DDIMScheduler(**sched_args, clip_sample=False, set_alpha_to_one=False),
             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    if p.generated_unet:
-        pipe.unet = None
-        pipe.register_to_config(unet=(None, None))
-        pipe.save_pretrained(tmp)
-        unet.save_config(tmp / "unet")
-        index = json.loads((tmp / "model_index.json").read_text())
-        index["unet"] = ["diffusers", "UNet2DConditionModel"]
-        (tmp / "model_index.json").write_text(json.dumps(index, indent=2))
-    else:
-        pipe.save_pretrained(tmp)
+    save(pipe, tmp, "unet" if p.generated_unet else None)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 7.5, "max_sequence_length": 77,
                "preset": preset, "seed": seed}
     if p.generated_unet:
