@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -159,6 +160,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         x.status = int(h.raw_value or h.value or 0)
                 yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
             elif kind == "response_body":
+                if x.ticket is not None and req.response_body.body:
+                    # the pod answered through the gateway: alive, as the router's own streams count answers
+                    # (else the health checker probes a busy pod whose traffic it cannot see)
+                    x.ticket.backend.last_answer = time.monotonic()
                 yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
                     body_mutation=streamed_body(req.response_body.body, req.response_body.end_of_stream))))
             elif kind == "response_trailers":

@@ -59,10 +59,15 @@ class Estimator:
     def request_ms(self, f: EditFeatures, cached: bool) -> float:
         steps = f.steps or self.default_steps
         n = f.tokens
-        c = max(1, int(round(f.mask_ratio * n))) if cached else n
-        mode = "kv" if cached else "full"
-        per_step = sum(self.cost.block_ms(k, mode, n, c, self.text, self.dim)
-                       for k in ["dual"] * self.dual + ["single"] * self.single)
+        c = max(1, int(round(f.mask_ratio * n)))
+
+        def block(kind: str) -> float:
+            full = self.cost.block_ms(kind, "full", n, n, self.text, self.dim)
+            # The engine's planner never runs a block from the cache slower than computing it in full: a fit
+            # extrapolated past its calibrated sizes must not make a cache hit look dearer than a miss.
+            return min(full, self.cost.block_ms(kind, "kv", n, c, self.text, self.dim)) if cached else full
+
+        per_step = sum(block(k) for k in ["dual"] * self.dual + ["single"] * self.single)
         return self.scale * steps * per_step
 
     def observe(self, predicted_ms: float, observed_ms: float, predicted_scale: float | None = None,
@@ -163,7 +168,9 @@ class PredictedLatency(Policy):
         if self.est.stale:  # the cost model is off: a score that does not use it
             return LeastMaskedTokens().choose(backends, f)
         now = time.monotonic()
-        best = min(backends, key=lambda b: (self.score(b, f, now), b.inflight, b.name))
+        # on equal predictions the backend holding the template wins: its cache entry stays in use
+        best = min(backends, key=lambda b: (self.score(b, f, now), not b.holds(f.template_key, now), b.inflight,
+                                            b.name))
         least = min(backends, key=lambda b: (b.backlog_ms, b.inflight, b.name))
         if best is not least and best.backlog_ms - least.backlog_ms > self.abs_gate_ms and \
                 best.backlog_ms > self.rel_gate * max(least.backlog_ms, 1.0):

@@ -23,7 +23,8 @@ def test_full_plan_ceiling_is_one_and_masked_plans_are_faster():
     timer = KernelTimer(heads=2, reps=2)
     modes = [FULL] * 3
     assert timer.ceiling_speedup(modes, 1, 256, 256, 16, 32) == pytest.approx(1.0)
-    assert timer.ceiling_speedup([KV] * 3, 1, 256, 16, 16, 32) > 1.0
+    # sizes where full computation is ~60x the masked work, so a loaded host's timing noise cannot flip it
+    assert timer.ceiling_speedup([KV] * 3, 1, 1024, 16, 16, 64) > 1.0
 
 
 def test_streamed_weights_cycle_through_a_pool(monkeypatch):

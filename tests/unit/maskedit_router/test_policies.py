@@ -93,3 +93,28 @@ def test_refit_of_a_burst_does_not_compound():
     for _ in range(20):
         e.observe(p, 2 * p, predicted_scale=1.0, alpha=0.3)
     assert e.scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_hit_is_never_predicted_dearer_than_a_miss_even_past_the_calibrated_sizes():
+    """A profile whose full-block fit is one calibrated size (a constant) extrapolated the KV fit past it and
+    predicted a hit at 4096 tokens above a miss: affinity then sent every repeat of a template elsewhere."""
+    from maskedit_common.cost_model import LinearFit
+
+    const, slope = LinearFit([16.0, 0.0, 0.0, 0.0], 1.0), LinearFit([1.0, 7.0, 0.0, 8.0], 1.0)
+    est = Estimator(CostModel(compute={k: {"full": const, "kv": slope} for k in ("dual", "single")}))
+    big = EditFeatures("tplA", 0.2, 4096, 2)
+    assert est.request_ms(big, cached=True) <= est.request_ms(big, cached=False)
+    bs = loads(0.0, 0.0, templates=[1])  # equal predictions: the backend holding the template keeps it
+    assert PredictedLatency(est).choose(bs, big).name == "b1"
+
+
+def test_the_routers_default_profile_predicts_a_hit_cheaper_on_its_own_token_grid():
+    from maskedit_router.__main__ import build
+
+    router = build(["10.0.0.1:8001"])
+    assert router.resolution == router.est.cost.meta["resolution"]  # masks measured on the profiled grid
+    ratio, n = mask_ratio(png(np.pad(np.full((51, 256), 255, np.uint8), ((0, 205), (0, 0)))), router.resolution)
+    f = EditFeatures("tplA", ratio, n, 8)
+    assert router.est.request_ms(f, cached=True) < 0.7 * router.est.request_ms(f, cached=False)
+    for b in router.backends.values():
+        b.close()
