@@ -11,12 +11,14 @@ so those past it are always the oldest. It learns how far the check got from Tri
 involved; polled every 0.05 s over the backend's gRPC channel), and sooner from the backend's answers (a refusal at
 the check answers at once; an answered request and every older one are past it). The same statistics give what the
 check costs per request (compute time per request over the recent mix of admitted and refused ones). One bound,
-``wait_s`` (0.6 s), is the longest an edit may wait in front of a check:
+``wait_s`` (0.6 s), is the longest an edit may wait in front of a check — while the backend is refusing (it
+answered RESOURCE_EXHAUSTED within ``refusing_s``, 5 s). A backend that admits what reaches it is left alone however
+long its queue: what waits there will be served, and refusing it would turn away work with capacity free.
 
 1. **Where to send.** A request sent to b now reaches the check after about ``waiting(b) x per_request(b)``. The
    router sends an edit to b only while that is within ``wait_s``, or fewer than ``min_window`` (2) requests wait
-   (one in the check, one ready behind it, so pre-processing never idles for want of work; also the limit while
-   the check's cost is not measured yet, e.g. on a backend that has not served since the router started), and not
+   (one in the check, one ready behind it, so pre-processing never idles for want of work), or the check's cost is
+   not measured yet (the backstop bounds those), and not
    while its check has made no progress for longer than ``wait_s`` (a stalled or starved backend: what waits there
    now will be refused below anyway). When no backend admits, the edit is refused at once with RESOURCE_EXHAUSTED
    on its own stream.
@@ -74,7 +76,7 @@ class AdmissionGauge:
     decisions must not pass them on to younger requests. Not thread-safe: the router calls it under its lock."""
 
     def __init__(self, wait_s: float = 0.6, min_window: int = 2, executing: int = 1, alpha: float = 0.1,
-                 early_ttl_s: float = 2.0):
+                 early_ttl_s: float = 2.0, refusing_s: float = 5.0):
         self.wait_s, self.min_window = wait_s, min_window  # wait_s 0: off (the backend decides alone)
         self.executing = executing  # requests the check may be running at once (``preprocess`` instances)
         self.alpha = alpha  # weight of one request's cost in ``per_request_s``
@@ -88,6 +90,8 @@ class AdmissionGauge:
         self.per_request_s: float | None = None  # what the check costs per request, recent mix (exponential average)
         self.moved_at = 0.0  # monotonic time the check last made progress, or last had nothing waiting
         self.observed_at: float | None = None  # monotonic time of the latest statistics
+        self.refusing_s = refusing_s  # how long after the backend's last refusal it counts as refusing
+        self.refused_at = float("-inf")  # monotonic time the backend last refused a request (RESOURCE_EXHAUSTED)
 
     # -- counting -------------------------------------------------------------------------------------
     def waiting(self) -> int:
@@ -162,12 +166,22 @@ class AdmissionGauge:
         if self.undecided == 0:
             self.moved_at = now
 
+    def backend_refused(self, now: float) -> None:
+        """The backend answered a request with RESOURCE_EXHAUSTED (its denoise queue is full)."""
+        self.refused_at = now
+
+    def refusing(self, now: float) -> bool:
+        """The backend refused a request within ``refusing_s``: what waits in front of its check may be refused
+        there too. While it admits everything, what waits will be served, however long it waits: the router then
+        refuses nothing on its behalf."""
+        return now - self.refused_at <= self.refusing_s
+
     def expire(self, now: float) -> list[tuple[str, Callable[[], bool]]]:
         """Mark expired, and return (key, refuse), every edit in front of the check, behind the one that may be
         running, that has waited ``wait_s``, by what the router knows now (the latest count and every answer since).
         If the check reached one of them within the last poll, it is refused here anyway and the backend drops it
-        (cancelled): a refusal, never a second answer."""
-        if self.decided is None or self.wait_s <= 0:
+        (cancelled): a refusal, never a second answer. Only while the backend is refusing."""
+        if self.decided is None or self.wait_s <= 0 or not self.refusing(now):
             return []
         out = []
         ahead = 0
@@ -202,22 +216,20 @@ class AdmissionGauge:
         return max(0.0, now - self.moved_at) if self.waiting() > 0 else 0.0
 
     def admits(self, now: float) -> bool:
-        if self.decided is None or self.wait_s <= 0:
-            return True  # never observed, or admission in the router is off: the backend decides alone
+        if self.decided is None or self.wait_s <= 0 or not self.refusing(now):
+            return True  # never observed, admission in the router off, or a backend that admits what reaches it
         if self.stalled_s(now) > self.wait_s:
             return False
-        if self.waiting() < self.min_window:
-            return True
-        # what the check costs is not measured yet (a backend that has not served since the router started):
-        # no more than the window, or a burst at start-up would all queue behind a cold pre-processing
-        return self.per_request_s is not None and self.predicted_wait_s() <= self.wait_s
+        if self.waiting() < self.min_window or self.per_request_s is None:
+            return True  # (cost not measured yet: the backstop bounds what waits)
+        return self.predicted_wait_s() <= self.wait_s
 
     def view(self, now: float) -> dict:
         """For /health and the refusal message."""
         return {"waiting": self.waiting(), "in_flight": len(self.entries),
                 "per_request_ms": None if self.per_request_s is None else round(self.per_request_s * 1000, 1),
                 "predicted_wait_s": round(self.predicted_wait_s(), 3), "stalled_s": round(self.stalled_s(now), 3),
-                "admits": self.admits(now), "observed": self.decided is not None,
+                "admits": self.admits(now), "refusing": self.refusing(now), "observed": self.decided is not None,
                 "counts_age_s": None if self.observed_at is None else round(now - self.observed_at, 3)}
 
 

@@ -236,6 +236,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             e = backend.admission.entries.get(rid)
             late = e is not None and e.expired
             backend.admission.ended(rid, answered=True)
+            if "RESOURCE_EXHAUSTED" in message:  # refused there (its denoise queue is full)
+                backend.admission.backend_refused(time.monotonic())
         if late:  # refused by the router: what did the backend do with it?
             self.metrics.refused_late(backend.addr, _late_outcome(message))
 
@@ -330,6 +332,9 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
+                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                    with self._lock:
+                        t.backend.admission.backend_refused(time.monotonic())
                 fault = backend_fault(e.details())
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
                     context.abort(e.code(), e.details())

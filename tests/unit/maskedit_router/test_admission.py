@@ -22,9 +22,12 @@ EDIT = EditFeatures("t", 0.2, 256, 8)
 MS = 1_000_000  # nanoseconds
 
 
-def _gauge(**kw) -> AdmissionGauge:
+def _gauge(refusing: bool = True, **kw) -> AdmissionGauge:
+    """A gauge that has seen its backend's counts, and (``refusing``) a backend that refuses requests."""
     g = AdmissionGauge(**kw)
     g.observe(decided=0, busy_ns=0, now=0.0)
+    if refusing:
+        g.refused_at = float("inf")  # it refuses, whatever the test's clock says
     return g
 
 
@@ -71,15 +74,22 @@ def test_two_may_always_wait_so_pre_processing_never_idles_for_want_of_work():
     assert not g.admits(0.0)
 
 
-def test_until_the_check_s_cost_is_measured_only_the_window_may_wait():
+def test_until_the_check_s_cost_is_measured_the_backstop_alone_bounds_the_wait():
     g = _gauge()
-    _send(g, 1)
-    assert g.admits(0.0)
-    _send(g, 1)
-    assert not g.admits(0.0)  # a cold backend: a burst does not all queue behind its first pre-processing
-    g.observe(decided=1, busy_ns=20 * MS, now=0.1)
-    _send(g, 1, now=0.1)
-    assert g.waiting() == 2 and g.admits(0.1)  # 2 x 20 ms
+    _send(g, 5)
+    assert g.admits(0.0)  # not refused at once on a guess (a burst at start-up on an idle system is served)
+    g.observe(decided=1, busy_ns=200 * MS, now=0.1)
+    assert not g.admits(0.1)  # 4 x 0.2 s
+
+
+def test_a_backend_that_admits_everything_is_left_alone_however_long_its_queue():
+    g = _gauge(refusing=False, wait_s=0.6)
+    g.per_request_s = 0.5
+    _send(g, 6, refused=[])
+    assert g.admits(10.0) and g.expire(10.0) == []  # what waits there will be served, not refused
+    g.backend_refused(10.0)  # it refused one (its denoise queue is full): now what waits may be refused there too
+    assert not g.admits(10.0) and len(g.expire(10.0)) == 5
+    assert g.refusing(15.0) and not g.refusing(15.1)  # 5 s after its last refusal it counts as admitting again
 
 
 def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
@@ -221,6 +231,7 @@ def router():
     for b in r.backends.values():
         r.observe_admission(b, 0, 0)
         b.admission.per_request_s = 0.1
+        b.admission.refused_at = float("inf")  # both refuse requests (their denoise queues are full)
     yield r
     for b in r.backends.values():
         b.close()
@@ -362,9 +373,13 @@ def test_an_edit_left_waiting_in_front_of_the_check_is_refused_on_its_own_stream
     assert cancelled == [("a:1", rids[1:])]
     assert list(session.pending) == [rids[0]] and a.load.inflight == 1
     # the backend answers them later (pre-processing dropped them): nothing reaches the client, the count clears
+    a.admission.refused_at = float("-inf")
     for rid in rids[1:]:
         session.on_response(a, _final(rid, f"in ensemble 'edit', CANCELLED: cancelled before pre-processing "
                                            f"[request id: {rid}]"))
+    assert not a.admission.refusing(time.monotonic())  # a cancel is no refusal
+    session.on_response(a, _final("other", "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full"))
+    assert a.admission.refusing(time.monotonic())  # a refusal at its check is
     assert session.out.empty() and list(a.admission.entries) == [rids[0]]
     assert router.metrics.refused_on_behalf.labels("a:1", "dropped")._value.get() == 2  # as the router counted
     assert server._late_outcome("in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full") == "refused_there"
