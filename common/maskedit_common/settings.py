@@ -191,7 +191,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_MAX_SEQUENCE_LENGTH", "max_sequence_length", int, "T5 tokens of a prompt; longer ones are refused"),
     Var("MASKEDIT_MODEL_VERSION", "model_version", str, "a version string added to the cache key's model "
         "fingerprint (the configs and the weight files' names, sizes and mtimes)", "none"),
-    Var("MASKEDIT_COST_PROFILE", "cost_profile", Path, "the engine's cost-model profile (a file)",
+    Var("MASKEDIT_COST_PROFILE", "cost_profile", Path,
+        "the cost-model profile (a file) the engine plans with and the router predicts with",
         "`cost_model_<model>[_<gpu>].json` in the profiles directory"),
     Var("MASKEDIT_PROFILES_DIR", "profiles_dir", Path, "where cost profiles are found and calibration writes them; "
         "the router's default profile is the benchmark model's there",

@@ -59,7 +59,7 @@ def resolve(sink: list) -> list[tuple[int, float]]:
     return [(i, 1000.0 * seconds_between(a, b, wait=True)) for i, a, b in sink]
 
 
-def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
+def measure(h: Harness, reps: int = 2) -> tuple[dict, dict, dict]:
     base = h.register()
     n = base.latents.shape[0]
     text = base.prompt_embeds.shape[0]
@@ -131,7 +131,23 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict]:
             f.read(nbytes)
         loads["disk"].append((nbytes, (time.perf_counter() - t0) * 1000.0))
     disk_copy.unlink()
-    return samples_, loads
+    return samples_, loads, shape(h, base, kinds, text)
+
+
+def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
+    """The model's blocks as the router predicts with them (it imports no model): runs of equal blocks as
+    [kind, count, tokens, width] at the calibrated resolution (a UNet's tokens per level, both guidance rows
+    counted), the text tokens, and the image tokens of the router's 16-pixel grid at that resolution (its unit)."""
+    n = base.latents.shape[0]
+    sizes = _unet_sizes(h, base, None, FULL) if h.runner.unet else [(n, n)] * len(kinds)
+    dims = getattr(h.hooks, "dims", None) or [h.hooks.dim] * len(kinds)
+    runs: list[list] = []
+    for kind, (tokens, _), dim in zip(kinds, sizes, dims):
+        if runs and runs[-1][0] == kind and runs[-1][2:] == [int(tokens), int(dim)]:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1, int(tokens), int(dim)])
+    return {"blocks": runs, "text": int(text), "grid_tokens": (h.settings.resolution // 16) ** 2}
 
 
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:
@@ -171,8 +187,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype)
-    samples_, loads = measure(h)
-    model = fit(samples_, loads, {
+    samples_, loads, structure = measure(h)
+    model = fit(samples_, loads, {**structure,
         "model_dir": str(h.settings.model_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "threads": torch.get_num_threads(), "device": h.settings.torch_device, "resolution": h.settings.resolution,
         "dtype": h.settings.dtype, "hardware": device_slug(h.runner.device),

@@ -32,13 +32,22 @@ from .openai_api import OpenAIServer
 from .picker import EndpointPicker, serve_picker
 from .server import CHANNEL_OPTIONS, Router
 
-PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile the router predicts with unless told otherwise
+PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
 
 
 def default_profile() -> Path:
-    """The benchmark model's CPU cost profile in the profiles directory (``MASKEDIT_PROFILES_DIR``; in a source
-    checkout and in the container, ``perf_profiles/``)."""
-    return load_settings().profile_path("cpu", PROFILED_MODEL)
+    """The cost profile the router predicts with, found as the backends find theirs (the same settings):
+    ``MASKEDIT_COST_PROFILE`` if set; else the served model's (``MASKEDIT_MODEL_DIR``'s name) in the profiles
+    directory, a GPU's before the CPU's; else the benchmark model's CPU profile, which ships with the project (the
+    online refit then scales it to what the backends take)."""
+    s = load_settings()
+    if s.cost_profile:
+        return Path(s.cost_profile)
+    name = Path(s.model_dir).name
+    for path in [*sorted(s.profiles.glob(f"cost_model_{name}_*.json")), s.profile_path("cpu", name)]:
+        if path.exists():
+            return path
+    return s.profile_path("cpu", PROFILED_MODEL)
 
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
@@ -103,8 +112,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-target-port", type=int, help="the same for HTTP requests (Triton's HTTP port)")
     ap.add_argument("--policy", default="predicted",
                     choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
-    ap.add_argument("--profile", type=Path, help="cost-model profile (default: the benchmark model's CPU profile "
-                    "in MASKEDIT_PROFILES_DIR)")
+    ap.add_argument("--profile", type=Path, help="cost-model profile (default: MASKEDIT_COST_PROFILE, else the served "
+                    "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
     ap.add_argument("--admission-wait-s", type=float, default=0.6, help="the longest an edit may wait in front of a "

@@ -56,18 +56,30 @@ class Estimator:
     stale_error: float = math.log(4.0)
     observations: int = 0
 
+    def __post_init__(self):
+        # The served model's blocks as its profile recorded them: runs of [kind, count, tokens, width], the tokens
+        # relative to the image tokens of the router's grid, so any model family (Flux's blocks all at the image's
+        # tokens, a UNet's per level with both guidance rows) is predicted without importing it. A profile
+        # without them: ``dual`` + ``single`` Flux blocks of width ``dim`` at the image's tokens.
+        meta = self.cost.meta
+        if meta.get("blocks") and meta.get("grid_tokens"):
+            self.blocks = [(str(k), int(cnt), tokens / meta["grid_tokens"], int(d)) for k, cnt, tokens, d in
+                           meta["blocks"]]
+            self.text = int(meta.get("text", self.text))
+        else:
+            self.blocks = [("dual", self.dual, 1.0, self.dim), ("single", self.single, 1.0, self.dim)]
+
     def request_ms(self, f: EditFeatures, cached: bool) -> float:
         steps = f.steps or self.default_steps
-        n = f.tokens
-        c = max(1, int(round(f.mask_ratio * n)))
-
-        def block(kind: str) -> float:
-            full = self.cost.block_ms(kind, "full", n, n, self.text, self.dim)
+        per_step = 0.0
+        for kind, count, share, dim in self.blocks:
+            n = max(1, int(round(share * f.tokens)))
+            # (a UNet's coarser levels see a mask a little dilated; the online refit absorbs that)
+            c = max(1, int(round(f.mask_ratio * n)))
+            full = self.cost.block_ms(kind, "full", n, n, self.text, dim)
             # The engine's planner never runs a block from the cache slower than computing it in full: a fit
             # extrapolated past its calibrated sizes must not make a cache hit look dearer than a miss.
-            return min(full, self.cost.block_ms(kind, "kv", n, c, self.text, self.dim)) if cached else full
-
-        per_step = sum(block(k) for k in ["dual"] * self.dual + ["single"] * self.single)
+            per_step += count * (min(full, self.cost.block_ms(kind, "kv", n, c, self.text, dim)) if cached else full)
         return self.scale * steps * per_step
 
     def observe(self, predicted_ms: float, observed_ms: float, predicted_scale: float | None = None,

@@ -118,3 +118,31 @@ def test_the_routers_default_profile_predicts_a_hit_cheaper_on_its_own_token_gri
     assert router.est.request_ms(f, cached=True) < 0.7 * router.est.request_ms(f, cached=False)
     for b in router.backends.values():
         b.close()
+
+
+def test_a_profiles_blocks_set_what_the_estimator_sums():
+    """A UNet's blocks per level (tokens relative to the router's 16-px grid, both guidance rows): the prediction
+    sums each run's blocks at its own token count."""
+    meta = {"blocks": [["unet-l1", 2, 512, 64], ["unet-l2", 4, 128, 128]], "grid_tokens": 256, "text": 154}
+    est = Estimator(CostModel(meta=meta, fallback_flops_per_ms=2e7))
+    assert est.blocks == [("unet-l1", 2, 2.0, 64), ("unet-l2", 4, 0.5, 128)] and est.text == 154
+    f = EditFeatures("t", 0.25, 256, 1)
+    want = 2 * est.cost.block_ms("unet-l1", "full", 512, 512, 154, 64) + \
+        4 * est.cost.block_ms("unet-l2", "full", 128, 128, 154, 128)
+    assert est.request_ms(f, cached=False) == pytest.approx(want)
+    assert est.request_ms(f, cached=True) < want
+
+
+def test_the_router_finds_the_served_models_profile_as_the_backends_do(tmp_path, monkeypatch):
+    from maskedit_router.__main__ import default_profile
+
+    monkeypatch.setenv("MASKEDIT_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setenv("MASKEDIT_MODEL_DIR", str(tmp_path / "models" / "my-model"))
+    monkeypatch.delenv("MASKEDIT_COST_PROFILE", raising=False)
+    assert default_profile().name == "cost_model_bench-flux-fill.json"  # nothing of its own: the shipped one
+    (tmp_path / "cost_model_my-model.json").write_text("{}")
+    assert default_profile() == tmp_path / "cost_model_my-model.json"
+    (tmp_path / "cost_model_my-model_h100.json").write_text("{}")
+    assert default_profile() == tmp_path / "cost_model_my-model_h100.json"  # a GPU's before the CPU's
+    monkeypatch.setenv("MASKEDIT_COST_PROFILE", str(tmp_path / "x.json"))
+    assert default_profile() == tmp_path / "x.json"
