@@ -170,6 +170,13 @@ class AdmissionGauge:
         """The backend answered a request with RESOURCE_EXHAUSTED (its denoise queue is full)."""
         self.refused_at = now
 
+    def refused_for(self, now: float) -> None:
+        """The router refused a request on this backend's behalf. That keeps it refusing: while the router refuses
+        what would queue in front of the check, the backend itself refuses little or nothing, and a state that
+        lapsed after ``refusing_s`` without the backend's own refusals let the queue grow back in sustained
+        overload (measured: a burst of refusals 1.7-3.2 s late, 58 s into a 2x run)."""
+        self.refused_at = max(self.refused_at, now)
+
     def refusing(self, now: float) -> bool:
         """The backend refused a request within ``refusing_s``: what waits in front of its check may be refused
         there too. While it admits everything, what waits will be served, however long it waits: the router then

@@ -179,6 +179,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             if edit:
                 admitting = [b for b in open_ if b.admission.admits(now)]
                 if not admitting:
+                    for b in open_:
+                        b.admission.refused_for(now)
                     raise self._refuse("admission", "no backend can admit it within "
                                        f"{self.admission['wait_s']:g} s: " + _admission_summary(open_, now))
                 open_ = admitting
@@ -222,6 +224,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 with self._lock:
                     backend.admission.unexpire(key)
         if refused:
+            with self._lock:
+                backend.admission.refused_for(now)
             for _ in refused:
                 self.metrics.refused("admission_timeout")
             self.refusals.note("admission_timeout", f"{len(refused)} request(s) waited "

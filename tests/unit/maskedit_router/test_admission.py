@@ -92,6 +92,17 @@ def test_a_backend_that_admits_everything_is_left_alone_however_long_its_queue()
     assert g.refusing(15.0) and not g.refusing(15.1)  # 5 s after its last refusal it counts as admitting again
 
 
+def test_refusing_lasts_while_the_router_refuses_on_the_backends_behalf():
+    """In sustained overload the router's refusals keep the backend from refusing itself: they must keep it
+    refusing too, or the queue in front of its check grows back and its refusals come late."""
+    g = _gauge(refusing=False)
+    g.backend_refused(10.0)
+    g.refused_for(14.0)
+    assert g.refusing(18.5) and not g.refusing(19.1)
+    g.refused_for(12.0)  # an older refusal does not shorten it
+    assert g.refusing(18.5)
+
+
 def test_a_check_that_makes_no_progress_closes_the_backend_until_it_does():
     g = _gauge(wait_s=0.5)
     g.per_request_s = 0.01
@@ -261,6 +272,17 @@ def test_an_edit_is_refused_at_once_when_no_backend_can_admit_it(router):
     assert router.route(EditFeatures(None, 0.0, 0, None)).backend  # a call that runs no edit is not gated
     router.observe_admission(router.backends["b:2"], 3, 3 * 100 * MS)  # b's check moved on: room again
     assert router.route(EDIT).backend.addr == "b:2"
+
+
+def test_a_refusal_in_the_router_keeps_the_backends_refusing(router):
+    t0 = time.monotonic()
+    for b in router.backends.values():
+        b.admission.refused_at = t0 - 4.0  # their last refusal of their own, 4 s ago
+    _fill(router, "a:1", 6)
+    _fill(router, "b:2", 6)
+    with pytest.raises(server.NoBackend):
+        router.route(EDIT)
+    assert all(b.admission.refused_at >= t0 for b in router.backends.values())
 
 
 def _session(router, monkeypatch):
