@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--template", required=True, type=Path)
     ap.add_argument("--mask", required=True, type=Path, help="white = edit")
     ap.add_argument("--prompt", required=True)
+    ap.add_argument("--negative-prompt", help="SD 2 / SDXL models: what to steer away from")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         with EditClient(args.url, timeout_s=args.timeout) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
-                                 deadline_ms=args.deadline_ms)
+                                 deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)

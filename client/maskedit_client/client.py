@@ -190,12 +190,16 @@ class EditClient:
     def submit(self, template, mask, prompt: str, seed: int | None = None, steps: int | None = None,
                guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
-               on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None) -> Future:
+               on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
+               negative_prompt: str | None = None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
-        ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each."""
+        ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
+        ``negative_prompt``: SD 2 / SDXL models (what to steer away from); Flux models refuse it."""
         inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
                   _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
+        if negative_prompt is not None:
+            inputs.append(_bytes_input("NEGATIVE_PROMPT", negative_prompt.encode()))
         if seed is not None:
             inputs.append(_scalar_input("SEED", seed, "INT64", np.int64))
         if steps is not None:

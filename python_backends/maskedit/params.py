@@ -23,6 +23,7 @@ class EditParams:
     use_cache: bool = True  # False: full computation, nothing read from or written to the activation cache
     deadline_ms: int | None = None  # finish within this many ms of arrival, or fail with DEADLINE_EXCEEDED
     progress: bool = False  # stream "step i of N" responses before the image
+    negative_prompt: str = ""  # SD 2 / SDXL: the guidance's negative row (their pipelines' ``negative_prompt``)
 
 
 def parse_params(
@@ -37,16 +38,12 @@ def parse_params(
     use_cache: bool | None = None,
     deadline_ms: int | None = None,
     progress: bool | None = None,
+    negative_prompt: bytes | str | None = None,
 ) -> EditParams:
-    if isinstance(prompt, bytes):
-        try:
-            prompt = prompt.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput("is not valid UTF-8 text", "PROMPT") from None
+    prompt = _text(settings, prompt, "PROMPT")
     if not prompt.strip():
         raise InvalidInput("is empty; describe the edit", "PROMPT")
-    if len(prompt) > settings.max_prompt_chars:
-        raise InvalidInput(f"has {len(prompt)} characters, above the limit of {settings.max_prompt_chars}", "PROMPT")
+    negative_prompt = _text(settings, negative_prompt or "", "NEGATIVE_PROMPT")
     seed = 0 if seed is None else int(seed)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {seed}", "SEED")
@@ -66,4 +63,15 @@ def parse_params(
     return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output),
                       template_seed=template_seed, register=bool(register),
                       use_cache=True if use_cache is None else bool(use_cache), deadline_ms=deadline_ms,
-                      progress=bool(progress))
+                      progress=bool(progress), negative_prompt=negative_prompt)
+
+
+def _text(settings: Settings, value: bytes | str, field: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("is not valid UTF-8 text", field) from None
+    if len(value) > settings.max_prompt_chars:
+        raise InvalidInput(f"has {len(value)} characters, above the limit of {settings.max_prompt_chars}", field)
+    return value

@@ -91,10 +91,14 @@ class Preprocessor:
         tpl = imaging.decode_image(template_raw, "TEMPLATE", s.max_input_pixels).convert("RGB")
         msk = imaging.decode_image(mask_raw, "MASK", s.max_input_pixels)
         binary = imaging.binary_mask(msk, tpl.size, s.mask_threshold)
-        n_tokens = self.count_t5_tokens(params.prompt)
-        if n_tokens > s.max_sequence_length:
-            raise InvalidInput(
-                f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", "PROMPT")
+        for field, text in (("PROMPT", params.prompt), ("NEGATIVE_PROMPT", params.negative_prompt)):
+            n_tokens = self.count_t5_tokens(text) if text else 0
+            if n_tokens > s.max_sequence_length:
+                raise InvalidInput(
+                    f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", field)
+        if params.negative_prompt and self.family == FLUX:
+            raise InvalidInput("is not used by Flux Fill models (their guidance is embedded: there is no negative "
+                               "row); leave it out", "NEGATIVE_PROMPT")
 
         w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
         template_rgb = np.asarray(tpl, dtype=np.uint8)

@@ -30,6 +30,7 @@ EDIT_INPUTS = [
     T("TEMPLATE", "STRING", (1,)),
     T("MASK", "STRING", (1,)),
     T("PROMPT", "STRING", (1,)),
+    T("NEGATIVE_PROMPT", "STRING", (1,), optional=True),
     T("SEED", "INT64", (1,), optional=True),
     T("STEPS", "INT32", (1,), optional=True),
     T("GUIDANCE", "FP32", (1,), optional=True),

@@ -87,9 +87,9 @@ def prepare_unet(pipe, scheduler_config: dict, init_image: torch.Tensor, mask_t:
     if xl:
         pos, neg, pooled, neg_pooled = pipe.encode_prompt(
             prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1,
-            do_classifier_free_guidance=cfg, negative_prompt=None)
+            do_classifier_free_guidance=cfg, negative_prompt=params.negative_prompt or None)
     else:
-        pos, neg = pipe.encode_prompt(params.prompt, device, 1, cfg, None)
+        pos, neg = pipe.encode_prompt(params.prompt, device, 1, cfg, params.negative_prompt or None)
     dtype = pos.dtype
     scheduler = make_unet_scheduler(scheduler_config, params.steps, device)
     generator = torch.Generator("cpu").manual_seed(params.template_seed)

@@ -134,7 +134,8 @@ class OpenAIFrontend:
     def _submit(self, job: EditJob, seed):
         return self.client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
                                   guidance=job.guidance, template_seed=job.template_seed,
-                                  deadline_ms=job.deadline_ms, use_cache=job.use_cache)
+                                  deadline_ms=job.deadline_ms, use_cache=job.use_cache,
+                                  negative_prompt=job.negative_prompt)
 
     def _cancel(self, futures) -> None:
         pending = [f for f in futures if not f.done()]

@@ -58,6 +58,7 @@ class EditJob:
     image: bytes
     mask: bytes  # white = edit (maskedit's convention), encoded
     prompt: str
+    negative_prompt: str | None = None  # SD 2 / SDXL backends (a Flux backend refuses it by name)
     n: int = 1
     size: tuple[int, int] | None = None  # (w, h) to resize the result to; None: the template's own size
     seed: int | None = None
@@ -221,6 +222,7 @@ def parse(form: dict, models: list[str]) -> EditJob:
     guidance = _float(form, "guidance")
     job = EditJob(
         image=image, mask=edit_mask(_file(form, "mask"), image), prompt=prompt,
+        negative_prompt=_text(form, "negative_prompt") or None,
         n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
         guidance=guidance, use_cache=_bool(form, "use_cache"), model=model or None, user=_text(form, "user"),
         ignored=sorted(k for k in form if k in IGNORED - {"user"}),
@@ -231,8 +233,8 @@ def parse(form: dict, models: list[str]) -> EditJob:
 
 
 KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
-         "background", "guidance", "use_cache"} | IGNORED | set(INT_EXTRAS)
+         "background", "guidance", "use_cache", "negative_prompt"} | IGNORED | set(INT_EXTRAS)
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
 PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "SEED": "seed", "STEPS": "steps",
                    "GUIDANCE": "guidance", "TEMPLATE_SEED": "template_seed", "DEADLINE_MS": "deadline_ms",
-                   "USE_CACHE": "use_cache"}
+                   "USE_CACHE": "use_cache", "NEGATIVE_PROMPT": "negative_prompt"}

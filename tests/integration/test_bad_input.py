@@ -32,6 +32,7 @@ CASES = {
     "empty_prompt": (dict(prompt=""), "PROMPT", "is empty"),
     "over_long_prompt": (dict(prompt="hat " * 600), "PROMPT", "above the limit"),
     "over_long_prompt_tokens": (dict(prompt="a red hat with yellow flowers " * 12), "PROMPT", "tokens long"),
+    "negative_prompt_on_flux": (dict(negative_prompt="blurry"), "NEGATIVE_PROMPT", "not used by Flux"),
     "steps_zero": (dict(steps=0), "STEPS", "between 1 and"),
     "steps_too_many": (dict(steps=1000), "STEPS", "between 1 and"),
     "guidance_negative": (dict(guidance=-1.0), "GUIDANCE", "between 0 and"),

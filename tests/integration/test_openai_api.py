@@ -107,13 +107,14 @@ def test_n_edits_have_different_seeds_and_share_the_templates_cache(api):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_triton_apis_bad_inputs_are_400_naming_the_field(case, api, template_img, box_mask):
     args, field, text = bad_args(case, template_img, box_mask)
-    extra = {k: str(args[k]) for k in ("steps", "guidance") if k in args}
+    extra = {k: str(args[k]) for k in ("steps", "guidance", "negative_prompt") if k in args}
     with pytest.raises(openai.BadRequestError) as e:
         api["client"].images.edit(image=("i.png", args["template"], "image/png"),
                                   mask=("m.png", png(args["mask"]) if isinstance(args["mask"], np.ndarray)
                                         else args["mask"], "image/png"),
                                   prompt=args["prompt"], extra_body=extra)
-    param = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "STEPS": "steps", "GUIDANCE": "guidance"}
+    param = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "STEPS": "steps", "GUIDANCE": "guidance",
+             "NEGATIVE_PROMPT": "negative_prompt"}
     err = e.value.body
     assert err["param"] == param[field] and err["type"] == "invalid_request_error", err
     assert err["message"].startswith(param[field] + ": ") and text in err["message"], err

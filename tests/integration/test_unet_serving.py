@@ -30,13 +30,14 @@ def sdxl(tmp_path_factory):
 
 
 def test_served_image_equals_stock_sdxl_inpainting(sdxl, template_img, box_mask):
+    """With a negative prompt, which travels as its own tensor through the ensemble."""
     model, client = sdxl
     r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=3, guidance=7.5, raw_output=True,
-                    template_seed=11, use_cache=False)
+                    template_seed=11, use_cache=False, negative_prompt="blurry, low quality")
     stock = StableDiffusionXLInpaintPipeline.from_pretrained(model)
     stock.set_progress_bar_config(disable=True)
     ref = stock(prompt="a red hat", image=template_img, mask_image=Image.fromarray(box_mask), height=256, width=256,
-                num_inference_steps=3, guidance_scale=7.5, strength=1.0,
+                num_inference_steps=3, guidance_scale=7.5, strength=1.0, negative_prompt="blurry, low quality",
                 generator=torch.Generator("cpu").manual_seed(11)).images[0]
     served = np.asarray(r.image).astype(int)
     assert served.shape == np.asarray(ref).shape
@@ -59,5 +60,8 @@ def test_prompt_over_clips_77_tokens_is_refused_by_name(sdxl, template_img, box_
     with pytest.raises(EditError) as e:
         client.edit(template_img, box_mask, " ".join(["red"] * 100), steps=2)
     assert "PROMPT" in str(e.value) and "77" in str(e.value)
+    with pytest.raises(EditError) as e:
+        client.edit(template_img, box_mask, "a hat", steps=2, negative_prompt=" ".join(["red"] * 100))
+    assert e.value.field == "NEGATIVE_PROMPT" and "77" in str(e.value)
     ok = client.edit(template_img, box_mask, "a hat", steps=2)  # and the server keeps serving
     assert ok.image.size == (256, 256)

@@ -42,7 +42,7 @@ class TritonPythonModel:
                 self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
                 io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"), io.scalar(request, "TEMPLATE_SEED"),
                 io.scalar(request, "REGISTER"), io.scalar(request, "USE_CACHE"), io.scalar(request, "DEADLINE_MS"),
-                io.scalar(request, "PROGRESS"),
+                io.scalar(request, "PROGRESS"), io.scalar(request, "NEGATIVE_PROMPT"),
             )
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:

@@ -16,7 +16,8 @@ def test_defaults_apply():
     ({"prompt": b""}, "PROMPT"), ({"prompt": b"   "}, "PROMPT"), ({"prompt": b"x" * 51}, "PROMPT"),
     ({"prompt": b"\xff\xfe"}, "PROMPT"), ({"steps": 0}, "STEPS"), ({"steps": 101}, "STEPS"),
     ({"guidance": -1.0}, "GUIDANCE"), ({"guidance": float("nan")}, "GUIDANCE"), ({"guidance": 1e9}, "GUIDANCE"),
-    ({"seed": -1}, "SEED"),
+    ({"seed": -1}, "SEED"), ({"negative_prompt": b"\xff"}, "NEGATIVE_PROMPT"),
+    ({"negative_prompt": "x" * 51}, "NEGATIVE_PROMPT"),
 ])
 def test_out_of_range_names_the_field(kw, field):
     args = {"prompt": b"ok", **kw}

@@ -66,10 +66,10 @@ def plain(runner, inputs):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("guidance", [7.5, 1.0])
-def test_latents_equal_the_stock_pipeline(family, guidance):
+@pytest.mark.parametrize("guidance,negative", [(7.5, None), (7.5, "blurry, low quality"), (1.0, None)])
+def test_latents_equal_the_stock_pipeline(family, guidance, negative):
     """The served stages (preprocess, UNet steps, decode) against ``StableDiffusion(XL)InpaintPipeline`` itself at
-    strength 1 with the same components, seed and guidance (1.0: no classifier-free guidance)."""
+    strength 1 with the same components, seed, guidance (1.0: no classifier-free guidance) and negative prompt."""
     from diffusers import DiffusionPipeline
 
     name, s, *_ = family
@@ -77,7 +77,7 @@ def test_latents_equal_the_stock_pipeline(family, guidance):
     ed = LocalEditor(s)
     try:
         _, p, job = ed.edit(png(tpl), png(mask), "a red hat", seed=5, steps=STEPS, guidance=guidance,
-                            raw_output=True, template_seed=5)
+                            raw_output=True, template_seed=5, negative_prompt=negative)
     finally:
         ed.close()
     extra = {"safety_checker": None, "requires_safety_checker": False} if name.startswith("sd2") else {}
@@ -85,6 +85,7 @@ def test_latents_equal_the_stock_pipeline(family, guidance):
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), height=p.model_h,
                width=p.model_w, num_inference_steps=STEPS, guidance_scale=guidance, strength=1.0,
+               negative_prompt=negative,
                generator=torch.Generator().manual_seed(5), output_type="latent").images[0]
     ref = ref.permute(1, 2, 0).reshape(-1, ref.shape[0]).float().cpu().numpy()
     if exact_here(s):

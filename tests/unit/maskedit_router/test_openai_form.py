@@ -53,9 +53,10 @@ def test_without_a_mask_the_images_transparent_pixels_are_edited_else_mask_is_re
 
 def test_n_seeds_and_extras():
     job = parse(_form(n="3", seed="7", steps="4", guidance="12.5", template_seed="2", deadline_ms="900",
-                      use_cache="false", user="u1", quality="high"), ["edit"])
+                      use_cache="false", user="u1", quality="high", negative_prompt="blurry"), ["edit"])
     assert job.seeds() == [7, 8, 9] and job.steps == 4 and job.guidance == 12.5 and job.template_seed == 2
     assert job.deadline_ms == 900 and job.use_cache is False and job.ignored == ["quality"]
+    assert job.negative_prompt == "blurry" and parse(_form(), ["edit"]).negative_prompt is None
     assert parse(_form(), ["edit"]).seeds() == [None]  # one edit: the server's default seed
 
 
