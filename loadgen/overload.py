@@ -2,10 +2,12 @@
 through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second.
 
     python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
+    python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
 
 Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
 refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
-(max, P99, share within 1 s) and the P95 of the requests that were served.
+(max, P99, share within 1 s), who refused (``refusal_source``) with the slowest refusal of each, what was served
+per second and the P95 of the requests that were served.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import shlex
 import time
 from pathlib import Path
 
@@ -27,8 +31,28 @@ from .topology import running_topology
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 
 
+SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/server.py, maskedit/admission.py)
+    ("router_admission", re.compile(r"no backend can admit it")),  # the router, at once: every backend's queue full
+    ("router_timeout", re.compile(r"refused by the router")),  # the router, for a request left waiting at a backend
+    ("router_inflight", re.compile(r"in flight|in-flight limit")),  # the router's in-flight limits
+)
+
+
+def refusal_source(message: str) -> str:
+    """``router_admission``, ``router_timeout``, ``router_inflight``, or ``backend`` (its admission check at
+    pre-processing, or its denoise loop)."""
+    for name, pattern in SOURCES:
+        if pattern.search(message or ""):
+            return name
+    return "backend"
+
+
 def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
     refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    by: dict[str, list] = {}
+    for r in recs:
+        if r.error_code == "RESOURCE_EXHAUSTED":
+            by.setdefault(refusal_source(r.error), []).append(r.answered_after_s)
     other = {k: v for k, v in summary["errors"].items() if k not in ("RESOURCE_EXHAUSTED", "LOST")}
     return {
         "rate": round(rate, 2), "capacity": round(cap, 2), "sent": summary["requests"], "ok": summary["completed"],
@@ -36,10 +60,57 @@ def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
         "refusal_max_s": round(max(refused), 3) if refused else None,
         "refusal_p99_s": round(float(np.percentile(refused, 99)), 3) if refused else None,
         "refused_within_1s": round(float(np.mean(np.array(refused) < 1.0)), 4) if refused else None,
+        "refused_by": {k: {"n": len(v), "max_s": round(max(v), 3)} for k, v in sorted(by.items())},
         "ok_p95_s": summary["p95_s"], "throughput": summary["throughput"],
         "met": {"nothing_lost": summary["lost"] == 0, "only_refusals": not other,
                 "refusals_within_1s": bool(refused) and max(refused) < 1.0},
     }
+
+
+ADMISSION_OFF = ["--admission-wait-s", "0"]
+
+
+def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dict]:
+    """``pairs`` pairs of runs through the router at ``rate``, its own admission on, then off (each backend decides
+    alone, as before it had any), interleaved so both see the same host; the two runs of a pair send the same
+    arrivals. The router process is restarted with the other arguments between runs."""
+    own = list(topo.router_args)
+    rows = []
+    try:
+        for i in range(pairs):
+            for mode, extra in (("on", own), ("off", own + ADMISSION_OFF)):
+                topo.stop_router()
+                topo.router_args = extra
+                topo.start_router()
+                recs, s = capacity.run_at(topo.url, rate, duration_s, steps=steps, seed=10 + i)
+                j = judge(recs, s, rate, rate / 2)
+                rows.append({"pair": i, "admission": mode, **{k: j[k] for k in (
+                    "sent", "ok", "refused", "refused_by", "lost", "refusal_max_s", "refused_within_1s", "ok_p95_s")},
+                    "served": round(j["throughput"], 2)})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        topo.stop_router()
+        topo.router_args = own
+        topo.start_router()
+    return rows
+
+
+def router_outcomes(topo) -> dict:
+    """What the backends did with the requests the router refused on their behalf (its metrics): ``dropped``
+    (cancelled before pre-processing), ``refused_there`` (reached the check first and refused) or ``admitted``
+    (passed the check first: the cancel came late or the router's count was wrong; dropped in the denoise loop)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{topo.http_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^maskedit_router_admission_timeout_outcome_total\{[^}]*where="(\w+)"[^}]*\} ([\d.e+]+)$',
+                         text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0) + int(float(m.group(2)))
+    return out
 
 
 def plot(result: dict, runs: dict, path: Path) -> None:
@@ -76,6 +147,11 @@ def main(argv=None) -> None:
     ap.add_argument("--max-queue", type=int, default=8, help="each server's denoise queue (MASKEDIT_MAX_QUEUE)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "overload")
     ap.add_argument("--result", type=Path, default=RESULTS / "overload.json")
+    ap.add_argument("--router-args", default="", help="extra router arguments, e.g. '--admission-wait-s 0' for the "
+                    "router without its own admission (each backend decides alone)")
+    ap.add_argument("--ab-pairs", type=int, default=0, help="then this many pairs of runs through the router at 2x "
+                    "its capacity with its own admission on and off, interleaved (what it costs or gains)")
+    ap.add_argument("--ab-duration", type=float, default=45.0, help="seconds per run of a pair")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
@@ -83,10 +159,10 @@ def main(argv=None) -> None:
     result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
                                                                   __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
-              "max_queue": args.max_queue, "instances": args.instances,
+              "max_queue": args.max_queue, "instances": args.instances, "router_args": args.router_args,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note}, "targets": {}}
     runs = {}
-    with running_topology(args.instances, args.out, env) as topo:
+    with running_topology(args.instances, args.out, env, shlex.split(args.router_args)) as topo:
         for name, url, probe in (("server", topo.servers[0].grpc_url, args.probe_rate / args.instances),
                                  ("router", topo.url, args.probe_rate)):
             print(f"{name}: capacity at {probe:g} req/s offered", flush=True)
@@ -95,8 +171,15 @@ def main(argv=None) -> None:
             print(f"{name}: capacity {cap:.2f} req/s; overload at {2 * cap:.2f} req/s", flush=True)
             recs, s2 = capacity.run_at(url, 2 * cap, args.duration, steps=args.steps, seed=2, progress=True)
             result["targets"][name] = judge(recs, s2, 2 * cap, cap)
+            if name == "router":
+                time.sleep(2)  # the backends' answers to what the router refused on their behalf
+                result["targets"][name]["router_refusals_at_backend"] = router_outcomes(topo)
             runs[name] = recs
             print(json.dumps(result["targets"][name]), flush=True)
+        if args.ab_pairs:
+            rate = result["targets"]["router"]["rate"]
+            print(f"router admission on / off: {args.ab_pairs} pairs at {rate:g} req/s", flush=True)
+            result["router_ab"] = ab(topo, rate, args.ab_duration, args.ab_pairs, args.steps)
         topo.remember()
     result["leftovers_after_shutdown"] = topo.leftovers()
     result["all_met"] = all(all(t["met"].values()) for t in result["targets"].values())

@@ -35,15 +35,30 @@ def chaos(r: dict) -> str:
 
 
 def overload(r: dict) -> str:
-    rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | refused (RESOURCE_EXHAUSTED) | other errors | "
-            "lost | refusal max / P99 (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | served (req/s) | refused (RESOURCE_EXHAUSTED) | "
+            "refused by: n (slowest s) | other errors | lost | refusal max / P99 (s) | refused within 1 s | "
+            "P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in r["targets"].items():
-        rows.append(f"| {name} | {t['capacity']} | {t['rate']} | {t['sent']} | {t['ok']} | {t['refused']} | "
-                    f"{_codes(t['other_errors'])} | {t['lost']} | {_f(t['refusal_max_s'], 3)} / "
+        by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in t.get("refused_by", {}).items()) or "–"
+        rows.append(f"| {name} | {t['capacity']} | {t['rate']} | {t['sent']} | {t['ok']} | {_f(t.get('throughput'))} | "
+                    f"{t['refused']} | {by} | {_codes(t['other_errors'])} | {t['lost']} | {_f(t['refusal_max_s'], 3)} / "
                     f"{_f(t['refusal_p99_s'], 3)} | {_f(t['refused_within_1s'] and 100 * t['refused_within_1s'], 1)} % | "
                     f"{_f(t['ok_p95_s'])} |")
-    return "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "
+    text = "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "
                               f"{r['all_met']}. `{r['command']}`, started {r['started']}.")
+    if r.get("router_ab"):
+        ab = ["| pair | router admission | sent | ok | served (req/s) | refused | refused by: n (slowest s) | lost | "
+              "refusal max (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in r["router_ab"]:
+            by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in x["refused_by"].items()) or "–"
+            ab.append(f"| {x['pair']} | {x['admission']} | {x['sent']} | {x['ok']} | {_f(x['served'])} | {x['refused']} | "
+                      f"{by} | {x['lost']} | {_f(x['refusal_max_s'], 3)} | "
+                      f"{_f(x['refused_within_1s'] and 100 * x['refused_within_1s'], 1)} % | {_f(x['ok_p95_s'])} |")
+        means = {m: [x["served"] for x in r["router_ab"] if x["admission"] == m] for m in ("on", "off")}
+        text += ("\n\nThrough the router at the same rate, its own admission on and off (interleaved pairs, same "
+                 "arrivals within a pair):\n\n" + "\n".join(ab) + "\n\nServed per second, mean: " +
+                 " / ".join(f"{m} {sum(v) / len(v):.2f}" for m, v in means.items() if v) + ".")
+    return text
 
 
 def soak(r: dict) -> str:

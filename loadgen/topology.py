@@ -34,6 +34,7 @@ class Topology:
     router: subprocess.Popen | None = None
     seen: dict = field(default_factory=dict)  # every pgid / shm prefix / port used, for the leak check
     router_starts: int = 0
+    router_args: list = field(default_factory=list)  # extra ``python -m maskedit_router`` arguments
 
     @property
     def url(self) -> str:
@@ -55,7 +56,7 @@ class Topology:
         log = open(self.out / "router.log", "ab")
         self.router = subprocess.Popen(
             [sys.executable, "-m", "maskedit_router", "--backends", ",".join(s.grpc_url for s in self.servers),
-             "--port", str(self.router_port), "--http-port", str(self.http_port)],
+             "--port", str(self.router_port), "--http-port", str(self.http_port), *self.router_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.router_starts += 1
@@ -134,7 +135,7 @@ def _exit_on_signal(signum, frame):
 
 
 @contextlib.contextmanager
-def running_topology(instances: int, out: Path, env: dict | None = None):
+def running_topology(instances: int, out: Path, env: dict | None = None, router_args: list | None = None):
     """``instances`` supervised Triton servers and the router process in front of them. SIGTERM and SIGINT end
     the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
     sessions and would outlive a plain kill of this process)."""
@@ -144,7 +145,7 @@ def running_topology(instances: int, out: Path, env: dict | None = None):
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with _running(instances, out, env) as topo:
+        with _running(instances, out, env, router_args or []) as topo:
             yield topo
     finally:
         for sig, handler in previous.items():
@@ -152,9 +153,9 @@ def running_topology(instances: int, out: Path, env: dict | None = None):
 
 
 @contextlib.contextmanager
-def _running(instances: int, out: Path, env: dict | None):
+def _running(instances: int, out: Path, env: dict | None, router_args: list):
     with running_backends(instances, out, env, supervise=True) as (servers, supervisor):
-        topo = Topology(servers, supervisor, out)
+        topo = Topology(servers, supervisor, out, router_args=router_args)
         topo.remember()
         try:
             topo.start_router()

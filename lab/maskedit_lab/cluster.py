@@ -19,6 +19,7 @@ from pathlib import Path
 
 from maskedit.launcher import TritonServer
 from maskedit_router.__main__ import build, serve
+from maskedit_router.admission import AdmissionWatcher
 from maskedit_router.health import HealthChecker
 from maskedit_router.openai_api import OpenAIServer
 
@@ -67,6 +68,7 @@ def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | N
         router = build([s.grpc_url for s in servers], policy)
         grpc_server, bound, httpd = serve(router, port, http_port)
         checker = HealthChecker(router, **(health or {})).start()
+        watcher = AdmissionWatcher(router).start()
         openai = OpenAIServer(f"127.0.0.1:{bound}", openai_port).start() if openai_port else None
         try:
             yield router, f"127.0.0.1:{bound}", servers
@@ -74,6 +76,7 @@ def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | N
             if openai:
                 openai.stop()
             checker.stop()
+            watcher.stop()
             grpc_server.stop(grace=1).wait(10)
             if httpd:
                 httpd.shutdown()

@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from maskedit_common.logs import JsonFormatter
 from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
 
 from . import discovery, policies
+from .admission import AdmissionWatcher
 from .health import HealthChecker
 from .metrics import serve_http
 from .openai_api import OpenAIServer
@@ -48,16 +50,18 @@ def default_profile() -> Path:
     return s.profile_path("cpu", PROFILED_MODEL)
 
 
-def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None):
+def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
+          admission_wait_s: float = 0.6):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
-    masks are measured on."""
+    masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
+    check (``admission.py``; 0: off)."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost)
-    return Router(addrs, policies.make(policy, est), est, resolution=resolution)
+    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s)
 
 
 def _profiled_resolution(model_dir: str | None) -> int | None:
@@ -78,10 +82,11 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
     server.start()
 
     def health():
+        now = time.monotonic()
         bs = [{"addr": b.addr, "healthy": b.load.healthy, "inflight": b.load.inflight,
                "backlog_ms": round(b.load.backlog_ms, 1), "circuit_open": b.circuit_open,
-               "in_rotation": b.available()}
-              for b in router.backends.values()]
+               "in_rotation": b.available(), "admission": b.admission.view(now)}
+              for b in list(router.backends.values())]
         return {"ready": any(b["in_rotation"] for b in bs), "policy": router.policy.name,
                 "backends": bs}
 
@@ -111,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
                     "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
                     "model's, else 1024)")
+    ap.add_argument("--admission-wait-s", type=float, default=0.6, help="the longest an edit may wait in front of a "
+                    "backend's admission check: sent only where it is predicted to get there sooner, refused "
+                    "(RESOURCE_EXHAUSTED) at once when no backend is, and refused and cancelled on the backend once "
+                    "it has waited this long (0: off, each backend decides alone)")
+    ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
+                    "statistics are read for admission")
     return ap
 
 
@@ -128,13 +139,15 @@ def main(argv=None) -> None:
             return discovery.from_dns(args.backends_dns)
         return discovery.from_file(args.backends_file)
 
-    router = build(read_backends(), args.policy, args.profile, args.resolution)
+    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s)
     server, port, httpd = serve(router, args.port, args.http_port, args.host)
     HealthChecker(router).start()
+    watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
     openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
+                      "admission_wait_s": args.admission_wait_s,
                       "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
                       "backends": list(router.backends)}), flush=True)
     stop = threading.Event()
@@ -143,6 +156,8 @@ def main(argv=None) -> None:
     while not stop.wait(5.0):
         if args.backends_file or args.backends_dns:
             router.set_backends(read_backends())
+    if watcher:
+        watcher.stop()
     if ext_proc:
         ext_proc[0].stop(grace=5).wait(10)
     if openai:

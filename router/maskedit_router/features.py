@@ -19,6 +19,11 @@ class EditFeatures:
     tokens: int
     steps: int | None
 
+    @property
+    def runs_edit(self) -> bool:
+        """An edit (its tokens are the model's grid), not a call that runs none (those have 0 tokens)."""
+        return self.tokens > 0
+
 
 def _tensor_bytes(request, index: int, raw: bool) -> bytes | None:
     if raw:

@@ -29,6 +29,17 @@ class RouterMetrics:
                                  "and routing falls back to least masked tokens", registry=r)
         self.healthy = Gauge("maskedit_router_backend_healthy", "1 if the backend is in rotation", ["backend"],
                              registry=r)
+        self.refusals = Counter("maskedit_router_refused_total", "requests the router refused itself "
+                                "(RESOURCE_EXHAUSTED), by reason: admission, inflight_backend, inflight_total",
+                                ["reason"], registry=r)
+        self.refused_on_behalf = Counter("maskedit_router_admission_timeout_outcome_total", "requests the router "
+                                         "refused on a backend's behalf, by what the backend then did with them: "
+                                         "dropped (cancelled before pre-processing), refused_there (reached the check "
+                                         "first and was refused), admitted (passed the check first)",
+                                         ["backend", "where"],
+                                         registry=r)
+        self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
+                                    "now in front of the backend's admission check", ["backend"], registry=r)
 
     def decision(self, policy: str, backend: str, seconds: float) -> None:
         self.decision_s.labels(policy).observe(seconds)
@@ -45,6 +56,15 @@ class RouterMetrics:
 
     def retried(self, backend: str) -> None:
         self.retries.labels(backend).inc()
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
+
+    def refused_late(self, backend: str, where: str) -> None:
+        self.refused_on_behalf.labels(backend, where).inc()
+
+    def admission(self, backend: str, wait_s: float) -> None:
+        self.admission_wait.labels(backend).set(wait_s)
 
 
 def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1") -> ThreadingHTTPServer:

@@ -8,7 +8,11 @@ Reliability: a request that has had no response yet is retried on another backen
 breaks, its backend is found unhealthy or answers that it cannot run requests (a dead stub); one that has streamed
 responses is never replayed and ends with a clear error. Cancelling the client
 stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
-does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall (RESOURCE_EXHAUSTED).
+does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall, and admission
+(``admission.py``): an edit goes only to a backend predicted to reach its admission check within the admission wait;
+when none would, or every backend is at its in-flight limit, it is refused at once with RESOURCE_EXHAUSTED; a
+streamed edit still waiting in front of a backend's check after the admission wait is refused by the router with
+RESOURCE_EXHAUSTED and cancelled on the backend.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from .admission import AdmissionGauge, RefusalLog
 from .features import EditFeatures, extract, grid_tokens
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
@@ -52,7 +57,7 @@ class Backend:
     when a real request succeeds on it (the health checker's probe request, once the backend says ready again):
     a restarted backend is not trusted because it answers readiness, only once it has served an edit."""
 
-    def __init__(self, addr: str, failure_threshold: int = 3):
+    def __init__(self, addr: str, failure_threshold: int = 3, admission: dict | None = None):
         self.addr = addr
         self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
@@ -61,6 +66,7 @@ class Backend:
         self.circuit_open = False
         self.opened_at: float | None = None  # monotonic time the breaker last opened
         self.last_answer = 0.0  # monotonic time of its latest response (any: progress, result, error)
+        self.admission = AdmissionGauge(**(admission or {}))  # its queue in front of its admission check
 
     def available(self, now: float | None = None) -> bool:
         return self.load.healthy and not self.circuit_open
@@ -95,6 +101,7 @@ class Ticket:
     features: EditFeatures
     booking: Booking
     t0: float = field(default_factory=time.monotonic)
+    key: str | None = None  # its entry in the backend's admission gauge (an edit the router sends itself)
 
 
 class NoBackend(Exception):
@@ -106,8 +113,9 @@ class NoBackend(Exception):
 class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024):
-        self.backends = {a: Backend(a) for a in addrs}
+                 resolution: int = 1024, admission_wait_s: float = 0.6):
+        self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
+        self.backends = {a: Backend(a, admission=self.admission) for a in addrs}
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
         self.metrics = metrics or RouterMetrics()
@@ -117,6 +125,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._prefix = uuid.uuid4().hex[:8]
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open client streams
         self._unary: set = set()  # (backend, call future) of unary calls in flight
+        self.refusals = RefusalLog()
 
     def backend_down(self, backend: "Backend", why: str) -> None:
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
@@ -140,7 +149,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def set_backends(self, addrs: list[str]) -> None:
         with self._lock:
             for a in addrs:
-                self.backends.setdefault(a, Backend(a))
+                self.backends.setdefault(a, Backend(a, admission=self.admission))
             for a in [a for a in self.backends if a not in addrs]:
                 self.backends.pop(a).close()
 
@@ -150,27 +159,97 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
             return [b for b in self.backends.values() if b.available(now) and b.addr not in exclude]
 
     # -- routing and accounting ---------------------------------------------------------------------
-    def route(self, f: EditFeatures, exclude=()) -> Ticket:
+    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None) -> Ticket:
+        """A backend for ``f``. ``key`` (a request id unique in the router) enters an edit the router sends itself
+        in the chosen backend's admission gauge; ``on_expire`` refuses it on its stream (returns whether it did)
+        if it waits too long in front of the backend's check."""
         t0 = time.perf_counter()
         cands = self.available(exclude)
         if not cands:
             raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+        now = time.monotonic()
         with self._lock:
             total = sum(b.load.inflight for b in self.backends.values())
             if total >= self.max_inflight:
-                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router has {total} requests in flight")
+                raise self._refuse("inflight_total", f"router has {total} requests in flight")
             open_ = [b for b in cands if b.load.inflight < self.max_per_backend]
             if not open_:
-                raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "every backend is at its in-flight limit")
+                raise self._refuse("inflight_backend", "every backend is at its in-flight limit")
+            edit = f.runs_edit  # only edits pass the backends' admission check (pre-processing)
+            if edit:
+                admitting = [b for b in open_ if b.admission.admits(now)]
+                if not admitting:
+                    for b in open_:
+                        b.admission.refused_for(now)
+                    raise self._refuse("admission", "no backend can admit it within "
+                                       f"{self.admission['wait_s']:g} s: " + _admission_summary(open_, now))
+                open_ = admitting
             by_load = {b.load.name: b for b in open_}
             choice = by_load[self.policy.choose([b.load for b in open_], f).name]
-            booking = Booking.add(choice.load, self.est, f, time.monotonic(), self.ttl)
+            booking = Booking.add(choice.load, self.est, f, now, self.ttl)
+            if edit and key is not None:
+                choice.admission.on_sent(key, now, on_expire)
         self.metrics.decision(self.policy.name, choice.addr, time.perf_counter() - t0)
-        return Ticket(choice, f, booking)
+        return Ticket(choice, f, booking, key=key if edit else None)
+
+    def _refuse(self, reason: str, message: str) -> "NoBackend":
+        self.metrics.refused(reason)
+        self.refusals.note(reason, message)
+        return NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+    def observe_admission(self, backend: Backend, decided: int, busy_ns: int) -> None:
+        """``backend``'s statistics (``AdmissionWatcher``): its check finished ``decided`` requests so far."""
+        now = time.monotonic()
+        with self._lock:
+            backend.admission.observe(decided, busy_ns, now)
+            wait = backend.admission.predicted_wait_s()
+        self.metrics.admission(backend.addr, wait)
+        self.expire_admissions(backend, now)
+
+    def expire_admissions(self, backend: Backend, now: float | None = None) -> None:
+        """Refuse, and cancel on ``backend``, the edits that have waited the admission wait in front of its check
+        (by its latest counts: after every poll answer, and at every poll tick, so a slow answer does not delay
+        them)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = backend.admission.expire(now)
+            age = None if backend.admission.observed_at is None else now - backend.admission.observed_at
+        if not due:
+            return
+        refused = []
+        for key, refuse in due:
+            if refuse():
+                refused.append(key)
+            else:  # it had ended or streamed meanwhile: not the router's to refuse
+                with self._lock:
+                    backend.admission.unexpire(key)
+        if refused:
+            with self._lock:
+                backend.admission.refused_for(now)
+            for _ in refused:
+                self.metrics.refused("admission_timeout")
+            self.refusals.note("admission_timeout", f"{len(refused)} request(s) waited "
+                               f"{backend.admission.wait_s:g} s in front of {backend.addr}'s admission check "
+                               f"(its counts {age:.2f} s old)")
+            threading.Thread(target=_cancel_on_backend, args=(backend, refused), daemon=True,
+                             name="router-cancel").start()
+
+    def answered(self, backend: Backend, rid: str, message: str = "") -> None:
+        """``backend`` sent the final answer for ``rid`` (also for a request the router no longer waits for)."""
+        with self._lock:
+            e = backend.admission.entries.get(rid)
+            late = e is not None and e.expired
+            backend.admission.ended(rid, answered=True)
+            if "RESOURCE_EXHAUSTED" in message:  # refused there (its denoise queue is full)
+                backend.admission.backend_refused(time.monotonic())
+        if late:  # refused by the router: what did the backend do with it?
+            self.metrics.refused_late(backend.addr, _late_outcome(message))
 
     def release(self, t: Ticket, ok: bool) -> None:
         with self._lock:
             t.booking.remove(t.backend.load)
+            if t.key is not None:
+                t.backend.admission.ended(t.key, answered=False)
         observed = (time.monotonic() - t.t0) * 1000
         if ok:
             t.backend.succeeded()
@@ -238,7 +317,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         tried = set()
         while True:
             try:
-                t = self.route(f, exclude=tried)
+                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
             except NoBackend as e:
                 context.abort(e.code, str(e))
             call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
@@ -257,6 +336,9 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
+                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                    with self._lock:
+                        t.backend.admission.backend_refused(time.monotonic())
                 fault = backend_fault(e.details())
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
                     context.abort(e.code(), e.details())
@@ -328,7 +410,7 @@ class _StreamSession:
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
-            p.ticket = self.r.route(f, exclude=exclude)
+            p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
         except NoBackend as e:
             self.out.put(_error(p.client_id, f"{e.code.name}: {e}"))
             self._maybe_finish()
@@ -348,13 +430,17 @@ class _StreamSession:
         if backend_fault(resp.error_message):
             self.on_fault(backend, rid, resp.error_message)
             return
-        with self.lock:
-            p = self.pending.get(rid)
+        final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
+        error = bool(resp.error_message)
+        if final or error:
+            self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
+        with self.lock:  # taken off at once when it ends: the router's admission timeout may not refuse it too
+            p = self.pending.pop(rid, None) if final or error else self.pending.get(rid)
+            if p is not None and not (final or error):
+                p.responded = True  # a progress response, relayed below
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
-        final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
-        error = bool(resp.error_message)
         resp.infer_response.id = p.client_id
         if error:
             resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
@@ -363,10 +449,24 @@ class _StreamSession:
             self.out.put(resp)
             p.responded = True
         if final or error:
-            with self.lock:
-                self.pending.pop(rid, None)
             self.r.release(p.ticket, ok=not error)
             self._maybe_finish()
+
+    def expire(self, rid: str) -> bool:
+        """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check.
+        Refused on the client's stream now, unless it has ended or streamed meanwhile (then past the check)."""
+        with self.lock:
+            p = self.pending.get(rid)
+            if p is None or p.responded:
+                return False
+            del self.pending[rid]
+        self.r.release(p.ticket, ok=False)
+        waited = time.monotonic() - p.ticket.t0
+        self.out.put(_error(p.client_id, f"RESOURCE_EXHAUSTED: waited {waited:.2f} s in front of backend "
+                                         f"{p.ticket.backend.addr}'s admission check; refused by the router, retry "
+                                         "later"))
+        self._maybe_finish()
+        return True
 
     def on_fault(self, backend: Backend, rid: str, message: str) -> None:
         """The backend answered that it cannot run requests (its stub died): out of rotation now, its other
@@ -507,6 +607,27 @@ def _add_stats(dst, src) -> None:
         elif fd.label != fd.LABEL_REPEATED and isinstance(val, int) and fd.name != "batch_size":
             cur = getattr(dst, fd.name)
             setattr(dst, fd.name, max(cur, val) if fd.name.startswith("last_") else cur + val)
+
+
+def _late_outcome(message: str) -> str:
+    """What a backend did with a request the router had refused on its behalf, from its final answer: ``dropped``
+    (the cancel reached pre-processing first, as meant), ``refused_there`` (it reached the check before the cancel
+    and was refused there: the router's refusal agreed), ``admitted`` (it passed the check: the cancel came late, or
+    the router's count was wrong; the denoise loop drops it at its next step)."""
+    if "cancelled before pre-processing" in message:
+        return "dropped"
+    if "RESOURCE_EXHAUSTED" in message:
+        return "refused_there"
+    return "admitted"
+
+
+def _admission_summary(backends: list[Backend], now: float) -> str:
+    parts = []
+    for b in backends:
+        v = b.admission.view(now)
+        stalled = f", no progress for {v['stalled_s']:.1f} s" if v["stalled_s"] > b.admission.wait_s else ""
+        parts.append(f"{b.addr} has {v['waiting']} waiting, ~{v['predicted_wait_s']:.2f} s{stalled}")
+    return "; ".join(parts)
 
 
 def _features(req, resolution: int) -> EditFeatures:

@@ -8,6 +8,8 @@ import numpy as np
 
 from .. import logs
 from ..admission import QueueBoard, board_path
+from ..cancel import CancelBoard
+from ..errors import Cancelled
 from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
@@ -22,6 +24,7 @@ class TritonPythonModel:
         io.limit_threads(args, self.settings.service, default=1)
         self.pre = Preprocessor(self.settings, store=cache_store(self.settings.cache, self.log))
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
+        self.cancels = CancelBoard(self.settings.service.cancel_dir)
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
@@ -31,6 +34,9 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         arrived = time.time()
         try:
+            if self.cancels.is_cancelled(request.request_id()):  # given up (e.g. refused by the router meanwhile)
+                self.cancels.clear(request.request_id())
+                raise Cancelled("cancelled before pre-processing")
             self.board.check()  # the denoise queue is full: refused before any work, so refusals come at once
             params = parse_params(
                 self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,43 @@ def test_the_runner_records_what_the_service_did_and_never_waits_forever():
     assert [r.error_code for r in recs] == [None, "UNAVAILABLE", runner.LOST]
     s = records.summarize(recs, wall)
     assert s["lost"] == 1 and s["errors"] == {"UNAVAILABLE": 1, "LOST": 1} and wall < 5
+
+
+def test_overload_results_say_who_refused_each_request():
+    from loadgen import overload
+    from loadgen.records import Record
+
+    def rec(i, code=None, error=None, after=0.1):
+        return Record(index=i, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=after,
+                      error=error, error_code=code)
+
+    recs = [rec(0), rec(1, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: no backend can admit it within 0.6 s: ...", 0.01),
+            rec(2, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: waited 0.61 s in front of backend a:1's admission check; "
+                                         "refused by the router, retry later [request id: c-2]", 0.7),
+            rec(3, "RESOURCE_EXHAUSTED", "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)", 0.2),
+            rec(4, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: every backend is at its in-flight limit", 0.02)]
+    summary = {"requests": 5, "completed": 1, "errors": {"RESOURCE_EXHAUSTED": 4}, "lost": 0, "p95_s": 0.1,
+               "throughput": 1.0}
+    j = overload.judge(recs, summary, rate=2.0, cap=1.0)
+    assert j["refused_by"] == {"backend": {"n": 1, "max_s": 0.2}, "router_admission": {"n": 1, "max_s": 0.01},
+                               "router_inflight": {"n": 1, "max_s": 0.02}, "router_timeout": {"n": 1, "max_s": 0.7}}
+    assert j["refused"] == 4 and j["met"] == {"nothing_lost": True, "only_refusals": True, "refusals_within_1s": True}
+
+
+def test_the_overload_a_b_restarts_the_router_with_and_without_its_admission_and_restores_it(monkeypatch):
+    from loadgen import capacity, overload, report
+    from loadgen.records import Record
+
+    starts = []
+    topo = SimpleNamespace(router_args=["--policy", "round_robin"], url="r:1", stop_router=lambda: None)
+    topo.start_router = lambda: starts.append(list(topo.router_args))
+    recs = [Record(index=0, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=0.5)]
+    summary = {"requests": 1, "completed": 1, "errors": {}, "lost": 0, "p95_s": 0.5, "throughput": 2.0}
+    seeds = []
+    monkeypatch.setattr(capacity, "run_at", lambda url, rate, d, steps, seed: seeds.append(seed) or (recs, summary))
+    rows = overload.ab(topo, rate=4.0, duration_s=1.0, pairs=2, steps=8)
+    assert [r["admission"] for r in rows] == ["on", "off", "on", "off"] and seeds == [10, 10, 11, 11]
+    assert starts[1] == ["--policy", "round_robin", *overload.ADMISSION_OFF] and starts[-1] == topo.router_args
+    text = report.overload({"targets": {}, "steps": 8, "max_queue": 2, "all_met": True, "command": "c",
+                            "started": "s", "router_ab": rows})
+    assert "Served per second, mean: on 2.00 / off 2.00." in text
