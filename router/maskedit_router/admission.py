@@ -11,8 +11,9 @@ so those past it are always the oldest. It learns how far the check got from Tri
 involved; polled every 0.05 s over the backend's gRPC channel), and sooner from the backend's answers (a refusal at
 the check answers at once; an answered request and every older one are past it). The same statistics give what the
 check costs per request (compute time per request over the recent mix of admitted and refused ones). One bound,
-``wait_s`` (0.6 s), is the longest an edit may wait in front of a check — while the backend is refusing (it
-answered RESOURCE_EXHAUSTED within ``refusing_s``, 5 s). A backend that admits what reaches it is left alone however
+``wait_s`` (0.6 s), is the longest an edit may wait in front of a check — while the backend is refusing (it, or the
+router on its behalf, refused within ``refusing_s``, 5 s; or it holds as many of the router's edits past its check as
+when it last refused by itself, within a minute of that refusal). A backend that admits what reaches it is left alone however
 long its queue: what waits there will be served, and refusing it would turn away work with capacity free.
 
 1. **Where to send.** A request sent to b now reaches the check after about ``waiting(b) x per_request(b)``. The
@@ -76,7 +77,7 @@ class AdmissionGauge:
     decisions must not pass them on to younger requests. Not thread-safe: the router calls it under its lock."""
 
     def __init__(self, wait_s: float = 0.6, min_window: int = 2, executing: int = 1, alpha: float = 0.1,
-                 early_ttl_s: float = 2.0, refusing_s: float = 5.0):
+                 early_ttl_s: float = 2.0, refusing_s: float = 5.0, full_memory_s: float = 60.0):
         self.wait_s, self.min_window = wait_s, min_window  # wait_s 0: off (the backend decides alone)
         self.executing = executing  # requests the check may be running at once (``preprocess`` instances)
         self.alpha = alpha  # weight of one request's cost in ``per_request_s``
@@ -92,6 +93,12 @@ class AdmissionGauge:
         self.observed_at: float | None = None  # monotonic time of the latest statistics
         self.refusing_s = refusing_s  # how long after the backend's last refusal it counts as refusing
         self.refused_at = float("-inf")  # monotonic time the backend last refused a request (RESOURCE_EXHAUSTED)
+        # What the backend held when it last refused by itself: the router's edits past its check and not answered
+        # (queued for or in its denoise loop, or decoding). Holding as many again within ``full_memory_s`` of that
+        # refusal, it is taken as refusing before it says so (the onset of the next burst).
+        self.full_at: int | None = None
+        self.own_refused_at = float("-inf")
+        self.full_memory_s = full_memory_s
 
     # -- counting -------------------------------------------------------------------------------------
     def waiting(self) -> int:
@@ -166,9 +173,14 @@ class AdmissionGauge:
         if self.undecided == 0:
             self.moved_at = now
 
+    def past_check(self) -> int:
+        """The router's edits on this backend past its check and not answered yet."""
+        return len(self.entries) - self.undecided
+
     def backend_refused(self, now: float) -> None:
         """The backend answered a request with RESOURCE_EXHAUSTED (its denoise queue is full)."""
-        self.refused_at = now
+        self.refused_at = self.own_refused_at = now
+        self.full_at = max(1, self.past_check())
 
     def refused_for(self, now: float) -> None:
         """The router refused a request on this backend's behalf. That keeps it refusing: while the router refuses
@@ -180,8 +192,13 @@ class AdmissionGauge:
     def refusing(self, now: float) -> bool:
         """The backend refused a request within ``refusing_s``: what waits in front of its check may be refused
         there too. While it admits everything, what waits will be served, however long it waits: the router then
-        refuses nothing on its behalf."""
-        return now - self.refused_at <= self.refusing_s
+        refuses nothing on its behalf. Also refusing: a backend holding as many of the router's edits past its check
+        as when it last refused by itself, within ``full_memory_s`` of that refusal (measured: at the onset of a
+        burst, before its first refusal, what had queued in front of its check was refused there up to 1.7 s late)."""
+        if now - self.refused_at <= self.refusing_s:
+            return True
+        return self.full_at is not None and now - self.own_refused_at <= self.full_memory_s and \
+            self.past_check() >= self.full_at
 
     def expire(self, now: float) -> list[tuple[str, Callable[[], bool]]]:
         """Mark expired, and return (key, refuse), every edit in front of the check, behind the one that may be
@@ -236,7 +253,8 @@ class AdmissionGauge:
         return {"waiting": self.waiting(), "in_flight": len(self.entries),
                 "per_request_ms": None if self.per_request_s is None else round(self.per_request_s * 1000, 1),
                 "predicted_wait_s": round(self.predicted_wait_s(), 3), "stalled_s": round(self.stalled_s(now), 3),
-                "admits": self.admits(now), "refusing": self.refusing(now), "observed": self.decided is not None,
+                "admits": self.admits(now), "refusing": self.refusing(now), "full_at": self.full_at,
+                "observed": self.decided is not None,
                 "counts_age_s": None if self.observed_at is None else round(now - self.observed_at, 3)}
 
 

@@ -92,6 +92,23 @@ def test_a_backend_that_admits_everything_is_left_alone_however_long_its_queue()
     assert g.refusing(15.0) and not g.refusing(15.1)  # 5 s after its last refusal it counts as admitting again
 
 
+def test_a_backend_holding_as_much_as_when_it_last_refused_counts_as_refusing_before_it_says_so():
+    """The onset of the next burst: what it held at its last refusal of its own is what it can hold."""
+    g = _gauge(refusing=False, wait_s=0.6)
+    g.per_request_s = 0.5
+    _send(g, 4)
+    g.observe(decided=3, busy_ns=3 * 500 * MS, now=1.0)  # three past the check, one waiting
+    g.backend_refused(1.0)
+    assert g.full_at == 3
+    for key in list(g.entries)[:3]:
+        g.ended(key, answered=True, now=2.0)  # served: it holds fewer now
+    assert not g.refusing(20.0)  # 19 s after its refusal, holding 0 of 3
+    _send(g, 5, now=20.0)
+    g.observe(decided=6, busy_ns=6 * 500 * MS, now=20.5)  # three more past its check: as full as it was
+    assert g.past_check() == 3 and g.refusing(20.5) and not g.admits(20.5)
+    assert not g.refusing(61.5)  # what it learnt is forgotten a minute after its refusal
+
+
 def test_refusing_lasts_while_the_router_refuses_on_the_backends_behalf():
     """In sustained overload the router's refusals keep the backend from refusing itself: they must keep it
     refusing too, or the queue in front of its check grows back and its refusals come late."""
