@@ -1,9 +1,13 @@
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from maskedit import samples
+from maskedit.denoise import ModelRunner
+from maskedit.engine import DenoiseEngine
+from maskedit.local import run_job
 from maskedit.settings import load_settings
 from maskedit.tiny_model import build
 from maskedit_client import encode_image
@@ -20,6 +24,15 @@ def settings():
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout under test
 
 png = encode_image  # PNG bytes of a PIL image or uint8 array
+
+
+def plain(runner, inputs):
+    """``inputs`` denoised without the activation cache, on ``runner``'s model: what every hit is compared with."""
+    eng = DenoiseEngine(ModelRunner(runner.settings, transformer=runner.transformer))
+    try:
+        return run_job(eng, replace(inputs, cache_key=None))
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="session")

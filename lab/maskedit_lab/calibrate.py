@@ -32,6 +32,7 @@ from maskedit.denoise import DenoiseJob
 from maskedit.device import SideStream, seconds_between, time_mark
 from maskedit_common.blocks import FULL, KV, Y
 from maskedit_common.cost_model import CostModel, LinearFit, features
+from maskedit_router.features import grid_tokens
 
 from .baselines import FixedPolicy, InlineRowLoader
 from .harness import Harness
@@ -147,7 +148,7 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
             runs[-1][1] += 1
         else:
             runs.append([kind, 1, int(tokens), int(dim)])
-    return {"blocks": runs, "text": int(text), "grid_tokens": (h.settings.resolution // 16) ** 2}
+    return {"blocks": runs, "text": int(text), "grid_tokens": grid_tokens(h.settings.resolution)}
 
 
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:

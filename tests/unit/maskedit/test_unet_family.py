@@ -20,7 +20,7 @@ from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
 from maskedit.tiny_unet import build_unet
 from maskedit_lab.baselines import cache_policy
-from tests.conftest import atol, exact_here, png
+from tests.conftest import atol, exact_here, plain, png
 
 STEPS = 3
 SIZE = 128  # template pixels; the model runs at its preset's 256 x 256 (32 x 32 latents)
@@ -56,14 +56,6 @@ def family(request, tmp_path_factory, settings):
 def prepared(pre, s, tpl, mask, **kw):
     params = parse_params(s, "a red hat", steps=STEPS, **kw)
     return denoise_inputs(pre(png(tpl), png(mask), params))
-
-
-def plain(runner, inputs):
-    eng = DenoiseEngine(ModelRunner(runner.settings, transformer=runner.transformer))
-    try:
-        return run_job(eng, replace(inputs, cache_key=None))
-    finally:
-        eng.shutdown()
 
 
 @pytest.mark.parametrize("guidance,negative", [(7.5, None), (7.5, "blurry, low quality"), (1.0, None)])

@@ -15,7 +15,7 @@ from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit_lab.baselines import FIXED_POLICIES, FixedPolicy, cache_policy
-from tests.conftest import atol, exact_here, png
+from tests.conftest import atol, exact_here, plain, png
 
 STEPS = 3
 
@@ -48,14 +48,6 @@ def env(settings, tmp_path_factory):
 def prepared(pre, settings, tpl, mask, **kw):
     params = parse_params(settings, "a hat", steps=STEPS, **kw)
     return denoise_inputs(pre(png(tpl), png(mask), params))
-
-
-def plain(runner, inputs):
-    eng = DenoiseEngine(ModelRunner(runner.settings, transformer=runner.transformer))
-    try:
-        return run_job(eng, replace(inputs, cache_key=None))
-    finally:
-        eng.shutdown()
 
 
 def test_record_then_same_mask_is_exact_in_every_mode(env, settings):
