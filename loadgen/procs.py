@@ -16,7 +16,8 @@ import psutil
 from maskedit_lab.supervisor import group_members
 
 SHM = Path("/dev/shm")
-__all__ = ["group_members", "label", "rss_by_process", "shm_regions", "dir_bytes", "port_in_use"]
+__all__ = ["group_members", "label", "rss_by_process", "mapped_rss", "store_rss_by_process", "shm_regions",
+           "dir_bytes", "port_in_use"]
 
 
 def label(p: psutil.Process) -> str:
@@ -39,6 +40,35 @@ def rss_by_process(pgids: dict[str, int]) -> dict[str, int]:
         for p in group_members(pgid):
             with contextlib.suppress(psutil.Error):
                 out[f"{name}/{label(p)}"] = out.get(f"{name}/{label(p)}", 0) + p.memory_info().rss
+    return out
+
+
+def mapped_rss(pid: int, dirs: list[Path]) -> int:
+    """Resident bytes of ``pid``'s mappings of files under ``dirs`` (from /proc/<pid>/smaps; 0 where unreadable).
+
+    RSS counts the pages of every mapped file a process has touched: for a denoise stub that includes the activation
+    entries it has mapped (bounded by its store's mapping cap), which says nothing about a leak. Subtracting them
+    leaves the memory that can leak: anonymous heap, tensors, interpreter objects."""
+    prefixes = tuple(str(d).rstrip("/") + "/" for d in dirs)
+    total, inside = 0, False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode path"
+                parts = line.split(None, 5)
+                inside = len(parts) == 6 and parts[5].rstrip("\n").removesuffix(" (deleted)").startswith(prefixes)
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def store_rss_by_process(pgids: dict[str, int], dirs: list[Path]) -> dict[str, int]:
+    """Like ``rss_by_process``, only the resident pages of mapped files under ``dirs`` (the activation store's tiers)."""
+    out: dict[str, int] = {}
+    for name, pgid in pgids.items():
+        for p in group_members(pgid):
+            key = f"{name}/{label(p)}"
+            out[key] = out.get(key, 0) + mapped_rss(p.pid, dirs)
     return out
 
 

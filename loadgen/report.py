@@ -70,11 +70,19 @@ def soak(r: dict) -> str:
     slopes = ", ".join(f"{k} {_f(v)}" for k, v in r["memory_slope_mb_per_10min"].items())
     first, last = r["samples"][0], r["samples"][-1]
     rss = ", ".join(f"{k} {first['rss'].get(k, 0) / 2**20:.0f}→{v / 2**20:.0f}" for k, v in sorted(last["rss"].items()))
+    mapped = ""
+    if "store_mapped" in r:  # runs before the split judged RSS as a whole
+        m = r["store_mapped"]
+        mapped = (f"RSS slopes, mapped store entries included: "
+                  f"{', '.join(f'{k} {_f(v)}' for k, v in r['rss_slope_mb_per_10min'].items())}. Mapped store pages at "
+                  f"their peak (MiB): {', '.join(f'{k} {v:g}' for k, v in m['peak_mb'].items())}; a process may hold "
+                  f"{m['bound_entries']} entries of {m['largest_entry_mb']:g} MiB = {m['bound_mb']:g} MiB. ")
     return "\n".join(rows) + (
         f"\n\n{r['minutes']:g} min at {r['rate']:g} req/s (the knee of the sweep) through the router, {r['instances']} "
         f"instances, {r['templates']} templates (Zipf {r['zipf']}), store memory budget {r['mem_budget_mb']} MB per "
         f"instance: {s['requests']} sent, {s['completed']} ok, errors {_codes(s['errors'])}, {s['lost']} lost. "
-        f"Memory slope after the first window (MB per 10 min): {slopes}. RSS first→last sample (MiB): {rss}. "
+        f"Memory slope after the first window (MB per 10 min"
+        f"{', outside mapped store entries' if mapped else ''}): {slopes}. {mapped}RSS first→last sample (MiB): {rss}. "
         f"/dev/shm {sum(first['shm'].values()) / 2**20:.0f}→{sum(last['shm'].values()) / 2**20:.0f} MiB, disk tier "
         f"{sum(first['disk'].values()) / 2**20:.0f}→{sum(last['disk'].values()) / 2**20:.0f} MiB. Targets met: "
         f"{r['met']}. Host: {r['host']['note']}. `{r['command']}` at revision {r.get('revision')}, started "

@@ -7,7 +7,9 @@ churn past the activation store's memory budget, watching memory.
 Reports every process's resident memory (each Triton server's processes, the router), the bytes this system
 holds in /dev/shm (activation-store memory tiers, Python-backend regions), the disk tier, latency and errors per
 5-minute window, and the slope of memory after the first window (flat: within ``--flat-mb`` per 10 minutes).
-Nothing may be lost (no result and no error).
+A process's memory is judged without the pages of the store entries it has mapped (read from /proc/<pid>/smaps):
+those are the store's files, counted in RSS once touched; they are reported and checked against what a process
+may hold mapped at once. Nothing may be lost (no result and no error).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from maskedit.cache.store import MAPPED_CAP, SUFFIX
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
@@ -43,8 +46,14 @@ def shm_bytes(topo: Topology) -> dict[str, int]:
     return out
 
 
+def store_dirs(topo: Topology) -> list[Path]:
+    return [d for s in topo.servers for d in (s.settings.cache.mem_dir, s.settings.cache.disk_dir)]
+
+
 def sample(topo: Topology, t0: float) -> dict:
-    return {"t_s": round(time.perf_counter() - t0, 1), "rss": procs.rss_by_process(topo.pgids()),
+    pgids = topo.pgids()
+    return {"t_s": round(time.perf_counter() - t0, 1), "rss": procs.rss_by_process(pgids),
+            "store_rss": procs.store_rss_by_process(pgids, store_dirs(topo)),
             "shm": shm_bytes(topo),
             "disk": {f"server{i}": procs.dir_bytes(s.settings.cache.disk_dir)
                      for i, s in enumerate(topo.servers)},
@@ -58,6 +67,23 @@ def slope_mb_per_10min(samples: list[dict], key, after_s: float) -> float | None
         return None
     t, v = np.array(pts, float).T
     return round(float(np.polyfit(t, v / 2**20, 1)[0] * 600), 2)
+
+
+def _own(x: dict, name: str) -> int | None:
+    """A process's resident memory outside the store entries it has mapped."""
+    rss = x["rss"].get(name)
+    return None if rss is None else rss - x.get("store_rss", {}).get(name, 0)
+
+
+def store_mapped_check(samples: list[dict], entry_bytes: int, batching) -> dict:
+    """The mapped store pages of each process, against what one process may hold mapped at once: the entries it
+    keeps for reuse plus one per request in its batch or queue (each holds the entry its cache decision opened)."""
+    entries = MAPPED_CAP + batching.max_batch + batching.max_queue
+    peak = {n: max(x.get("store_rss", {}).get(n, 0) for x in samples) for n in {k for x in samples for k in x["rss"]}}
+    bound = entries * entry_bytes
+    return {"peak_mb": {n: round(v / 2**20, 1) for n, v in sorted(peak.items()) if v},
+            "bound_mb": round(bound / 2**20, 1), "bound_entries": entries, "largest_entry_mb": round(entry_bytes / 2**20, 2),
+            "within_bound": all(v <= bound for v in peak.values())}
 
 
 def windows(recs, window_s: float) -> list[dict]:
@@ -89,8 +115,11 @@ def plot(result: dict, path: Path) -> None:
     t = np.array([x["t_s"] for x in s]) / 60
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for name in sorted({k for x in s for k in x["rss"]}):
-        axes[0].plot(t, [x["rss"].get(name, np.nan) / 2**20 for x in s], label=name)
-    axes[0].set(xlabel="minutes", ylabel="RSS (MiB)", title="resident memory per process")
+        line, = axes[0].plot(t, [(_own(x, name) or np.nan) / 2**20 for x in s], label=name)
+        if any(x.get("store_rss", {}).get(name) for x in s):
+            axes[0].plot(t, [x["rss"].get(name, np.nan) / 2**20 for x in s], ls=":", color=line.get_color(),
+                         label=f"{name} incl. mapped store entries")
+    axes[0].set(xlabel="minutes", ylabel="MiB", title="resident memory per process, outside mapped store entries")
     axes[0].legend(fontsize=6)
     axes[1].plot(t, [sum(x["shm"].values()) / 2**20 for x in s], label="/dev/shm (stores + backend regions)")
     axes[1].plot(t, [sum(x["disk"].values()) / 2**20 for x in s], label="disk tier")
@@ -161,6 +190,8 @@ def main(argv=None) -> None:
         stop.set()
         th.join(30)
         samples.append(sample(topo, t0))
+        end_entry_bytes = max((p.stat().st_size for d in store_dirs(topo) for p in Path(d).glob("*" + SUFFIX)),
+                              default=0)
         topo.remember()
     leftovers = topo.leftovers()
     from .records import summarize
@@ -168,9 +199,13 @@ def main(argv=None) -> None:
     summary = summarize(recs, wall)
     warm = args.window_s  # the first window warms caches and allocators: slopes are taken after it
     names = sorted({k for x in samples for k in x["rss"]})
-    slopes = {n: slope_mb_per_10min(samples, lambda x, n=n: x["rss"].get(n), warm) for n in names}
-    slopes["shm_total"] = slope_mb_per_10min(samples, lambda x: sum(x["shm"].values()), warm)
+    # What can leak is a process's memory outside the store entries it has mapped: those pages are file or
+    # /dev/shm pages, counted in RSS once touched and bounded by how many entries a process may keep mapped.
+    own = {n: slope_mb_per_10min(samples, lambda x, n=n: _own(x, n), warm) for n in names}
+    slopes = {**own, "shm_total": slope_mb_per_10min(samples, lambda x: sum(x["shm"].values()), warm)}
+    rss_slopes = {n: slope_mb_per_10min(samples, lambda x, n=n: x["rss"].get(n), warm) for n in names}
     flat = {k: v is not None and abs(v) <= args.flat_mb for k, v in slopes.items()}
+    mapped = store_mapped_check(samples, end_entry_bytes, topo.servers[0].settings.batching)
     result = {
         "command": "python -m loadgen.soak " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "revision": revision,
@@ -180,8 +215,10 @@ def main(argv=None) -> None:
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note},
         "summary": summary, "windows": windows(recs, args.window_s),
         "memory_slope_mb_per_10min": slopes, "flat": flat, "flat_limit_mb_per_10min": args.flat_mb,
+        "rss_slope_mb_per_10min": rss_slopes, "store_mapped": mapped,
         "restarts": samples[-1]["restarts"] if samples else None, "leftovers_after_shutdown": leftovers,
         "met": {"nothing_lost": summary["lost"] == 0, "memory_flat": all(flat.values()),
+                "store_mapped_bounded": mapped["within_bound"],
                 "nothing_left": not any(leftovers.values())},
         "samples": samples,
     }

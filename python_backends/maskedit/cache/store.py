@@ -41,6 +41,8 @@ SUFFIX = ".safetensors"
 _DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
            "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32)}
 _STALE_TMP_S = 600.0
+MAPPED_CAP = 64  # entries a process keeps mapped for reuse (requests in flight hold their own on top)
+VERIFIED_CAP = 4096  # file identities whose checksum this process has checked (forgetting one costs a re-check)
 # The disk tier never takes more than this share of the space its filesystem has (free plus what the tier holds):
 # a fixed cap alone would fill a small disk.
 DISK_FREE_FRACTION = 0.5
@@ -165,7 +167,7 @@ class ActivationStore:
         for d in (self.mem_dir, self.disk_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
-        self._verified: dict[tuple, bool] = {}  # (path, inode, mtime_ns) checked in this process
+        self._verified: dict[tuple, bool] = {}  # (path, inode, size, mtime_ns) checked here, oldest first
         self._mapped: dict[tuple, Entry] = {}  # entries this process has mapped, by the same identity
         self._promoting: dict[str, threading.Thread] = {}
         self._mu = threading.Lock()
@@ -268,10 +270,12 @@ class ActivationStore:
             self._discard(path, f"{e}")
             return None
         self._verified[ident] = True
+        while len(self._verified) > VERIFIED_CAP:  # every write and promotion makes a new identity: keep it bounded
+            self._verified.pop(next(iter(self._verified)))
         entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size, dtypes=arrays.dtypes,
                       mapping=arrays.mapping)
         self._unmap_stale()
-        if len(self._mapped) > 64:
+        if len(self._mapped) >= MAPPED_CAP:
             self._mapped.pop(next(iter(self._mapped)))
         self._mapped[ident] = entry
         return entry

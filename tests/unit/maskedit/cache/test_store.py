@@ -48,6 +48,20 @@ def test_replaced_or_evicted_entries_are_unmapped(tmp_path):
     assert sorted(e.key for e in s._mapped.values()) == ["b"]
 
 
+def test_what_a_process_remembers_of_entries_is_bounded(tmp_path, monkeypatch):
+    """Template churn writes new files all day: the mapped entries and the checked identities stay capped."""
+    from maskedit.cache import store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAPPED_CAP", 3)
+    monkeypatch.setattr(store_mod, "VERIFIED_CAP", 5)
+    s = mk(tmp_path, mem=100_000_000)
+    for i in range(12):
+        s.put(f"k{i}", arrays(i, n=10), {})
+        assert s.open(f"k{i}") is not None
+    assert len(s._mapped) <= 3 and len(s._verified) == 5
+    assert s.open("k11") is not None and s.open("k0") is not None  # forgotten ones are checked again, not lost
+
+
 def test_lru_eviction_to_disk_and_promotion(tmp_path):
     one = os.path.getsize(mk(tmp_path / "probe").put("x", arrays(), {}))
     s = mk(tmp_path, mem=int(one * 2.5))
