@@ -63,7 +63,7 @@ def mapped_rss(pid: int, dirs: list[Path]) -> int:
 
 
 def store_rss_by_process(pgids: dict[str, int], dirs: list[Path]) -> dict[str, int]:
-    """Like ``rss_by_process``, only the resident pages of mapped files under ``dirs`` (the activation store's tiers)."""
+    """Like ``rss_by_process``, only the resident pages of mapped files under ``dirs`` (the store's tiers)."""
     out: dict[str, int] = {}
     for name, pgid in pgids.items():
         for p in group_members(pgid):

@@ -82,7 +82,8 @@ def store_mapped_check(samples: list[dict], entry_bytes: int, batching) -> dict:
     peak = {n: max(x.get("store_rss", {}).get(n, 0) for x in samples) for n in {k for x in samples for k in x["rss"]}}
     bound = entries * entry_bytes
     return {"peak_mb": {n: round(v / 2**20, 1) for n, v in sorted(peak.items()) if v},
-            "bound_mb": round(bound / 2**20, 1), "bound_entries": entries, "largest_entry_mb": round(entry_bytes / 2**20, 2),
+            "bound_mb": round(bound / 2**20, 1), "bound_entries": entries,
+            "largest_entry_mb": round(entry_bytes / 2**20, 2),
             "within_bound": all(v <= bound for v in peak.values())}
 
 

@@ -153,11 +153,11 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
 
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:
     """Per block (tokens, computed tokens) over all the request's UNet rows, as ``CacheRuntime`` plans them."""
-    from maskedit.cache.runtime import _grid
+    from maskedit.cache.decision import latent_grid
     from maskedit.unet_prepare import cfg_rows
 
     n = x.latents.shape[0]
-    grid, r = _grid(x, n), cfg_rows(x.guidance)
+    grid, r = latent_grid(x, n), cfg_rows(x.guidance)
     shapes = h.hooks.shapes(grid)
     counts = [shapes[b][0] for b in range(len(shapes))] if mode == FULL else \
         h.hooks.computed_counts(jc.computed, grid)

@@ -46,10 +46,18 @@ def fits(meta: dict, n: int, steps: int, dim: int, blocks: int) -> bool:
         meta.get("blocks") == blocks
 
 
+def latent_grid(x, n: int) -> tuple[int, int]:
+    """A UNet request's latent grid (h, w): one token per latent pixel."""
+    ppt = x.model_h * x.model_w // n  # pixels per token: 64 (8 x 8)
+    side = int(round(ppt ** 0.5))
+    return x.model_h // side, x.model_w // side
+
+
 def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
-           record: bool = True, count: bool = True) -> CacheDecision:
+           record: bool = True, count: bool = True, coarsest: int = 0) -> CacheDecision:
     """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing but
-    the store's hit/miss counts (``count=False``: a second look for the same request)."""
+    the store's hit/miss counts (``count=False``: a second look for the same request). ``coarsest``: a UNet's
+    deepest level with transformer blocks (what a hit may heal depends on it), 0 for Flux."""
     key = x.cache_key
     if store is None or not key:
         return CacheDecision("off")
@@ -71,4 +79,5 @@ def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, bloc
     if computed.all():
         return CacheDecision("full", key, entry)
     return CacheDecision("hit", key, entry, computed=computed,
-                         heal=None if isinstance(entry, LiveEntry) else heal_candidates(own, invalid))
+                         heal=None if isinstance(entry, LiveEntry) else
+                         heal_candidates(own, invalid, latent_grid(x, n) if coarsest else None, coarsest))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .cost_model import CostModel
-from .decision import CacheDecision, decide
+from .decision import CacheDecision, decide, latent_grid
 from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
 from .heal import HEAL_MIN_RATIO, HealsInProgress, worth_healing
 from .live import LiveEntry, LiveRuns
@@ -58,8 +58,9 @@ class JobCache:
     text_len: int = 0
     live: Recorder | None = None  # following a template run in progress: its recorder
     patch: Recorder | None = None  # rows of the invalid tokens this hit leaves unmasked, to heal the entry
-    heal: np.ndarray | None = None  # those tokens
-    patch_pos: torch.Tensor | None = None  # their positions among idx_c
+    heal: np.ndarray | None = None  # those tokens (a UNet's: latent pixels)
+    patch_pos: torch.Tensor | None = None  # their positions among idx_c (a UNet's: per level, in heal_idx)
+    heal_idx: dict | None = None
     full_steps: int = 0  # steps a follower computed in full (the run had not recorded them)
     computed: np.ndarray | None = None  # UNet hits: latent pixels computed (host), and per-level indices
     level_idx: dict | None = None
@@ -125,7 +126,8 @@ class CacheRuntime:
         if self.block_policy is None:
             return CacheDecision("off")
         try:
-            return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record, count)
+            return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record, count,
+                          coarsest=getattr(self.hooks, "coarsest", 0))
         except Exception:
             log.exception("activation cache unusable for %s; running in full", x.cache_key)
             return CacheDecision("off", x.cache_key)
@@ -174,7 +176,7 @@ class CacheRuntime:
         m = d.entry.meta
         blocks = None
         if self.per_block:  # per block: (tokens, computed, width) at its level; rows of every guidance row
-            grid = _grid(x, n)
+            grid = latent_grid(x, n)
             shapes = self.hooks.shapes(grid)
             r = m.get("rows", 1)
             blocks = [(shapes[b][0] * r, c * r, shapes[b][1]) for b, c in
@@ -184,7 +186,7 @@ class CacheRuntime:
             [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))],
             blocks))
         jc.needs_output = self.hooks.needs_output(jc.modes) if self.per_block else needs_output(jc.modes)
-        if d.heal is not None and getattr(self.hooks, "heals", True):
+        if d.heal is not None:
             self._maybe_heal(jc, x, d.heal, idx_c)
         return jc
 
@@ -197,6 +199,17 @@ class CacheRuntime:
             return
         m = jc.entry.meta
         jc.heal = np.flatnonzero(heal)
+        if self.per_block:  # a UNet's rows per block, at the heal's tokens on that block's level
+            from .unet import UNetRecorder, heal_rows
+
+            grid = latent_grid(x, x.latents.shape[0])
+            jc.heal_idx = heal_rows(self.hooks, heal, jc.computed, grid, jc.idx_c.device)
+            shapes = {b: (int(jc.heal_idx[lv][1].numel()), self.hooks.dims[b])
+                      for b, lv in enumerate(self.hooks.levels)}
+            jc.patch = UNetRecorder(x.steps, m.get("rows", 1), shapes, m["y_blocks"], m["kv_blocks"], self.dtype,
+                                    self.device)
+            jc.patch.index = {b: jc.heal_idx[lv][1].cpu() for b, lv in enumerate(self.hooks.levels)}
+            return
         jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"], self.dtype,
                             self.device)
         jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)
@@ -210,7 +223,7 @@ class CacheRuntime:
             from .unet import UNetRecorder
             from ..unet_prepare import cfg_rows
 
-            r, shapes = cfg_rows(x.guidance), self.hooks.shapes(_grid(x, n))
+            r, shapes = cfg_rows(x.guidance), self.hooks.shapes(latent_grid(x, n))
             per_y = [x.steps * r * shapes[b][0] * shapes[b][1] * self.itemsize for b in range(len(self.kinds))]
         else:
             per_y = [x.steps * n * self.dim * self.itemsize] * len(self.kinds)
@@ -232,7 +245,7 @@ class CacheRuntime:
         meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
                 "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
         if self.per_block:
-            meta.update(layout="per_block", rows=r, grid=list(_grid(x, n)))
+            meta.update(layout="per_block", rows=r, grid=list(latent_grid(x, n)))
         # The run's entry while it records: followers read it; once complete it is what the store saves.
         live = LiveEntry(meta, {**rec.tensors(), "valid": valid}, rec)
         if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
@@ -263,8 +276,8 @@ class CacheRuntime:
         from .unet import UNetRowView
 
         x = job.inputs
-        view = UNetRowView(modes=jc.modes, grid=_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
-                           needs_output=jc.needs_output, recorder=recorder)
+        view = UNetRowView(modes=jc.modes, grid=latent_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
+                           needs_output=jc.needs_output, recorder=recorder, patch=jc.patch, heal_idx=jc.heal_idx)
         if jc.level_idx is None:
             jc.level_idx = view._memo  # per-level token indices, made once per request
         view._memo = jc.level_idx
@@ -313,10 +326,3 @@ class CacheRuntime:
         if self.writer is not None:
             self.writer.close()
         self.loader.close()
-
-
-def _grid(x, n: int) -> tuple[int, int]:
-    """A UNet request's latent grid (h, w): one token per latent pixel."""
-    ppt = x.model_h * x.model_w // n  # pixels per token: 64 (8 x 8)
-    side = int(round(ppt ** 0.5))
-    return x.model_h // side, x.model_w // side

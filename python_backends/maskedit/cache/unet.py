@@ -18,7 +18,9 @@ of every ``Transformer2DModel`` sees freshly computed input rows for every token
 for the current request), and every such model's last block writes all output rows (its ``proj_out`` reads them).
 
 Tokens are latent pixels; a block at level ``l`` (the UNet halves the grid ``l`` times) works on the grid
-``(h >> l, w >> l)``, and a token there is computed if any latent pixel under it is.
+``(h >> l, w >> l)``, and a token there is computed if any latent pixel under it is. A hit heals its entry's
+invalid pixels outside its own cells at the coarsest level (``heal_rows``): their tokens at every level are then
+template context, recorded by the hit block by block (``UNetRowView.patch``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class UNetRowView:
     rows: Callable[[int, str], torch.Tensor] | None = None  # (block, kind) -> the loaded (R, N_b, D_b) rows
     needs_output: list[bool] = field(default_factory=list)
     recorder: "UNetRecorder | None" = None
+    patch: "UNetRecorder | None" = None  # a hit healing its entry: rows of the heal's tokens (``heal_rows``)
+    heal_idx: dict | None = None  # level -> (positions among the computed tokens, token indices) of the heal
     _memo: dict = field(default_factory=dict)  # level -> (computed, cached) token indices on the device
 
     def tokens(self, level: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +72,19 @@ class UNetRowView:
     @property
     def all_full(self) -> bool:
         return all(m == FULL for m in self.modes)
+
+
+def heal_rows(hooks: "UNetCacheHooks", heal: np.ndarray, computed: np.ndarray, grid: tuple[int, int],
+              device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per level, the tokens a heal of latent pixels ``heal`` rewrites: (their positions among the level's computed
+    tokens, their indices). ``heal`` lies outside the hit's own cells at the coarsest level (``heal_candidates``),
+    so at every level its tokens hold template context only, and all of them are computed (they are invalid)."""
+    out = {}
+    for lv in set(hooks.levels):
+        tok = np.flatnonzero(level_mask(heal, grid, lv))
+        comp = np.flatnonzero(level_mask(computed, grid, lv))
+        out[lv] = (torch.from_numpy(np.searchsorted(comp, tok)).to(device), torch.from_numpy(tok).to(device))
+    return out
 
 
 def per_unet_row(ctx: StepContext, r: int) -> StepContext:
@@ -141,7 +158,6 @@ class UNetCacheHooks(BlockHooks):
     """Attach / detach the masked-block hooks on a ``UNet2DConditionModel``; the blocks' levels and widths."""
 
     HOOK_NAME = HOOK_NAME
-    heals = False  # an entry's invalid tokens are not healed: a latent pixel maps to different rows per level
     layout = "per_block"  # entry arrays y.<b> / k.<b> / v.<b> (blocks differ in tokens and width)
 
     def __init__(self, unet):
@@ -156,6 +172,7 @@ class UNetCacheHooks(BlockHooks):
                 self.levels.append(level)
                 self.group_last.append(k == len(model.transformer_blocks) - 1)
         self.dims = [int(b.norm1.normalized_shape[0]) for b in blocks]
+        self.coarsest = max(self.levels, default=0)  # what a hit may heal depends on it (``heal_candidates``)
         self.n_dual = 0
         # Cost-model kinds: one per level (its blocks share width and token count; calibrated as ``unet-l<level>``).
         self.kinds = [f"unet-l{lv}" for lv in self.levels]
@@ -197,7 +214,7 @@ class MaskedUNetBlockHook(ModelHook):
         if ctx is not None and ctx.on_block is not None:
             ctx.on_block(self.index)
         call = lambda h, e: forward(h, attention_mask=attention_mask, encoder_hidden_states=e, **kwargs)  # noqa
-        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
+        if ctx is None or all(r is None or (r.all_full and r.recorder is None and r.patch is None) for r in ctx.rows):
             return call(hidden_states, encoder_hidden_states)
         b = self.index
         full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
@@ -208,16 +225,24 @@ class MaskedUNetBlockHook(ModelHook):
             h = call(hidden_states[sel], encoder_hidden_states[sel])
             out[sel] = h
             for j, i in enumerate(full_rows):
-                rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
-                if rec is not None:
-                    rec.put_y(b, ctx.rows[i].slot, h[j])
-                    if rec.wants_kv(b):
-                        n1 = module.norm1(hidden_states[i])
-                        rec.put_kv(b, ctx.rows[i].slot, module.attn1.to_k(n1), module.attn1.to_v(n1))
+                vw = ctx.rows[i]
+                if vw is not None and vw.recorder is not None:
+                    _record(module, b, vw.recorder, vw.slot, h[j], hidden_states[i])
+                if vw is not None and vw.patch is not None:  # a heal's tokens, computed here with all the others
+                    t = vw.heal_idx[self.owner.levels[b]][1]
+                    _record(module, b, vw.patch, vw.slot, h[j, t], hidden_states[i, t])
         if masked_rows:
             masked_unet_block(module, b, self.owner.levels[b], masked_rows, [ctx.rows[i] for i in masked_rows],
                               hidden_states, encoder_hidden_states, out)
         return out
+
+
+def _record(block, b: int, rec: UNetRecorder, slot: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Record a block's output rows ``out`` and, where wanted, the self-attention keys/values of its input ``inp``."""
+    rec.put_y(b, slot, out)
+    if rec.wants_kv(b):
+        n1 = block.norm1(inp)
+        rec.put_kv(b, slot, block.attn1.to_k(n1), block.attn1.to_v(n1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -298,6 +323,12 @@ def masked_unet_block(block, b: int, level: int, rows: list[int], views: list[UN
                 cross[j] = oj
         x = torch.cat(cross) + x
     x = block.ff(block.norm3(x)) + x
+    for j, vw in enumerate(views):  # a heal's tokens among the computed ones: template context, recorded
+        if vw.patch is not None:
+            pos = vw.heal_idx[level][0]
+            vw.patch.put_y(b, vw.slot, part(x, j)[pos])
+            if vw.patch.wants_kv(b) and vw.modes[b] in (Y, KV):
+                vw.patch.put_kv(b, vw.slot, part(k_c, j)[pos], part(v_c, j)[pos])
     for j, (i, vw) in enumerate(zip(rows, views)):
         c, _ = idx[j]
         if vw.needs_output[b]:

@@ -54,8 +54,13 @@ class EntryWriter:
                 return
             patch.synchronize()
             t = torch.from_numpy(tokens)
-            arrays = {name: entry.tensor(name).clone() for name in ("y", "k", "v", "valid")}  # own copies
-            arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = patch.y, patch.k, patch.v
+            arrays = {name: entry.tensor(name).clone() for name in entry.arrays}  # own copies
+            if entry.meta.get("layout") == "per_block":  # a UNet's: each block's rows at its level's tokens
+                for kind, rows in (("y", patch.y), ("k", patch.k), ("v", patch.v)):
+                    for b, r in rows.items():
+                        arrays[f"{kind}.{b}"][:, :, patch.index[b]] = r
+            else:
+                arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = patch.y, patch.k, patch.v
             arrays["valid"][t] = 1
             self.store.put(key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
             self.store.stats.heals += 1

@@ -241,6 +241,42 @@ def test_a_request_joining_after_the_template_run_follows_it(family, tmp_path):
         rt.close()
 
 
+def test_a_hit_heals_the_pixels_the_template_run_edited(family):
+    """An entry recorded by an edit holds that edit's pixels invalid at every level; a hit that leaves them
+    outside its own cells computes them as template context and rewrites the entry with its rows for them, block by
+    block at each block's level, so the hits after it compute only their own pixels and get the same result."""
+    from maskedit_common.heal import cells
+
+    name, s, pre, runner, run, store = family
+    tpl = samples.template(SIZE, SIZE, seed=35)
+    side = np.zeros((SIZE, SIZE), np.uint8)
+    left, right = side.copy(), side.copy()
+    left[:, :SIZE // 4], right[:, -SIZE // 4:] = 255, 255  # a quarter each, at opposite edges
+    xl, xr = prepared(pre, s, tpl, left), prepared(pre, s, tpl, right)
+    assert run(xl, "all_y").cache.status == "record"
+    before = store.open(xl.cache_key)
+    hooks = UNetCacheHooks.of(runner.transformer)
+    own_l, own_r = np.asarray(xl.token_mask, bool), np.asarray(xr.token_mask, bool)
+    grid = (xl.model_h // 8, xl.model_w // 8)
+    assert not (cells(own_r, grid, hooks.coarsest) & own_l).any()  # the masks share no cell at any level
+
+    heals = store.stats.heals
+    hit = run(xr, "all_y")
+    jc = hit.cache
+    assert jc.status == "hit" and jc.info()["healed_tokens"] == own_l.sum() and jc.patch.complete
+    assert store.stats.heals == heals + 1
+    healed = store.open(xl.cache_key)
+    assert healed is not before and np.asarray(healed.arrays["valid"]).all()
+    for array in set(before.arrays) - {"valid"}:  # rows off the edit's tokens keep the template run's bits
+        keep = ~level_mask(own_l, grid, hooks.levels[int(array.split(".")[1])])  # y.<b>: block b's level
+        np.testing.assert_array_equal(healed.arrays[array][:, :, keep], before.arrays[array][:, :, keep])
+        assert not np.array_equal(healed.arrays[array][:, :, ~keep], before.arrays[array][:, :, ~keep])
+
+    again = run(xr, "all_y")
+    assert again.cache.status == "hit" and again.cache.computed.sum() == own_r.sum() and again.cache.patch is None
+    np.testing.assert_allclose(again.result(), hit.result(), atol=atol(s, 1e-5))
+
+
 @pytest.mark.parametrize("name", ["EulerAncestralDiscreteScheduler", "PNDMScheduler"])
 def test_a_scheduler_that_cannot_batch_deterministically_is_refused_at_start(name):
     from maskedit.unet_prepare import check_unet_scheduler
