@@ -53,7 +53,7 @@ def mapped_rss(pid: int, dirs: list[Path]) -> int:
     total, inside = 0, False
     with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as f:
         for line in f:
-            head = line.split(None, 1)[0]
+            head = line.split(None, 1)[0] if line.strip() else ""
             if "-" in head and not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode path"
                 parts = line.split(None, 5)
                 inside = len(parts) == 6 and parts[5].rstrip("\n").removesuffix(" (deleted)").startswith(prefixes)
