@@ -1,3 +1,6 @@
+import os
+import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +14,27 @@ from maskedit.local import run_job
 from maskedit.settings import load_settings
 from maskedit.tiny_model import build
 from maskedit_client import encode_image
+
+# Where the suite's stores, cancel markers and admission files go unless a test names its own: a directory of
+# this run's, removed at its end, so tests never write into (or read from) the host's serving defaults under
+# /dev/shm/maskedit-$UID and ~/.cache/maskedit. Servers the tests start inherit it through the environment.
+_SCRATCH_VARS = {"MASKEDIT_CACHE_MEM_DIR": "activations", "MASKEDIT_CACHE_DISK_DIR": "disk",
+                 "MASKEDIT_CANCEL_DIR": "cancel", "MASKEDIT_ADMISSION_DIR": "admission"}
+
+
+def pytest_configure(config):
+    if getattr(config, "_maskedit_scratch", None) is not None:
+        return
+    ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    config._maskedit_scratch = Path(tempfile.mkdtemp(prefix="maskedit-tests-", dir=ram))
+    for var, name in _SCRATCH_VARS.items():
+        os.environ[var] = str(config._maskedit_scratch / name)
+
+
+def pytest_unconfigure(config):
+    scratch = getattr(config, "_maskedit_scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
