@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= models/tiny-flux-fill
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos overload soak clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos faults overload soak clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,10 @@ serve-cluster: model
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model
 	$(PY) -m loadgen.chaos $(ARGS)
+
+# Storage and client faults (corrupt entries, unwritable disk tier, full memory filesystem, idle streams).
+faults: model
+	$(PY) -m loadgen.faults $(ARGS)
 
 overload: model
 	$(PY) -m loadgen.overload $(ARGS)

@@ -104,11 +104,17 @@ def _await_restart(inst, before: int, timeout_s: float = 300.0) -> dict:
 
 # -- one case -----------------------------------------------------------------------------------------------
 def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: int = 0, templates: int = 8,
-             steps: int | None = None, progress: bool = True, recover_timeout_s: float = 120.0) -> dict:
-    """Open-loop load at ``rate`` for ``duration_s`` through the router; ``fault`` injected at a random moment
-    in the first half. Waits (up to ``recover_timeout_s`` more) for recovery before judging."""
+             steps: int | None = None, progress: bool = True, recover_timeout_s: float = 120.0,
+             faults: dict | None = None, sink: dict | None = None) -> dict:
+    """Open-loop load at ``rate`` for ``duration_s`` through the router; ``fault`` (a name in ``faults``, default
+    this module's) injected at a random moment in the first half. Waits (up to ``recover_timeout_s`` more) for
+    recovery before judging. ``sink``: filled with the requests, records, answers' PNGs and the start time."""
+    faults = faults or FAULTS
+    sink = {} if sink is None else sink
+    sink["images"] = {}
     rng = random.Random(seed)
     reqs = workload.poisson(rate, max(1, int(rate * duration_s)), n_templates=templates, steps=steps, seed=seed)
+    sink["requests"] = reqs
     at = rng.uniform(0.25, 0.45) * reqs[-1].t
     times: dict = {}
     box: dict = {}
@@ -127,7 +133,7 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
         time.sleep(max(0.0, t0 + at - time.perf_counter()))
         times["injected"] = time.perf_counter()
         try:
-            box.update(FAULTS[fault](topo, rng))
+            box.update(faults[fault](topo, rng))
         except Exception as e:  # reported with the case, which then cannot meet its targets
             box["error"] = f"{type(e).__name__}: {e}"
         restored = box.get("restored") or time.perf_counter()
@@ -145,7 +151,9 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
     th = threading.Thread(target=inject, name=f"fault-{fault}")
     th.start()
     with EditClient(topo.url) as client:
-        records, wall = runner.run(client, reqs, assets, timeout_s=60.0, progress=progress, on_start=on_start)
+        records, wall = runner.run(client, reqs, assets, timeout_s=60.0, progress=progress, on_start=on_start,
+                                   images=sink["images"])
+    sink.update(records=records, t0=t0)
     th.join(recover_timeout_s + 330)
     topo.remember()  # a restart made a new generation: its predecessor must have left nothing
     return summarize_case(fault, records, wall, t0, times, box, topo.leftovers(), rate)

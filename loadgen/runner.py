@@ -39,12 +39,13 @@ LOST = "LOST"  # neither a result nor an error arrived before the load generator
 
 
 def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.0, progress: bool = True,
-        register_templates: bool = False, on_start=None) -> tuple[list[Record], float]:
+        register_templates: bool = False, on_start=None, images: dict | None = None) -> tuple[list[Record], float]:
     """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time.
 
     Waits at most ``timeout_s`` after the last request was sent; a request with no answer by then is recorded
     as ``LOST``, and anything that arrives for it later (the client's own cancel when it closes) is ignored, so
-    a record says what the service did, never what the load generator did on its way out."""
+    a record says what the service did, never what the load generator did on its way out. ``images``: filled with
+    each answered request's PNG by its index (to check results afterwards)."""
     if register_templates:
         for tid in sorted({r.template for r in requests}):
             steps = {r.steps for r in requests if r.template == tid}
@@ -70,8 +71,10 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.
             res = fut.result()
             info = res.info
             rec.queue_s, rec.denoise_s, rec.cache_hit = info.get("queue_s"), info.get("denoise_s"), info.get("cache_hit")
-            keep = ("instance", "cache_source", "full_steps", "computed_tokens", "healed_tokens")
+            keep = ("instance", "cache_source", "full_steps", "computed_tokens", "healed_tokens", "cache_corrupt")
             rec.extra.update({k: info[k] for k in keep if info.get(k) is not None})
+            if images is not None:
+                images[rec.index] = res.png
         except Exception as e:
             rec.error, rec.error_code = str(e)[:300], getattr(e, "code", type(e).__name__)
         bar.update(1)

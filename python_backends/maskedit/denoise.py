@@ -82,6 +82,7 @@ class DenoiseJob:
     decision: Any = None  # the activation cache's ``CacheDecision``, made once before admission
     cache: Any = None  # its ``JobCache`` once admitted (None: no cache runtime)
     tensors: JobTensors | None = None
+    restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
 
     @property
     def steps(self) -> int:
@@ -157,6 +158,24 @@ class ModelRunner:
             jc = self.cache.admit(job, job.decision)
             job.tokens = max(1, int(jc.idx_c.numel())) if jc.status == "hit" else int(job.inputs.latents.shape[0])
         job.started_at = time.perf_counter()
+
+    def recompute(self, job: DenoiseJob, error: BaseException) -> None:
+        """A hit's entry failed verification mid-run. The rows it used so far were verified, but the rest cannot
+        be trusted: the entry is discarded and the request starts again from its first step without it (same
+        inputs and seed: the result a miss gives). A second corrupt entry for the same request turns caching off."""
+        key = job.inputs.cache_key
+        if self.cache is not None:
+            self.cache.corrupt(job, error)
+        job.restarts += 1
+        job.step_index, job.latents, job.cache, job.tensors = 0, None, None, None
+        job.decision = None
+        if job.restarts > 1 and self.cache is not None:
+            from .cache.decision import CacheDecision
+
+            job.decision = CacheDecision("off", key)
+        self.prepare(job)
+        if job.cache is not None:
+            job.cache.recovered = str(error)
 
     def estimate_tokens(self, job: DenoiseJob) -> int:
         """A cheap guess of the tokens per step at submit (for the early deadline check only): the masked tokens

@@ -17,6 +17,7 @@ from .denoise import DenoiseJob, ModelRunner
 from .device import StepClock, device_lost, out_of_memory, release_cached_memory
 from .errors import Cancelled, ResourceExhausted, Unavailable
 from .scheduler import BatchScheduler
+from .cache.integrity import corrupt_entry
 
 log = logging.getLogger(__name__)
 
@@ -235,12 +236,23 @@ class DenoiseEngine:
             except Exception as e:
                 if device_lost(e):
                     raise
+                if corrupt_entry(e) is not None and self._recompute(job, corrupt_entry(e)):
+                    continue  # back at its first step without the bad entry: it stays in the batch
                 log.exception("denoise step failed for request %s", job.id)
                 release_cached_memory(self.runner.device)
                 failed.append((job, e))
         for job, e in failed:
             self._retire([job], error=_step_error(e))
         return [j for j in batch if any(j is k for k in ok)]
+
+    def _recompute(self, job: DenoiseJob, error: BaseException) -> bool:
+        """``job``'s cached rows failed verification: start it again without them. False if that failed too."""
+        try:
+            self.runner.recompute(job, error)
+            return True
+        except Exception:
+            log.exception("could not restart request %s without its corrupt activation entry", job.id)
+            return False
 
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         """End every cancelled admitted request (paused ones too) and return the rest of ``batch``."""

@@ -27,6 +27,10 @@ class LiveEntry:
     def tensor(self, name: str) -> torch.Tensor:
         return self.arrays[name]
 
+    def rows(self, name: str, *index: int) -> torch.Tensor:
+        """As ``Entry.rows``; nothing to verify: the rows are this process's own memory, written by the run."""
+        return self.arrays[name][index] if index else self.arrays[name]
+
     def step_event(self, step: int):
         """Step ``step``'s rows have landed in host memory (GPU: an event on the recording stream)."""
         return self.recorder.step_event(step)

@@ -120,12 +120,13 @@ class RowLoader:
         text part the block fills)."""
         t0 = time.perf_counter()
         entry, m = jc.entry, jc.entry.meta
+        # ``rows`` verifies the chunks it returns (a stored entry's checksums; raises ``CorruptEntry``).
         if m.get("layout") == "per_block":  # a UNet's blocks differ in size: one array per block, (R, N_b, D_b)
-            src = entry.tensor(f"{kind[0]}.{b}")[step]
+            src = entry.rows(f"{kind[0]}.{b}", step)
         elif kind == Y_ROWS:
-            src = entry.tensor("y")[step, m["y_blocks"].index(b)]  # (N, D)
+            src = entry.rows("y", step, m["y_blocks"].index(b))  # (N, D)
         else:
-            src = entry.tensor(kind[0])[step, m["kv_blocks"].index(b)]  # (N, inner)
+            src = entry.rows(kind[0], step, m["kv_blocks"].index(b))  # (N, inner)
         with self._copy.use():
             if kind == Y_ROWS:
                 out = dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)

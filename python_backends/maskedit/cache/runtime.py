@@ -62,6 +62,7 @@ class JobCache:
     patch_pos: torch.Tensor | None = None  # their positions among idx_c (a UNet's: per level, in heal_idx)
     heal_idx: dict | None = None
     full_steps: int = 0  # steps a follower computed in full (the run had not recorded them)
+    recovered: str | None = None  # the corrupt entry this request was restarted without (what was found)
     computed: np.ndarray | None = None  # UNet hits: latent pixels computed (host), and per-level indices
     level_idx: dict | None = None
 
@@ -78,7 +79,8 @@ class JobCache:
                 "block_modes": "".join({FULL: "F", Y: "Y", KV: "K", NOCTX: "N"}[m] for m in self.modes)
                 if self.status == "hit" else "",
                 "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None,
-                "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0}
+                "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0,
+                "cache_corrupt": self.recovered is not None}
 
 
 def hooks_for(model):
@@ -316,6 +318,13 @@ class CacheRuntime:
                 self.writer.heal(jc.key, jc.entry, jc.heal, jc.patch, then=lambda: self.heals.release(jc.key))
             else:
                 self.heals.release(jc.key)
+
+    def corrupt(self, job, error: BaseException) -> None:
+        """``job``'s entry failed verification: discard that file and end the job's use of the cache."""
+        entry = getattr(error, "entry", None) or (job.cache.entry if job.cache is not None else None)
+        if self.store is not None and getattr(entry, "ident", None) is not None:
+            self.store.invalidate(entry, str(error))
+        self.finish(job, ok=False)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait for pending writes (tests, shutdown)."""

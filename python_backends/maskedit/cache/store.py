@@ -1,32 +1,38 @@
 """The activation store: a host-memory tier shared by processes, LRU-evicted to a disk tier.
 
-Each entry is one safetensors file (one template's recorded activations plus JSON metadata). The memory
-tier is a directory on a RAM filesystem (``/dev/shm`` by default), so every Triton model process can map
-the same bytes without copying: preprocess checks and prefetches, masked_denoise reads and records.
+Each entry is one safetensors file (``entry_file``: one template's recorded activations plus JSON metadata with a
+checksum per chunk). The memory tier is a directory on a RAM filesystem (``/dev/shm`` by default), so every Triton
+model process can map the same bytes without copying: preprocess checks and prefetches, masked_denoise reads and
+records.
 
-Crash safety: a writer fills a hidden temporary file and ``os.replace``-s it into place, so an entry is
-visible only when complete; a writer killed mid-way leaves only a temporary file, swept later. Each entry
-carries the CRC32 of its tensor bytes in its metadata; a file whose size or checksum is wrong is a miss
-and is deleted, never served. Two processes recording the same key each write a complete file and the
-last rename wins. LRU order is the file's access time (set on every open); eviction moves the oldest memory
-entries to disk under an inter-process lock; promotion copies a disk entry back (optionally in a thread
-while the request still queues).
+Integrity (``integrity``): no byte reaches a computation unverified. Opening an entry checks its structure and
+the small arrays a decision reads; the loader verifies each block's rows as it copies them, promotion and heals
+verify the whole entry. A mismatch discards the file (``invalidate``), counts it and logs it; its request is
+recomputed in full.
+Crash safety: a writer fills a hidden temporary file and ``os.replace``-s it into place, so an entry is visible
+only when complete; a writer killed mid-way leaves only a temporary file, swept later. Two processes recording the
+same key each write a complete file and the last rename wins. LRU order is the file's access time (set on every
+open); eviction moves the oldest memory entries to disk under an inter-process lock; promotion copies a disk entry
+back (optionally in a thread while the request still queues).
+Storage faults (``TierHealth``): budgets hold whatever the filesystems do. Room is made before a write; an entry
+that cannot move to an unwritable or full disk tier is dropped instead of kept over budget; a memory tier that
+cannot make room refuses new entries; ``ENOSPC`` shrinks the memory tier's budget to what its filesystem held, and
+the budget never starts above the filesystem's free space. Errors in background work are caught, logged once per
+kind with context, counted, and shown as a degraded tier until that tier's next success.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
-import struct
 import threading
 import time
 import uuid
-import warnings
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,45 +40,23 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from .. import logs
+from . import entry_file, integrity
+from .entry_file import Entry, MappedArrays, as_tensor, open_file
+from .integrity import CorruptEntry
+from .tier_health import TierHealth
+
+__all__ = ["ActivationStore", "CorruptEntry", "Entry", "MappedArrays", "as_tensor", "from_settings", "open_file"]
+
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
-# safetensors dtype -> (numpy dtype of the mapped view, torch dtype). numpy has no bfloat16: BF16 rows are mapped
-# as their raw 16-bit words and reinterpreted by ``Entry.tensor`` (entries are written in the model's dtype).
-_DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
-           "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32)}
 _STALE_TMP_S = 600.0
 MAPPED_CAP = 64  # entries a process keeps mapped for reuse (requests in flight hold their own on top)
-VERIFIED_CAP = 4096  # file identities whose checksum this process has checked (forgetting one costs a re-check)
 # The disk tier never takes more than this share of the space its filesystem has (free plus what the tier holds):
 # a fixed cap alone would fill a small disk.
 DISK_FREE_FRACTION = 0.5
-
-
-@dataclass
-class Entry:
-    """An opened entry: arrays are read-only views on the mapped file (no copy)."""
-
-    key: str
-    path: Path
-    tier: str
-    meta: dict
-    arrays: dict[str, np.ndarray]
-    nbytes: int
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # each array's element type (bf16: raw words)
-    mapping: np.ndarray | None = None  # the whole mapped file, which every array views
-    pinned: bool | None = None  # page-locked for GPU copies (set by a GPU loader on first use)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """``arrays[name]`` as a CPU tensor of its real dtype, sharing the mapping (no copy; never write to it)."""
-        return as_tensor(self.arrays[name], self.dtypes.get(name))
-
-
-def as_tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor view of a (possibly read-only, mapped) array, reinterpreted as ``dtype`` (bf16 from raw words)."""
-    with warnings.catch_warnings():  # read-only mappings: torch warns that writes are undefined; we never write
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
-    return t.view(dtype) if dtype is not None and t.dtype != dtype else t
+_HEADER_ROOM = 256  # per array: its header record and alignment
+_ENOSPC_SHRINK = 0.9  # after ENOSPC the memory budget is this share of what the tier held when it happened
 
 
 @dataclass
@@ -84,7 +68,9 @@ class StoreStats:
     corrupt: int = 0
     inserts: int = 0
     heals: int = 0  # entries rewritten with tokens another request had edited recomputed as template context
-    dropped: int = 0  # evicted from the disk tier (gone)
+    dropped: int = 0  # evicted from the disk tier (gone), or from memory when the disk tier could not take them
+    refused: int = 0  # new entries not written: the memory tier could not make room for them
+    errors: int = 0  # storage errors caught (a tier that could not write, delete or copy)
     # CPU seconds of the background writes (a template run's entry, a heal's rewrite): work that competes with the
     # denoise loop for the host's cores, reported so capacity models can charge it.
     record_cpu_s: float = 0.0
@@ -92,86 +78,34 @@ class StoreStats:
     extra: dict = field(default_factory=dict)
 
 
-class CorruptEntry(Exception):
-    pass
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CorruptEntry("shorter than a header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise CorruptEntry("header length is implausible")
-        header = f.read(n)
-    if len(header) != n:
-        raise CorruptEntry("truncated header")
-    try:
-        return json.loads(header), 8 + n
-    except ValueError as e:
-        raise CorruptEntry(f"bad header: {e}") from None
-
-
-class MappedArrays(dict):
-    """name -> view on a mapped entry, with ``dtypes``: each one's real element type (bf16 views hold raw words)."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], dtypes: dict[str, torch.dtype], mapping: np.ndarray):
-        super().__init__(arrays)
-        self.dtypes = dtypes
-        self.mapping = mapping  # the whole file, mapped: what a GPU loader page-locks once
-
-
-def _raw(a) -> np.ndarray:
-    """The bytes of an array or CPU tensor of any dtype (bf16 included), as a flat uint8 array."""
-    if isinstance(a, torch.Tensor):
-        return a.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def _crc(arrays: dict) -> int:
-    crc = 0
-    for name in sorted(arrays):
-        crc = zlib.crc32(memoryview(_raw(arrays[name])), crc)
-    return crc
-
-
-def open_file(path: Path, verify: bool = True) -> tuple[dict, dict[str, np.ndarray], int]:
-    """Map a safetensors file; check its size always and its checksum when ``verify``."""
-    header, data_start = _read_header(path)
-    meta = header.pop("__metadata__", {}) or {}
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    size = path.stat().st_size
-    if size != data_start + end:
-        raise CorruptEntry(f"size {size} != {data_start + end} expected from the header")
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    arrays, dtypes = {}, {}
-    for name, t in header.items():
-        if t["dtype"] not in _DTYPES:
-            raise CorruptEntry(f"unsupported dtype {t['dtype']}")
-        view, dtypes[name] = _DTYPES[t["dtype"]]
-        a, b = t["data_offsets"]
-        arrays[name] = mm[data_start + a:data_start + b].view(view).reshape(t["shape"])
-    info = json.loads(meta.get("maskedit", "{}"))
-    if verify and info.get("crc32") is not None and _crc(arrays) != int(info["crc32"]):
-        raise CorruptEntry("checksum mismatch")
-    return info, MappedArrays(arrays, dtypes, mm), size
-
-
 class ActivationStore:
     def __init__(self, mem_dir: str | Path, disk_dir: str | Path, mem_bytes: int, disk_bytes: int,
                  disk_free_fraction: float = DISK_FREE_FRACTION):
         self.mem_dir, self.disk_dir = Path(mem_dir), Path(disk_dir)
-        self.mem_bytes, self.disk_bytes = int(mem_bytes), int(disk_bytes)
+        self.disk_bytes = int(disk_bytes)
         self.disk_free_fraction = disk_free_fraction
         for d in (self.mem_dir, self.disk_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
-        self._verified: dict[tuple, bool] = {}  # (path, inode, size, mtime_ns) checked here, oldest first
-        self._mapped: dict[tuple, Entry] = {}  # entries this process has mapped, by the same identity
+        self.health = TierHealth(self.stats)
+        self._mapped: dict[tuple, Entry] = {}  # entries this process has mapped, by (path, inode, size, mtime_ns)
         self._promoting: dict[str, threading.Thread] = {}
         self._mu = threading.Lock()
+        self.mem_bytes = self._fit_to_filesystem(int(mem_bytes))
         self._sweep_tmp()
+
+    def _fit_to_filesystem(self, budget: int) -> int:
+        """The memory tier's budget: the configured one, never above what its filesystem can hold (free space plus
+        what the tier holds already); a RAM filesystem smaller than the budget would otherwise fill and freeze."""
+        try:
+            room = shutil.disk_usage(self.mem_dir).free + sum(s.st_size for _, s in self.entries("mem"))
+        except OSError:
+            return budget
+        if room < budget:
+            logs.event(log, "activation memory tier budget reduced to its filesystem's free space",
+                       logging.WARNING, configured=budget, budget=room, dir=str(self.mem_dir))
+            return room
+        return budget
 
     # -- paths and locking --------------------------------------------------------------------------
     def _path(self, tier_dir: Path, key: str) -> Path:
@@ -224,9 +158,11 @@ class ActivationStore:
         s = self.stats
         return {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "promotions": s.promotions,
                 "corrupt": s.corrupt, "inserts": s.inserts, "heals": s.heals, "dropped": s.dropped,
+                "refused": s.refused, "errors": s.errors,
                 "record_cpu_s": s.record_cpu_s, "heal_cpu_s": s.heal_cpu_s, "mem_bytes": b["mem"],
                 "disk_bytes": b["disk"], "mem_entries": len(self.entries("mem")),
-                "disk_entries": len(self.entries("disk"))}
+                "disk_entries": len(self.entries("disk")), "mem_budget": self.mem_bytes,
+                "degraded": dict(self.health.degraded)}
 
     # -- reads --------------------------------------------------------------------------------------
     def open(self, key: str, promote: bool = True, count: bool = True) -> Entry | None:
@@ -262,18 +198,19 @@ class ActivationStore:
         except FileNotFoundError:
             return None
         ident = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-        if ident in self._mapped:  # the same bytes as last time (any rewrite changes inode or mtime): reuse
-            return self._mapped[ident]
+        entry = self._mapped.get(ident)
         try:
-            info, arrays, size = open_file(path, verify=ident not in self._verified)
+            if entry is not None:  # the same file as last time: its small arrays again (a decision reads them)
+                for name, a in entry.arrays.items():
+                    if a.nbytes <= entry_file.SMALL_BYTES:
+                        entry.verify(name)
+                return entry
+            info, arrays, size = open_file(path, verify=False)
         except (CorruptEntry, ValueError, OSError) as e:
-            self._discard(path, f"{e}")
+            self._discard(path, ident, f"{e}", tier)
             return None
-        self._verified[ident] = True
-        while len(self._verified) > VERIFIED_CAP:  # every write and promotion makes a new identity: keep it bounded
-            self._verified.pop(next(iter(self._verified)))
         entry = Entry(key=key, path=path, tier=tier, meta=info, arrays=arrays, nbytes=size, dtypes=arrays.dtypes,
-                      mapping=arrays.mapping)
+                      mapping=arrays.mapping, ident=ident)
         self._unmap_stale()
         if len(self._mapped) >= MAPPED_CAP:
             self._mapped.pop(next(iter(self._mapped)))
@@ -294,21 +231,62 @@ class ActivationStore:
             if not current:
                 self._mapped.pop(ident, None)
 
-    def _discard(self, path: Path, why: str) -> None:
-        log.warning("discarding corrupt activation entry %s: %s", path.name, why)
+    def invalidate(self, entry: Entry, why: str) -> None:
+        """A reader found ``entry`` corrupt: discard its file (if it is still that file: a rewrite since is not
+        touched) and forget its mapping."""
+        self._discard(entry.path, entry.ident, why, entry.tier)
+
+    def _discard(self, path: Path, ident: tuple | None, why: str, tier: str) -> None:
         self.stats.corrupt += 1
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        logs.event(log, "corrupt activation entry discarded", logging.WARNING, key=path.stem, tier=tier,
+                   reason=why[:300])
+        self._mapped.pop(ident, None)
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if ident is None or (st.st_ino, st.st_size, st.st_mtime_ns) == ident[1:]:
+                path.unlink()
 
     # -- writes -------------------------------------------------------------------------------------
-    def put(self, key: str, arrays: dict, meta: dict) -> Path:
-        """Write an entry atomically into the memory tier, then evict to stay within budget. ``arrays`` are numpy
-        arrays or CPU tensors; tensors keep their dtype (bf16/fp16 entries of a bf16/fp16 model)."""
+    def put(self, key: str, arrays: dict, meta: dict) -> Path | None:
+        """Write an entry atomically into the memory tier, room made for it first. ``arrays`` are numpy arrays or
+        CPU tensors; tensors keep their dtype (bf16/fp16 entries of a bf16/fp16 model). Returns its path, or None
+        when the memory tier cannot hold it (refused: counted, the tier shown degraded)."""
         arrays = {k: (v.detach().contiguous() if isinstance(v, torch.Tensor) else
                       torch.from_numpy(np.ascontiguousarray(v))) for k, v in arrays.items()}
-        info = dict(meta, crc32=_crc(arrays), key=key, created=time.time())
-        path = self._path(self.mem_dir, key)
-        tmp = self.mem_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{key}"
+        info = dict(meta, hash=integrity.ALGO, chunks=integrity.table(arrays), key=key, created=time.time())
+        # The file's size: the arrays, and a header holding the metadata JSON escaped inside JSON (at most twice).
+        need = sum(a.numel() * a.element_size() for a in arrays.values()) + 2 * len(json.dumps(info)) + \
+            _HEADER_ROOM * len(arrays)
+        for attempt in range(2):
+            # An entry larger than the whole memory tier goes straight to the disk tier (its home after eviction).
+            tier, d = ("mem", self.mem_dir) if need <= self.mem_bytes else ("disk", self.disk_dir)
+            path = self._path(d, key)
+            if tier == "mem" and not self.evict(room=need):
+                self.stats.refused += 1
+                self.health.failed("mem", "admit", MemoryError(f"no room for {need} bytes within its budget of "
+                                                               f"{self.mem_bytes}"), key=key)
+                return None
+            try:
+                self._write(path, arrays, info)
+                break
+            except OSError as e:
+                self.health.failed(tier, "write", e, key=key)
+                if e.errno != errno.ENOSPC or attempt or tier != "mem":
+                    self.stats.refused += 1
+                    return None
+                # The filesystem is fuller than the budget allows (another user, a smaller tmpfs): hold what it held.
+                held = self.tier_bytes()["mem"]
+                self.mem_bytes = max(0, int(held * _ENOSPC_SHRINK))
+                logs.event(log, "activation memory tier budget shrunk after ENOSPC", logging.WARNING,
+                           budget=self.mem_bytes, held=held)
+        self.health.ok(tier, "write")
+        self.health.ok("mem", "admit")
+        self.stats.inserts += 1
+        self.evict()
+        return path
+
+    def _write(self, path: Path, arrays: dict, info: dict) -> None:
+        tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.stem}"
         try:
             save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
             os.replace(tmp, path)  # the entry becomes visible complete, or not at all
@@ -316,40 +294,65 @@ class ActivationStore:
             # which can sort before a touch made a moment earlier with the fine one.
             self._touch(path)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-        self.stats.inserts += 1
-        self.evict()
-        return path
 
     def delete(self, key: str) -> None:
         for d in (self.mem_dir, self.disk_dir):
             with contextlib.suppress(FileNotFoundError):
                 self._path(d, key).unlink()
 
-    def evict(self) -> None:
-        """Move least recently used memory entries to disk until the memory tier fits; trim the disk tier."""
+    def evict(self, room: int = 0) -> bool:
+        """Move least recently used memory entries to disk until the memory tier fits with ``room`` bytes to
+        spare; trim the disk tier. An entry the disk tier cannot take is dropped (its budget holds). False if the
+        memory tier could not be brought within budget (an entry could not be deleted)."""
         with self._lock():
             mem = sorted(self.entries("mem"), key=lambda e: e[1].st_atime_ns)
             total = sum(s.st_size for _, s in mem)
             for p, s in mem:
-                if total <= self.mem_bytes:
+                if total + room <= self.mem_bytes:
                     break
-                self._copy_atomic(p, self.disk_dir / p.name)
-                with contextlib.suppress(FileNotFoundError):
+                if self._to_disk(p):
+                    self.stats.evictions += 1
+                else:
+                    self.stats.dropped += 1
+                try:
                     p.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self.health.failed("mem", "delete", e, entry=p.name)
+                    continue
+                self.health.ok("mem", "delete")
                 total -= s.st_size
-                self.stats.evictions += 1
-            disk = sorted(self.entries("disk"), key=lambda e: e[1].st_atime_ns)
-            total = sum(s.st_size for _, s in disk)
-            limit = self.disk_limit(total)
-            for p, s in disk:
-                if total <= limit:
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                total -= s.st_size
-                self.stats.dropped += 1
+            self._trim_disk()
+            return total + room <= self.mem_bytes
+
+    def _to_disk(self, p: Path) -> bool:
+        try:
+            self._copy_atomic(p, self.disk_dir / p.name)
+        except OSError as e:
+            self.health.failed("disk", "write", e, entry=p.name)
+            return False
+        self.health.ok("disk", "write")
+        return True
+
+    def _trim_disk(self) -> None:
+        disk = sorted(self.entries("disk"), key=lambda e: e[1].st_atime_ns)
+        total = sum(s.st_size for _, s in disk)
+        limit = self.disk_limit(total)
+        for p, s in disk:
+            if total <= limit:
+                break
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.health.failed("disk", "delete", e, entry=p.name)
+                continue
+            total -= s.st_size
+            self.stats.dropped += 1
 
     def disk_limit(self, held: int) -> int:
         """The disk tier's budget now: the configured cap, bounded by ``disk_free_fraction`` of the space it finds
@@ -369,26 +372,40 @@ class ActivationStore:
             os.utime(tmp, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns))
             os.replace(tmp, dst)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 tmp.unlink()
 
     def promote(self, key: str) -> bool:
-        """Copy a disk entry into the memory tier (verifying it on the way); True if it is now in memory."""
+        """Copy a disk entry into the memory tier, verifying every chunk first; True if it is now in memory.
+        Storage errors are caught (counted, logged once): the request runs as a miss."""
         src, dst = self._path(self.disk_dir, key), self._path(self.mem_dir, key)
-        with self._lock():
-            if dst.exists():
-                return True
-            if not src.exists():
+        try:
+            with self._lock():
+                if dst.exists():
+                    return True
+                if not src.exists():
+                    return False
+                try:
+                    st = src.stat()
+                    open_file(src, verify=True)
+                except (CorruptEntry, ValueError) as e:
+                    self._discard(src, (str(src), st.st_ino, st.st_size, st.st_mtime_ns), str(e), "disk")
+                    return False
+            if not self.evict(room=src.stat().st_size):
                 return False
-            try:
-                open_file(src, verify=True)
-            except (CorruptEntry, ValueError, OSError) as e:
-                self._discard(src, str(e))
-                return False
-            self._copy_atomic(src, dst)
-            self._touch(dst)
-            with contextlib.suppress(FileNotFoundError):
-                src.unlink()
+            with self._lock():
+                self._copy_atomic(src, dst)
+                self._touch(dst)
+                self.health.ok("mem", "promote")
+                try:
+                    src.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:  # an unwritable disk tier keeps its copy: a stale duplicate, not a fault
+                    self.health.failed("disk", "delete", e, entry=src.name)
+        except OSError as e:
+            self.health.failed("mem", "promote", e, key=key)
+            return False
         self.stats.promotions += 1
         self.evict()
         return True
@@ -399,10 +416,18 @@ class ActivationStore:
         if where == "disk":
             with self._mu:
                 if key not in self._promoting:
-                    t = threading.Thread(target=self.promote, args=(key,), name=f"promote-{key[:8]}", daemon=True)
+                    t = threading.Thread(target=self._promote_quietly, args=(key,), name=f"promote-{key[:8]}",
+                                         daemon=True)
                     self._promoting[key] = t
                     t.start()
         return where
+
+    def _promote_quietly(self, key: str) -> None:
+        """A background promotion: nothing escapes the thread (``promote`` catches storage errors itself)."""
+        try:
+            self.promote(key)
+        except Exception as e:
+            self.health.failed("mem", "promote", e, key=key)
 
     def wait_promotion(self, key: str, timeout: float = 60.0) -> None:
         with self._mu:

@@ -15,7 +15,7 @@ import torch
 from .. import logs
 from .flux import Recorder
 from .live import LiveEntry
-from .store import ActivationStore, Entry
+from .store import ActivationStore, CorruptEntry, Entry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class EntryWriter:
             if self.store.current(key) is not entry:
                 return
             patch.synchronize()
+            entry.verify()  # every chunk: a rewrite would otherwise carry bad bytes on under fresh checksums
             t = torch.from_numpy(tokens)
             arrays = {name: entry.tensor(name).clone() for name in entry.arrays}  # own copies
             if entry.meta.get("layout") == "per_block":  # a UNet's: each block's rows at its level's tokens
@@ -62,9 +63,12 @@ class EntryWriter:
             else:
                 arrays["y"][:, :, t], arrays["k"][:, :, t], arrays["v"][:, :, t] = patch.y, patch.k, patch.v
             arrays["valid"][t] = 1
-            self.store.put(key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())})
+            if self.store.put(key, arrays, {**entry.meta, "valid_tokens": int(arrays["valid"].sum())}) is None:
+                return
             self.store.stats.heals += 1
             self.store.stats.heal_cpu_s += _wrote("healed activations", key, t0, c0, tokens=int(tokens.size))
+        except CorruptEntry as e:
+            self.store.invalidate(entry, str(e))
         except Exception:
             log.exception("could not heal activations for %s", key)
         finally:

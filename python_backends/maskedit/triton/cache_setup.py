@@ -67,8 +67,17 @@ class CacheMetrics:
             kind=pb_utils.MetricFamily.GAUGE)
         self._req = {k: self.requests.Metric(labels={"outcome": k}) for k in ("hit", "record", "off", "full")}
         self._ev = {k: self.events.Metric(labels={"event": k})
-                    for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts", "heals")}
+                    for k in ("hits", "misses", "evictions", "promotions", "corrupt", "inserts", "heals", "dropped",
+                              "refused", "errors")}
         self._bytes = {t: self.bytes.Metric(labels={"tier": t}) for t in ("mem", "disk")}
+        self.degraded = pb_utils.MetricFamily(
+            name="maskedit_cache_tier_degraded", description="1 while a store tier fails to write, delete or make "
+            "room (the store keeps its budgets by dropping or refusing entries meanwhile)",
+            kind=pb_utils.MetricFamily.GAUGE)
+        self._degraded = {t: self.degraded.Metric(labels={"tier": t}) for t in ("mem", "disk")}
+        self.budget = pb_utils.MetricFamily(
+            name="maskedit_cache_mem_budget_bytes", description="the memory tier's budget now (shrunk to what its "
+            "filesystem holds)", kind=pb_utils.MetricFamily.GAUGE).Metric(labels={})
         self.write_cpu = pb_utils.MetricFamily(
             name="maskedit_cache_write_cpu_seconds_total",
             description="CPU seconds of background activation writes (a template run's entry, a heal)",
@@ -125,3 +134,6 @@ class CacheMetrics:
                 self._seen[k] = m[k]
         self._bytes["mem"].set(m["mem_bytes"])
         self._bytes["disk"].set(m["disk_bytes"])
+        for t, metric in self._degraded.items():
+            metric.set(1 if m["degraded"].get(t) else 0)
+        self.budget.set(m["mem_budget"])

@@ -154,7 +154,6 @@ def test_corrupt_entry_falls_back_to_full(env, settings):
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     path.write_bytes(bytes(raw))
-    store._verified.clear()  # as in a process that has not read it yet
     job = run(x)
     assert job.cache.status == "record"  # treated as a miss, recorded afresh
     np.testing.assert_array_equal(job.result(), plain(runner, x).result())
@@ -200,3 +199,39 @@ def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exac
     else:
         torch.testing.assert_close(again(x)[..., k_rows], a.to_k(x), atol=atol(settings, 0), rtol=1e-2)
     assert isinstance(again, _FusedInputs)
+
+
+def test_entry_corrupted_in_place_mid_run_is_detected_and_recomputed(env, settings, monkeypatch):
+    """Bytes of a stored entry's rows changed in place with the file's times put back (silent disk or memory
+    corruption changes neither): the loader's checksum catches them as the block's rows load, the entry is
+    discarded, and the request starts again in full: its image is the uncached one, never one from bad bytes."""
+    import os
+
+    from maskedit.cache import entry_file
+
+    monkeypatch.setattr(entry_file, "SMALL_BYTES", 4096)  # rows are verified by the loader, not at open
+    pre, run, store, runner = env
+    tpl = samples.template(256, 256, seed=29)
+    x = prepared(pre, settings, tpl, samples.mask(256, 256, 0.2, "box", seed=5))
+    assert run(x).cache.status == "record"
+    entry = store.open(x.cache_key, count=False)
+    path, st = entry.path, entry.path.stat()
+    with open(path, "r+b") as f:  # a flipped byte in every block's rows of step 1, whichever the hit reads
+        for name in ("y", "k", "v"):
+            a = entry.arrays.get(name)
+            if a is None or a.ndim < 3:
+                continue
+            for b in range(a.shape[1]):
+                off = int(a[1, b].ctypes.data - entry.mapping.ctypes.data) + a[1, b].nbytes // 2
+                f.seek(off)
+                f.write(bytes([entry.mapping[off] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = store.stats.corrupt
+    edit = prepared(pre, settings, tpl, samples.mask(256, 256, 0.2, "box", seed=6))
+    job = run(edit)
+    assert job.restarts == 1 and job.cache.info()["cache_corrupt"]
+    assert store.stats.corrupt == before + 1
+    np.testing.assert_array_equal(job.result(), plain(runner, edit).result())
+    again = run(edit)  # the restarted request recorded the entry afresh: later ones hit it
+    assert again.cache.status == "hit" and not again.cache.info()["cache_corrupt"]
+    np.testing.assert_allclose(again.result(), job.result(), atol=atol(settings, 1e-4))

@@ -49,17 +49,16 @@ def test_replaced_or_evicted_entries_are_unmapped(tmp_path):
 
 
 def test_what_a_process_remembers_of_entries_is_bounded(tmp_path, monkeypatch):
-    """Template churn writes new files all day: the mapped entries and the checked identities stay capped."""
+    """Template churn writes new files all day: the mapped entries stay capped."""
     from maskedit.cache import store as store_mod
 
     monkeypatch.setattr(store_mod, "MAPPED_CAP", 3)
-    monkeypatch.setattr(store_mod, "VERIFIED_CAP", 5)
     s = mk(tmp_path, mem=100_000_000)
     for i in range(12):
         s.put(f"k{i}", arrays(i, n=10), {})
         assert s.open(f"k{i}") is not None
-    assert len(s._mapped) <= 3 and len(s._verified) == 5
-    assert s.open("k11") is not None and s.open("k0") is not None  # forgotten ones are checked again, not lost
+    assert len(s._mapped) <= 3
+    assert s.open("k11") is not None and s.open("k0") is not None  # forgotten ones are mapped again, not lost
 
 
 def test_lru_eviction_to_disk_and_promotion(tmp_path):
@@ -185,7 +184,7 @@ def test_entries_keep_the_models_dtype_checksummed_and_mapped(tmp_path, dtype):
     s = mk(tmp_path, mem=100_000_000)
     y = torch.randn(2, 3, 1000).to(dtype)
     s.put("k", {"y": y, "valid": np.ones(1000, np.uint8)}, {"steps": 2})
-    s._verified.clear()  # as in a process that has not read it yet: the checksum is verified
+    s._mapped.clear()  # as in a process that has not read it yet
     e = s.open("k")
     assert e.dtypes["y"] == dtype and e.tensor("y").dtype == dtype
     assert torch.equal(e.tensor("y"), y)
@@ -201,7 +200,6 @@ def test_a_corrupt_bf16_entry_is_a_miss(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-50] ^= 0xFF
     path.write_bytes(bytes(raw))
-    s._verified.clear()
     s._mapped.clear()
     assert s.open("k") is None and s.stats.corrupt == 1
 

@@ -1,0 +1,301 @@
+"""`python -m loadgen.faults` (`make faults`): storage and client faults under load through the router, each judged
+by what every request ended in and whether anything bad was served.
+
+    python -m loadgen.faults                                   # every fault; JSON + plot in perf_profiles/results
+    python -m loadgen.faults --faults corrupt_entry --duration 60
+
+Faults (each on one backend, at a random moment in the first half of its case, while the load goes on):
+- ``corrupt_entry``: 64 KiB of random bytes written into the middle of the hottest entries of the memory tier, the
+  files' times put back (three times, 8 s apart). The service must detect it itself (its ``corrupt`` counter);
+  every answered cache hit after the first injection is then checked against the same request with the cache off
+  (PSNR): ``corrupt_served`` counts hits that match neither it nor a healthy hit.
+- ``disk_unwritable``: the disk tier read-only for ``--hold`` seconds (a read-only bind mount as root, else mode
+  0555): the memory tier, sampled every 0.2 s, must never exceed its budget.
+- ``mem_fs_full``: a 20 MB filesystem mounted over the memory tier (root only) for ``--hold`` seconds: ENOSPC must
+  shrink the budget and keep entries coming in (hit rate during the fault), not freeze the cache.
+- ``idle_streams``: 500 idle gRPC streams held open against the router (``fault_streams``, when present).
+
+Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s, plus each fault's own figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from maskedit.settings import REPO_ROOT
+
+from . import chaos, runner
+from .topology import Topology, running_topology
+
+RESULTS = REPO_ROOT / "perf_profiles" / "results"
+CORRUPT_BYTES = 64 << 10
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+def corrupt_file(path: Path, n: int = CORRUPT_BYTES, rng: random.Random | None = None) -> None:
+    """``n`` random bytes into the middle of ``path``, its access and modification times put back."""
+    st = path.stat()
+    rng = rng or random.Random()
+    with open(path, "r+b") as f:
+        f.seek(max(0, st.st_size // 2 - n // 2))
+        f.write(rng.randbytes(min(n, st.st_size)))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def store_events(topo: Topology, i: int) -> dict:
+    """Backend ``i``'s activation-store counters from its Prometheus metrics (all model processes summed)."""
+    port = topo.servers[i].metrics_port
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict = {}
+    for m in re.finditer(r'^maskedit_cache_events_total\{[^}]*event="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0) + float(m.group(2))
+    for m in re.finditer(r'^maskedit_cache_tier_degraded\{[^}]*tier="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
+        out[f"degraded_{m.group(1)}"] = max(out.get(f"degraded_{m.group(1)}", 0), float(m.group(2)))
+    return out
+
+
+def _mem_sampler(cache, stop: threading.Event, peaks: dict) -> None:
+    mem = Path(cache.mem_dir)
+    while not stop.wait(0.2):
+        held = 0
+        for p in mem.glob("*.safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                held += p.stat().st_size
+        peaks["mem_peak_bytes"] = max(peaks.get("mem_peak_bytes", 0), held)
+
+
+@contextlib.contextmanager
+def read_only(d: Path):
+    """``d`` read-only for the block: a read-only bind mount of itself as root (root ignores modes), else 0555."""
+    if os.geteuid() == 0 and subprocess.run(["mount", "--bind", str(d), str(d)], capture_output=True).returncode == 0:
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], check=True, capture_output=True)
+            yield "read-only bind mount"
+        finally:
+            for _ in range(50):
+                if subprocess.run(["umount", str(d)], capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.1)
+        return
+    mode = d.stat().st_mode
+    os.chmod(d, 0o555)
+    try:
+        yield "mode 0555"
+    finally:
+        os.chmod(d, mode)
+
+
+# -- faults ---------------------------------------------------------------------------------------------------
+def corrupt_entry(topo: Topology, rng: random.Random, rounds: int = 3, every_s: float = 8.0) -> dict:
+    i = rng.randrange(len(topo.servers))
+    mem = Path(topo.servers[i].settings.cache.mem_dir)
+    before = store_events(topo, i).get("corrupt", 0)
+    hit = []
+    for k in range(rounds):
+        entries = []
+        for p in mem.glob("*.safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                entries.append((p.stat().st_atime_ns, p))
+        for _, p in sorted(entries, reverse=True)[:2]:  # the two most recently used: what the load reads now
+            with contextlib.suppress(FileNotFoundError):
+                corrupt_file(p, rng=rng)
+                hit.append(p.stem[:12])
+        if k + 1 < rounds:
+            time.sleep(every_s)
+    return {"target": f"server{i}", "restored": time.perf_counter(), "corrupted": hit, "server": i,
+            "corrupt_before": before}
+
+
+def disk_unwritable(topo: Topology, rng: random.Random, hold_s: float = 30.0) -> dict:
+    i = rng.randrange(len(topo.servers))
+    cache = topo.servers[i].settings.cache
+    peaks: dict = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_mem_sampler, args=(cache, stop, peaks), daemon=True)
+    sampler.start()
+    with read_only(Path(cache.disk_dir)) as how:
+        time.sleep(hold_s)
+        degraded = store_events(topo, i).get("degraded_disk")
+    time.sleep(5.0)  # and after: still within budget while the disk tier recovers
+    stop.set()
+    sampler.join()
+    return {"target": f"server{i}", "restored": time.perf_counter(), "how": how, "server": i,
+            "mem_budget_bytes": cache.mem_bytes, **peaks, "degraded_shown": bool(degraded),
+            "over_budget": peaks.get("mem_peak_bytes", 0) > cache.mem_bytes}
+
+
+def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb: int = 20) -> dict:
+    if os.geteuid() != 0:
+        raise RuntimeError("mounting a small filesystem over the memory tier needs root")
+    i = rng.randrange(len(topo.servers))
+    mem = Path(topo.servers[i].settings.cache.mem_dir)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={fs_mb}m", "tmpfs", str(mem)], check=True,
+                   capture_output=True)
+    t_in = time.perf_counter()
+    try:
+        time.sleep(hold_s)
+        events = store_events(topo, i)
+    finally:
+        for _ in range(50):
+            if subprocess.run(["umount", "-l", str(mem)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+    return {"target": f"server{i}", "restored": time.perf_counter(), "server": i, "fs_mb": fs_mb,
+            "window": [t_in, time.perf_counter()], "inserts_total": events.get("inserts"),
+            "refused_total": events.get("refused"), "errors_total": events.get("errors")}
+
+
+FAULTS = {f.__name__: f for f in (corrupt_entry, disk_unwritable, mem_fs_full)}
+try:  # the router's stream bounds (its own module; absent on a tree without it)
+    from . import fault_streams
+except ImportError:
+    fault_streams = None
+
+
+# -- judging --------------------------------------------------------------------------------------------------
+def psnr(a: bytes, b: bytes) -> float:
+    from PIL import Image
+
+    x, y = (np.asarray(Image.open(io.BytesIO(v)).convert("RGB"), np.float64) for v in (a, b))
+    mse = float(np.mean((x - y) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+def served_corrupt(topo: Topology, records, images: dict, reqs, t_inject: float, limit: int = 24,
+                   min_psnr: float = 25.0) -> tuple[int, int]:
+    """Hits answered after the first injection whose image is far from the same request computed with the cache
+    off (a hit is within a few dB of it; an image built from corrupt bytes is not). Returns (checked, corrupt)."""
+    from maskedit_client import EditClient
+
+    assets = runner.Assets(256)
+    cands = [r for r in records if r.error is None and r.cache_hit and r.submit_s >= t_inject and r.index in images]
+    picked = cands[::max(1, len(cands) // limit)][:limit]
+    bad = 0
+    with EditClient(topo.url) as client:
+        for r in picked:
+            q = reqs[r.index]
+            ref = client.edit(assets.template(q.template), assets.mask(q), q.prompt, seed=q.seed, steps=q.steps,
+                              use_cache=False)
+            bad += psnr(images[r.index], ref.png) < min_psnr
+    return len(picked), bad
+
+
+def row(fault: str, case: dict, corrupt_served: int = 0, **extra) -> dict:
+    return {"fault": fault, "sent": case["sent"], "ok": case["ok"],
+            "errors": sum(case["failed_by_code"].values()), "lost": case["lost"], "corrupt_served": corrupt_served,
+            "recovery_s": case["time_to_recover_s"], "errors_by_code": case["failed_by_code"],
+            "p95_before_s": case["p95_before_s"], "p95_during_s": case["p95_during_s"],
+            "p95_after_s": case["p95_after_s"], "detail": case["fault_detail"], **extra}
+
+
+def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: int, hold_s: float) -> dict:
+    sink: dict = {}
+    fns = {"corrupt_entry": corrupt_entry, "disk_unwritable": lambda t, r: disk_unwritable(t, r, hold_s),
+           "mem_fs_full": lambda t, r: mem_fs_full(t, r, hold_s)}
+    case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink)
+    d, recs = case["fault_detail"], sink["records"]
+    injected = "error" not in d
+    if fault == "corrupt_entry":
+        checked, bad = served_corrupt(topo, recs, sink["images"], sink["requests"], case["injected_at_s"])
+        detected = store_events(topo, d.get("server", 0)).get("corrupt", 0) - d.get("corrupt_before", 0)
+        restarted = sum(bool(r.extra.get("cache_corrupt")) for r in recs)
+        return row(fault, case, bad, hits_checked=checked, detected_by_service=detected,
+                   requests_recomputed=restarted,
+                   met={"fault_injected": injected, "zero_lost": case["lost"] == 0, "no_corrupt_served": bad == 0,
+                        "detected": detected > 0})
+    if fault == "disk_unwritable":
+        return row(fault, case, met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
+                                     "mem_within_budget": not d.get("over_budget", True)})
+    if fault == "mem_fs_full":
+        lo, hi = (t - sink["t0"] for t in (d.get("window") or [0, 0]))
+        during = [r for r in recs if r.error is None and lo <= r.submit_s <= hi]
+        hit_rate = float(np.mean([bool(r.cache_hit) for r in during])) if during else None
+        return row(fault, case, hit_rate_during=hit_rate,
+                   met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
+                        "cache_kept_working": (hit_rate or 0) >= 0.3})
+    raise ValueError(fault)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = np.arange(len(rows))
+    for k, (key, color) in enumerate((("ok", "tab:green"), ("errors", "tab:orange"), ("lost", "black"),
+                                      ("corrupt_served", "tab:red"))):
+        v = [r[key] for r in rows]
+        ax.bar(x + (k - 1.5) * 0.2, v, 0.2, label=key, color=color)
+        for xi, vi in zip(x, v):
+            ax.text(xi + (k - 1.5) * 0.2, vi, str(vi), ha="center", va="bottom", fontsize=7)
+    ax.set(xticks=x, ylabel="requests", title="faults under load through the router (2 instances, CPU)")
+    ax.set_xticklabels([r["fault"] for r in rows], fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    names = list(FAULTS) + (["idle_streams"] if fault_streams is not None else [])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--faults", default=",".join(names), help=f"comma-separated, from {', '.join(names)}")
+    ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load per fault")
+    ap.add_argument("--hold", type=float, default=30.0, help="seconds a storage fault lasts")
+    ap.add_argument("--mem-mb", type=int, default=16, help="each instance's memory-tier budget (small: evictions)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "faults")
+    ap.add_argument("--result", type=Path, default=RESULTS / "faults.json")
+    args = ap.parse_args(argv)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if [f for f in faults if f not in names]:
+        ap.error(f"--faults: choose from {names}")
+    env = {"MASKEDIT_CACHE_MEM_BYTES": str(args.mem_mb << 20)}
+    rows, t_start = [], time.time()
+    with running_topology(args.instances, args.out, env) as topo:
+        for k, fault in enumerate(faults):
+            print(f"[{k + 1}/{len(faults)}] {fault} at {args.rate} req/s for {args.duration:g} s", flush=True)
+            if fault == "idle_streams":
+                r = fault_streams.run(topo, rate=args.rate, duration_s=args.duration, seed=args.seed + k)
+            else:
+                r = run_fault(topo, fault, args.rate, args.duration, args.seed + k, args.hold)
+            rows.append(r)
+            print(json.dumps({k2: r.get(k2) for k2 in ("fault", "sent", "ok", "errors", "lost", "corrupt_served",
+                                                         "recovery_s", "met")}), flush=True)
+            chaos._settle(topo)
+        leftovers = topo.leftovers()
+    result = {"command": "python -m loadgen.faults " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+              "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "device": "cpu", "dtype": "float32"},
+              "instances": args.instances, "rate": args.rate, "duration_s": args.duration, "hold_s": args.hold,
+              "mem_mb": args.mem_mb, "rows": rows, "leftovers_after_shutdown": leftovers,
+              "all_met": all(all(r.get("met", {}).values()) for r in rows) and not any(leftovers.values())}
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps(result, indent=1, default=str))
+    plot(rows, args.result.with_suffix(".png"))
+    print(f"wrote {args.result} and {args.result.with_suffix('.png')}; all targets met: {result['all_met']}")
+
+
+if __name__ == "__main__":
+    main()
