@@ -21,7 +21,7 @@ COPY perf_profiles/cost_model_bench-flux-fill.json ./perf_profiles/
 COPY model_repository ./model_repository
 RUN pip install --no-cache-dir --no-deps -e . \
  && python3 -m maskedit.repository --kind gpu --out /opt/maskedit/model_repository_gpu \
- && python3 -m maskedit.tiny_model /opt/maskedit/models/tiny-flux-fill
+ && python3 -m maskedit.build_model /opt/maskedit/models/tiny-flux-fill
 
 # The model.py shims put these first on the stub's sys.path.
 ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/common:/opt/maskedit/client \

@@ -11,11 +11,13 @@ Faults (each on one backend, at a random moment in the first half of its case, w
   (PSNR): ``corrupt_served`` counts hits that match neither it nor a healthy hit.
 - ``disk_unwritable``: the disk tier read-only for ``--hold`` seconds (a read-only bind mount as root, else mode
   0555): the memory tier, sampled every 0.2 s, must never exceed its budget.
-- ``mem_fs_full``: a 20 MB filesystem mounted over the memory tier (root only) for ``--hold`` seconds: ENOSPC must
-  shrink the budget and keep entries coming in (hit rate during the fault), not freeze the cache.
+- ``mem_fs_full``: a filesystem smaller than the budget (3 MB; ~2 tiny-model entries) mounted over the memory tier
+  (root only) for ``--hold`` seconds: ENOSPC must shrink the budget and keep entries coming in and hits coming
+  out, not freeze the cache.
 - ``idle_streams``: 500 idle gRPC streams held open against the router (``fault_streams``, when present).
 
-Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s, plus each fault's own figures.
+Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s (from the fault's end to the first cache hit after
+it), plus each fault's own figures.
 """
 
 from __future__ import annotations
@@ -134,15 +136,22 @@ def disk_unwritable(topo: Topology, rng: random.Random, hold_s: float = 30.0) ->
     with read_only(Path(cache.disk_dir)) as how:
         time.sleep(hold_s)
         degraded = store_events(topo, i).get("degraded_disk")
-    time.sleep(5.0)  # and after: still within budget while the disk tier recovers
+    restored = time.perf_counter()
+    cleared = None
+    while time.perf_counter() - restored < 30.0:  # the tier shows healthy again once a write to it succeeds
+        if not store_events(topo, i).get("degraded_disk"):
+            cleared = round(time.perf_counter() - restored, 2)
+            break
+        time.sleep(0.5)
+    time.sleep(max(0.0, 5.0 - (time.perf_counter() - restored)))  # and after: still within budget
     stop.set()
     sampler.join()
-    return {"target": f"server{i}", "restored": time.perf_counter(), "how": how, "server": i,
+    return {"target": f"server{i}", "restored": restored, "how": how, "server": i,
             "mem_budget_bytes": cache.mem_bytes, **peaks, "degraded_shown": bool(degraded),
-            "over_budget": peaks.get("mem_peak_bytes", 0) > cache.mem_bytes}
+            "degraded_cleared_after_s": cleared, "over_budget": peaks.get("mem_peak_bytes", 0) > cache.mem_bytes}
 
 
-def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb: int = 20) -> dict:
+def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb: int = 3) -> dict:
     if os.geteuid() != 0:
         raise RuntimeError("mounting a small filesystem over the memory tier needs root")
     i = rng.randrange(len(topo.servers))
@@ -150,6 +159,7 @@ def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={fs_mb}m", "tmpfs", str(mem)], check=True,
                    capture_output=True)
     t_in = time.perf_counter()
+    first = store_events(topo, i)
     try:
         time.sleep(hold_s)
         events = store_events(topo, i)
@@ -159,8 +169,8 @@ def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb:
                 break
             time.sleep(0.1)
     return {"target": f"server{i}", "restored": time.perf_counter(), "server": i, "fs_mb": fs_mb,
-            "window": [t_in, time.perf_counter()], "inserts_total": events.get("inserts"),
-            "refused_total": events.get("refused"), "errors_total": events.get("errors")}
+            "window": [t_in, time.perf_counter()],
+            **{f"{k}_during": events.get(k, 0) - first.get(k, 0) for k in ("inserts", "refused", "errors", "evictions")}}
 
 
 FAULTS = {f.__name__: f for f in (corrupt_entry, disk_unwritable, mem_fs_full)}
@@ -194,7 +204,7 @@ def served_corrupt(topo: Topology, records, images: dict, reqs, t_inject: float,
             q = reqs[r.index]
             ref = client.edit(assets.template(q.template), assets.mask(q), q.prompt, seed=q.seed, steps=q.steps,
                               use_cache=False)
-            bad += psnr(images[r.index], ref.png) < min_psnr
+            bad += int(psnr(images[r.index], ref.png) < min_psnr)
     return len(picked), bad
 
 
@@ -206,12 +216,22 @@ def row(fault: str, case: dict, corrupt_served: int = 0, **extra) -> dict:
             "p95_after_s": case["p95_after_s"], "detail": case["fault_detail"], **extra}
 
 
-def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: int, hold_s: float) -> dict:
+def recovery_s(recs, restored: float | None) -> float | None:
+    """Seconds from the fault's end to the first request answered from the cache after it."""
+    if restored is None:
+        return None
+    done = [r.done_s for r in recs if r.error is None and r.cache_hit and r.submit_s >= restored]
+    return round(min(done) - restored, 2) if done else None
+
+
+def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: int, hold_s: float,
+              templates: int) -> dict:
     sink: dict = {}
     fns = {"corrupt_entry": corrupt_entry, "disk_unwritable": lambda t, r: disk_unwritable(t, r, hold_s),
            "mem_fs_full": lambda t, r: mem_fs_full(t, r, hold_s)}
-    case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink)
+    case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink, templates=templates)
     d, recs = case["fault_detail"], sink["records"]
+    case["time_to_recover_s"] = recovery_s(recs, d.get("restored"))
     injected = "error" not in d
     if fault == "corrupt_entry":
         checked, bad = served_corrupt(topo, recs, sink["images"], sink["requests"], case["injected_at_s"])
@@ -223,14 +243,20 @@ def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: 
                         "detected": detected > 0})
     if fault == "disk_unwritable":
         return row(fault, case, met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
-                                     "mem_within_budget": not d.get("over_budget", True)})
+                                     "mem_within_budget": not d.get("over_budget", True),
+                                     "degraded_shown": bool(d.get("degraded_shown"))})
     if fault == "mem_fs_full":
         lo, hi = (t - sink["t0"] for t in (d.get("window") or [0, 0]))
-        during = [r for r in recs if r.error is None and lo <= r.submit_s <= hi]
-        hit_rate = float(np.mean([bool(r.cache_hit) for r in during])) if during else None
-        return row(fault, case, hit_rate_during=hit_rate,
+
+        def hit_rate(sel):
+            got = [bool(r.cache_hit) for r in recs if r.error is None and sel(r.submit_s)]
+            return round(float(np.mean(got)), 3) if got else None
+
+        before, during = hit_rate(lambda t: t < lo), hit_rate(lambda t: lo <= t <= hi)
+        return row(fault, case, hit_rate_before=before, hit_rate_during=during,
                    met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
-                        "cache_kept_working": (hit_rate or 0) >= 0.3})
+                        "entries_kept_coming": d.get("inserts_during", 0) > 0,
+                        "hits_kept": during is not None and before is not None and during >= 0.5 * before})
     raise ValueError(fault)
 
 
@@ -263,7 +289,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load per fault")
     ap.add_argument("--hold", type=float, default=30.0, help="seconds a storage fault lasts")
-    ap.add_argument("--mem-mb", type=int, default=16, help="each instance's memory-tier budget (small: evictions)")
+    ap.add_argument("--mem-mb", type=int, default=4, help="each instance's memory-tier budget (small: evictions)")
+    ap.add_argument("--templates", type=int, default=12, help="templates the load cycles through (churn)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "faults")
     ap.add_argument("--result", type=Path, default=RESULTS / "faults.json")
@@ -279,10 +306,9 @@ def main(argv=None) -> None:
             if fault == "idle_streams":
                 r = fault_streams.run(topo, rate=args.rate, duration_s=args.duration, seed=args.seed + k)
             else:
-                r = run_fault(topo, fault, args.rate, args.duration, args.seed + k, args.hold)
+                r = run_fault(topo, fault, args.rate, args.duration, args.seed + k, args.hold, args.templates)
             rows.append(r)
-            print(json.dumps({k2: r.get(k2) for k2 in ("fault", "sent", "ok", "errors", "lost", "corrupt_served",
-                                                         "recovery_s", "met")}), flush=True)
+            print(json.dumps({k2: v for k2, v in r.items() if k2 not in ("detail",)}, default=str), flush=True)
             chaos._settle(topo)
         leftovers = topo.leftovers()
     result = {"command": "python -m loadgen.faults " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -12,7 +12,7 @@ from maskedit.denoise import ModelRunner
 from maskedit.engine import DenoiseEngine
 from maskedit.local import run_job
 from maskedit.settings import load_settings
-from maskedit.tiny_model import build
+from maskedit.build_model import build
 from maskedit_client import encode_image
 
 # Where the suite's stores, cancel markers and admission files go unless a test names its own: a directory of

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from maskedit.cache.flux import FULL, KV, NOCTX, Y
+from maskedit.cache.modes import FULL, KV, NOCTX, Y
 from maskedit.cache.loader import RowLoader
 from maskedit.cache.policy import BlockPolicy, PlanInput
 from maskedit.denoise import ModelRunner, group_by

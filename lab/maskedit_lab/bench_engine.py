@@ -99,7 +99,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     decoder = Decoder(h.settings)
     engines = {m: h.engine(*MODES[m]) for m in modes}
     cfg = h.runner.transformer.config
-    unet = h.runner.unet  # SD 2 / SDXL: the rest of the UNet is measured, the blocks added per plan (unet_costs)
+    unet = (h.hooks.layout == "per_block")  # SD 2 / SDXL: the rest of the UNet is measured, the blocks added per plan (unet_costs)
     if unet:
         from .unet_costs import UNetStepCosts, timers
 

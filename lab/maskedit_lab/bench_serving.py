@@ -32,7 +32,7 @@ from tqdm import tqdm
 from loadgen import records, runner, workload
 from maskedit.launcher import TritonServer, server_env
 from maskedit.repository import REPOSITORY, write
-from maskedit.tiny_model import build
+from maskedit.build_model import build
 from maskedit_common.settings import load_settings
 
 from . import REPO_ROOT, stock

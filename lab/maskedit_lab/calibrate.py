@@ -70,7 +70,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict, dict]:
     for i, b in enumerate(blocks):  # outermost: wraps our masked-block hook
         HookRegistry.check_if_exists_or_initialize(b).register_hook(BlockTimer(sink, i), "maskedit_timer")
     kinds = getattr(h.hooks, "kinds", None) or ["dual"] * h.hooks.n_dual + ["single"] * (len(blocks) - h.hooks.n_dual)
-    unet = h.runner.unet  # a UNet's blocks differ in tokens and width: features per block, as the planner asks
+    unet = (h.hooks.layout == "per_block")  # a UNet's blocks differ in tokens and width: features per block, as the planner asks
     loads = defaultdict(list)
     try:
         plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in RATIOS]
@@ -140,7 +140,7 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
     [kind, count, tokens, width] at the calibrated resolution (a UNet's tokens per level, both guidance rows
     counted), the text tokens, and the image tokens of the router's 16-pixel grid at that resolution (its unit)."""
     n = base.latents.shape[0]
-    sizes = _unet_sizes(h, base, None, FULL) if h.runner.unet else [(n, n)] * len(kinds)
+    sizes = _unet_sizes(h, base, None, FULL) if (h.hooks.layout == "per_block") else [(n, n)] * len(kinds)
     dims = getattr(h.hooks, "dims", None) or [h.hooks.dim] * len(kinds)
     runs: list[list] = []
     for kind, (tokens, _), dim in zip(kinds, sizes, dims):
@@ -154,7 +154,7 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:
     """Per block (tokens, computed tokens) over all the request's UNet rows, as ``CacheRuntime`` plans them."""
     from maskedit.cache.decision import latent_grid
-    from maskedit.unet_prepare import cfg_rows
+    from maskedit.families.unet_inpaint.prepare import cfg_rows
 
     n = x.latents.shape[0]
     grid, r = latent_grid(x, n), cfg_rows(x.guidance)

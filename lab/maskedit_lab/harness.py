@@ -16,15 +16,15 @@ from PIL import Image
 
 from maskedit import samples
 from maskedit.cache.loader import RowLoader
-from maskedit.cache.runtime import CacheRuntime, hooks_for
+from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import DenoiseInputs, ModelRunner
 from maskedit.engine import DenoiseEngine
 from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit.tiny_model import build
-from maskedit.tiny_unet import UNET_PRESETS, build_unet
+from maskedit.build_model import build
+from maskedit.families import preset_family
 from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
 
@@ -62,7 +62,7 @@ def _memory_dir(need: int) -> str | None:
 class Harness:
     pre: Preprocessor
     runner: ModelRunner
-    hooks: object  # FluxCacheHooks or UNetCacheHooks
+    hooks: object  # the family's masked-block hooks (``cache.rows.TokenRowHooks`` describes them)
     store: ActivationStore
     template: Image.Image
     steps: int
@@ -73,10 +73,9 @@ class Harness:
                cost: CostModel | None = None, budget_bytes: int = 8 << 30, device: str | None = None,
                dtype: str | None = None) -> "Harness":
         """``device``/``dtype`` override MASKEDIT_DEVICE/MASKEDIT_DTYPE; the environment's other settings apply."""
-        unet = preset in UNET_PRESETS  # an SD 2 / SDXL inpainting preset
-        model_dir = Path(model_dir or REPO_ROOT / "models" / (preset if unet else f"{preset}-flux-fill"))
+        model_dir = Path(model_dir or REPO_ROOT / "models" / preset_family(preset).dir_name(preset))
         if not (model_dir / "model_index.json").exists():
-            (build_unet if unet else build)(model_dir, preset)
+            build(model_dir, preset)
         env = {**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)}
         env.update({k: v for k, v in (("MASKEDIT_DEVICE", device), ("MASKEDIT_DTYPE", dtype)) if v})
         settings = load_settings(env)
@@ -84,7 +83,7 @@ class Harness:
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)
         runner = ModelRunner(settings)
-        h = cls(pre, runner, hooks_for(runner.transformer), store,
+        h = cls(pre, runner, runner.family.cache_hooks(runner.transformer), store,
                 samples.template(settings.resolution, settings.resolution, seed=3), steps or settings.steps,
                 cost or CostModel.fallback())
         h.budget_bytes = budget_bytes

@@ -69,7 +69,7 @@ class ScaledEstimator(Estimator):
 
 
 def _model_dir() -> Path:
-    from maskedit.tiny_model import build
+    from maskedit.build_model import build
 
     d = REPO_ROOT / "models" / "bench-flux-fill"
     if not (d / "model_index.json").exists():

@@ -42,7 +42,7 @@ class StockEditor:
              guidance=None) -> tuple[bytes, dict]:
         t0 = time.perf_counter()
         s = self.settings
-        params = parse_params(s, prompt, seed, steps, guidance)
+        params = parse_params(s, prompt, seed=seed, steps=steps, guidance=guidance)
         tpl = decode_image(maybe_base64(template)[0], "TEMPLATE", s.max_input_pixels).convert("RGB")
         msk = decode_image(maybe_base64(mask)[0], "MASK", s.max_input_pixels).convert("L")
         w, h = model_size(*tpl.size, s.resolution)

@@ -88,8 +88,8 @@ class UNetStepCosts:
         from torch.utils.flop_counter import FlopCounterMode
 
         from maskedit.denoise import DenoiseJob
-        from maskedit.unet_prepare import cfg_rows
-        from maskedit.unet_runner import prepare_job, step_group
+        from maskedit.families.unet_inpaint.prepare import cfg_rows
+        from maskedit.families.unet_inpaint.step import prepare_job, step_group
 
         x = job_inputs
         r = cfg_rows(x.guidance)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from . import samples
 from .launcher import TritonServer
 from .settings import REPO_ROOT, load_settings
-from .tiny_model import build
+from .build_model import build
 
 EDITS = [  # (name, mask shape, mask area ratio, prompt)
     ("small_box", "box", 0.05, "a yellow sun hat"),

@@ -2,10 +2,8 @@
 
 A ``DenoiseJob`` owns everything that differs between requests (latents, conditioning, text embeddings,
 its own scheduler and step index), so requests at different steps can share a running batch.
-``ModelRunner.step`` is the only place that calls the transformer. Requests of one resolution share a plain
-Diffusers call; requests of different resolutions share one *packed* call (rows padded to the longest, every
-row computed through the gathered path of ``maskedit.cache.flux`` with its own token count and rotary tables),
-so a running batch never splits into one transformer call per resolution.
+``ModelRunner.step`` is the only place that calls the denoiser: it groups the jobs that can share a call and hands
+each group to the model family (``ModelFamily.step``), through the activation cache's step context.
 """
 
 from __future__ import annotations
@@ -17,13 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 
-from .cache.flux import FULL, FluxCacheHooks, RowView, StepContext
-from .components import FLUX, load_scheduler_config, load_transformer, model_family, torch_dtype, vae_scale_factor
+from .components import family, load_scheduler_config
+from .device import torch_dtype
 from .errors import InvalidInput
-from .schedule import make_scheduler
 from .settings import Settings
 
 _ids = itertools.count()
@@ -47,19 +42,6 @@ class DenoiseInputs:
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
 
 
-@dataclass
-class JobTensors:
-    """A request's conditioning on the device, made once when it is admitted."""
-
-    cond: torch.Tensor  # (1, tokens, C_cond): masked-image latents and mask
-    prompt_embeds: torch.Tensor  # (1, txt, D)
-    pooled: torch.Tensor  # (1, D_pooled)
-    img_ids: torch.Tensor  # (tokens, 3) token grid ids
-    txt_ids: torch.Tensor  # (txt, 3)
-    guidance: torch.Tensor | None  # (1,) when the model embeds guidance
-    rope: tuple | None = None  # its own rotary tables, made the first time it joins a packed call
-
-
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
 class DenoiseJob:
     inputs: DenoiseInputs
@@ -81,7 +63,7 @@ class DenoiseJob:
     finished_at: float | None = None
     decision: Any = None  # the activation cache's ``CacheDecision``, made once before admission
     cache: Any = None  # its ``JobCache`` once admitted (None: no cache runtime)
-    tensors: JobTensors | None = None
+    tensors: Any = None  # its conditioning on the device, in its family's own dataclass
     restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
 
     @property
@@ -101,23 +83,19 @@ class DenoiseJob:
 
 
 class ModelRunner:
-    """Holds the transformer; turns jobs into transformer calls and scheduler steps."""
+    """Holds the denoiser; turns jobs into denoiser calls and scheduler steps (the family's)."""
 
     def __init__(self, settings: Settings, transformer=None, cache=None):
-        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this transformer), or None."""
+        """``cache``: a ``maskedit.cache.runtime.CacheRuntime`` (hooks on this denoiser), or None."""
         self.settings = settings
         self.device = torch.device(settings.torch_device)
         self.dtype = torch_dtype(settings)
-        self.transformer = transformer if transformer is not None else load_transformer(settings)
+        self.family = family(settings)
+        self.transformer = transformer if transformer is not None else self.family.load_denoiser(settings)
         self.scheduler_config = load_scheduler_config(settings)
-        # SD 2 / SDXL inpainting: ``transformer`` is the UNet and one token is one latent pixel (``unet_runner``).
-        self.unet = model_family(settings.model_dir) != FLUX
-        if self.unet:
-            from .unet_prepare import check_unet_scheduler
-
-            check_unet_scheduler(self.scheduler_config)
-        self.guidance_embeds = not self.unet and bool(self.transformer.config.guidance_embeds)
-        self.pixels_per_token = (1 if self.unet else 2) * vae_scale_factor(settings)  # Flux packs 2x2 latents
+        self.family.check_scheduler(self.scheduler_config)
+        self.geometry = self.family.geometry(settings)
+        self.pixels_per_token = self.geometry.patch
         self.cache = cache
 
     def decide(self, job: DenoiseJob) -> None:
@@ -131,25 +109,8 @@ class ModelRunner:
 
     def prepare(self, job: DenoiseJob) -> None:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
-        x = job.inputs
-        _check_shapes(x, self.pixels_per_token)
-        if self.unet:
-            from .unet_runner import prepare_job
-
-            prepare_job(self, job)
-            self._admit_cache(job)
-            return
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype).unsqueeze(0)
-        job.latents = t(x.latents)
-        # Token grid ids, as FluxFillPipeline._prepare_latent_image_ids builds them.
-        grid_h, grid_w = x.model_h // self.pixels_per_token, x.model_w // self.pixels_per_token
-        job.tensors = JobTensors(
-            cond=t(x.cond), prompt_embeds=t(x.prompt_embeds), pooled=t(x.pooled_embeds),
-            img_ids=FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, self.dtype),
-            txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=self.device, dtype=self.dtype),
-            guidance=torch.full([1], x.guidance, device=self.device, dtype=torch.float32)
-            if self.guidance_embeds else None)
-        job.scheduler = make_scheduler(self.scheduler_config, x.steps, x.latents.shape[0], self.device)
+        _check_shapes(job.inputs, self.pixels_per_token)
+        self.family.prepare_job(self, job)
         self._admit_cache(job)
 
     def _admit_cache(self, job: DenoiseJob) -> None:
@@ -193,72 +154,18 @@ class ModelRunner:
             self.cache.finish(job, ok)
 
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
-        """Jobs that share one transformer call: equal text length (text tokens attend, so they cannot be padded);
-        different resolutions pack into one call (UNet: one resolution per call)."""
-        if self.unet:
-            return group_by(jobs, lambda j: (tuple(j.tensors.prompt_embeds.shape), j.inputs.model_h, j.inputs.model_w))
-        return group_by(jobs, lambda j: tuple(j.tensors.prompt_embeds.shape))
+        """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
+        attend and cannot be padded)."""
+        return group_by(jobs, self.family.group_key)
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job by one denoising step: one transformer call per group of ``groups``."""
+        """Advance every job by one denoising step: one denoiser call per group of ``groups``."""
         for group in self.groups(jobs):
-            if self.unet:
-                from .unet_runner import step_group
-
-                ctx = self.cache.context(group) if self.cache is not None else None
-                step_group(self, group, ctx)
-                if self.cache is not None:
-                    self.cache.after_step(group)
-                continue
-            timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
-            tokens = [j.latents.shape[1] for j in group]
-            packed = len({(j.inputs.model_h, j.inputs.model_w) for j in group}) > 1
-            longest = group[tokens.index(max(tokens))]
-            pad = (lambda x: F.pad(x, (0, 0, 0, max(tokens) - x.shape[1]))) if packed else (lambda x: x)
-            cat = lambda key: torch.cat([getattr(j.tensors, key) for j in group], dim=0)  # noqa: E731
-            latents = torch.cat([pad(j.latents) for j in group], dim=0)
-            cond = torch.cat([pad(j.tensors.cond) for j in group], dim=0)
-            timestep = torch.stack([t.to(self.device) for t in timesteps]).to(latents.dtype)
-            guidance = cat("guidance") if self.guidance_embeds else None
-            forward = lambda: self.transformer(  # noqa: E731
-                hidden_states=torch.cat((latents, cond), dim=2),
-                timestep=timestep / 1000,
-                guidance=guidance,
-                pooled_projections=cat("pooled"),
-                encoder_hidden_states=cat("prompt_embeds"),
-                txt_ids=group[0].tensors.txt_ids,
-                img_ids=longest.tensors.img_ids,
-                joint_attention_kwargs=None,
-                return_dict=False,
-            )[0]
             ctx = self.cache.context(group) if self.cache is not None else None
-            if packed:
-                ctx = self._packed_context(group, ctx)
-            if ctx is not None:
-                noise_pred = FluxCacheHooks.of(self.transformer).run(ctx, forward)
-            else:
-                noise_pred = forward()
+            self.family.step(self, group, ctx)
             if self.cache is not None:
                 self.cache.after_step(group)
-            for i, (job, t, n) in enumerate(zip(group, timesteps, tokens)):
-                job.latents = job.scheduler.step(noise_pred[i : i + 1, :n], t, job.latents, return_dict=False)[0]
-                job.step_index += 1
-
-    def _packed_context(self, group: list[DenoiseJob], ctx: StepContext | None) -> StepContext:
-        """Every row through the gathered path, with its own token count and rotary tables."""
-        n_blocks = len(FluxCacheHooks.of(self.transformer).blocks)
-        rows = ctx.rows if ctx is not None else [None] * len(group)
-        views = []
-        for job, view in zip(group, rows):
-            view = view if view is not None else RowView(modes=[FULL] * n_blocks)
-            view.tokens = job.latents.shape[1]
-            jt = job.tensors
-            if jt.rope is None:  # the request's own grid: the same tables a call at its size builds
-                jt.rope = self.transformer.pos_embed(torch.cat((jt.txt_ids, jt.img_ids), dim=0))
-            view.rope = jt.rope
-            views.append(view)
-        return StepContext(views, packed=True, on_block=ctx.on_block if ctx is not None else None)
 
 
 def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:

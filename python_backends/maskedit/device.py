@@ -19,6 +19,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(settings) -> torch.dtype:
+    """The dtype a model is served in (``MASKEDIT_DTYPE``)."""
+    return _DTYPES[settings.dtype]
+
+
 def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 

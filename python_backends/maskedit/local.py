@@ -51,8 +51,9 @@ class LocalEditor:
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
              raw_output=False, template_seed=None, register=False,
              use_cache=True, negative_prompt=None) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
-        params = parse_params(self.settings, prompt, seed, steps, guidance, raw_output, template_seed, register,
-                              use_cache, negative_prompt=negative_prompt)
+        params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
+                              template_seed=template_seed, register=register, use_cache=use_cache,
+                              negative_prompt=negative_prompt)
         p = self.pre(template, mask, params)
         if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None

@@ -1,14 +1,15 @@
-"""Per-request scalar parameters: defaults and range checks."""
+"""Per-request parameters, parsed and checked by the one declared schema (``maskedit_common.request_fields``)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from maskedit_common.request_fields import BY_ATTR, MAX_SEED, PARAMS, FieldError, check
 
 from .errors import InvalidInput
 from .settings import Settings
 
-MAX_SEED = 2**63 - 1
+__all__ = ["MAX_SEED", "EditParams", "parse_params"]
 
 
 @dataclass(frozen=True)
@@ -26,52 +27,20 @@ class EditParams:
     negative_prompt: str = ""  # SD 2 / SDXL: the guidance's negative row (their pipelines' ``negative_prompt``)
 
 
-def parse_params(
-    settings: Settings,
-    prompt: bytes | str,
-    seed: int | None = None,
-    steps: int | None = None,
-    guidance: float | None = None,
-    raw_output: bool | None = None,
-    template_seed: int | None = None,
-    register: bool | None = None,
-    use_cache: bool | None = None,
-    deadline_ms: int | None = None,
-    progress: bool | None = None,
-    negative_prompt: bytes | str | None = None,
-) -> EditParams:
-    prompt = _text(settings, prompt, "PROMPT")
-    if not prompt.strip():
+assert {f.attr for f in PARAMS} == set(EditParams.__dataclass_fields__), "EditParams and the schema must agree"
+
+
+def parse_params(settings: Settings, prompt: bytes | str | None = None, **values) -> EditParams:
+    """Every parameter by its schema field's rules (keywords: the fields' ``attr`` names; None or absent: the
+    default). Bad values raise ``InvalidInput`` naming the Triton input."""
+    unknown = set(values) - set(BY_ATTR)
+    if unknown:
+        raise TypeError(f"unknown request parameters {sorted(unknown)}")
+    values["prompt"] = prompt
+    try:
+        out = {f.attr: check(f, values.get(f.attr), settings) for f in PARAMS}
+    except FieldError as e:
+        raise InvalidInput(str(e), e.field) from None
+    if out["prompt"] is None or not out["prompt"].strip():
         raise InvalidInput("is empty; describe the edit", "PROMPT")
-    negative_prompt = _text(settings, negative_prompt or "", "NEGATIVE_PROMPT")
-    seed = 0 if seed is None else int(seed)
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {seed}", "SEED")
-    template_seed = 0 if template_seed is None else int(template_seed)
-    if not 0 <= template_seed <= MAX_SEED:
-        raise InvalidInput(f"must be between 0 and {MAX_SEED}, got {template_seed}", "TEMPLATE_SEED")
-    steps = settings.steps if steps is None else int(steps)
-    if not 1 <= steps <= settings.max_steps:
-        raise InvalidInput(f"must be between 1 and {settings.max_steps}, got {steps}", "STEPS")
-    guidance = settings.guidance if guidance is None else float(guidance)
-    if not (math.isfinite(guidance) and 0.0 <= guidance <= settings.max_guidance):
-        raise InvalidInput(f"must be between 0 and {settings.max_guidance}, got {guidance}", "GUIDANCE")
-    if deadline_ms is not None:
-        deadline_ms = int(deadline_ms)
-        if not 1 <= deadline_ms <= 24 * 3600 * 1000:
-            raise InvalidInput(f"must be between 1 and {24 * 3600 * 1000} ms, got {deadline_ms}", "DEADLINE_MS")
-    return EditParams(prompt=prompt, seed=seed, steps=steps, guidance=guidance, raw_output=bool(raw_output),
-                      template_seed=template_seed, register=bool(register),
-                      use_cache=True if use_cache is None else bool(use_cache), deadline_ms=deadline_ms,
-                      progress=bool(progress), negative_prompt=negative_prompt)
-
-
-def _text(settings: Settings, value: bytes | str, field: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput("is not valid UTF-8 text", field) from None
-    if len(value) > settings.max_prompt_chars:
-        raise InvalidInput(f"has {len(value)} characters, above the limit of {settings.max_prompt_chars}", field)
-    return value
+    return EditParams(**out)

@@ -1,9 +1,9 @@
 """Stage 1: turn an edit request (encoded template + mask + prompt) into the denoiser's tensors.
 
-For Flux Fill the tensor math mirrors ``FluxFillPipeline.__call__`` step for step (SD 2 / SDXL inpainting:
-``unet_prepare``) and calls the pipeline's own
-methods (image/mask processors, ``encode_prompt``, ``prepare_mask_latents``) with one generator consumed
-in the same order, so the served result equals stock Diffusers for the same seed (tested).
+Decoding, validation, the token mask and the cache key are the same for every family; the tensor math is the
+family's (``ModelFamily.prepare``), which mirrors its stock pipeline's ``__call__`` and calls the pipeline's own
+methods with one generator consumed in the same order, so the served result equals stock Diffusers for the same
+seed (tested).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from . import imaging
 from .cache.key import cache_key, model_fingerprint
-from .components import FLUX, load_pipeline, model_family
+from .components import family, load_pipeline
 from .errors import InvalidInput
 from .params import EditParams
-from .schedule import make_scheduler
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -68,20 +66,13 @@ class Preprocessor:
         self.scheduler_config = dict(self.pipe.scheduler.config)
         self.fingerprint = model_fingerprint(settings.model_dir, settings.model_version)
         self.store = store
-        self.family = model_family(settings.model_dir)
-        self.scale = self.pipe.vae_scale_factor  # 8: pixels per latent
-        if self.family == FLUX:
-            self.patch = self.multiple = self.scale * 2  # pixels per packed token side
-        else:  # one token per latent pixel; sides divisible through every UNet downsampling
-            from diffusers import UNet2DConditionModel
-
-            levels = len(UNet2DConditionModel.load_config(settings.model_dir, subfolder="unet")["block_out_channels"])
-            self.patch, self.multiple = self.scale, self.scale * 2 ** (levels - 1)
+        self.family = family(settings)
+        geometry = self.family.geometry(settings)
+        self.patch, self.multiple = geometry.patch, geometry.multiple  # pixels per token side; size multiple
 
     def count_t5_tokens(self, prompt: str) -> int:
         """Tokens of ``prompt`` in the encoder whose length is limited (Flux: T5; SD 2 / SDXL: CLIP's 77)."""
-        tokenizer = self.pipe.tokenizer_2 if self.family == FLUX else self.pipe.tokenizer
-        return len(tokenizer(prompt).input_ids)
+        return self.family.count_prompt_tokens(self.pipe, prompt)
 
     @torch.no_grad()
     def __call__(self, template: bytes, mask: bytes, params: EditParams) -> PreparedEdit:
@@ -96,9 +87,9 @@ class Preprocessor:
             if n_tokens > s.max_sequence_length:
                 raise InvalidInput(
                     f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", field)
-        if params.negative_prompt and self.family == FLUX:
-            raise InvalidInput("is not used by Flux Fill models (their guidance is embedded: there is no negative "
-                               "row); leave it out", "NEGATIVE_PROMPT")
+        if params.negative_prompt and not self.family.negative_prompt:
+            raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (their guidance is "
+                               "embedded: there is no negative row); leave it out", "NEGATIVE_PROMPT")
 
         w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
@@ -118,50 +109,10 @@ class Preprocessor:
         if self.store is not None and prepared.cache_key:
             self.store.prefetch(prepared.cache_key)  # promote from disk while the request queues
 
-        pipe, device = self.pipe, s.torch_device
-        if self.family != FLUX:
-            from .unet_prepare import prepare_unet
-
-            init_image = pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
-            t = prepare_unet(pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, device)
-            prepared.latents, prepared.cond = _np(t["latents"]), _np(t["cond"])
-            prepared.prompt_embeds, prepared.pooled_embeds = _np(t["prompt_embeds"]), _np(t["pooled_embeds"])
-            return prepared
-        # One generator seeded with TEMPLATE_SEED is consumed exactly as FluxFillPipeline consumes its generator
-        # (image sample, noise, masked-image sample); the masked tokens then take noise drawn from SEED.
-        generator = torch.Generator("cpu").manual_seed(params.template_seed)
-        init_image = pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
-        prompt_embeds, pooled, _ = pipe.encode_prompt(
-            prompt=params.prompt, prompt_2=None, device=device, num_images_per_prompt=1,
-            max_sequence_length=s.max_sequence_length,
-        )
-        dtype = prompt_embeds.dtype
-        # FluxFillPipeline.prepare_latents: encode the image (consumes the generator), draw noise, scale it.
-        scheduler = make_scheduler(self.scheduler_config, params.steps, len(tokens), device)
-        latent_h, latent_w = 2 * (h // self.patch), 2 * (w // self.patch)
-        c = pipe.vae.config.latent_channels
-        image = init_image.to(device=device, dtype=dtype)
-        image_latents = pipe._encode_vae_image(image=image, generator=generator)
-        noise = randn_tensor((1, c, latent_h, latent_w), generator=generator, device=torch.device(device), dtype=dtype)
-        latents = scheduler.scale_noise(image_latents, scheduler.timesteps[:1], noise)
-        latents = pipe._pack_latents(latents, 1, c, latent_h, latent_w)
-        if params.seed != params.template_seed:
-            own = randn_tensor((1, c, latent_h, latent_w), generator=torch.Generator("cpu").manual_seed(params.seed),
-                               device=torch.device(device), dtype=dtype)
-            own = pipe._pack_latents(scheduler.scale_noise(image_latents, scheduler.timesteps[:1], own), 1, c,
-                                     latent_h, latent_w)
-            rows = torch.from_numpy(tokens).to(latents.device)
-            latents[:, rows] = own[:, rows]
-        # FluxFillPipeline.__call__ step 6: masked image latents + packed mask as the conditioning channels.
-        masked_image = (init_image * (1 - mask_t)).to(device=device, dtype=dtype)
-        mask_packed, masked_latents = pipe.prepare_mask_latents(
-            mask_t, masked_image, 1, c, 1, h, w, dtype, device, generator)
-        cond = torch.cat((masked_latents, mask_packed), dim=-1)
-
-        prepared.latents = _np(latents[0])
-        prepared.cond = _np(cond[0])
-        prepared.prompt_embeds = _np(prompt_embeds[0])
-        prepared.pooled_embeds = _np(pooled[0])
+        init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
+        t = self.family.prepare(self.pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, s)
+        prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
+        prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
         return prepared
 
 

@@ -12,6 +12,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maskedit_common.request_fields import REQUEST_FIELDS
+
 from .settings import REPO_ROOT
 
 REPOSITORY = REPO_ROOT / "model_repository"
@@ -26,21 +28,7 @@ class T:
 
 
 # Ensemble inputs/outputs: the public API (documented in README).
-EDIT_INPUTS = [
-    T("TEMPLATE", "STRING", (1,)),
-    T("MASK", "STRING", (1,)),
-    T("PROMPT", "STRING", (1,)),
-    T("NEGATIVE_PROMPT", "STRING", (1,), optional=True),
-    T("SEED", "INT64", (1,), optional=True),
-    T("STEPS", "INT32", (1,), optional=True),
-    T("GUIDANCE", "FP32", (1,), optional=True),
-    T("RAW_OUTPUT", "BOOL", (1,), optional=True),
-    T("TEMPLATE_SEED", "INT64", (1,), optional=True),
-    T("REGISTER", "BOOL", (1,), optional=True),
-    T("USE_CACHE", "BOOL", (1,), optional=True),
-    T("DEADLINE_MS", "INT64", (1,), optional=True),
-    T("PROGRESS", "BOOL", (1,), optional=True),
-]
+EDIT_INPUTS = [T(f.name, f.dtype, (1,), optional=f.optional) for f in REQUEST_FIELDS]  # the declared schema
 EDIT_OUTPUTS = [T("IMAGE", "STRING", (1,)), T("EDIT_INFO", "STRING", (1,))]
 
 # Tensors between the stages.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from maskedit_common.request_fields import INT_RANGE, OPENAI_EXTRAS
 from maskedit_common.settings import Settings
 
 MAX_N = 10  # OpenAI's own limit for n
@@ -27,8 +28,7 @@ MAX_SIDE = math.isqrt(Settings.max_input_pixels)  # the side of the server's def
 # Accepted for compatibility and not used: they do not change what an inpainting model computes here.
 IGNORED = {"quality", "input_fidelity", "safety_identifier", "output_compression", "user"}
 # Only the tensors' own ranges are checked here: the server checks the limits (and says them) as for any client.
-INT_EXTRAS = {"seed": (-2 ** 63, 2 ** 63 - 1), "steps": (-2 ** 31, 2 ** 31 - 1),
-              "template_seed": (-2 ** 63, 2 ** 63 - 1), "deadline_ms": (-2 ** 63, 2 ** 63 - 1)}
+INT_EXTRAS = {f.attr: INT_RANGE[f.dtype] for f in OPENAI_EXTRAS if f.kind is int}
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -192,6 +192,17 @@ def parse_size(value: str | None, image: bytes) -> tuple[int, int] | None:
     return None if img is not None and (w, h) == img.size else (w, h)
 
 
+def _extra(form: dict, f):
+    """A schema field sent as a form field, read by its kind (limits are the server's to check and say)."""
+    if f.kind is int:
+        return _int(form, f.attr, *INT_RANGE[f.dtype])
+    if f.kind is float:
+        return _float(form, f.attr)
+    if f.kind is bool:
+        return _bool(form, f.attr)
+    return _text(form, f.attr) or None
+
+
 def parse(form: dict, models: list[str]) -> EditJob:
     """An ``EditJob`` from the form's fields, or ``ApiError`` naming the field at fault."""
     unknown = sorted(set(form) - KNOWN)
@@ -219,22 +230,17 @@ def parse(form: dict, models: list[str]) -> EditJob:
     background = _text(form, "background")
     if background not in (None, "", "auto", "opaque"):
         raise bad("background", f"only auto or opaque is supported, got {background[:40]!r}")
-    guidance = _float(form, "guidance")
     job = EditJob(
         image=image, mask=edit_mask(_file(form, "mask"), image), prompt=prompt,
-        negative_prompt=_text(form, "negative_prompt") or None,
         n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
-        guidance=guidance, use_cache=_bool(form, "use_cache"), model=model or None, user=_text(form, "user"),
-        ignored=sorted(k for k in form if k in IGNORED - {"user"}),
-        **{k: _int(form, k, *r) for k, r in INT_EXTRAS.items()})
+        model=model or None, user=_text(form, "user"), ignored=sorted(k for k in form if k in IGNORED - {"user"}),
+        **{f.attr: _extra(form, f) for f in OPENAI_EXTRAS})
     if job.seed is not None and job.seed + job.n - 1 > INT_EXTRAS["seed"][1]:
         raise bad("seed", f"seed + n - 1 must be at most {INT_EXTRAS['seed'][1]}")
     return job
 
 
 KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
-         "background", "guidance", "use_cache", "negative_prompt"} | IGNORED | set(INT_EXTRAS)
+         "background"} | IGNORED | {f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
-PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "SEED": "seed", "STEPS": "steps",
-                   "GUIDANCE": "guidance", "TEMPLATE_SEED": "template_seed", "DEADLINE_MS": "deadline_ms",
-                   "USE_CACHE": "use_cache", "NEGATIVE_PROMPT": "negative_prompt"}
+PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", **{f.name: f.attr for f in OPENAI_EXTRAS}}

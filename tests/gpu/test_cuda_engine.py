@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from maskedit import samples
-from maskedit.cache.flux import FluxCacheHooks
+from maskedit.families.flux_fill.cache import FluxCacheHooks
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import DenoiseJob, ModelRunner

@@ -9,7 +9,7 @@ from PIL import Image
 
 from maskedit import samples
 from maskedit.launcher import TritonServer
-from maskedit.tiny_unet import build_unet
+from maskedit.families.unet_inpaint.tiny import build_unet
 from maskedit_client import EditClient, EditError
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .flux import Recorder
+from .rows import Recorder
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from maskedit_common.cost_model import CostModel
 
-from .flux import FULL, KV, NOCTX, Y
+from .modes import FULL, KV, NOCTX, Y
 from .planner import MODES, plan
 
 POLICIES = ("off", "planner", "planner_y")  # the values of MASKEDIT_CACHE

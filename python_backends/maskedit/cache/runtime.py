@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from .cost_model import CostModel
-from .decision import CacheDecision, decide, latent_grid
-from .flux import FULL, KV, NOCTX, Y, FluxCacheHooks, Recorder, RowView, StepContext
+from .decision import CacheDecision, decide
+from .modes import FULL, KV, NOCTX, Y, StepContext
 from .heal import HEAL_MIN_RATIO, HealsInProgress, worth_healing
 from .live import LiveEntry, LiveRuns
 from .loader import K_BUF, V_BUF, Y_ROWS, RowLoader
-from .policy import POLICIES, BlockPolicy, PlanInput, make_policy, needs_output
+from .policy import POLICIES, BlockPolicy, PlanInput, make_policy
 from .store import ActivationStore
 from .writer import EntryWriter
 
@@ -50,14 +50,14 @@ class JobCache:
     needs_output: list[bool] = field(default_factory=list)
     idx_c: torch.Tensor | None = None  # computed image tokens, on the device
     idx_u: torch.Tensor | None = None  # cached image tokens, on the device
-    recorder: Recorder | None = None
+    recorder: object = None  # a template run's recorder (the family's: ``cache.rows.Recorder`` or its own)
     valid: np.ndarray | None = None
     predicted_ms: float | None = None
     futures: dict = field(default_factory=dict)  # (step, block, kind) -> the loader's pending rows
     load_s: float = 0.0
     text_len: int = 0
-    live: Recorder | None = None  # following a template run in progress: its recorder
-    patch: Recorder | None = None  # rows of the invalid tokens this hit leaves unmasked, to heal the entry
+    live: object = None  # following a template run in progress: its recorder
+    patch: object = None  # rows of the invalid tokens this hit leaves unmasked, to heal the entry
     heal: np.ndarray | None = None  # those tokens (a UNet's: latent pixels)
     patch_pos: torch.Tensor | None = None  # their positions among idx_c (a UNet's: per level, in heal_idx)
     heal_idx: dict | None = None
@@ -83,16 +83,6 @@ class JobCache:
                 "cache_corrupt": self.recovered is not None}
 
 
-def hooks_for(model):
-    """The masked-block hooks of a denoiser: ``FluxCacheHooks`` for a Flux transformer, ``UNetCacheHooks`` for an
-    SD 2 / SDXL UNet. Everything else in the cache (key, store, decision, planner, loader, writer) is shared."""
-    if hasattr(model, "down_blocks"):
-        from .unet import UNetCacheHooks
-
-        return UNetCacheHooks.of(model)
-    return FluxCacheHooks.of(model)
-
-
 class CacheRuntime:
     def __init__(self, hooks, store: ActivationStore | None, cost: CostModel | None = None,
                  policy: str | BlockPolicy = "planner", budget_bytes: int = 1 << 30, record: bool = True,
@@ -104,19 +94,14 @@ class CacheRuntime:
         self.policy = policy if isinstance(policy, str) else policy.name
         self.block_policy = None if self.policy == "off" else (
             policy if isinstance(policy, BlockPolicy) else make_policy(policy, cost))
-        self.hooks, self.store = hooks, store
+        self.hooks, self.store = hooks, store  # hooks: a family's (``cache.rows.TokenRowHooks`` describes them)
         self.budget_bytes, self.record = int(budget_bytes), record
-        cfg = hooks.transformer.config
-        self.per_block = getattr(hooks, "layout", None) == "per_block"  # UNet: blocks differ in tokens and width
         self.dim = hooks.dim
-        self.kinds = getattr(hooks, "kinds", None) or \
-            ["dual"] * hooks.n_dual + ["single"] * (len(hooks.blocks) - hooks.n_dual)
+        self.kinds = hooks.kinds
         param = next(hooks.transformer.parameters())
         self.device, self.dtype = param.device, param.dtype  # rows are recorded, stored and loaded in these
         self.itemsize = param.element_size()
-        # A UNet's keys/values are read back as (rows, tokens, width) whatever its heads (head_dim 1 below).
-        self.loader = loader(self.device, 1, 1) if self.per_block else \
-            loader(self.device, cfg.num_attention_heads, cfg.attention_head_dim)
+        self.loader = loader(self.device, *hooks.kv_heads())
         self.writer = EntryWriter(store) if store is not None else None
         self.live_runs = LiveRuns()
         self.heal_min_ratio = heal_min_ratio
@@ -169,25 +154,17 @@ class CacheRuntime:
         n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
         dev = job.latents.device if job.latents is not None else "cpu"
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
-        jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=0 if self.per_block else text,
-                      live=d.entry.recorder if d.follows else None,
-                      computed=np.asarray(d.computed, bool) if self.per_block else None)
+        jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=self.hooks.text_len(x),
+                      live=d.entry.recorder if d.follows else None, computed=np.asarray(d.computed, bool))
         idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)
         m = d.entry.meta
-        blocks = None
-        if self.per_block:  # per block: (tokens, computed, width) at its level; rows of every guidance row
-            grid = latent_grid(x, n)
-            shapes = self.hooks.shapes(grid)
-            r = m.get("rows", 1)
-            blocks = [(shapes[b][0] * r, c * r, shapes[b][1]) for b, c in
-                      enumerate(self.hooks.computed_counts(d.computed, grid))]
         jc.modes, jc.predicted_ms = self.block_policy.plan(PlanInput(
             self.kinds, n, int(d.computed.sum()), text, self.dim, self.itemsize,
             [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))],
-            blocks))
-        jc.needs_output = self.hooks.needs_output(jc.modes) if self.per_block else needs_output(jc.modes)
+            self.hooks.plan_blocks(x, d.computed, m)))
+        jc.needs_output = self.hooks.needs_output(jc.modes)
         if d.heal is not None:
             self._maybe_heal(jc, x, d.heal, idx_c)
         return jc
@@ -199,36 +176,14 @@ class CacheRuntime:
             return
         if not self.heals.claim(jc.key):
             return
-        m = jc.entry.meta
         jc.heal = np.flatnonzero(heal)
-        if self.per_block:  # a UNet's rows per block, at the heal's tokens on that block's level
-            from .unet import UNetRecorder, heal_rows
-
-            grid = latent_grid(x, x.latents.shape[0])
-            jc.heal_idx = heal_rows(self.hooks, heal, jc.computed, grid, jc.idx_c.device)
-            shapes = {b: (int(jc.heal_idx[lv][1].numel()), self.hooks.dims[b])
-                      for b, lv in enumerate(self.hooks.levels)}
-            jc.patch = UNetRecorder(x.steps, m.get("rows", 1), shapes, m["y_blocks"], m["kv_blocks"], self.dtype,
-                                    self.device)
-            jc.patch.index = {b: jc.heal_idx[lv][1].cpu() for b, lv in enumerate(self.hooks.levels)}
-            return
-        jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, m["y_blocks"], m["kv_blocks"], self.dtype,
-                            self.device)
-        jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)
+        self.hooks.heal_recorder(jc, x, heal, idx_c, jc.entry.meta, self.dtype, self.device)
 
     def _start_recording(self, job, key: str) -> JobCache:
         if not self.record:
             return JobCache("off", key=key)
         x = job.inputs
-        n = x.latents.shape[0]
-        if self.per_block:
-            from .unet import UNetRecorder
-            from ..unet_prepare import cfg_rows
-
-            r, shapes = cfg_rows(x.guidance), self.hooks.shapes(latent_grid(x, n))
-            per_y = [x.steps * r * shapes[b][0] * shapes[b][1] * self.itemsize for b in range(len(self.kinds))]
-        else:
-            per_y = [x.steps * n * self.dim * self.itemsize] * len(self.kinds)
+        per_y = self.hooks.block_bytes(x, self.itemsize)
         budget = self.budget_bytes
         y_blocks, kv_blocks = [], []
         for b in range(len(self.kinds)):
@@ -239,15 +194,11 @@ class CacheRuntime:
             if budget >= 2 * per_y[b]:
                 kv_blocks.append(b)
                 budget -= 2 * per_y[b]
-        if self.per_block:
-            rec = UNetRecorder(x.steps, r, shapes, y_blocks, kv_blocks, self.dtype, self.device)
-        else:
-            rec = Recorder(x.steps, n, self.dim, self.dim, y_blocks, kv_blocks, self.dtype, self.device)
+        rec, layout = self.hooks.recorder(x, y_blocks, kv_blocks, self.dtype, self.device)
         valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
-        meta = {"tokens": n, "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds), "n_dual": self.hooks.n_dual,
-                "y_blocks": y_blocks, "kv_blocks": kv_blocks, "valid_tokens": int(valid.sum())}
-        if self.per_block:
-            meta.update(layout="per_block", rows=r, grid=list(latent_grid(x, n)))
+        meta = {"tokens": int(x.latents.shape[0]), "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds),
+                "n_dual": self.hooks.n_dual, "y_blocks": y_blocks, "kv_blocks": kv_blocks,
+                "valid_tokens": int(valid.sum()), **layout}
         # The run's entry while it records: followers read it; once complete it is what the store saves.
         live = LiveEntry(meta, {**rec.tensors(), "valid": valid}, rec)
         if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
@@ -260,30 +211,15 @@ class CacheRuntime:
         for job in jobs:
             jc: JobCache = job.cache
             if jc.status == "record":
-                views.append(self._unet_view(job, jc, recorder=jc.recorder) if self.per_block else
-                             RowView(modes=jc.modes, recorder=jc.recorder))
+                views.append(self.hooks.view(job, jc, recorder=jc.recorder))
             elif jc.status == "hit" and jc.ready(job.step_index):
-                rows = self.loader.rows(jc, job.step_index)
-                views.append(self._unet_view(job, jc, rows=rows) if self.per_block else
-                             RowView(modes=jc.modes, idx_c=jc.idx_c, idx_u=jc.idx_u, needs_output=jc.needs_output,
-                                     rows=rows, patch=jc.patch, patch_pos=jc.patch_pos))
+                views.append(self.hooks.view(job, jc, rows=self.loader.rows(jc, job.step_index)))
                 hits.append((jc, job.step_index))
             else:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
         return StepContext(views, on_block=self.loader.start_step(hits, self._needed))
-
-    def _unet_view(self, job, jc: JobCache, rows=None, recorder=None):
-        from .unet import UNetRowView
-
-        x = job.inputs
-        view = UNetRowView(modes=jc.modes, grid=latent_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
-                           needs_output=jc.needs_output, recorder=recorder, patch=jc.patch, heal_idx=jc.heal_idx)
-        if jc.level_idx is None:
-            jc.level_idx = view._memo  # per-level token indices, made once per request
-        view._memo = jc.level_idx
-        return view
 
     @staticmethod
     def _needed(jc: JobCache, b: int) -> list[str]:

@@ -1,5 +1,8 @@
 """The activation store: a host-memory tier shared by processes, LRU-evicted to a disk tier.
 
+(Over 400 lines on purpose: the tiers' budgets, eviction and promotion share one inter-process lock and the same
+fault handling; the file format, checksums and tier health live in their own modules.)
+
 Each entry is one safetensors file (``entry_file``: one template's recorded activations plus JSON metadata with a
 checksum per chunk). The memory tier is a directory on a RAM filesystem (``/dev/shm`` by default), so every Triton
 model process can map the same bytes without copying: preprocess checks and prefetches, masked_denoise reads and

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import logs
-from .flux import Recorder
+from .rows import Recorder
 from .live import LiveEntry
 from .store import ActivationStore, CorruptEntry, Entry
 

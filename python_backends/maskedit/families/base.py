@@ -113,6 +113,11 @@ class ModelFamily(ABC):
     presets: ClassVar[dict[str, Any]] = {}  # tiny (tests, demo), bench (CPU benchmarks), real-size (GPU)
 
     @classmethod
+    def dir_name(cls, preset: str) -> str:
+        """The directory a preset's model is built in under ``models/`` by default."""
+        return preset
+
+    @classmethod
     @abstractmethod
     def build(cls, out_dir: str | Path, preset: str, seed: int = 0) -> Path:
         """Write a model directory for ``preset`` with seeded random weights (``save_pretrained``)."""

@@ -14,8 +14,9 @@ import triton_python_backend_utils as pb_utils
 from maskedit_common.settings import CacheSettings
 
 from ..cache.cost_model import CostModel, device_slug
-from ..cache.runtime import CacheRuntime, hooks_for
+from ..cache.runtime import CacheRuntime
 from ..cache.store import from_settings
+from ..components import family
 from ..settings import Settings
 
 
@@ -46,7 +47,7 @@ def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> Cache
     store = cache_store(settings.cache, log)
     if store is None:
         return None
-    return CacheRuntime(hooks_for(transformer), store, cost_model(settings, log),
+    return CacheRuntime(family(settings).cache_hooks(transformer), store, cost_model(settings, log),
                         policy=settings.cache.policy, budget_bytes=settings.cache.budget_bytes)
 
 
@@ -75,9 +76,11 @@ class CacheMetrics:
             "room (the store keeps its budgets by dropping or refusing entries meanwhile)",
             kind=pb_utils.MetricFamily.GAUGE)
         self._degraded = {t: self.degraded.Metric(labels={"tier": t}) for t in ("mem", "disk")}
-        self.budget = pb_utils.MetricFamily(
+        # A family must outlive its metrics (Triton deletes a metric's values with its family).
+        self.budget_family = pb_utils.MetricFamily(
             name="maskedit_cache_mem_budget_bytes", description="the memory tier's budget now (shrunk to what its "
-            "filesystem holds)", kind=pb_utils.MetricFamily.GAUGE).Metric(labels={})
+            "filesystem holds)", kind=pb_utils.MetricFamily.GAUGE)
+        self.budget = self.budget_family.Metric(labels={})
         self.write_cpu = pb_utils.MetricFamily(
             name="maskedit_cache_write_cpu_seconds_total",
             description="CPU seconds of background activation writes (a template run's entry, a heal)",

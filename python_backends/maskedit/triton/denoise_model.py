@@ -7,6 +7,7 @@ final response, a result or an error.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 
@@ -24,6 +25,7 @@ from . import io
 from .cache_setup import CacheMetrics, cache_runtime
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("maskedit.triton.denoise")
 
 
 class TritonPythonModel:
@@ -82,14 +84,14 @@ class TritonPythonModel:
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
-            self.metrics.observe(info)
-            self.metrics.outcome("OK")
+            _quietly(self.metrics.observe, info)  # a metrics failure must never keep the answer from its caller
+            _quietly(self.metrics.outcome, "OK")
             self.cancels.clear(rid)  # a marker that came too late to matter
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
 
         def failed(job: DenoiseJob, e: BaseException):
-            self.metrics.outcome(getattr(e, "code", "INTERNAL"))
-            self.metrics.sync()
+            _quietly(self.metrics.outcome, getattr(e, "code", "INTERNAL"))
+            _quietly(self.metrics.sync)
             self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
             sender.send(io.error_response(e, rid), flags=FINAL)
 
@@ -116,3 +118,10 @@ class TritonPythonModel:
         self.engine.shutdown(timeout=self.settings.service.shutdown_grace_s)
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("metrics update failed")

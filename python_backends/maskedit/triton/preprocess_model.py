@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from maskedit_common.request_fields import PARAMS
 
 from .. import logs
 from ..admission import QueueBoard, board_path
@@ -38,12 +39,7 @@ class TritonPythonModel:
                 self.cancels.clear(request.request_id())
                 raise Cancelled("cancelled before pre-processing")
             self.board.check()  # the denoise queue is full: refused before any work, so refusals come at once
-            params = parse_params(
-                self.settings, io.blob(request, "PROMPT"), io.scalar(request, "SEED"), io.scalar(request, "STEPS"),
-                io.scalar(request, "GUIDANCE"), io.scalar(request, "RAW_OUTPUT"), io.scalar(request, "TEMPLATE_SEED"),
-                io.scalar(request, "REGISTER"), io.scalar(request, "USE_CACHE"), io.scalar(request, "DEADLINE_MS"),
-                io.scalar(request, "PROGRESS"), io.scalar(request, "NEGATIVE_PROMPT"),
-            )
+            params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
             self.log.warning("rejected request: %s", e)

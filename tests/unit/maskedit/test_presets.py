@@ -8,7 +8,7 @@ import torch
 
 from maskedit.components import load_pipeline, load_transformer
 from maskedit.settings import load_settings
-from maskedit.tiny_model import build
+from maskedit.build_model import build
 
 
 @pytest.fixture(scope="module")

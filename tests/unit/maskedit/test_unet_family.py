@@ -9,16 +9,16 @@ import torch
 from PIL import Image
 
 from maskedit import samples
-from maskedit.cache.runtime import CacheRuntime, hooks_for
+from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
-from maskedit.cache.unet import UNetCacheHooks, level_mask
+from maskedit.families.unet_inpaint.cache import UNetCacheHooks, level_mask
 from maskedit.denoise import ModelRunner
 from maskedit.engine import DenoiseEngine
 from maskedit.local import LocalEditor, denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
-from maskedit.tiny_unet import build_unet
+from maskedit.families.unet_inpaint.tiny import build_unet
 from maskedit_lab.baselines import cache_policy
 from tests.conftest import atol, exact_here, plain, png
 
@@ -40,7 +40,7 @@ def family(request, tmp_path_factory, settings):
 
     def run(inputs, policy="planner"):
         if policy not in engines:
-            rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy(policy))
+            rt = CacheRuntime(runner.family.cache_hooks(runner.transformer), store, policy=cache_policy(policy))
             engines[policy] = (DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt)), rt)
         eng, rt = engines[policy]
         job = run_job(eng, inputs)
@@ -175,7 +175,7 @@ def test_batched_requests_equal_their_runs_alone(family):
     b = replace(prepared(pre, s, samples.template(SIZE, SIZE, seed=28), samples.mask(SIZE, SIZE, 0.3, "blob", seed=7),
                          guidance=1.0), cache_key=None)
     alone = [run(a, "all_y").result(), plain(runner, b).result()]
-    rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy("all_y"))
+    rt = CacheRuntime(runner.family.cache_hooks(runner.transformer), store, policy=cache_policy("all_y"))
     eng = DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt), max_batch=2)
     try:
         from maskedit.denoise import DenoiseJob
@@ -205,7 +205,7 @@ def test_a_request_joining_after_the_template_run_follows_it(family, tmp_path):
 
     name, s, pre, runner, run, _ = family
     store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
-    rt = CacheRuntime(hooks_for(runner.transformer), store, policy=cache_policy("all_y"))
+    rt = CacheRuntime(runner.family.cache_hooks(runner.transformer), store, policy=cache_policy("all_y"))
     r = ModelRunner(s, transformer=runner.transformer, cache=rt)
     tpl = samples.template(SIZE, SIZE, seed=33)
     x_rec = prepared(pre, s, tpl, samples.mask(SIZE, SIZE, 0.1, "box", seed=8))
@@ -279,7 +279,7 @@ def test_a_hit_heals_the_pixels_the_template_run_edited(family):
 
 @pytest.mark.parametrize("name", ["EulerAncestralDiscreteScheduler", "PNDMScheduler"])
 def test_a_scheduler_that_cannot_batch_deterministically_is_refused_at_start(name):
-    from maskedit.unet_prepare import check_unet_scheduler
+    from maskedit.families.unet_inpaint.prepare import check_unet_scheduler
 
     cfg = {"_class_name": name, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
            "num_train_timesteps": 1000, "steps_offset": 1, "skip_prk_steps": True}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maskedit import samples
-from maskedit.cache.flux import FluxCacheHooks
+from maskedit.families.flux_fill.cache import FluxCacheHooks
 from maskedit.cache.runtime import POLICIES, CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import ModelRunner
@@ -170,7 +170,7 @@ def test_policies_are_known():
 def test_fused_projections_share_the_blocks_weights_and_leave_their_forward_exact(settings):
     import torch
 
-    from maskedit.cache.flux import _FusedInputs, _inputs
+    from maskedit.families.flux_fill.cache import _FusedInputs, _inputs
     from maskedit.components import load_transformer
 
     tr = load_transformer(settings)

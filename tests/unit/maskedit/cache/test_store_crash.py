@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 
 from maskedit import samples
-from maskedit.cache.flux import FluxCacheHooks
+from maskedit.families.flux_fill.cache import FluxCacheHooks
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore, open_file
 from maskedit.local import LocalEditor
@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     import os, sys, time
     import maskedit.cache.store as store_module
     from maskedit import samples
-    from maskedit.cache.flux import FluxCacheHooks
+    from maskedit.families.flux_fill.cache import FluxCacheHooks
     from maskedit.cache.runtime import CacheRuntime
     from maskedit.cache.store import ActivationStore
     from maskedit.local import LocalEditor

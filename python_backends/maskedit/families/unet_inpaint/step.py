@@ -9,29 +9,36 @@ convolutions cannot pack different sizes into one batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from .unet_prepare import cfg_rows, from_rows, make_unet_scheduler
+from ...errors import InvalidInput
+from .cache import UNetCacheHooks, per_unet_row
+from .prepare import cfg_rows, from_rows, make_unet_scheduler
+
+
+@dataclass
+class UNetTensors:
+    """A request's conditioning on the device, made once when it is admitted."""
+
+    cond: torch.Tensor  # (1, N, 5): latent-size mask and masked-image latents, one row per latent pixel
+    prompt_embeds: torch.Tensor  # (R, 77, D): per guidance row (negative first)
+    pooled: torch.Tensor | None  # SDXL: (R, P + T) pooled text and time ids per guidance row
 
 
 def prepare_job(runner, job) -> None:
-    """Admit an SD 2 / SDXL request: its tensors on the device (``JobTensors`` with the UNet's shapes)."""
-    from .denoise import JobTensors
-
+    """Admit an SD 2 / SDXL request: its tensors on the device."""
     x = job.inputs
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(runner.device, runner.dtype)  # noqa: E731
     r = cfg_rows(x.guidance)
     text = t(x.prompt_embeds)
     if text.shape[0] % r:
-        from .errors import InvalidInput
-
         raise InvalidInput(f"has {text.shape[0]} rows, not a multiple of the {r} guidance rows", "PROMPT_EMBEDS")
     job.latents = t(x.latents).unsqueeze(0)  # (1, N, 4): rows, as the engine and the cache address tokens
-    job.tensors = JobTensors(cond=t(x.cond).unsqueeze(0), prompt_embeds=text.unflatten(0, (r, -1)),
-                             pooled=t(x.pooled_embeds).unflatten(0, (r, -1)) if _xl(runner.transformer) else None,
-                             img_ids=None, txt_ids=None,
-                             guidance=None)
+    job.tensors = UNetTensors(cond=t(x.cond).unsqueeze(0), prompt_embeds=text.unflatten(0, (r, -1)),
+                              pooled=t(x.pooled_embeds).unflatten(0, (r, -1)) if _xl(runner.transformer) else None)
     job.scheduler = make_unet_scheduler(runner.scheduler_config, x.steps, runner.device)
 
 
@@ -51,7 +58,7 @@ def step_group(runner, group: list, ctx=None) -> None:
     """Advance ``group`` (same resolution, same guidance rows, same text length) by one step."""
     unet = runner.transformer
     x0 = group[0].inputs
-    h, w = x0.model_h // runner.pixels_per_token, x0.model_w // runner.pixels_per_token
+    h, w = x0.model_h // runner.geometry.patch, x0.model_w // runner.geometry.patch
     r = group[0].tensors.prompt_embeds.shape[0]
     timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
     rows, ts = [], []
@@ -71,8 +78,6 @@ def step_group(runner, group: list, ctx=None) -> None:
     forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
                            added_cond_kwargs=added, return_dict=False)[0]
     if ctx is not None and any(v is not None for v in ctx.rows):
-        from .cache.unet import UNetCacheHooks, per_unet_row
-
         noise = UNetCacheHooks.of(unet).run(per_unet_row(ctx, r), forward)
     else:
         noise = forward()

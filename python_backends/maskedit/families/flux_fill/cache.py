@@ -36,116 +36,14 @@ from diffusers.hooks import ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
-from ..device import host_empty
-from .hooks import BlockHooks, RecordingStream
+from ...cache.modes import FULL, KV, NOCTX, Y
+from ...cache.modes import index as _index
+from ...cache.rows import RowView, TokenRowHooks
 
 HOOK_NAME = "maskedit_masked_block"
-FULL, Y, KV, NOCTX = "full", "y", "kv", "noctx"
 
 
-@dataclass
-class RowView:
-    """What one request contributes to one transformer call."""
-
-    modes: list[str]  # per block (all blocks, dual then single)
-    idx_c: torch.Tensor | None = None  # image tokens computed (sorted, long)
-    idx_u: torch.Tensor | None = None  # image tokens taken from the cache
-    # (block, kind) -> loaded tensor: "y" the block's recorded output (N, D); "kbuf"/"vbuf" a (1, L+N, H, hd)
-    # buffer whose image part holds the recorded keys/values (rotary applied).
-    rows: Callable[[int, str], torch.Tensor] | None = None
-    needs_output: list[bool] = field(default_factory=list)  # per block: write cached output rows?
-    recorder: "Recorder | None" = None  # set on a recording (template) run
-    # A hit that computes tokens its entry holds invalid (another request's edit) but that it leaves unmasked:
-    # their rows are template context again, recorded here (at ``patch_pos`` among ``idx_c``) to heal the entry.
-    patch: "Recorder | None" = None
-    patch_pos: torch.Tensor | None = None
-    # Packed calls only (rows padded to the longest request): this request's image tokens and its own rotary
-    # tables over [text; image]; None means the call's own length and tables.
-    tokens: int | None = None
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    _memo: dict = field(default_factory=dict)  # per step: positions and rotary tables shared by all blocks
-
-    def n_image(self, N: int) -> int:
-        return self.tokens if self.tokens is not None else N
-
-    def tables(self, rope):
-        return self.rope if self.rope is not None else rope
-
-    def gathered(self, b: int, L: int, rope, N: int, device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """For block ``b``: (image tokens computed, their sequence positions after the text, rotary tables at
-        [text; those tokens]). ``full`` computes every token of the row, the cached modes the masked ones."""
-        kind = "all" if self.modes[b] == FULL else "masked"
-        if kind not in self._memo:
-            cols = torch.arange(self.n_image(N), device=device) if kind == "all" else self.idx_c
-            pos = torch.cat([torch.arange(L, device=device), cols + L])
-            r = self.tables(rope)
-            self._memo[kind] = (cols, pos, (r[0][pos], r[1][pos]))
-        return self._memo[kind]
-
-    def rope_u(self, rope, L: int):
-        if "cs_u" not in self._memo:
-            pos = self.idx_u + L
-            r = self.tables(rope)
-            self._memo["cs_u"] = (r[0][pos], r[1][pos])
-        return self._memo["cs_u"]
-
-    @property
-    def all_full(self) -> bool:
-        return all(m == FULL for m in self.modes)
-
-
-@dataclass
-class StepContext:
-    rows: list[RowView | None]  # per batch row; None = plain full compute
-    packed: bool = False  # rows of different resolutions padded to one length: every row takes the gathered path
-    on_block: Callable[[int], None] | None = None  # told as each block starts (the loader's look-ahead window)
-
-
-class Recorder(RecordingStream):
-    """Collects a template run's block outputs (and keys/values within budget) for every step, in the model's
-    dtype, in host memory (pinned when the model is on a GPU).
-
-    On a GPU the device-to-host copies run on their own stream, after the kernels that produced the rows, so the
-    step never waits for them; ``step_event(s)`` marks when step ``s``'s rows have landed (followers' loads wait on
-    it on the GPU) and ``synchronize`` waits for all of them (before the entry is written)."""
-
-    def __init__(self, steps: int, tokens: int, dim: int, inner: int, y_blocks: list[int], kv_blocks: list[int],
-                 dtype: torch.dtype = torch.float32, device="cpu"):
-        self._start_recording(device)
-        self.y_slot = {b: i for i, b in enumerate(y_blocks)}
-        self.kv_slot = {b: i for i, b in enumerate(kv_blocks)}
-        # Not zeroed: every slot is written before the rows are read (``complete``, or a step a follower waits for).
-        self.y = host_empty((steps, len(y_blocks), tokens, dim), dtype, device)
-        self.k = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
-        self.v = host_empty((steps, len(kv_blocks), tokens, inner), dtype, device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.y, self.k, self.v))
-
-    @property
-    def complete(self) -> bool:
-        return self.writes == self.y.shape[0] * (self.y.shape[1] + self.k.shape[1])
-
-    def put_y(self, block: int, hidden: torch.Tensor) -> None:
-        if block in self.y_slot:
-            self._copy_out(self.y[self.step, self.y_slot[block]], hidden)
-            self._written.add((self.step, "y", block))
-
-    def wants_kv(self, block: int) -> bool:
-        return block in self.kv_slot
-
-    def put_kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        slot = self.kv_slot[block]
-        self._copy_out(self.k[self.step, slot], k.flatten(-2))
-        self._copy_out(self.v[self.step, slot], v.flatten(-2))
-        self._written.add((self.step, "kv", block))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"y": self.y, "k": self.k, "v": self.v}
-
-
-class FluxCacheHooks(BlockHooks):
+class FluxCacheHooks(TokenRowHooks):
     """Attach / detach the masked-block hooks on a ``FluxTransformer2DModel`` and hold the step context."""
 
     HOOK_NAME = HOOK_NAME
@@ -221,19 +119,6 @@ def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pos: torch.T
 
 def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, hd))
-
-
-_INDEX: dict = {}
-
-
-def _index(rows: list[int], device) -> torch.Tensor:
-    """Batch-row indices as a device tensor, made once per (rows, device): building one from a list in the hot path
-    would be a host-to-device copy from pageable memory at every block, which can stall the host on a GPU."""
-    key = (tuple(rows), str(device))
-    t = _INDEX.get(key)
-    if t is None:
-        t = _INDEX[key] = torch.tensor(rows, device=device)
-    return t
 
 
 def _per_token(t: torch.Tensor, rows: list[int], counts: list[int]) -> torch.Tensor:

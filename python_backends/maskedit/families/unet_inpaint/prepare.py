@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..base import Prepared
+
 UNET_LATENT_CHANNELS = 4
 
 
@@ -79,7 +81,7 @@ def time_ids(pipe, h: int, w: int) -> tuple[list[float], list[float]]:
 
 @torch.no_grad()
 def prepare_unet(pipe, scheduler_config: dict, init_image: torch.Tensor, mask_t: torch.Tensor, token_mask: np.ndarray,
-                 w: int, h: int, params, device) -> dict[str, torch.Tensor]:
+                 w: int, h: int, params, device) -> Prepared:
     """The four tensors of one edit. ``init_image`` (1, 3, h, w) from the image processor, ``mask_t`` (1, 1, h, w)
     from the mask processor, ``token_mask`` (N,) the latent pixels the edit touches."""
     xl = hasattr(pipe, "text_encoder_2")
@@ -104,12 +106,33 @@ def prepare_unet(pipe, scheduler_config: dict, init_image: torch.Tensor, mask_t:
         latent_rows[rows] = to_rows(own)[rows]
     masked_image = init_image * (mask_t < 0.5)
     mask, masked_latents = pipe.prepare_mask_latents(mask_t, masked_image, 1, h, w, dtype, device, generator, False)
-    out = {"latents": latent_rows, "cond": to_rows(torch.cat([mask, masked_latents], dim=1)),
-           "prompt_embeds": torch.cat([neg[0], pos[0]]) if cfg else pos[0]}
     if xl:
         ids, neg_ids = (torch.tensor(t, dtype=dtype, device=pooled.device) for t in time_ids(pipe, h, w))
         rows = [(neg_pooled[0], neg_ids)] if cfg else []
-        out["pooled_embeds"] = torch.cat([t for r in rows + [(pooled[0], ids)] for t in r])
+        pooled_rows = torch.cat([t for r in rows + [(pooled[0], ids)] for t in r])
     else:
-        out["pooled_embeds"] = torch.zeros(1, dtype=dtype)
-    return out
+        pooled_rows = torch.zeros(1, dtype=dtype)
+    return Prepared(latents=latent_rows, cond=to_rows(torch.cat([mask, masked_latents], dim=1)),
+                    prompt_embeds=torch.cat([neg[0], pos[0]]) if cfg else pos[0], pooled_embeds=pooled_rows)
+
+
+def setup_decoder(vae) -> None:
+    """SDXL's VAE overflows in fp16; its pipeline upcasts it for decoding too."""
+    if vae.dtype == torch.float16 and getattr(vae.config, "force_upcast", False):
+        vae.to(torch.float32)
+
+
+@torch.no_grad()
+def decode(pipe, rows: torch.Tensor, w: int, h: int):
+    """Latent rows (1, h*w, 4) decoded as the SD 2 / SDXL pipelines decode."""
+    vae = pipe.vae
+    x = from_rows(rows, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor).to(vae.dtype)
+    cfg = vae.config
+    mean, std = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
+    if mean is not None and std is not None:
+        x = x * torch.tensor(std).view(1, -1, 1, 1).to(x) / cfg.scaling_factor + torch.tensor(mean).view(
+            1, -1, 1, 1).to(x)
+    else:
+        x = x / cfg.scaling_factor
+    image = vae.decode(x, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="pil")[0]

@@ -1,7 +1,7 @@
 """Mask-aware computation of SD 2 / SDXL UNet transformer blocks, attached to Diffusers' blocks as hooks.
 
 Each ``BasicTransformerBlock`` of the UNet (every ``Transformer2DModel`` of the down, mid and up blocks, at every
-resolution level) gets a hook, as the Flux blocks do (``cache.flux``): with no context set it calls the block's own
+resolution level) gets a hook, as the Flux blocks do (``families.flux_fill.cache``): with no context set it calls the block's own
 forward. During a step the runner sets a context with one view per UNet batch row: with classifier-free guidance a
 request has two rows (negative and positive prompt), both recorded and both read back, each in its own slot.
 
@@ -33,9 +33,12 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
-from ..device import host_empty
-from .flux import FULL, KV, NOCTX, Y, StepContext, _index
-from .hooks import BlockHooks, RecordingStream
+from ...cache.decision import latent_grid
+from ...cache.hooks import BlockHooks, RecordingStream
+from ...cache.modes import FULL, KV, NOCTX, Y, StepContext
+from ...cache.modes import index as _index
+from ...device import host_empty
+from .prepare import cfg_rows
 
 HOOK_NAME = "maskedit_masked_unet_block"
 
@@ -115,7 +118,7 @@ def _shared(get):
 class UNetRecorder(RecordingStream):
     """A template run's rows per block in the model's dtype, in host memory (pinned on a GPU): ``y.<b>`` of shape
     (steps, R, N_b, D_b) for the recorded blocks' outputs, ``k.<b>`` / ``v.<b>`` for their self-attention keys and
-    values. Copies run on the recording stream as for Flux (``cache.flux.Recorder``)."""
+    values. Copies run on the recording stream as for Flux (``cache.rows.Recorder``)."""
 
     def __init__(self, steps: int, r: int, shapes: dict[int, tuple[int, int]], y_blocks: list[int],
                  kv_blocks: list[int], dtype: torch.dtype = torch.float32, device="cpu"):
@@ -192,6 +195,45 @@ class UNetCacheHooks(BlockHooks):
     def computed_counts(self, computed: np.ndarray, grid: tuple[int, int]) -> list[int]:
         by_level = {lv: int(level_mask(computed, grid, lv).sum()) for lv in set(self.levels)}
         return [by_level[lv] for lv in self.levels]
+
+    # -- what the cache runtime asks of a family's hooks (see ``cache.rows.TokenRowHooks``) -------------------
+    def kv_heads(self) -> tuple[int, int]:
+        return 1, 1  # keys / values are read back as (rows, tokens, width) whatever the heads
+
+    def text_len(self, x) -> int:
+        return 0  # cross-attention: the text is not in the self-attention keys / values
+
+    def block_bytes(self, x, itemsize: int) -> list[int]:
+        r, shapes = cfg_rows(x.guidance), self.shapes(latent_grid(x, x.latents.shape[0]))
+        return [x.steps * r * shapes[b][0] * shapes[b][1] * itemsize for b in range(len(self.blocks))]
+
+    def recorder(self, x, y_blocks: list[int], kv_blocks: list[int], dtype, device) -> tuple["UNetRecorder", dict]:
+        r, grid = cfg_rows(x.guidance), latent_grid(x, x.latents.shape[0])
+        rec = UNetRecorder(x.steps, r, self.shapes(grid), y_blocks, kv_blocks, dtype, device)
+        return rec, {"layout": self.layout, "rows": r, "grid": list(grid)}
+
+    def plan_blocks(self, x, computed, meta: dict):
+        grid = latent_grid(x, x.latents.shape[0])
+        shapes, r = self.shapes(grid), meta.get("rows", 1)
+        return [(shapes[b][0] * r, c * r, shapes[b][1]) for b, c in enumerate(self.computed_counts(computed, grid))]
+
+    def view(self, job, jc, rows=None, recorder=None) -> "UNetRowView":
+        x = job.inputs
+        view = UNetRowView(modes=jc.modes, grid=latent_grid(x, x.latents.shape[0]), computed=jc.computed, rows=rows,
+                           needs_output=jc.needs_output, recorder=recorder, patch=jc.patch, heal_idx=jc.heal_idx)
+        if jc.level_idx is None:
+            jc.level_idx = view._memo  # per-level token indices, made once per request
+        view._memo = jc.level_idx
+        return view
+
+    def heal_recorder(self, jc, x, heal, idx_c, meta: dict, dtype, device) -> None:
+        """A UNet's heal rows per block, at the heal's tokens on that block's level."""
+        grid = latent_grid(x, x.latents.shape[0])
+        jc.heal_idx = heal_rows(self, heal, jc.computed, grid, jc.idx_c.device)
+        shapes = {b: (int(jc.heal_idx[lv][1].numel()), self.dims[b]) for b, lv in enumerate(self.levels)}
+        jc.patch = UNetRecorder(x.steps, meta.get("rows", 1), shapes, meta["y_blocks"], meta["kv_blocks"], dtype,
+                                device)
+        jc.patch.index = {b: jc.heal_idx[lv][1].cpu() for b, lv in enumerate(self.levels)}
 
     def needs_output(self, modes: list[str]) -> list[bool]:
         """As ``policy.needs_output``, but the last block of each ``Transformer2DModel`` always writes its rows

@@ -1,6 +1,6 @@
 """Build Stable Diffusion 2 / SDXL inpainting model directories locally: seeded random weights, local tokenizers.
 
-Like ``tiny_model`` for Flux: the directory is written with ``save_pretrained`` and served with
+Like Flux Fill's presets (``maskedit.presets``): the directory is written with ``save_pretrained`` and served with
 ``from_pretrained``, exactly as real weights would be (``MASKEDIT_MODEL_DIR=/path/to/stable-diffusion-2-inpainting``
 or ``…/stable-diffusion-xl-1.0-inpainting-0.1``). The UNet is the 9-channel inpainting UNet (latents, mask,
 masked-image latents); ``sdxl`` has the real SDXL-inpainting UNet's dimensions (2.57 B parameters), generated on the
@@ -9,12 +9,10 @@ serving device at load time instead of written to disk.
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import SERVING_DEFAULTS_FILE
+from ...presets import generate, generated_key, save, train_tokenizers, visible_init, write_serving_defaults, writing
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,6 @@ UNET_PRESETS = {
                        layers=(1, 2, 10), heads=(5, 10, 20), cross_dim=2048, text_dims=(768, 1280),
                        layers_per_block=2, groups=32, time_dim=256, generated_unet=True),
 }
-GENERATED_UNET = "generated_unet"  # maskedit.json key: {"seed": ...} when the UNet's weights are generated
 
 
 def unet_config(p: UNetPreset) -> dict:
@@ -83,13 +80,8 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
                            StableDiffusionXLInpaintPipeline, UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from .tiny_model import _train_tokenizers, save
-
     p = UNET_PRESETS[preset]
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    vocab, merges, _ = _train_tokenizers(vocab_size=512)
+    vocab, merges, _ = train_tokenizers(vocab_size=512)
     tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     torch.manual_seed(seed)
 
@@ -112,7 +104,7 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
             unet = UNet2DConditionModel(**unet_config(p))
     else:
         unet = UNet2DConditionModel(**unet_config(p))
-        _visible_init(unet)
+        visible_init(unet)
     sched_args = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                       steps_offset=1, timestep_spacing="leading")
     if p.xl:
@@ -125,32 +117,18 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
             vae=vae, text_encoder=clip(p.text_dims[0], False), tokenizer=tok, unet=unet,
             scheduler=DDIMScheduler(**sched_args, clip_sample=False, set_alpha_to_one=False),
             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    save(pipe, tmp, "unet" if p.generated_unet else None)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 7.5, "max_sequence_length": 77,
                "preset": preset, "seed": seed}
     if p.generated_unet:
-        serving[GENERATED_UNET] = {"seed": seed}
-    (tmp / SERVING_DEFAULTS_FILE).write_text(json.dumps(serving, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def _visible_init(unet) -> None:
-    """Random init leaves the UNet's output convolution and attention outputs at zero (zero-initialised residual
-    branches): small noise there makes every block matter, as trained weights do."""
-    import torch
-
-    with torch.no_grad():
-        for param in unet.parameters():
-            if param.abs().sum() == 0:
-                param.normal_(0.0, 0.02)
+        serving[generated_key("unet")] = {"seed": seed}
+    with writing(out_dir) as tmp:
+        save(pipe, tmp, "unet" if p.generated_unet else None)
+        write_serving_defaults(tmp, serving)
+    return Path(out_dir)
 
 
 def generate_unet(model_dir: Path, seed: int, device, dtype):
     """The UNet of a generated preset, built on ``device`` in ``dtype`` from its saved config (seeded weights)."""
     from diffusers import UNet2DConditionModel
 
-    from .tiny_model import generate
-
-    return generate(UNet2DConditionModel, model_dir, "unet", seed, device, dtype, _visible_init)
+    return generate(UNet2DConditionModel, model_dir, "unet", seed, device, dtype, visible_init)

@@ -1,0 +1,79 @@
+"""Flux Fill inpainting (``FluxFillPipeline``, e.g. FLUX.1-Fill-dev): a dual/single-stream transformer over packed
+2x2 latent patches with the masked image and mask as extra input channels and guidance embedded (no negative
+row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..base import Geometry, ModelFamily
+from . import tiny
+
+
+class FluxFill(ModelFamily):
+    name = "flux_fill"
+    pipeline_classes = ("FluxFillPipeline",)
+    denoiser = "transformer"
+    text_components = ("text_encoder", "text_encoder_2")
+    presets = tiny.PRESETS
+
+    def load_denoiser(self, settings):
+        from diffusers import FluxTransformer2DModel
+
+        from ...device import torch_dtype
+        from ...presets import generated
+
+        gen = generated(settings.model_dir, self.denoiser)
+        if gen is not None:  # a preset whose weights are generated on the device
+            return tiny.generate_transformer(settings.model_dir, gen["seed"], settings.torch_device,
+                                             torch_dtype(settings))
+        model = FluxTransformer2DModel.from_pretrained(settings.model_dir, subfolder="transformer",
+                                                       dtype=torch_dtype(settings))
+        return model.to(settings.torch_device).eval()
+
+    def geometry(self, settings) -> Geometry:
+        from diffusers import AutoencoderKL
+
+        cfg = AutoencoderKL.load_config(settings.model_dir, subfolder="vae")
+        scale = 2 ** (len(cfg["block_out_channels"]) - 1)
+        return Geometry(vae_scale=scale, patch=2 * scale, multiple=2 * scale)  # Flux packs 2x2 latents
+
+    def count_prompt_tokens(self, pipe, prompt: str) -> int:
+        return len(pipe.tokenizer_2(prompt).input_ids)  # T5: the encoder with the length limit
+
+    def prepare(self, pipe, scheduler_config, image, mask, token_mask, w, h, params, settings):
+        from .prepare import prepare
+
+        return prepare(pipe, scheduler_config, image, mask, token_mask, w, h, params, settings,
+                       self.geometry(settings).patch)
+
+    def prepare_job(self, runner, job) -> None:
+        from .step import prepare_job
+
+        prepare_job(runner, job, runner.geometry.patch)
+
+    def group_key(self, job):
+        return tuple(job.tensors.prompt_embeds.shape)  # text tokens attend: they cannot be padded
+
+    def step(self, runner, group, ctx) -> None:
+        from .step import step
+
+        step(runner, group, ctx)
+
+    def cache_hooks(self, denoiser):
+        from .cache import FluxCacheHooks
+
+        return FluxCacheHooks.of(denoiser)
+
+    def decode(self, pipe, latents, w, h):
+        from .prepare import decode
+
+        return decode(pipe, latents, w, h)
+
+    @classmethod
+    def dir_name(cls, preset: str) -> str:
+        return f"{preset}-flux-fill"
+
+    @classmethod
+    def build(cls, out_dir: str | Path, preset: str, seed: int = 0) -> Path:
+        return tiny.build(out_dir, preset, seed)
