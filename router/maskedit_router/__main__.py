@@ -26,7 +26,7 @@ from . import discovery, policies
 from .admission import AdmissionWatcher
 from .aio import AioServer, RouterService
 from .health import HealthChecker
-from .limits import StreamLimits
+from .limits import HttpLimits, StreamLimits
 from .metrics import serve_http
 from .openai_api import OpenAIServer
 from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
@@ -140,6 +140,12 @@ def parser() -> argparse.ArgumentParser:
                     "open at once on the endpoint picker (one connection may hold them all: Envoy multiplexes)")
     ap.add_argument("--picker-idle-timeout-s", type=float, default=PICKER_LIMITS.idle_timeout_s, help="an ext_proc "
                     "stream that sent nothing for this long is ended (longer than the longest edit; 0: never)")
+    ap.add_argument("--openai-max-requests", type=int, default=HttpLimits.max_requests, help="edits the OpenAI "
+                    "port serves at once; more are answered 429 at once")
+    ap.add_argument("--openai-body-timeout-s", type=float, default=HttpLimits.body_timeout_s, help="a request "
+                    "body must arrive within this (else 408)")
+    ap.add_argument("--openai-keepalive-timeout-s", type=float, default=HttpLimits.keepalive_timeout_s, help="an "
+                    "idle connection, or one that has not sent a whole request head, is closed after this")
     ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
                     "statistics are read for admission")
     return ap
@@ -150,6 +156,7 @@ def main(argv=None) -> None:
     try:
         limits = StreamLimits(args.max_streams, args.max_streams_per_connection, args.stream_idle_timeout_s)
         picker_limits = StreamLimits(args.picker_max_streams, args.picker_max_streams, args.picker_idle_timeout_s)
+        http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
     except ValueError as e:
         parser().error(str(e))
     handler = logging.StreamHandler()
@@ -169,7 +176,8 @@ def main(argv=None) -> None:
     server, port, httpd = serve(router, args.port, args.http_port, args.host, limits)
     HealthChecker(router).start()
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
-    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
+    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host, limits=http_limits,
+                          metrics=router.metrics).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host, picker_limits) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,

@@ -101,3 +101,22 @@ class IdleClock:
         if busy:
             return self.timeout_s
         return max(0.01, self.timeout_s - (now - self.last))
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The OpenAI HTTP port (aiohttp: a connection costs a coroutine). ``max_requests`` edits served at once, more
+    answered 429 at once; a body that has not fully arrived within ``body_timeout_s`` is answered 408; a
+    connection idle between requests, or one that has not sent a whole request head, is closed after
+    ``keepalive_timeout_s`` (aiohttp's keep-alive timer runs from the connection's start)."""
+
+    max_requests: int = 64
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 15.0
+
+    def __post_init__(self):
+        if self.max_requests < 1:
+            raise ValueError(f"max_requests: must be at least 1, got {self.max_requests}")
+        for name in ("body_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
