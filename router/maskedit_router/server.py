@@ -501,7 +501,18 @@ class _StreamSession:
             p.responded = True
         if final or error:
             self.r.release(p.ticket, ok=not error)
+            self._retire(backend)
             self._maybe_finish()
+
+    def _retire(self, backend: Backend) -> None:
+        """Close this session's stream to ``backend`` once nothing of it is in flight there: an idle client stream
+        then holds no backend stream and none of its threads (the next request opens a new one)."""
+        with self.lock:  # _send adds to pending and picks the stream under this lock: never a stream it is using
+            if any(q.ticket.backend is backend for q in self.pending.values()):
+                return
+            bs = self.streams.pop(backend.addr, None)
+        if bs is not None:
+            bs.close()
 
     def expire(self, rid: str) -> bool:
         """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check.
@@ -596,7 +607,7 @@ class _BackendStream:
     def __init__(self, session: _StreamSession, backend: Backend):
         self.session, self.backend = session, backend
         self.q: queue.Queue = queue.Queue()
-        self.broken = False
+        self.broken = self.closed = False
         self.call = backend.stub.ModelStreamInfer(self._requests())
         threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
 
@@ -618,7 +629,7 @@ class _BackendStream:
                 except Exception:  # one bad response must not stop the stream's other requests
                     log.exception("could not relay a response from %s", self.backend.addr)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
+            if e.code() != grpc.StatusCode.CANCELLED and not self.closed:  # closed: nothing of ours was on it
                 self.broken = True
                 self.session.on_broken(self.backend, e.code().name)
 
@@ -627,6 +638,7 @@ class _BackendStream:
         self.call.cancel()
 
     def close(self) -> None:
+        self.closed = True
         self.q.put(None)
 
 

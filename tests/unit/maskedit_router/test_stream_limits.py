@@ -192,3 +192,21 @@ def test_a_client_that_goes_away_frees_its_streams(router):
     for c in calls:
         c.cancel()
     assert _wait(lambda: gauge._value.get() == 0, 5.0)
+
+
+def test_a_stream_whose_requests_ended_holds_no_backend_stream_or_thread(router):
+    """Only a request in flight costs threads (the backend stream's): once it ends, the client stream, still open,
+    holds none."""
+    addr = next(iter(router["router"].backends))
+
+    def backend_threads():
+        return [t for t in threading.enumerate() if t.name == f"router-{addr}"]
+
+    q, responses = _stream(router["connect"]())
+    router["backend"].release.set()
+    q.put(_request("one"))
+    assert next(responses).infer_response.id == "one"
+    assert _wait(lambda: not backend_threads(), 5.0)
+    q.put(_request("two"))  # the next request opens a new backend stream
+    assert next(responses).infer_response.id == "two"
+    q.put(None)
