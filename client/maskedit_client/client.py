@@ -26,7 +26,8 @@ from PIL import Image
 from .retry import Backoff, Timer, retryable
 
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
-_CODE = re.compile(r"\b(INVALID_ARGUMENT|RESOURCE_EXHAUSTED|DEADLINE_EXCEEDED|CANCELLED|UNAVAILABLE|INTERNAL): ")
+_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+_CODE = re.compile(r"\b(%s): " % "|".join(_CODES))
 _FIELD = re.compile(r"^([A-Z_]+): ")
 _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
                              r"|expected number of inputs|shape")
@@ -207,7 +208,11 @@ class EditClient:
         if fut.done():
             return
         delay = None
-        if self.retry and "inputs" in state and retryable(error.code, state.get("responded", False)):
+        # Triton 2.51's Python backend has no RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED: a full queue answers
+        # "UNAVAILABLE: RESOURCE_EXHAUSTED: ..." (read with the inner name as the field). The inner name is meant:
+        # a refusal is an answer, never retried.
+        code = error.field if error.field in _CODES else error.code
+        if self.retry and "inputs" in state and retryable(code, state.get("responded", False)):
             delay = self.backoff.next(state["attempt"], state["deadline"], time.monotonic())
         if delay is None:
             fut.set_exception(error)

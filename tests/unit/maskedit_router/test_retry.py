@@ -42,9 +42,9 @@ def test_the_timer_runs_calls_in_due_order_on_one_thread():
 
 
 class _Flaky(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """A Triton stand-in: ``script`` says, per stream, what it does with the first request it gets: ``break``
-    ends the stream with UNAVAILABLE, ``progress-break`` streams a progress response first, ``ok`` answers with
-    an image and the empty final response, ``invalid`` answers an INVALID_ARGUMENT error."""
+    """A Triton stand-in: ``script`` says, per request, what it does with it: ``break`` ends the stream with
+    UNAVAILABLE, ``progress-break`` streams a progress response first, ``ok`` answers with an image and the empty
+    final response, ``invalid`` answers an INVALID_ARGUMENT error, ``refuse`` a full queue's refusal."""
 
     def __init__(self, script):
         self.script, self.seen = list(script), []
@@ -57,9 +57,10 @@ class _Flaky(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield _response(req.id, {"progress": [1, 2]}, final=False)
             if what.endswith("break"):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-            if what == "invalid":
-                yield service_pb2.ModelStreamInferResponse(
-                    error_message=f"INVALID_ARGUMENT: PROMPT: empty [request id: {req.id}]")
+            if what in ("invalid", "refuse"):
+                text = "INVALID_ARGUMENT: PROMPT: empty" if what == "invalid" else \
+                    "UNAVAILABLE: RESOURCE_EXHAUSTED: the denoise queue is full"  # Triton 2.51's refusal
+                yield service_pb2.ModelStreamInferResponse(error_message=f"{text} [request id: {req.id}]")
                 continue
             yield _response(req.id, {"seed": 7}, final=False)
             yield _response(req.id, None, final=True)
@@ -123,6 +124,14 @@ def test_other_errors_are_not_retried_and_retry_can_be_turned_off(endpoint):
             c.submit(IMG, IMG, "a hat").result(10)
         assert e.value.code == "UNAVAILABLE"
     assert len(fake.seen) == 2
+
+
+def test_a_backends_refusal_is_an_answer_not_an_outage(endpoint):
+    fake, url = endpoint(["refuse"])
+    with EditClient(url, backoff=Backoff(first_s=0.05)) as c:
+        with pytest.raises(EditError) as e:
+            c.submit(IMG, IMG, "a hat").result(10)
+    assert "RESOURCE_EXHAUSTED" in str(e.value) and len(fake.seen) == 1  # not sent again
 
 
 def test_retries_end_at_the_requests_deadline(endpoint):
