@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,8 +23,11 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from .retry import Backoff, Timer, retryable
+
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
-_CODE = re.compile(r"\b(INVALID_ARGUMENT|RESOURCE_EXHAUSTED|DEADLINE_EXCEEDED|CANCELLED|UNAVAILABLE|INTERNAL): ")
+_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+_CODE = re.compile(r"\b(%s): " % "|".join(_CODES))
 _FIELD = re.compile(r"^([A-Z_]+): ")
 _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
                              r"|expected number of inputs|shape")
@@ -93,29 +97,44 @@ def _scalar_input(name: str, value, dtype: str, np_dtype) -> grpcclient.InferInp
 
 
 class EditClient:
-    """Thread-safe: ``edit`` may be called from many threads; ``submit`` returns a Future."""
+    """Thread-safe: ``edit`` may be called from many threads; ``submit`` returns a Future.
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0):
+    A request that fails with UNAVAILABLE before any response came for it (the endpoint restarted, its stream broke,
+    no backend was up) is sent again on a new stream after ``backoff``, until its deadline (``deadline_ms`` if
+    given, else ``timeout_s`` from its submission): a router restart costs latency, not errors. ``retry=False``:
+    such a request fails at once."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
+                 retry: bool = True, backoff: Backoff = Backoff()):
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.retry, self.backoff = retry, backoff
         self._client = grpcclient.InferenceServerClient(url, channel_args=[
             ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
             # an endpoint that restarts (the router, a server) is reconnected to within ~2 s, not minutes
             ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._pending: dict[str, tuple[Future, dict]] = {}
+        self._retrying: dict[str, tuple[Future, dict]] = {}  # waiting out a backoff before being sent again
+        self._timer = Timer("maskedit-client-retry")
         self._lock = threading.Lock()
+        self._stream_lock = threading.Lock()  # opening a stream; never taken on the stream's own thread
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
 
     def _ensure_stream(self) -> None:
-        with self._lock:
-            if not self._stream_open:
-                if self._stream_broken:  # its thread has ended (it reported the break): joined at once
-                    self._client.stop_stream()
-                    self._stream_broken = False
-                self._client.start_stream(callback=self._on_response)
-                self._stream_open = True
+        # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
+        # requests over (under self._lock) to be retried.
+        with self._stream_lock:
+            with self._lock:
+                if self._stream_open:
+                    return
+                broken = self._stream_broken
+            if broken:  # its thread has ended or is ending (it reported the break)
+                self._client.stop_stream()
+            self._client.start_stream(callback=self._on_response)
+            with self._lock:
+                self._stream_open, self._stream_broken = True, False
 
     def _on_response(self, result, error) -> None:
         # Runs on tritonclient's stream thread: an exception here would kill the stream for every request.
@@ -139,7 +158,8 @@ class EditClient:
                 if entry is None and len(self._pending) == 1:  # ids are not echoed on some errors
                     entry = self._pending.pop(next(iter(self._pending)))
             if entry is not None:
-                entry[0].set_exception(EditError.from_server(str(error.message() if hasattr(error, "message") else error)))
+                self._failed(rid or entry[0].request_id, *entry,
+                             EditError.from_server(str(error.message() if hasattr(error, "message") else error)))
             else:
                 log.warning("an error matched no pending request: %s", error)
             return
@@ -152,6 +172,7 @@ class EditClient:
         if entry is None:
             return
         fut, state = entry
+        state["responded"] = True  # never replayed from now on: its caller may have seen part of it
         info_t = result.as_numpy("EDIT_INFO")
         if info_t is not None:
             info = json.loads(info_t.reshape(-1)[0])
@@ -175,12 +196,44 @@ class EditClient:
         on it fails now with the stream's status (UNAVAILABLE, ...); the next submit opens a new stream."""
         code = str(error.status()).replace("StatusCode.", "")
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
+            pending, self._pending = list(self._pending.items()), {}
             self._stream_open, self._stream_broken = False, True
-        for fut, _ in pending:
-            if not fut.done():
-                fut.set_exception(EditError(f"{code}: the stream to {self.url} ended before the response arrived "
-                                            f"({error.message()})", code))
+        for rid, (fut, state) in pending:
+            self._failed(rid, fut, state, EditError(f"{code}: the stream to {self.url} ended before the response "
+                                                    f"arrived ({error.message()})", code))
+
+    def _failed(self, rid: str, fut: Future, state: dict, error: EditError) -> None:
+        """``rid`` failed: sent again after a backoff if the rule allows it (``retry.retryable``) and its deadline
+        leaves time, else its Future fails."""
+        if fut.done():
+            return
+        delay = None
+        # Triton 2.51's Python backend has no RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED: a full queue answers
+        # "UNAVAILABLE: RESOURCE_EXHAUSTED: ..." (read with the inner name as the field). The inner name is meant:
+        # a refusal is an answer, never retried.
+        code = error.field if error.field in _CODES else error.code
+        if self.retry and "inputs" in state and retryable(code, state.get("responded", False)):
+            delay = self.backoff.next(state["attempt"], state["deadline"], time.monotonic())
+        if delay is None:
+            fut.set_exception(error)
+            return
+        state["attempt"] += 1
+        with self._lock:
+            self._retrying[rid] = (fut, state)
+        log.info("retrying %s in %.2f s (attempt %d): %s", rid, delay, state["attempt"], error)
+        self._timer.call_later(delay, lambda: self._resend(rid))
+
+    def _resend(self, rid: str) -> None:
+        with self._lock:
+            entry = self._retrying.pop(rid, None)
+        if entry is None or entry[0].done():  # cancelled or closed meanwhile
+            return
+        fut, state = entry
+        left_ms = int((state["deadline"] - time.monotonic()) * 1000)
+        for t in state["inputs"]:
+            if t.name() == "DEADLINE_MS":  # relative to its arrival: what is left of it
+                t.set_data_from_numpy(np.array([max(1, left_ms)], dtype=np.int64))
+        self._send(rid, fut, state)
 
     @staticmethod
     def _error_request_id(error) -> str | None:
@@ -219,25 +272,32 @@ class EditClient:
         if on_progress is not None:
             inputs.append(_scalar_input("PROGRESS", True, "BOOL", np.bool_))
         inputs += extra_inputs or []
-        return self.submit_inputs(inputs, on_progress)
+        return self.submit_inputs(inputs, on_progress, None if deadline_ms is None else
+                                  min(self.timeout_s, deadline_ms / 1000))
 
-    def submit_inputs(self, inputs: list, on_progress=None) -> Future:
-        """Send prepared ``InferInput``s (lets tests send malformed requests through the same path)."""
-        self._ensure_stream()
+    def submit_inputs(self, inputs: list, on_progress=None, deadline_s: float | None = None) -> Future:
+        """Send prepared ``InferInput``s (lets tests send malformed requests through the same path).
+        ``deadline_s``: how long it may be retried (default ``timeout_s``)."""
         rid = f"{self._prefix}-{next(self._ids)}"
         fut: Future = Future()
         fut.request_id = rid
-        with self._lock:
-            self._pending[rid] = (fut, {"on_progress": on_progress})
+        state = {"on_progress": on_progress, "inputs": inputs, "attempt": 0,
+                 "deadline": time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)}
+        self._send(rid, fut, state)
+        return fut
+
+    def _send(self, rid: str, fut: Future, state: dict) -> None:
         try:
-            self._client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
-        except Exception as e:  # the stream broke just now: this request fails too, never hangs
+            self._ensure_stream()
+            with self._lock:
+                self._pending[rid] = (fut, state)
+            self._client.async_stream_infer(self.model, state["inputs"], request_id=rid,
+                                            enable_empty_final_response=True)
+        except Exception as e:  # the stream broke just now: this request fails or is retried, never hangs
             with self._lock:
                 self._pending.pop(rid, None)
                 self._stream_open, self._stream_broken = False, True
-            if not fut.done():
-                fut.set_exception(EditError(f"UNAVAILABLE: could not send the request: {e}", "UNAVAILABLE"))
-        return fut
+            self._failed(rid, fut, state, EditError(f"UNAVAILABLE: could not send the request: {e}", "UNAVAILABLE"))
 
     def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
         """Edit ``template`` where ``mask`` is white; returns the PNG and the server's EDIT_INFO."""
@@ -279,7 +339,7 @@ class EditClient:
         except Exception:  # an endpoint without the cancel model: the stream cancel is all we have
             n = 0
         with self._lock:
-            entries = [self._pending.pop(i, None) for i in ids]
+            entries = [self._pending.pop(i, None) or self._retrying.pop(i, None) for i in ids]
         for entry in entries:
             if entry is not None and not entry[0].done():
                 entry[0].set_exception(EditError("cancelled by the client", "CANCELLED"))
@@ -288,10 +348,11 @@ class EditClient:
     def close(self) -> None:
         with self._lock:
             futs = [f for f, _ in self._pending.values()]
+            waiting, self._retrying = list(self._retrying.values()), {}
         if futs:
             self.cancel(*futs)
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
+            pending, self._pending = list(self._pending.values()) + waiting, {}
         for fut, _ in pending:
             if not fut.done():
                 fut.set_exception(EditError("client closed before the response arrived", "CANCELLED"))

@@ -14,10 +14,8 @@ import logging
 import signal
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from maskedit_common.cost_model import CostModel
@@ -26,10 +24,12 @@ from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
 
 from . import discovery, policies
 from .admission import AdmissionWatcher
+from .aio import AioServer, RouterService
 from .health import HealthChecker
+from .limits import HttpLimits, StreamLimits
 from .metrics import serve_http
 from .openai_api import OpenAIServer
-from .picker import EndpointPicker, serve_picker
+from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
 from .server import CHANNEL_OPTIONS, Router
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
@@ -51,17 +51,19 @@ def default_profile() -> Path:
 
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
-          admission_wait_s: float = 0.6):
+          admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
-    check (``admission.py``; 0: off)."""
+    check (``admission.py``; 0: off); ``retry_budget_s`` how long a request without a ``DEADLINE_MS`` is retried
+    while no backend can take it (0: failed at once)."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost)
-    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s)
+    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s,
+                  retry_budget_s=retry_budget_s)
 
 
 def _profiled_resolution(model_dir: str | None) -> int | None:
@@ -75,11 +77,16 @@ def _profiled_resolution(model_dir: str | None) -> int | None:
     return None
 
 
-def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1", workers: int = 64):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(router, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
+def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1",
+          limits: StreamLimits | None = None):
+    """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health``).
+    Returns ``(server, bound port, httpd)``; ``server.stop(grace).wait(timeout)`` stops it."""
+    limits = limits or StreamLimits()
+    service = RouterService(router, limits)
+    server = AioServer("router-aio")
+    server.on_stop.append(service.close)
+    bound = server.start(lambda s: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, s),
+                         f"{host}:{port}", CHANNEL_OPTIONS + limits.grpc_options())
 
     def health():
         now = time.monotonic()
@@ -120,6 +127,25 @@ def parser() -> argparse.ArgumentParser:
                     "backend's admission check: sent only where it is predicted to get there sooner, refused "
                     "(RESOURCE_EXHAUSTED) at once when no backend is, and refused and cancelled on the backend once "
                     "it has waited this long (0: off, each backend decides alone)")
+    ap.add_argument("--retry-budget-s", type=float, default=30.0, help="a request that finds no backend up (none "
+                    "healthy, or all failed it before it streamed anything) is retried with backoff for its "
+                    "DEADLINE_MS, else for this long (0: failed at once)")
+    ap.add_argument("--max-streams", type=int, default=StreamLimits.max_streams, help="client streams open at once "
+                    "on the gRPC port; more are refused at once (RESOURCE_EXHAUSTED)")
+    ap.add_argument("--max-streams-per-connection", type=int, default=StreamLimits.max_streams_per_connection,
+                    help="client streams open at once on one client connection; more are refused at once")
+    ap.add_argument("--stream-idle-timeout-s", type=float, default=StreamLimits.idle_timeout_s, help="a stream with "
+                    "nothing in flight that sent nothing for this long is ended (UNAVAILABLE; 0: never)")
+    ap.add_argument("--picker-max-streams", type=int, default=PICKER_LIMITS.max_streams, help="ext_proc streams "
+                    "open at once on the endpoint picker (one connection may hold them all: Envoy multiplexes)")
+    ap.add_argument("--picker-idle-timeout-s", type=float, default=PICKER_LIMITS.idle_timeout_s, help="an ext_proc "
+                    "stream that sent nothing for this long is ended (longer than the longest edit; 0: never)")
+    ap.add_argument("--openai-max-requests", type=int, default=HttpLimits.max_requests, help="edits the OpenAI "
+                    "port serves at once; more are answered 429 at once")
+    ap.add_argument("--openai-body-timeout-s", type=float, default=HttpLimits.body_timeout_s, help="a request "
+                    "body must arrive within this (else 408)")
+    ap.add_argument("--openai-keepalive-timeout-s", type=float, default=HttpLimits.keepalive_timeout_s, help="an "
+                    "idle connection, or one that has not sent a whole request head, is closed after this")
     ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
                     "statistics are read for admission")
     return ap
@@ -127,6 +153,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    try:
+        limits = StreamLimits(args.max_streams, args.max_streams_per_connection, args.stream_idle_timeout_s)
+        picker_limits = StreamLimits(args.picker_max_streams, args.picker_max_streams, args.picker_idle_timeout_s)
+        http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
+    except ValueError as e:
+        parser().error(str(e))
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter("router"))
     logging.getLogger("maskedit").addHandler(handler)
@@ -139,13 +171,15 @@ def main(argv=None) -> None:
             return discovery.from_dns(args.backends_dns)
         return discovery.from_file(args.backends_file)
 
-    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s)
-    server, port, httpd = serve(router, args.port, args.http_port, args.host)
+    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
+                   args.retry_budget_s)
+    server, port, httpd = serve(router, args.port, args.http_port, args.host, limits)
     HealthChecker(router).start()
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
-    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host).start() if args.openai_port else None
+    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host, limits=http_limits,
+                          metrics=router.metrics).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port)
-    ext_proc = serve_picker(picker, args.ext_proc_port, args.host) if args.ext_proc_port else None
+    ext_proc = serve_picker(picker, args.ext_proc_port, args.host, picker_limits) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
                       "admission_wait_s": args.admission_wait_s,
                       "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,

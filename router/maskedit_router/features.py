@@ -94,3 +94,34 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None)
+
+
+def _names(request) -> tuple[dict, bool]:
+    raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
+    return {t.name: i for i, t in enumerate(request.inputs)}, raw
+
+
+def deadline_s(request) -> float | None:
+    """The request's own deadline (``DEADLINE_MS``, from its arrival) in seconds, None if it has none."""
+    names, raw = _names(request)
+    if "DEADLINE_MS" not in names:
+        return None
+    try:
+        ms = _scalar(request, names["DEADLINE_MS"], raw, np.int64)
+    except Exception:  # malformed: the backend will say so
+        return None
+    return None if ms is None else ms / 1000.0
+
+
+def set_deadline_ms(request, ms: int) -> None:
+    """Rewrite ``DEADLINE_MS`` (a retry: what is left of it when it is sent again)."""
+    names, raw = _names(request)
+    if "DEADLINE_MS" not in names:
+        return
+    i = names["DEADLINE_MS"]
+    if raw:
+        request.raw_input_contents[i] = np.array([ms], np.int64).tobytes()
+    else:
+        c = request.inputs[i].contents
+        del c.int64_contents[:]
+        c.int64_contents.append(ms)

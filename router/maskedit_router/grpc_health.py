@@ -38,3 +38,18 @@ def handler(ready: Callable[[], bool]) -> grpc.GenericRpcHandler:
 
     return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
         "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=None, response_serializer=None)})
+
+
+def aio_handler(ready: Callable[[], bool]) -> grpc.GenericRpcHandler:
+    """The same for a ``grpc.aio`` server (its ``abort`` is a coroutine)."""
+
+    async def check(request: bytes, context) -> bytes:
+        service = _service_name(request)
+        if service in ("", "liveness"):
+            return _status(SERVING)
+        if service in ("readiness", EXT_PROC):
+            return _status(SERVING if ready() else NOT_SERVING)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
+
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=None, response_serializer=None)})

@@ -30,7 +30,8 @@ class RouterMetrics:
         self.healthy = Gauge("maskedit_router_backend_healthy", "1 if the backend is in rotation", ["backend"],
                              registry=r)
         self.refusals = Counter("maskedit_router_refused_total", "requests the router refused itself "
-                                "(RESOURCE_EXHAUSTED), by reason: admission, inflight_backend, inflight_total",
+                                "(RESOURCE_EXHAUSTED), by reason: admission, inflight_backend, inflight_total, "
+                                "streams_total, streams_connection (and picker_ ones), http_busy",
                                 ["reason"], registry=r)
         self.refused_on_behalf = Counter("maskedit_router_admission_timeout_outcome_total", "requests the router "
                                          "refused on a backend's behalf, by what the backend then did with them: "
@@ -38,6 +39,11 @@ class RouterMetrics:
                                          "first and was refused), admitted (passed the check first)",
                                          ["backend", "where"],
                                          registry=r)
+        self.streams_open = Gauge("maskedit_router_streams_open", "open client streams, by port (router, picker)",
+                                  ["port"], registry=r)
+        self.idle = Counter("maskedit_router_streams_idle_closed_total", "streams ended for sending nothing with "
+                            "nothing in flight for the idle timeout, by port (router, picker, http)", ["port"],
+                            registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
 
@@ -59,6 +65,12 @@ class RouterMetrics:
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def streams(self, port: str, n: int) -> None:
+        self.streams_open.labels(port).set(n)
+
+    def idle_closed(self, port: str) -> None:
+        self.idle.labels(port).inc()
 
     def refused_late(self, backend: str, where: str) -> None:
         self.refused_on_behalf.labels(backend, where).inc()

@@ -7,6 +7,9 @@ and the router needs no second code path. ``n`` edits of one call go out togethe
 use (or follow) its cached activations. Form rules: ``openai_form``; error mapping: ``openai_errors``.
 
 aiohttp serves it (its own event loop in a thread): multipart parsing with size limits built in, well kept.
+Slow or idle clients are bounded (``limits.HttpLimits``): edits served at once (429 beyond), the time a body may
+take to arrive (408), idle connections and unfinished request heads (closed); a client that disconnects cancels
+its edits.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from PIL import Image
 
 from maskedit_client import EditClient, EditError
 
+from .limits import HttpLimits
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
 
@@ -64,13 +68,16 @@ def _resized_png(png: bytes, size: tuple[int, int]) -> bytes:
 class OpenAIFrontend:
     """The aiohttp application over an ``EditClient`` (the router's gRPC address)."""
 
-    def __init__(self, upstream: str, models: list[str] | None = None, timeout_s: float = 600.0):
+    def __init__(self, upstream: str, models: list[str] | None = None, timeout_s: float = 600.0,
+                 limits: HttpLimits | None = None, metrics=None):
         self.client = EditClient(upstream, timeout_s=timeout_s)
         self.models = models or ["edit"]
         self.timeout_s = timeout_s
+        self.limits, self.metrics = limits or HttpLimits(), metrics
+        self.inflight = 0  # edits being served (one event loop: no lock)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._bounded])
         app.router.add_post("/v1/images/edits", self.edits)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
@@ -91,6 +98,22 @@ class OpenAIFrontend:
                                               f"request body is above the limit of {MAX_BODY_BYTES} bytes",
                                               param, e.reason.lower().replace(" ", "_")).body(), status=e.status)
 
+    @web.middleware
+    async def _bounded(self, request, handler):
+        """At most ``max_requests`` edits at once: one more is refused at once, before its body is read."""
+        if request.path != "/v1/images/edits":
+            return await handler(request)
+        if self.inflight >= self.limits.max_requests:
+            if self.metrics is not None:
+                self.metrics.refused("http_busy")
+            raise ApiError(429, f"the server is serving {self.inflight} edits, its limit (max_requests "
+                                f"{self.limits.max_requests}); retry later", None, "server_busy")
+        self.inflight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.inflight -= 1
+
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "maskedit"}
 
@@ -106,7 +129,12 @@ class OpenAIFrontend:
 
     async def edits(self, request):
         t0 = time.perf_counter()
-        job = parse(await read_form(request), self.models)
+        try:
+            form = await asyncio.wait_for(read_form(request), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                                "(body_timeout_s)", None, "request_timeout") from None
+        job = parse(form, self.models)
         futures = [self._submit(job, seed) for seed in job.seeds()]
         try:
             results = await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]),
@@ -152,8 +180,9 @@ class OpenAIFrontend:
 class OpenAIServer:
     """The frontend served on ``host:port`` from a thread with its own event loop; ``stop()`` ends both."""
 
-    def __init__(self, upstream: str, port: int, host: str = "127.0.0.1", models: list[str] | None = None):
-        self.frontend = OpenAIFrontend(upstream, models)
+    def __init__(self, upstream: str, port: int, host: str = "127.0.0.1", models: list[str] | None = None,
+                 limits: HttpLimits | None = None, metrics=None):
+        self.frontend = OpenAIFrontend(upstream, models, limits=limits, metrics=metrics)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
@@ -171,7 +200,8 @@ class OpenAIServer:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner = web.AppRunner(self.frontend.app(), access_log=None)
+            self._runner = web.AppRunner(self.frontend.app(), access_log=None, handler_cancellation=True,
+                                         keepalive_timeout=self.frontend.limits.keepalive_timeout_s)
             self._loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)
             self._loop.run_until_complete(site.start())

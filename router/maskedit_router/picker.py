@@ -35,6 +35,7 @@ from google.protobuf import struct_pb2
 
 from . import grpc_health, picker_body
 from .extproc_wire import metadata_context, streamed_body
+from .limits import StreamLimits
 from .server import NoBackend, Router, Ticket
 
 log = logging.getLogger("maskedit.router.picker")
@@ -43,6 +44,9 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 GRPC_CODE = {400: 3, 429: 8, 503: 14}  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
+# Envoy multiplexes ext_proc streams on few connections: one connection may hold them all. A stream lives as long as
+# its HTTP request, so it is idle only when nothing came for longer than the longest edit.
+PICKER_LIMITS = StreamLimits(max_streams=4096, max_streams_per_connection=4096, idle_timeout_s=900.0)
 
 
 class Refused(Exception):
@@ -121,53 +125,61 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             yield self._immediate(x, e.status, str(e))
         finally:
             if x.ticket is not None:
-                # a single edit's latency refits the model; a gRPC stream's lifetime says nothing about one edit
-                self.r.release(x.ticket, ok=x.status == 200 and not picker_body.is_grpc(x.headers))
+                self.finished(x)
+
+    def finished(self, x: _Exchange) -> None:
+        """The HTTP request is over: its booking ends."""
+        # a single edit's latency refits the model; a gRPC stream's lifetime says nothing about one edit
+        self.r.release(x.ticket, ok=x.status == 200 and not picker_body.is_grpc(x.headers))
 
     def _process(self, x: _Exchange, request_iterator):
         for req in request_iterator:
-            kind = req.WhichOneof("request")
-            if kind == "request_headers":
-                x.headers = {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
-                             for h in req.request_headers.headers.headers}
-                x.path = x.headers.get(":path", "")
-                x.allowed = subset(req)
-                if req.request_headers.end_of_stream:  # no body: decide now
-                    self.choose(x, picker_body.NO_WORK)
-                    yield self._headers_answer(x)
-            elif kind == "request_body":
-                chunk = req.request_body
-                if x.endpoint is not None:  # decided: the rest of the body passes through
-                    yield _body_answer(chunk.body, chunk.end_of_stream)
-                    continue
-                x.body += chunk.body
-                features = self._features(x, chunk.end_of_stream)
-                if features is None:
-                    continue  # not enough of the body yet: Envoy keeps streaming it to us
-                self.choose(x, features)
+            yield from self.handle(x, req)
+
+    def handle(self, x: _Exchange, req: ep.ProcessingRequest):
+        """The answers to one message of the exchange (the aio transport calls it message by message)."""
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            x.headers = {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+                         for h in req.request_headers.headers.headers}
+            x.path = x.headers.get(":path", "")
+            x.allowed = subset(req)
+            if req.request_headers.end_of_stream:  # no body: decide now
+                self.choose(x, picker_body.NO_WORK)
                 yield self._headers_answer(x)
-                yield _body_answer(bytes(x.body), chunk.end_of_stream)
-                x.body = bytearray()
-            elif kind == "request_trailers":
-                if x.endpoint is None:  # a body that never completed a message: decide on what we have
-                    self.choose(x, picker_body.NO_WORK)
-                    yield self._headers_answer(x)
-                    yield _body_answer(bytes(x.body), False)
-                yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-            elif kind == "response_headers":
-                for h in req.response_headers.headers.headers:
-                    if h.key == ":status":
-                        x.status = int(h.raw_value or h.value or 0)
-                yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-            elif kind == "response_body":
-                if x.ticket is not None and req.response_body.body:
-                    # the pod answered through the gateway: alive, as the router's own streams count answers
-                    # (else the health checker probes a busy pod whose traffic it cannot see)
-                    x.ticket.backend.last_answer = time.monotonic()
-                yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
-                    body_mutation=streamed_body(req.response_body.body, req.response_body.end_of_stream))))
-            elif kind == "response_trailers":
-                yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+        elif kind == "request_body":
+            chunk = req.request_body
+            if x.endpoint is not None:  # decided: the rest of the body passes through
+                yield _body_answer(chunk.body, chunk.end_of_stream)
+                return
+            x.body += chunk.body
+            features = self._features(x, chunk.end_of_stream)
+            if features is None:
+                return  # not enough of the body yet: Envoy keeps streaming it to us
+            self.choose(x, features)
+            yield self._headers_answer(x)
+            yield _body_answer(bytes(x.body), chunk.end_of_stream)
+            x.body = bytearray()
+        elif kind == "request_trailers":
+            if x.endpoint is None:  # a body that never completed a message: decide on what we have
+                self.choose(x, picker_body.NO_WORK)
+                yield self._headers_answer(x)
+                yield _body_answer(bytes(x.body), False)
+            yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        elif kind == "response_headers":
+            for h in req.response_headers.headers.headers:
+                if h.key == ":status":
+                    x.status = int(h.raw_value or h.value or 0)
+            yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        elif kind == "response_body":
+            if x.ticket is not None and req.response_body.body:
+                # the pod answered through the gateway: alive, as the router's own streams count answers
+                # (else the health checker probes a busy pod whose traffic it cannot see)
+                x.ticket.backend.last_answer = time.monotonic()
+            yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+                body_mutation=streamed_body(req.response_body.body, req.response_body.end_of_stream))))
+        elif kind == "response_trailers":
+            yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     def _features(self, x: _Exchange, end_of_stream: bool):
         try:
@@ -215,15 +227,19 @@ def _body_answer(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
         body_mutation=streamed_body(body, end_of_stream))))
 
 
-def serve_picker(picker: EndpointPicker, port: int, host: str = "127.0.0.1", workers: int = 256):
-    """The ext_proc gRPC server. A gRPC model stream holds its ext_proc stream (and a worker) for its whole life,
-    hence many workers."""
-    from concurrent import futures
+def serve_picker(picker: EndpointPicker, port: int, host: str = "127.0.0.1", limits: StreamLimits | None = None):
+    """The ext_proc gRPC server (``grpc.aio``: a gRPC model stream holds its ext_proc stream for its whole life, at
+    the cost of a coroutine). Returns ``(server, bound port)``; ``server.stop(grace).wait(timeout)`` stops it."""
+    from .aio import AioServer, PickerService
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="picker"))
-    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    server.add_generic_rpc_handlers((grpc_health.handler(lambda: bool(picker.r.available())),))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
+    limits = limits or PICKER_LIMITS
+    service = PickerService(picker, limits)
+    server = AioServer("picker-aio")
+    server.on_stop.append(lambda: service.work.shutdown(wait=False, cancel_futures=True))
+
+    def setup(s):
+        ep_grpc.add_ExternalProcessorServicer_to_server(service, s)
+        s.add_generic_rpc_handlers((grpc_health.aio_handler(lambda: bool(picker.r.available())),))
+
+    bound = server.start(setup, f"{host}:{port}", limits.grpc_options())
     return server, bound
-

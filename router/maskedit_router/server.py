@@ -31,8 +31,10 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from maskedit_client.retry import Backoff, Timer
+
 from .admission import AdmissionGauge, RefusalLog
-from .features import EditFeatures, extract, grid_tokens
+from .features import EditFeatures, deadline_s, extract, grid_tokens, set_deadline_ms
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
 
@@ -113,7 +115,7 @@ class NoBackend(Exception):
 class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024, admission_wait_s: float = 0.6):
+                 resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
         self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
         self.backends = {a: Backend(a, admission=self.admission) for a in addrs}
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
@@ -126,6 +128,10 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open client streams
         self._unary: set = set()  # (backend, call future) of unary calls in flight
         self.refusals = RefusalLog()
+        # a request that found no backend up (none healthy, or every one failed it before it streamed anything) is
+        # retried with backoff for its DEADLINE_MS, else for retry_budget_s (0: failed at once, as before)
+        self.retry_budget_s, self.backoff = retry_budget_s, Backoff()
+        self.timer = Timer("router-retry")
 
     def backend_down(self, backend: "Backend", why: str) -> None:
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
@@ -315,11 +321,22 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelInfer(self, request, context):
         f = _features(request, self.resolution)
         tried = set()
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + min(self.retry_budget_s, remaining if remaining is not None else 1e9)
+        attempt = 0
         while True:
             try:
                 t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
             except NoBackend as e:
-                context.abort(e.code, str(e))
+                delay = None
+                if e.code == grpc.StatusCode.UNAVAILABLE and context.is_active():
+                    delay = self.backoff.next(attempt, deadline, time.monotonic())
+                if delay is None:
+                    context.abort(e.code, str(e) + (f" (retried {attempt} times)" if attempt else ""))
+                attempt += 1
+                time.sleep(delay)  # a worker held while it waits: a unary call in flight
+                tried = set()  # after a wait, any backend back in rotation may take it
+                continue
             call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
             context.add_callback(call.cancel)  # the client gave up: so does the backend call
             with self._lock:
@@ -373,18 +390,21 @@ class _Pending:
     want_final: bool
     responded: bool = False
     tried: set = field(default_factory=set)  # backends that failed it before any response (not retried there)
+    deadline: float = 0.0  # monotonic: retried when no backend is up until then
+    attempt: int = 0
 
 
 class _StreamSession:
     """One client stream: its backend streams, its in-flight requests, its output queue."""
 
-    def __init__(self, router: Router, context):
+    def __init__(self, router: Router, context, out=None):
         self.r, self.context = router, context
-        self.out: queue.Queue = queue.Queue()
+        self.out = queue.Queue() if out is None else out  # anything with put(): the transport relays from it
         self.pending: dict[str, _Pending] = {}
         self.streams: dict[str, _BackendStream] = {}
         self.lock = threading.Lock()
         self.reading = True
+        self.retrying = 0  # requests waiting out a backoff before being routed again
         context.add_callback(self.on_client_gone)
         router._sessions.add(self)
 
@@ -406,13 +426,19 @@ class _StreamSession:
         fwd.id = rid
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
         fwd.parameters[EMPTY_FINAL].bool_param = True
-        self._send(_Pending(client_id, fwd, None, want_final), rid, _features(req, self.r.resolution), exclude)
+        own = deadline_s(req)
+        p = _Pending(client_id, fwd, None, want_final,
+                     deadline=time.monotonic() + (self.r.retry_budget_s if own is None else own))
+        self._send(p, rid, _features(req, self.r.resolution), exclude)
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
             p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
         except NoBackend as e:
-            self.out.put(_error(p.client_id, f"{e.code.name}: {e}"))
+            if e.code == grpc.StatusCode.UNAVAILABLE and self._retry_later(p, rid, f):
+                return
+            retried = f" (retried {p.attempt} times)" if p.attempt else ""
+            self.out.put(_error(p.client_id, f"{e.code.name}: {e}{retried}"))
             self._maybe_finish()
             return
         with self.lock:
@@ -421,6 +447,31 @@ class _StreamSession:
             if bs is None or bs.broken:
                 bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
         bs.send(p.request)
+
+    def _retry_later(self, p: _Pending, rid: str, f: EditFeatures) -> bool:
+        """No backend can take ``p`` now: route it again after a backoff, if it has streamed nothing and its
+        deadline leaves time (``maskedit_client.retry``: the client's rule)."""
+        if p.responded or not self.context.is_active():
+            return False
+        delay = self.r.backoff.next(p.attempt, p.deadline, time.monotonic())
+        if delay is None:
+            return False
+        p.attempt += 1
+        with self.lock:
+            self.retrying += 1
+        self.r.timer.call_later(delay, lambda: self._retry(p, rid, f))
+        return True
+
+    def _retry(self, p: _Pending, rid: str, f: EditFeatures) -> None:
+        with self.lock:
+            self.retrying -= 1
+        if not self.context.is_active():  # the client went away meanwhile
+            self._maybe_finish()
+            return
+        if deadline_s(p.request) is not None:  # what is left of its own deadline
+            set_deadline_ms(p.request, max(1, int((p.deadline - time.monotonic()) * 1000)))
+        self.r.metrics.retried("none")
+        self._send(p, rid, f, exclude=())  # after a wait, any backend back in rotation may take it
 
     def on_response(self, backend: Backend, resp) -> None:
         rid = resp.infer_response.id
@@ -450,7 +501,18 @@ class _StreamSession:
             p.responded = True
         if final or error:
             self.r.release(p.ticket, ok=not error)
+            self._retire(backend)
             self._maybe_finish()
+
+    def _retire(self, backend: Backend) -> None:
+        """Close this session's stream to ``backend`` once nothing of it is in flight there: an idle client stream
+        then holds no backend stream and none of its threads (the next request opens a new one)."""
+        with self.lock:  # _send adds to pending and picks the stream under this lock: never a stream it is using
+            if any(q.ticket.backend is backend for q in self.pending.values()):
+                return
+            bs = self.streams.pop(backend.addr, None)
+        if bs is not None:
+            bs.close()
 
     def expire(self, rid: str) -> bool:
         """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check.
@@ -526,9 +588,13 @@ class _StreamSession:
             bs.cancel()
         self.out.put(None)
 
+    def busy(self) -> bool:
+        """Something is in flight on it (not idle)."""
+        return bool(self.pending) or self.retrying > 0
+
     def _maybe_finish(self) -> None:
         with self.lock:
-            done = not self.reading and not self.pending
+            done = not self.reading and not self.pending and not self.retrying
         if done:
             self.out.put(None)
 
@@ -541,7 +607,7 @@ class _BackendStream:
     def __init__(self, session: _StreamSession, backend: Backend):
         self.session, self.backend = session, backend
         self.q: queue.Queue = queue.Queue()
-        self.broken = False
+        self.broken = self.closed = False
         self.call = backend.stub.ModelStreamInfer(self._requests())
         threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
 
@@ -563,7 +629,7 @@ class _BackendStream:
                 except Exception:  # one bad response must not stop the stream's other requests
                     log.exception("could not relay a response from %s", self.backend.addr)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
+            if e.code() != grpc.StatusCode.CANCELLED and not self.closed:  # closed: nothing of ours was on it
                 self.broken = True
                 self.session.on_broken(self.backend, e.code().name)
 
@@ -572,6 +638,7 @@ class _BackendStream:
         self.call.cancel()
 
     def close(self) -> None:
+        self.closed = True
         self.q.put(None)
 
 

@@ -42,7 +42,7 @@ def session(monkeypatch):
     monkeypatch.setattr(server, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     est = Estimator(CostModel.fallback())
-    router = server.Router(["a:1", "b:2"], make("round_robin", est), est)
+    router = server.Router(["a:1", "b:2"], make("round_robin", est), est, retry_budget_s=0)  # test_retry: > 0
     s = server._StreamSession(router, SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True))
     yield s
     for b in router.backends.values():

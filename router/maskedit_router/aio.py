@@ -1,0 +1,285 @@
+"""The router's gRPC ports served by ``grpc.aio``: an idle stream costs a coroutine, not a thread.
+
+The routing logic stays synchronous (``server.Router``, ``picker.EndpointPicker``): a stream's coroutine reads the
+client's messages and hands each to that logic on a worker thread only while it is being routed; responses come
+back from the backend threads through the event loop. A unary call holds a worker while it is in flight (the
+router bounds those: ``max_inflight``). Before this, a thread pool of 64 served every stream for its whole life:
+64 idle streams left a new request neither served nor refused.
+
+Bounds (``limits.py``): open streams in total and per client connection, refused at once with RESOURCE_EXHAUSTED;
+a stream with nothing in flight that sent nothing for the idle timeout is ended with UNAVAILABLE (a transport
+close, as gRPC's own connection idle timeout reports it: a request that crossed it on the wire is retried by the
+client, since nothing was streamed for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from .limits import IdleClock, StreamCounter, StreamLimits, StreamRefused
+
+log = logging.getLogger("maskedit.router.aio")
+UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
+         "ModelStatistics", "RepositoryIndex", "ModelInfer")
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class ThreadContext:
+    """What the synchronous handlers use of a servicer context, for an aio call, usable from any thread: ``abort``
+    raises (the coroutine aborts the call), ``add_callback`` runs when the call ends (on a worker thread)."""
+
+    def __init__(self, context):
+        self._ctx = context
+        self._callbacks: list[Callable[[], None]] = []
+        self._done = False
+        self._lock = threading.Lock()
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Abort(code, details)
+
+    def time_remaining(self):
+        return self._ctx.time_remaining()
+
+    def peer(self) -> str:
+        return self._ctx.peer()
+
+    def is_active(self) -> bool:
+        return not self._done
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return True
+        return False
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                log.exception("a call's end callback failed")
+
+
+class _LoopQueue:
+    """``put`` from any thread into an asyncio queue of ``loop`` (a stream session's output)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.q = loop, asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody reads this stream any more
+            pass
+
+
+def _bind(context, work: ThreadPoolExecutor) -> ThreadContext:
+    tctx = ThreadContext(context)
+    loop = asyncio.get_running_loop()
+
+    def done(_):
+        try:
+            loop.run_in_executor(work, tctx.finish)  # its callbacks may block (cancel calls to backends)
+        except RuntimeError:  # the server is stopping: its executor is gone
+            tctx.finish()
+
+    context.add_done_callback(done)
+    return tctx
+
+
+class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The aio face of ``server.Router`` (Triton's ``GRPCInferenceService``)."""
+
+    def __init__(self, router, limits: StreamLimits):
+        from .server import _StreamSession
+
+        self.r, self.limits = router, limits
+        self.streams = StreamCounter(limits, "router")
+        self._session = _StreamSession
+        # routing a stream's message, ending a stream: short; unary calls hold a worker while in flight
+        self.work = ThreadPoolExecutor(max_workers=32, thread_name_prefix="router-work")
+        self.calls = ThreadPoolExecutor(max_workers=router.max_inflight + 64, thread_name_prefix="router-call")
+        for name in UNARY:
+            setattr(self, name, self._unary(name))
+
+    def _unary(self, name: str):
+        handler = getattr(self.r, name)
+
+        async def call(request, context):
+            tctx = _bind(context, self.work)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self.calls, handler, request, tctx)
+            except _Abort as e:
+                await context.abort(e.code, e.details)
+
+        call.__name__ = name
+        return call
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        peer = context.peer()
+        try:
+            self.streams.open(peer)
+        except StreamRefused as e:
+            self.r.metrics.refused(e.reason)
+            self.r.refusals.note(e.reason, str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.r.metrics.streams("router", self.streams.total)
+        try:
+            async for resp in self._stream(request_iterator, context):
+                yield resp
+        finally:
+            self.streams.close(peer)
+            self.r.metrics.streams("router", self.streams.total)
+
+    async def _stream(self, request_iterator, context):
+        loop = asyncio.get_running_loop()
+        out = _LoopQueue(loop)
+        session = self._session(self.r, _bind(context, self.work), out=out)
+        clock = IdleClock(self.limits.idle_timeout_s, loop.time())
+        reader = asyncio.create_task(self._read(request_iterator, session, clock))
+        try:
+            while True:
+                busy = session.busy()
+                try:
+                    item = await asyncio.wait_for(out.q.get(), clock.wait_s(busy, loop.time()))
+                except asyncio.TimeoutError:
+                    if clock.expired(session.busy(), loop.time()):
+                        self.r.metrics.idle_closed("router")
+                        log.info("idle stream closed", extra={"fields": {"peer": context.peer(),
+                                                                         "idle_s": self.limits.idle_timeout_s}})
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, _idle_message(self.limits.idle_timeout_s))
+                    continue
+                if item is None:
+                    return
+                clock.touch(loop.time())
+                yield item
+        finally:
+            reader.cancel()
+            session.close()
+
+    async def _read(self, request_iterator, session, clock: IdleClock) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for req in request_iterator:
+                clock.touch(loop.time())
+                await loop.run_in_executor(self.work, session.submit, req)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the client went away mid-read
+            log.info("client stream ended: %s", e)
+        finally:
+            session.reading = False
+            session._maybe_finish()
+
+    def close(self) -> None:
+        self.work.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown(wait=False, cancel_futures=True)
+
+
+class PickerService:
+    """The aio face of ``picker.EndpointPicker`` (Envoy's ``ExternalProcessor.Process``). Envoy multiplexes many
+    ext_proc streams on few connections, so its per-connection limit defaults to the total one. An ext_proc stream
+    lives as long as its HTTP request: it is idle only when nothing came for the whole idle timeout (900 s by
+    default, longer than the router's longest edit)."""
+
+    def __init__(self, picker, limits: StreamLimits):
+        self.p, self.limits = picker, limits  # picker.PICKER_LIMITS by default
+        self.streams = StreamCounter(limits, "endpoint picker")
+        self.work = ThreadPoolExecutor(max_workers=32, thread_name_prefix="picker-work")
+
+    async def Process(self, request_iterator, context):
+        from .picker import Refused, _Exchange
+
+        peer, metrics = context.peer(), self.p.r.metrics
+        try:
+            self.streams.open(peer)
+        except StreamRefused as e:
+            metrics.refused("picker_" + e.reason)
+            self.p.r.refusals.note("picker_" + e.reason, str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        metrics.streams("picker", self.streams.total)
+        loop = asyncio.get_running_loop()
+        x = _Exchange()
+        it = request_iterator.__aiter__()
+        try:
+            while True:
+                try:
+                    req = await asyncio.wait_for(it.__anext__(), self.limits.idle_timeout_s or None)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    metrics.idle_closed("picker")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, _idle_message(self.limits.idle_timeout_s))
+                answers = await loop.run_in_executor(self.work, lambda: list(self.p.handle(x, req)))
+                for a in answers:
+                    yield a
+        except Refused as e:
+            log.info("refused", extra={"fields": {"status": e.status, "path": x.path, "why": str(e)}})
+            yield self.p._immediate(x, e.status, str(e))
+        finally:
+            self.streams.close(peer)
+            metrics.streams("picker", self.streams.total)
+            if x.ticket is not None:
+                self.p.finished(x)
+
+
+def _idle_message(idle_s: float) -> str:
+    return (f"UNAVAILABLE: stream idle for {idle_s:g} s with nothing in flight (stream_idle_timeout_s); closed by "
+            "the router, open a new stream")
+
+
+class AioServer:
+    """A ``grpc.aio`` server on an event loop of its own (a thread), stopped as a sync one:
+    ``stop(grace).wait(timeout)``."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+        self.server: grpc.aio.Server | None = None
+        self.on_stop: list[Callable[[], None]] = []
+
+    def start(self, setup: Callable[[grpc.aio.Server], None], address: str, options: list) -> int:
+        async def go():
+            self.server = grpc.aio.server(options=options)
+            setup(self.server)
+            port = self.server.add_insecure_port(address)
+            await self.server.start()
+            return port
+
+        return asyncio.run_coroutine_threadsafe(go(), self.loop).result(30)
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        done = threading.Event()
+
+        async def go():
+            try:
+                if self.server is not None:
+                    await self.server.stop(grace)
+            finally:
+                for fn in self.on_stop:
+                    fn()
+                self.loop.call_soon(self.loop.stop)
+                done.set()
+
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(go(), self.loop)
+        else:
+            done.set()
+        return done
