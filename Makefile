@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= models/tiny-flux-fill
+# The model family `make demo` / `make serve` run (python_backends/maskedit/families): its tiny preset is built.
+FAMILY ?= flux_fill
+MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
 .PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos faults overload soak clean
@@ -23,10 +25,10 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 model: $(STAMP)
-	$(VENV)/bin/maskedit-build-model $(MASKEDIT_MODEL_DIR)
+	$(VENV)/bin/maskedit-build-model $(MASKEDIT_MODEL_DIR) --family $(FAMILY)
 
 demo: model
-	$(PY) -m maskedit.demo
+	$(PY) -m maskedit.demo --family $(FAMILY)
 
 # One Triton instance; with INSTANCES=N (N > 1), N instances behind the router (same as serve-cluster).
 serve: model

@@ -54,7 +54,7 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  openai=True),
     RequestField("STEPS", "steps", int, "INT32", "denoising steps", default_setting="steps", lo=1, hi="max_steps",
                  openai=True),
-    RequestField("GUIDANCE", "guidance", float, "FP32", "guidance scale", default_setting="guidance", lo=0.0,
+    RequestField("GUIDANCE", "guidance", float, "FP32", "guidance scale", default_setting="guidance", lo=0,
                  hi="max_guidance", openai=True),
     RequestField("RAW_OUTPUT", "raw_output", bool, "BOOL", "the model's image without compositing", default=False),
     RequestField("TEMPLATE_SEED", "template_seed", int, "INT64", "noise of the unmasked tokens; in the cache key",

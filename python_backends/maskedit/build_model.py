@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from .families import all_presets, preset_family
+from .families import REGISTRY, all_presets, family_class, preset_family
 
 
 def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
@@ -18,10 +18,12 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--preset", choices=all_presets(), default="tiny", help="any family's preset")
+    ap.add_argument("--preset", choices=all_presets(), help="any family's preset (default: --family's tiny preset)")
+    ap.add_argument("--family", choices=list(REGISTRY), default="flux_fill", help="build this family's tiny preset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
     args = ap.parse_args(argv)
+    args.preset = args.preset or family_class(args.family).tiny_preset
     out = Path(args.out_dir)
     if (out / "model_index.json").exists() and not args.force:
         print(f"model exists: {out}")

@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from . import samples
 from .launcher import TritonServer
+from .build_model import main as build_model
 from .settings import REPO_ROOT, load_settings
-from .build_model import build
 
 EDITS = [  # (name, mask shape, mask area ratio, prompt)
     ("small_box", "box", 0.05, "a yellow sun hat"),
@@ -43,13 +43,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--family", default="flux_fill", help="build this family's tiny model if MASKEDIT_MODEL_DIR has none")
     args = ap.parse_args(argv)
     from maskedit_client import EditClient
 
     settings = load_settings()
     if not (settings.model_dir / "model_index.json").exists():
-        print(f"building the tiny default model in {settings.model_dir}")
-        build(settings.model_dir, "tiny")
+        print(f"building the tiny {args.family} model in {settings.model_dir}")
+        build_model([str(settings.model_dir), "--family", args.family])
     args.out.mkdir(parents=True, exist_ok=True)
     tpl = samples.template()
     tpl.save(args.out / "template.png")

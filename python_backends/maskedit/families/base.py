@@ -111,6 +111,7 @@ class ModelFamily(ABC):
 
     # -- presets ----------------------------------------------------------------------------------------
     presets: ClassVar[dict[str, Any]] = {}  # tiny (tests, demo), bench (CPU benchmarks), real-size (GPU)
+    tiny_preset: ClassVar[str] = "tiny"  # what `make model FAMILY=<name>` builds
 
     @classmethod
     def dir_name(cls, preset: str) -> str:

@@ -17,6 +17,7 @@ class UNetInpaint(ModelFamily):
     denoiser = "unet"
     negative_prompt = True
     presets = tiny.UNET_PRESETS
+    tiny_preset = "sdxl-tiny"
 
     @property
     def text_components(self) -> tuple[str, ...]:
