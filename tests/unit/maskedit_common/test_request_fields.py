@@ -46,7 +46,7 @@ def test_the_python_client_sends_every_parameter_as_the_schema_types_it(monkeypa
     from maskedit_client import client as client_mod
 
     sent = []
-    monkeypatch.setattr(client_mod.EditClient, "submit_inputs", lambda self, inputs, on_progress=None: sent.extend(inputs))
+    monkeypatch.setattr(client_mod.EditClient, "submit_inputs", lambda self, inputs, *a, **k: sent.extend(inputs))
     c = client_mod.EditClient("127.0.0.1:1")
     kwargs = set(inspect.signature(c.submit).parameters)
     params = {f.attr for f in REQUEST_FIELDS} - {"progress"}  # progress: asked for by passing on_progress
