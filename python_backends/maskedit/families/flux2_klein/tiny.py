@@ -15,8 +15,21 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...settings import SERVING_DEFAULTS_FILE
-from ...tiny_model import _CORPUS, GENERATED_TRANSFORMER, save
+SERVING_DEFAULTS_FILE = "maskedit.json"  # maskedit_common.settings' name for a model directory's serving defaults
+GENERATED_TRANSFORMER = "generated_transformer"  # maskedit.json key: {"seed": ...} when weights are generated
+
+# A small fixed corpus for training the tokenizer (the same text tiny_model uses): deterministic, covering the
+# letters and words prompts use. Kept here so the family does not depend on another family's modules.
+_CORPUS = """
+a photo of a red dress on a wooden table with soft light. replace the sky with a sunset.
+remove the person from the background. a blue shirt, a white t-shirt, green jacket, black coat.
+make the hair blonde and curly. add sunglasses to the face. change the color of the car to yellow.
+a cat sitting on a sofa, a dog running in the park, flowers in a vase near the window.
+high quality, detailed, realistic, studio lighting, portrait, product shot, fashion, try-on.
+inpaint the masked region with a mountain lake and pine trees under a cloudy sky.
+retouch the skin, smooth wrinkles, brighten the eyes, whiten the teeth, fix the shadows.
+abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'"-()[]{}/&%$#@+=*
+"""
 
 # Qwen3's chat template reduced to what Flux2Klein's ``apply_chat_template(..., add_generation_prompt=True,
 # enable_thinking=False)`` renders: the user turn, the assistant header and an empty think block.
@@ -164,8 +177,34 @@ def visible_init(transformer) -> None:
 
 def generate_transformer(model_dir: Path, seed: int, device, dtype):
     """The transformer of a generated preset, made on ``device`` in ``dtype`` from its saved config (seeded)."""
+    import torch
     from diffusers import Flux2Transformer2DModel
 
-    from ...tiny_model import generate
+    config = Flux2Transformer2DModel.load_config(Path(model_dir), subfolder="transformer")
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Flux2Transformer2DModel.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if torch.device(device).type != "meta":
+        visible_init(model)
+    return model.eval()
 
-    return generate(Flux2Transformer2DModel, Path(model_dir), "transformer", seed, device, dtype, visible_init)
+
+def save(pipe, out: Path, generated: str | None = None) -> None:
+    """``pipe.save_pretrained(out)``; with ``generated`` (a component's name) that component's config only, its
+    class still named in ``model_index.json`` (as tiny_model.save does)."""
+    if generated is None:
+        pipe.save_pretrained(out)
+        return
+    model = getattr(pipe, generated)
+    setattr(pipe, generated, None)
+    pipe.register_to_config(**{generated: (None, None)})
+    pipe.save_pretrained(out)
+    model.save_config(out / generated)
+    index = json.loads((out / "model_index.json").read_text())
+    index[generated] = ["diffusers", type(model).__name__]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
