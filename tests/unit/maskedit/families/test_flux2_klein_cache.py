@@ -131,4 +131,31 @@ def test_other_mask_hit_is_close_to_full_computation(env, policy):
     err_noctx = float((noctx[0, m] - full[0, m]).abs().mean())
     print(f"{policy}: ssim {ssim:.4f} mean|d| masked {err:.2e} (noctx {err_noctx:.2e})")
     assert ssim >= 0.98
+    # Tolerance: another seed moves these latents by ~1.3 on average (and the decoded SSIM to ~0.70); the cached
+    # context's error measures ~5e-4. 1e-2 is under 1% of the seed-to-seed difference.
+    assert err < 1e-2
     assert err < err_noctx  # the cached context is better than dropping it
+
+
+def test_hit_and_uncached_request_share_a_call(env):
+    """A kv hit and a request without the cache in one transformer call: each equals its result alone."""
+    family, pipe, rt = env
+    img, mask = template(seed=7), box_mask(box=(32, 32, 128, 160))
+    key = "shared-call"
+    runtime = rt("all_kv")
+    cached(family, pipe, rt("planner"), make(family, pipe, img, np.zeros((256, 256), np.uint8), key, register=True))
+    alone = cached(family, pipe, runtime, make(family, pipe, img, mask, key, seed=3))
+    other = make(family, pipe, template(seed=8), box_mask(), seed=4)
+    other_alone = plain(family, pipe, make(family, pipe, template(seed=8), box_mask(), seed=4))
+    a, r = make(family, pipe, img, mask, key, seed=3), runner(pipe)
+    for j in (a, other):
+        family.prepare_job(r, j)
+        runtime.admit(j)
+    assert a.cache.status == "hit" and other.cache.status == "off"
+    with torch.no_grad():
+        while a.step_index < a.steps:
+            family.step(r, [a, other], runtime.context([a, other]))
+            runtime.after_step([a, other])
+    for j in (a, other):
+        runtime.finish(j, True)
+    assert torch.equal(a.latents, alone) and torch.equal(other.latents, other_alone)
