@@ -40,7 +40,7 @@ The mask-aware path
 -------------------
 Klein fits it. Every block is token-wise (norms, shared per-request modulation, projections, SwiGLU MLPs) except
 one bidirectional softmax attention over ``[text; noisy; reference]`` with rotary positions per token: exactly
-what the gathered computation of ``maskedit.cache.flux`` reproduces (queries for the computed tokens, keys/values
+what the gathered computation of ``maskedit.families.flux_fill.cache`` reproduces (queries for the computed tokens, keys/values
 of cached tokens from recorded rows or their recorded inputs, rotary tables gathered by sequence position). And the
 blend makes unmasked noisy tokens follow the template's trajectory *exactly* (their inputs at every step are the
 template run's), which Flux Fill only approximates. Mapping:

@@ -1,8 +1,8 @@
-"""Mask-aware computation of FLUX.2 [klein] transformer blocks, in the contract of ``maskedit.cache.flux``.
+"""Mask-aware computation of FLUX.2 [klein] transformer blocks, in the contract of ``maskedit.families.flux_fill.cache``.
 
-Same ``StepContext`` / ``RowView`` / ``Recorder`` (imported from ``maskedit.cache.flux``), same modes and the same
-hook registry (``BlockHooks``), so ``maskedit.cache.runtime.CacheRuntime`` drives these hooks unchanged: ``kinds``
-follow from ``n_dual`` and ``blocks``, ``dim`` is the transformer's width, heads and head width come from its config.
+Same ``StepContext`` and modes (``maskedit.cache.modes``), ``RowView`` / ``Recorder`` and the runtime's hook
+methods (``maskedit.cache.rows.TokenRowHooks``: kinds from ``n_dual``, width, heads, entry sizes of N rows per
+block), so ``maskedit.cache.runtime.CacheRuntime`` drives these hooks unchanged.
 
 The sequence differs from Flux Fill's: text, then the N noisy image tokens, then N *reference* tokens (the template's
 clean latents, appended by the pipeline; the mask is not a model input). The runtime addresses the N noisy tokens
@@ -30,8 +30,8 @@ from diffusers.hooks import ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux2 import Flux2Modulation, Flux2TransformerBlock
 
-from ...cache.flux import FULL, KV, NOCTX, Y, Recorder, RowView, StepContext  # noqa: F401  (the shared contract)
-from ...cache.hooks import BlockHooks
+from ...cache.modes import FULL, KV, NOCTX, Y, StepContext  # noqa: F401  (the shared contract)
+from ...cache.rows import Recorder, RowView, TokenRowHooks  # noqa: F401
 
 HOOK_NAME = "maskedit_masked_block"
 _DUAL_ARGS = ("hidden_states", "encoder_hidden_states", "temb_mod_img", "temb_mod_txt", "image_rotary_emb",
@@ -40,7 +40,7 @@ _SINGLE_ARGS = ("hidden_states", "encoder_hidden_states", "temb_mod", "image_rot
                 "split_hidden_states", "text_seq_len")
 
 
-class Flux2KleinCacheHooks(BlockHooks):
+class Flux2KleinCacheHooks(TokenRowHooks):
     """The masked-block hooks on a ``Flux2Transformer2DModel`` (double-stream blocks, then single-stream)."""
 
     HOOK_NAME = HOOK_NAME
@@ -54,8 +54,7 @@ class Flux2KleinCacheHooks(BlockHooks):
     def dim(self) -> int:
         return self.transformer.inner_dim
 
-    @property
-    def text_len(self) -> int:
+    def call_text_len(self) -> int:
         """Text tokens of the call in progress (set by the first double-stream block: single-stream blocks get text
         and image as one sequence)."""
         return self._local.text_len
@@ -83,7 +82,7 @@ class KleinBlockHook(ModelHook):
             raise NotImplementedError("flux2_klein: single-stream blocks are called with one joined sequence")
         b = self.index
         hidden, rope = a["hidden_states"], a["image_rotary_emb"]
-        L = self.owner.text_len
+        L = self.owner.call_text_len()
         full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
         out = torch.empty_like(hidden) if full_rows else hidden  # no full rows: the input buffer becomes the output

@@ -103,7 +103,7 @@ class Flux2KleinFamily(ModelFamily):
 
     def group_key(self, job):
         """One call per resolution and text length: the reference tokens double the sequence, and the packed
-        (mixed-resolution) path of ``maskedit.cache.flux`` is not implemented for this family."""
+        (mixed-resolution) path of ``maskedit.families.flux_fill.cache`` is not implemented for this family."""
         return tuple(job.tensors.prompt_embeds.shape), job.inputs.model_h, job.inputs.model_w
 
     def step(self, runner, group: list, ctx) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from skimage.metrics import structural_similarity
 
-from maskedit.cache.flux import FULL, Recorder, RowView, StepContext
+from maskedit.cache.modes import FULL, StepContext
+from maskedit.cache.rows import Recorder, RowView
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.families.flux2_klein import Flux2KleinFamily
