@@ -16,6 +16,7 @@ from .base import ModelFamily
 REGISTRY = {
     "flux_fill": "maskedit.families.flux_fill:FluxFill",
     "unet_inpaint": "maskedit.families.unet_inpaint:UNetInpaint",
+    "flux2_klein": "maskedit.families.flux2_klein:Flux2KleinFamily",
 }
 
 
