@@ -18,7 +18,7 @@ from .settings import SERVING_DEFAULTS_FILE
 
 # A small fixed corpus for training the tokenizers; what matters is that it is deterministic
 # and covers the letters and words prompts use.
-_CORPUS = """
+CORPUS = """
 a photo of a red dress on a wooden table with soft light. replace the sky with a sunset.
 remove the person from the background. a blue shirt, a white t-shirt, green jacket, black coat.
 make the hair blonde and curly. add sunglasses to the face. change the color of the car to yellow.
@@ -34,7 +34,7 @@ def train_tokenizers(vocab_size: int):
     """Train a CLIP-style BPE and a T5-style Unigram vocabulary on the fixed corpus."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    lines = [line.strip().lower() for line in _CORPUS.strip().splitlines()] * 4
+    lines = [line.strip().lower() for line in CORPUS.strip().splitlines()] * 4
 
     bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -13,8 +12,6 @@ import torch
 from ..base import Geometry, ModelFamily, Prepared
 from . import prepare as P
 from . import tiny
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -37,20 +34,20 @@ class Flux2KleinFamily(ModelFamily):
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
     negative_prompt: ClassVar[bool] = False
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
+    tiny_preset: ClassVar[str] = "klein-tiny"
 
     def __init__(self, model_dir, pipeline_class: str = "Flux2KleinInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)
 
     # -- components ---------------------------------------------------------------------------------------
-    def _serving(self) -> dict:
-        f = self.model_dir / tiny.SERVING_DEFAULTS_FILE
-        return json.loads(f.read_text()) if f.exists() else {}
-
     def load_denoiser(self, settings):
-        dtype = _DTYPES[settings.dtype]
-        generated = self._serving().get(tiny.GENERATED_TRANSFORMER)
-        if generated is not None:
-            return tiny.generate_transformer(self.model_dir, generated["seed"], settings.torch_device, dtype)
+        from ...device import torch_dtype
+        from ...presets import generated
+
+        dtype = torch_dtype(settings)
+        gen = generated(self.model_dir, self.denoiser)
+        if gen is not None:  # a preset whose weights are generated on the device
+            return tiny.generate_transformer(self.model_dir, gen["seed"], settings.torch_device, dtype)
         from diffusers import Flux2Transformer2DModel
 
         model = Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=dtype)

@@ -11,25 +11,10 @@ Written with ``Flux2KleinInpaintPipeline(...).save_pretrained`` and loadable wit
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVING_DEFAULTS_FILE = "maskedit.json"  # maskedit_common.settings' name for a model directory's serving defaults
-GENERATED_TRANSFORMER = "generated_transformer"  # maskedit.json key: {"seed": ...} when weights are generated
-
-# A small fixed corpus for training the tokenizer (the same text tiny_model uses): deterministic, covering the
-# letters and words prompts use. Kept here so the family does not depend on another family's modules.
-_CORPUS = """
-a photo of a red dress on a wooden table with soft light. replace the sky with a sunset.
-remove the person from the background. a blue shirt, a white t-shirt, green jacket, black coat.
-make the hair blonde and curly. add sunglasses to the face. change the color of the car to yellow.
-a cat sitting on a sofa, a dog running in the park, flowers in a vase near the window.
-high quality, detailed, realistic, studio lighting, portrait, product shot, fashion, try-on.
-inpaint the masked region with a mountain lake and pine trees under a cloudy sky.
-retouch the skin, smooth wrinkles, brighten the eyes, whiten the teeth, fix the shadows.
-abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'"-()[]{}/&%$#@+=*
-"""
+from ...presets import CORPUS, generate, generated_key, save, visible_init, write_serving_defaults, writing
 
 # Qwen3's chat template reduced to what Flux2Klein's ``apply_chat_template(..., add_generation_prompt=True,
 # enable_thinking=False)`` renders: the user turn, the assistant header and an empty think block.
@@ -66,11 +51,11 @@ class Preset:
 
 PRESETS = {
     # Tests and the demo: 256 px -> 256 noisy + 256 reference image tokens.
-    "tiny": Preset(resolution=256, steps=4, vae_channels=(8, 16, 16, 16), latent_channels=4, dim_head=16, heads=2,
+    "klein-tiny": Preset(resolution=256, steps=4, vae_channels=(8, 16, 16, 16), latent_channels=4, dim_head=16, heads=2,
                    num_layers=2, num_single_layers=2, rope_axes=(4, 4, 4, 4), text_hidden=32, timestep_channels=32),
     # CPU engine benchmarks: FLUX.2 klein 4B's block structure (5 double + 20 single blocks) at 256 wide,
     # 512 px -> 1024 noisy + 1024 reference tokens.
-    "bench": Preset(resolution=512, steps=4, vae_channels=(8, 16, 16, 16), latent_channels=8, dim_head=64, heads=4,
+    "klein-bench": Preset(resolution=512, steps=4, vae_channels=(8, 16, 16, 16), latent_channels=8, dim_head=64, heads=4,
                     num_layers=5, num_single_layers=20, rope_axes=(16, 16, 16, 16), text_hidden=64),
     # FLUX.2 [klein] 4B's transformer (5 double + 20 single blocks, 24 x 128 heads = 3072 wide, in 128 = 32 latent
     # channels x 2x2, Qwen3-4B width 2560 -> joint 7680, rope axes 32 x 4, theta 2000, no guidance embedding,
@@ -88,7 +73,7 @@ def train_tokenizer(vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2TokenizerFast
 
-    lines = [line.strip() for line in _CORPUS.strip().splitlines()] * 4
+    lines = [line.strip() for line in CORPUS.strip().splitlines()] * 4
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -110,7 +95,7 @@ def transformer_config(p: Preset) -> dict:
                 mlp_ratio=3.0, axes_dims_rope=p.rope_axes, rope_theta=2000, eps=1e-6, guidance_embeds=False)
 
 
-def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+def build(out_dir: str | Path, preset: str = "klein-tiny", seed: int = 0) -> Path:
     """Write a ``Flux2KleinInpaintPipeline`` model directory for ``preset`` (seeded)."""
     import torch
     from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline,
@@ -118,9 +103,6 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     p = PRESETS[preset]
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     tok = train_tokenizer()
 
     torch.manual_seed(seed)
@@ -153,58 +135,18 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
         base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
     pipe = Flux2KleinInpaintPipeline(scheduler=scheduler, vae=vae, text_encoder=text, tokenizer=tok,
                                      transformer=transformer, is_distilled=p.distilled)
-    save(pipe, tmp, "transformer" if p.generated_transformer else None)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 1.0,
-               "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed, "family": "flux2_klein"}
+               "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
     if p.generated_transformer:
-        serving[GENERATED_TRANSFORMER] = {"seed": seed}
-    (tmp / SERVING_DEFAULTS_FILE).write_text(json.dumps(serving, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def visible_init(transformer) -> None:
-    """Random init leaves no Flux2 layer at zero today; kept as tiny_model does so an all-zero layer never hides
-    the edit."""
-    import torch
-
-    with torch.no_grad():
-        for param in transformer.parameters():
-            if param.abs().sum() == 0:
-                param.normal_(0.0, 0.02)
+        serving[generated_key("transformer")] = {"seed": seed}
+    with writing(out_dir) as tmp:
+        save(pipe, tmp, "transformer" if p.generated_transformer else None)
+        write_serving_defaults(tmp, serving)
+    return Path(out_dir)
 
 
 def generate_transformer(model_dir: Path, seed: int, device, dtype):
     """The transformer of a generated preset, made on ``device`` in ``dtype`` from its saved config (seeded)."""
-    import torch
     from diffusers import Flux2Transformer2DModel
 
-    config = Flux2Transformer2DModel.load_config(Path(model_dir), subfolder="transformer")
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Flux2Transformer2DModel.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    if torch.device(device).type != "meta":
-        visible_init(model)
-    return model.eval()
-
-
-def save(pipe, out: Path, generated: str | None = None) -> None:
-    """``pipe.save_pretrained(out)``; with ``generated`` (a component's name) that component's config only, its
-    class still named in ``model_index.json`` (as tiny_model.save does)."""
-    if generated is None:
-        pipe.save_pretrained(out)
-        return
-    model = getattr(pipe, generated)
-    setattr(pipe, generated, None)
-    pipe.register_to_config(**{generated: (None, None)})
-    pipe.save_pretrained(out)
-    model.save_config(out / generated)
-    index = json.loads((out / "model_index.json").read_text())
-    index[generated] = ["diffusers", type(model).__name__]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return generate(Flux2Transformer2DModel, Path(model_dir), "transformer", seed, device, dtype, visible_init)

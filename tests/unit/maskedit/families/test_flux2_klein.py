@@ -15,7 +15,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    d = build(tmp_path_factory.mktemp("klein") / "tiny", "tiny", seed=0)
+    d = build(tmp_path_factory.mktemp("klein") / "tiny", "klein-tiny", seed=0)
     return Flux2KleinFamily(d), load(d)
 
 

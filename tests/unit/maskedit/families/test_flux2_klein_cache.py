@@ -26,7 +26,7 @@ _keys = itertools.count()
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("klein-cache")
-    model = build(d / "tiny", "tiny", seed=0)
+    model = build(d / "tiny", "klein-tiny", seed=0)
     family, pipe = Flux2KleinFamily(model), load(model)
     store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
     hooks = family.cache_hooks(pipe.transformer)
