@@ -187,6 +187,13 @@ class Estimator:
             return 0.0
         return self.model_load_ms + f.loras * self.lora_load_ms
 
+    def eviction_ms(self, f: EditFeatures, load: BackendLoad) -> float:
+        """What loading ``f``'s checkpoint on ``load`` costs later: with every slot taken it evicts the least recently
+        used checkpoint, which its next request there loads again (charged to the choice, not to the backlog)."""
+        if f.model is None or load.holds_model(f.model) or len(load.models) < load.model_slots:
+            return 0.0
+        return self.model_load_ms
+
     def cost_ms(self, f: EditFeatures, load: BackendLoad, now: float, hit_ms: float | None = None,
                 miss_ms: float | None = None) -> float:
         """The request's own work on ``load``: compute at the tier its entry is in, the entry's load, the model's."""
@@ -421,7 +428,8 @@ class PredictedLatency(Policy):
             own = self.est.cost_ms(f, b, now, hit, miss)
             backlog = b.backlog_at(now)
             # on equal predictions the backend holding the template wins: its cache entry stays in use
-            rows.append((backlog + own, own, not b.holds(f.template_key, now), b.inflight, b.name, backlog, b))
+            rows.append((backlog + own, own + self.est.eviction_ms(f, b), not b.holds(f.template_key, now),
+                         b.inflight, b.name, backlog, b))
         best = min(rows)
         if self.use_slack and f.deadline_s is not None:
             meets = [r for r in rows if r[0] <= f.deadline_s * 1000.0]
