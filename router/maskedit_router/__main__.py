@@ -26,6 +26,7 @@ from . import discovery, policies
 from .admission import AdmissionWatcher
 from .aio import AioServer, RouterService
 from .health import HealthChecker
+from .kserve_http import KServeHttp
 from .limits import HttpLimits, StreamLimits
 from .metrics import serve_http
 from .openai_api import OpenAIServer
@@ -86,7 +87,8 @@ def _profiled_resolution(model_dir: str | None) -> int | None:
 
 def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1",
           limits: StreamLimits | None = None):
-    """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health``).
+    """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health`` and
+    Triton's HTTP/REST protocol under ``/v2``, ``kserve_http``).
     Returns ``(server, bound port, httpd)``; ``server.stop(grace).wait(timeout)`` stops it."""
     limits = limits or StreamLimits()
     service = RouterService(router, limits)
@@ -104,7 +106,9 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
         return {"ready": any(b["in_rotation"] for b in bs), "policy": router.policy.name,
                 "backends": bs}
 
-    httpd = serve_http(http_port, router.metrics, health, host) if http_port is not None else None
+    kserve = KServeHttp(f"127.0.0.1:{bound}", metrics=router.metrics)  # through the router's own gRPC port
+    server.on_stop.append(kserve.close)
+    httpd = serve_http(http_port, router.metrics, health, host, kserve) if http_port is not None else None
     return server, bound, httpd
 
 
