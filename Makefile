@@ -30,7 +30,13 @@ model: $(STAMP)
 demo: model
 	$(PY) -m maskedit.demo --family $(FAMILY)
 
-# One Triton instance; with INSTANCES=N (N > 1), N instances behind the router (same as serve-cluster).
+# One Triton instance; with INSTANCES=N (N > 1), N instances behind the router (same as serve-cluster), whose ports
+# are ROUTER_GRPC_PORT (Triton's gRPC protocol), ROUTER_HTTP_PORT (Triton's HTTP/REST protocol, /metrics, /health),
+# OPENAI_PORT (the OpenAI API; 0: off) and ROUTER_POLICY the routing policy (docs/router.md).
+ROUTER_GRPC_PORT ?= 7001
+ROUTER_HTTP_PORT ?= 7002
+OPENAI_PORT ?= 7003
+ROUTER_POLICY ?= predicted
 serve: model
 	@if [ "$${INSTANCES:-1}" -gt 1 ]; then $(MAKE) --no-print-directory serve-cluster; else \
 	  $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
@@ -70,13 +76,14 @@ bench-batching: $(STAMP)
 	$(VENV)/bin/maskedit-bench-batching
 
 router-sim: $(STAMP)
-	$(VENV)/bin/maskedit-router-sim
+	$(VENV)/bin/maskedit-router-sim $(ARGS)
 
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate
 
 serve-cluster: model
-	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2}
+	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
+	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
 
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import tempfile
 import threading
 import time
@@ -139,10 +140,20 @@ def _server(system: str, env: dict, repo: Path, log_dir: Path) -> TritonServer:
 def run(systems=SYSTEMS, preset: str = "tiny", device: str = "cpu", dtype: str = "float32", steps: int = 4,
         requests: int = 16, fractions=(0.5, 1.0, 2.0, 4.0), templates: int = 4, mask_workload: str = "production",
         timeout_s: float = 300.0) -> dict:
+    """The benchmark in a temporary directory (stores, rendered repositories, server logs), removed at the end."""
     model_dir = REPO_ROOT / "models" / f"{preset}-flux-fill"
     if not (model_dir / "model_index.json").exists():
         build(model_dir, preset)
     tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-serving-"))
+    try:
+        return _run(tmp, model_dir, systems, preset, device, dtype, steps, requests, fractions, templates,
+                    mask_workload, timeout_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(tmp: Path, model_dir: Path, systems, preset, device, dtype, steps, requests, fractions, templates,
+         mask_workload, timeout_s) -> dict:
     common = {"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_DEVICE": device, "MASKEDIT_DTYPE": dtype,
               "MASKEDIT_CACHE_MEM_DIR": str(tmp / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(tmp / "disk")}
     common["MASKEDIT_PYTHONPATH"] = lab_pythonpath()

@@ -21,6 +21,7 @@ from maskedit.launcher import TritonServer
 from maskedit_router.__main__ import build, serve
 from maskedit_router.admission import AdmissionWatcher
 from maskedit_router.health import HealthChecker
+from maskedit_router.policies import POLICIES
 from maskedit_router.openai_api import OpenAIServer
 
 from . import REPO_ROOT
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=7001)
     ap.add_argument("--http-port", type=int, default=7002)
     ap.add_argument("--openai-port", type=int, default=7003, help="OpenAI-compatible HTTP API (0: off)")
-    ap.add_argument("--policy", default="predicted")
+    ap.add_argument("--policy", default="predicted", choices=list(POLICIES))
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "cluster")
     args = ap.parse_args(argv)
     stop = threading.Event()

@@ -26,6 +26,7 @@ from . import discovery, policies
 from .admission import AdmissionWatcher
 from .aio import AioServer, RouterService
 from .health import HealthChecker
+from .kserve_http import KServeHttp
 from .limits import HttpLimits, StreamLimits
 from .metrics import serve_http
 from .openai_api import OpenAIServer
@@ -51,19 +52,26 @@ def default_profile() -> Path:
 
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
-          admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
+          admission_wait_s: float = 0.6, retry_budget_s: float = 30.0, load_factor: float = 1.25,
+          vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
     check (``admission.py``; 0: off); ``retry_budget_s`` how long a request without a ``DEADLINE_MS`` is retried
-    while no backend can take it (0: failed at once)."""
+    while no backend can take it (0: failed at once). ``load_factor`` and ``vnodes`` set ``chwbl``, ``weights``
+    ``weighted`` (``policies.WeightedScorers``); ``mem_templates`` / ``disk_templates`` are the backends' store
+    capacities in entries, which the router's shadow of each store uses."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost)
-    return Router(addrs, policies.make(policy, est), est, resolution=resolution, admission_wait_s=admission_wait_s,
-                  retry_budget_s=retry_budget_s)
+    router = Router(addrs, policies.make(policy, est, load_factor=load_factor, vnodes=vnodes, weights=weights), est,
+                    resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s)
+    router.store_capacity = (mem_templates, disk_templates)
+    for b in router.backends.values():
+        b.load.mem_templates, b.load.disk_templates = mem_templates, disk_templates
+    return router
 
 
 def _profiled_resolution(model_dir: str | None) -> int | None:
@@ -79,7 +87,8 @@ def _profiled_resolution(model_dir: str | None) -> int | None:
 
 def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1",
           limits: StreamLimits | None = None):
-    """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health``).
+    """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health`` and
+    Triton's HTTP/REST protocol under ``/v2``, ``kserve_http``).
     Returns ``(server, bound port, httpd)``; ``server.stop(grace).wait(timeout)`` stops it."""
     limits = limits or StreamLimits()
     service = RouterService(router, limits)
@@ -97,7 +106,9 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
         return {"ready": any(b["in_rotation"] for b in bs), "policy": router.policy.name,
                 "backends": bs}
 
-    httpd = serve_http(http_port, router.metrics, health, host) if http_port is not None else None
+    kserve = KServeHttp(f"127.0.0.1:{bound}", metrics=router.metrics)  # through the router's own gRPC port
+    server.on_stop.append(kserve.close)
+    httpd = serve_http(http_port, router.metrics, health, host, kserve) if http_port is not None else None
     return server, bound, httpd
 
 
@@ -117,8 +128,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-port", type=int, help="the port the picker names on the chosen pod for gRPC requests "
                     "(the InferencePool's target port; default: the backend's own gRPC port)")
     ap.add_argument("--http-target-port", type=int, help="the same for HTTP requests (Triton's HTTP port)")
-    ap.add_argument("--policy", default="predicted",
-                    choices=["predicted", "round_robin", "least_requests", "least_masked_tokens"])
+    ap.add_argument("--policy", default="predicted", choices=list(policies.POLICIES),
+                    help="predicted (default): lowest predicted latency with cache affinity; chwbl: consistent hashing "
+                    "with bounded loads on the template key; p2c: power of two choices on masked tokens x steps; "
+                    "weighted: llm-d-style weighted scorers; round_robin, least_requests, least_masked_tokens")
+    ap.add_argument("--chwbl-load-factor", type=float, default=1.25, help="chwbl: a backend takes a request while "
+                    "its requests in flight stay within load factor x the mean (>= 1)")
+    ap.add_argument("--chwbl-vnodes", type=int, default=100, help="chwbl: points per backend on the hash ring")
+    ap.add_argument("--weights", default="", help="weighted: scorer weights, e.g. affinity=3,queue=2,utilisation=2 "
+                    "(the defaults; normalised to sum to 1)")
+    ap.add_argument("--store-mem-templates", type=int, default=16, help="template entries a backend's memory tier "
+                    "holds (its MASKEDIT_CACHE_MEM_BYTES / an entry's size): the router's shadow of each store")
+    ap.add_argument("--store-disk-templates", type=int, default=64, help="and its disk tier")
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: MASKEDIT_COST_PROFILE, else the served "
                     "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
@@ -157,6 +178,10 @@ def main(argv=None) -> None:
         limits = StreamLimits(args.max_streams, args.max_streams_per_connection, args.stream_idle_timeout_s)
         picker_limits = StreamLimits(args.picker_max_streams, args.picker_max_streams, args.picker_idle_timeout_s)
         http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
+        weights = policies.parse_weights(args.weights)
+        policies.WeightedScorers(weights)  # checked at start
+        if args.chwbl_load_factor < 1:
+            raise ValueError(f"--chwbl-load-factor: must be >= 1, got {args.chwbl_load_factor}")
     except ValueError as e:
         parser().error(str(e))
     handler = logging.StreamHandler()
@@ -172,7 +197,8 @@ def main(argv=None) -> None:
         return discovery.from_file(args.backends_file)
 
     router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
-                   args.retry_budget_s)
+                   args.retry_budget_s, args.chwbl_load_factor, args.chwbl_vnodes, weights, args.store_mem_templates,
+                   args.store_disk_templates)
     server, port, httpd = serve(router, args.port, args.http_port, args.host, limits)
     HealthChecker(router).start()
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None

@@ -18,6 +18,11 @@ class EditFeatures:
     mask_ratio: float  # fraction of image tokens the mask touches
     tokens: int
     steps: int | None
+    # what the simulator replays from a trace (the served ensemble has one base model: None), and the request's
+    # own deadline (``DEADLINE_MS``) in seconds from its arrival, when it has one
+    model: str | None = None  # the base checkpoint it needs
+    loras: int = 0  # LoRA adapters applied on it
+    deadline_s: float | None = None
 
     @property
     def runs_edit(self) -> bool:
@@ -93,7 +98,8 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
             ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"", resolution)
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
-    return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None)
+    return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None,
+                        deadline_s=deadline_s(request))
 
 
 def _names(request) -> tuple[dict, bool]:

@@ -79,8 +79,14 @@ class RouterMetrics:
         self.admission_wait.labels(backend).set(wait_s)
 
 
-def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation)."""
+MAX_BODY_BYTES = 96 << 20  # as the OpenAI port: a 4096x4096 template and its mask as PNG, with room
+
+
+def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1",
+               kserve=None) -> ThreadingHTTPServer:
+    """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation); with ``kserve``
+    (``kserve_http.KServeHttp``) also Triton's HTTP/REST protocol under ``/v2``."""
+    from .kserve_http import HttpError
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -90,11 +96,59 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
                 h = health_fn()
                 body, ctype = json.dumps(h).encode(), "application/json"
                 code = 200 if h.get("ready") else 503
+            elif kserve is not None and (self.path == "/v2" or self.path.startswith("/v2/")):
+                code, doc = kserve.get(self.path)
+                body, ctype = (json.dumps(doc).encode() if doc else b""), "application/json"
             else:
                 body, ctype, code = b"not found", "text/plain", 404
+            self._send(code, ctype, body)
+
+        def do_POST(self):  # noqa: N802
+            if kserve is None or not self.path.startswith("/v2/"):
+                self._send(404, "text/plain", b"not found")
+                return
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+                if n > MAX_BODY_BYTES:
+                    raise HttpError(413, f"request body is above the limit of {MAX_BODY_BYTES} bytes")
+                kserve.acquire()
+            except HttpError as e:
+                self.close_connection = True
+                self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode())
+                return
+            except ValueError:
+                self._send(400, "application/json", b'{"error": "bad Content-Length"}')
+                return
+            try:
+                body = self.rfile.read(n)
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                answer = kserve.post(self.path, body, headers)
+                if len(answer) == 2:  # server-sent events
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
+                    for chunk in answer[1]:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                    return
+                code, ctype, out, extra = answer
+                self._send(code, ctype, out, extra)
+            except HttpError as e:
+                self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            finally:
+                kserve.slots.release()
+
+        def _send(self, code, ctype, body, extra=None):
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(body)
 
@@ -102,5 +156,6 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
             pass
 
     httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True, name="router-http").start()
     return httpd

@@ -86,7 +86,7 @@ class Backend:
     def open_circuit(self) -> None:
         if not self.circuit_open:
             self.circuit_open, self.opened_at = True, time.monotonic()
-        self.load.templates.clear()  # its caches are no longer trusted
+        self.load.forget()  # its caches are no longer trusted
 
     def succeeded(self) -> None:
         """A real request succeeded on it: the breaker closes."""
@@ -117,7 +117,8 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
                  resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
         self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
-        self.backends = {a: Backend(a, admission=self.admission) for a in addrs}
+        self.store_capacity = (16, 64)  # template entries in a backend's memory and disk tiers (its store's shadow)
+        self.backends = {a: self._backend(a) for a in addrs}
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
         self.metrics = metrics or RouterMetrics()
@@ -155,9 +156,15 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def set_backends(self, addrs: list[str]) -> None:
         with self._lock:
             for a in addrs:
-                self.backends.setdefault(a, Backend(a, admission=self.admission))
+                if a not in self.backends:
+                    self.backends[a] = self._backend(a)
             for a in [a for a in self.backends if a not in addrs]:
                 self.backends.pop(a).close()
+
+    def _backend(self, addr: str) -> Backend:
+        b = Backend(addr, admission=self.admission)
+        b.load.mem_templates, b.load.disk_templates = self.store_capacity
+        return b
 
     def available(self, exclude=()) -> list[Backend]:
         now = time.monotonic()
@@ -191,7 +198,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                                        f"{self.admission['wait_s']:g} s: " + _admission_summary(open_, now))
                 open_ = admitting
             by_load = {b.load.name: b for b in open_}
-            choice = by_load[self.policy.choose([b.load for b in open_], f).name]
+            choice = by_load[self.policy.choose([b.load for b in open_], f, now).name]
             booking = Booking.add(choice.load, self.est, f, now, self.ttl)
             if edit and key is not None:
                 choice.admission.on_sent(key, now, on_expire)

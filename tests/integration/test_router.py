@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from maskedit import perf_analyzer, samples
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
 from maskedit_lab.cluster import running_cluster
+from maskedit_router.policies import POLICIES, make
 from maskedit_router.server import backend_fault
 
 
@@ -84,6 +86,87 @@ def test_bad_request_errors_pass_through_with_the_clients_id(cluster, template_i
             c.edit(template_img, box_mask, "")
         assert e.value.code == "INVALID_ARGUMENT" and e.value.field == "PROMPT"
         assert c.edit(template_img, box_mask, "a hat", steps=2).image
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_routes_real_edits(cluster, policy):
+    """Each policy (the same objects the simulator and the picker use) in front of the two real instances: edits of
+    two templates all complete, the router's books balance again, and the affinity-aware ones keep a template on one
+    backend (its later edits hit)."""
+    router = cluster["router"]
+    before = router.policy
+    router.policy = make(policy, router.est)
+    try:
+        tpls = [samples.template(256, 256, seed=900 + 2 * POLICIES.index(policy) + k) for k in range(2)]
+        with EditClient(cluster["url"]) as c:
+            firsts = [c.edit(t, samples.mask(256, 256, 0.1, "box", seed=k), "a hat", steps=2, seed=k)
+                      for k, t in enumerate(tpls)]
+            time.sleep(0.3)  # the recordings are written right after the first answers
+            futs = [c.submit(tpls[i % 2], samples.mask(256, 256, 0.1, "box", seed=10 + i), "a hat", steps=2, seed=i)
+                    for i in range(6)]
+            results = [f.result(120) for f in futs]
+        assert [r.info["cache"] for r in firsts] == ["record", "record"]
+        assert all(r.image.size == (256, 256) for r in results)
+        if policy in ("predicted", "chwbl", "weighted"):
+            assert sum(r.info["cache"] == "hit" for r in results) >= 4, [r.info["cache"] for r in results]
+        assert _metric(cluster, "maskedit_router_requests_total", policy=policy) >= 8
+        deadline = time.monotonic() + 10
+        while any(b.load.inflight for b in router.backends.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(b.load.inflight == 0 and b.load.work == 0 for b in router.backends.values())
+    finally:
+        router.policy = before
+
+
+def _http(cluster, path, body=None, headers=None):
+    req = urllib.request.Request(f"http://127.0.0.1:{cluster['http']}{path}", data=body, headers=headers or {},
+                                 method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_triton_http_protocol_through_the_router(cluster, template_img, box_mask):
+    """KServe v2 HTTP on the router's HTTP port: health, metadata, generate, generate_stream and infer, each through
+    the router's routing (its request counter moves)."""
+    import base64
+    import json
+
+    from tests.conftest import png
+
+    assert _http(cluster, "/v2/health/live")[0] == 200 and _http(cluster, "/v2/health/ready")[0] == 200
+    assert _http(cluster, "/v2/models/edit/ready")[0] == 200
+    meta = json.loads(_http(cluster, "/v2/models/edit")[2])
+    assert meta["name"] == "edit" and meta["inputs"][0]["name"] == "TEMPLATE"
+    assert json.loads(_http(cluster, "/v2/models/masked_denoise/config")[2])["model_transaction_policy"]["decoupled"]
+    routed = _metric(cluster, "maskedit_router_requests_total")
+    doc = {"TEMPLATE": base64.b64encode(png(template_img)).decode(), "MASK": base64.b64encode(png(box_mask)).decode(),
+           "PROMPT": "a yellow sun hat", "SEED": 7, "STEPS": 2}
+    status, _, body = _http(cluster, "/v2/models/edit/generate", json.dumps(doc).encode())
+    assert status == 200, body
+    out = json.loads(body)
+    assert base64.b64decode(out["IMAGE"])[:8] == b"\x89PNG\r\n\x1a\n" and json.loads(out["EDIT_INFO"])["seed"] == 7
+    status, headers, body = _http(cluster, "/v2/models/edit/generate_stream",
+                                  json.dumps({**doc, "PROGRESS": True}).encode())
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert len(events) >= 2 and "IMAGE" in events[-1], events[:1]
+    # infer: KServe v2 JSON tensors; the PNG answer comes back in the binary extension
+    infer = {"inputs": [{"name": "TEMPLATE", "shape": [1], "datatype": "BYTES", "data": [doc["TEMPLATE"]]},
+                        {"name": "MASK", "shape": [1], "datatype": "BYTES", "data": [doc["MASK"]]},
+                        {"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["a hat"]},
+                        {"name": "STEPS", "shape": [1], "datatype": "INT32", "data": [2]}]}
+    status, _, body = _http(cluster, "/v2/models/edit/infer", json.dumps(infer).encode())
+    assert status == 200, body
+    outputs = {o["name"]: o for o in json.loads(body)["outputs"]}
+    assert set(outputs) >= {"IMAGE", "EDIT_INFO"}
+    assert _metric(cluster, "maskedit_router_requests_total") >= routed + 3
+    # a bad request: the backend's INVALID_ARGUMENT as a 400 naming the field
+    status, _, body = _http(cluster, "/v2/models/edit/generate", json.dumps({**doc, "PROMPT": ""}).encode())
+    assert status == 400 and b"PROMPT" in body
+    assert _http(cluster, "/v2/models/edit/generate", json.dumps({**doc, "NOPE": 1}).encode())[0] == 400
 
 
 def test_perf_analyzer_through_the_router(cluster, tmp_path):

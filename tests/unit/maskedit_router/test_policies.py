@@ -146,3 +146,156 @@ def test_the_router_finds_the_served_models_profile_as_the_backends_do(tmp_path,
     assert default_profile() == tmp_path / "cost_model_my-model_h100.json"  # a GPU's before the CPU's
     monkeypatch.setenv("MASKEDIT_COST_PROFILE", str(tmp_path / "x.json"))
     assert default_profile() == tmp_path / "x.json"
+
+
+# -- the affinity-aware baselines and the predictor's residency (issue 31) ----------------------------------------
+import collections
+import math
+import random
+
+from maskedit_router.policies import (POLICIES, Booking, ConsistentHashBoundedLoads, PowerOfTwoChoices,
+                                      WeightedScorers, make, parse_weights)
+
+
+def _f(key, ratio=0.2, steps=8, **kw):
+    return EditFeatures(key, ratio, 1024, steps, **kw)
+
+
+def test_chwbl_bound_is_respected_and_keys_stay_put():
+    """No backend ever takes a request that puts it above ceil(c * (total + 1) / n); unloaded, a key always maps to
+    the same backend; with a backend over the bound the key moves to the next one on the ring."""
+    p = ConsistentHashBoundedLoads(load_factor=1.25, vnodes=100)
+    bs = [BackendLoad(f"b{i}") for i in range(8)]
+    rng = random.Random(0)
+    for _ in range(2000):  # Zipf-like keys, random completions
+        key = f"t{min(int(rng.paretovariate(1.1)), 50)}"
+        total = sum(b.inflight for b in bs)
+        bound = math.ceil(1.25 * (total + 1) / len(bs))
+        chosen = p.choose(bs, _f(key))
+        assert chosen.inflight + 1 <= bound
+        chosen.inflight += 1
+        if rng.random() < 0.5:
+            busy = [b for b in bs if b.inflight]
+            rng.choice(busy).inflight -= 1
+    idle = [BackendLoad(f"b{i}") for i in range(8)]
+    home = p.choose(idle, _f("tplA"))
+    assert all(p.choose(idle, _f("tplA")) is home for _ in range(5))
+    home.inflight = 10  # over the bound for the next request
+    assert p.choose(idle, _f("tplA")) is not home
+    # keys spread over the backends (virtual nodes)
+    counts = collections.Counter(p.choose(idle, _f(f"k{i}")).name for i in range(4000))
+    assert len(counts) == 7 and max(counts.values()) < 3 * min(counts.values())
+
+
+def test_chwbl_load_factor_is_a_setting_and_must_be_at_least_one():
+    assert make("chwbl", EST).load_factor == 1.25
+    assert make("chwbl", EST, load_factor=2.0).load_factor == 2.0
+    with pytest.raises(ValueError):
+        ConsistentHashBoundedLoads(load_factor=0.9)
+
+
+def test_p2c_samples_two_and_takes_the_one_with_less_outstanding_work():
+    bs = [BackendLoad(f"b{i}", work=w) for i, w in enumerate((500, 100, 300, 900))]
+
+    class Spy(random.Random):
+        def sample(self, population, k):
+            assert k == 2 and len(population) == 4
+            got = super().sample(population, k)
+            self.seen.append(got)
+            return got
+
+    p = PowerOfTwoChoices()
+    p.rng = Spy(1)
+    p.rng.seen = []
+    for _ in range(50):
+        c = p.choose(bs, F)
+        a, b = p.rng.seen[-1]
+        assert a is not b and c is min((a, b), key=lambda x: x.work)
+    # outstanding work is masked tokens x steps, booked and released with each request
+    load = BackendLoad("x")
+    bk = Booking.add(load, EST, _f("t", 0.25, steps=30), 0.0, 60)
+    assert load.work == 256 * 30 and bk.work == 256 * 30
+    bk.remove(load, 1.0)
+    assert load.work == 0
+
+
+def test_weighted_scores_are_normalised():
+    p = WeightedScorers()
+    assert sum(p.weights.values()) == pytest.approx(1.0)
+    assert p.weights["affinity"] == pytest.approx(3 / 7)
+    bs = [BackendLoad(f"b{i}", inflight=q) for i, q in enumerate((0, 4, 8))]
+    bs[2].templates["tplA"] = 1e12
+    s = p.scores(bs, F, 0.0)
+    assert all(0.0 <= x <= 1.0 for x in s)
+    # every scorer in [0, 1]: the empty, least loaded backend scores queue 1, utilisation 1
+    assert s[0] == pytest.approx(p.weights["queue"] + p.weights["utilisation"])
+    # all equal queues: the queue scorer gives all 1, not a division by zero
+    same = [BackendLoad(f"c{i}", inflight=3) for i in range(3)]
+    assert WeightedScorers({"affinity": 0, "utilisation": 0}).scores(same, F, 0.0) == [1.0, 1.0, 1.0]
+    # weights are settings
+    assert WeightedScorers(parse_weights("affinity=1,queue=1,utilisation=0")).weights == {
+        "affinity": 0.5, "queue": 0.5, "utilisation": 0.0}
+    with pytest.raises(ValueError):
+        WeightedScorers({"latency": 1.0})
+    # affinity decides between equally loaded backends
+    eq = [BackendLoad(f"d{i}", inflight=1) for i in range(3)]
+    eq[1].templates["tplA"] = 1e12
+    assert p.choose(eq, F, 0.0) is eq[1]
+
+
+def test_every_policy_is_made_by_name():
+    for name in POLICIES:
+        assert make(name, EST).name == name
+    with pytest.raises(ValueError):
+        make("fastest", EST)
+
+
+def test_shadow_store_tiers_and_their_cost():
+    """The router's shadow of a backend's store: the memory tier evicts to the disk tier, a disk hit costs the
+    profile's disk read, a miss the full model."""
+    b = BackendLoad("b", mem_templates=2, disk_templates=2)
+    for k in ("a", "b", "c"):
+        b.touch(k, 1e9)
+    assert (b.tier("c", 0), b.tier("a", 0), b.tier("zz", 0)) == ("mem", "disk", None)
+    b.touch("d", 1e9)
+    b.touch("e", 1e9)  # a, b fall to disk ... a falls off
+    assert b.tier("a", 0) is None and b.tier("c", 0) == "disk"
+    e = Estimator(CostModel.fallback())
+    f = _f("c")
+    assert e.cost_ms(f, b, 0) == pytest.approx(e.request_ms(f, True) + e.tier_load_ms("disk"))
+    assert e.cost_ms(_f("d"), b, 0) == pytest.approx(e.request_ms(f, True))
+    assert e.cost_ms(_f("zz"), b, 0) == pytest.approx(e.request_ms(f, False))
+
+
+def test_checkpoint_residency_and_deadline_slack():
+    e = Estimator(CostModel.fallback(), model_load_ms=5000.0, lora_load_ms=500.0)
+    p = PredictedLatency(e)
+    a, b = BackendLoad("a", model_slots=1), BackendLoad("b", model_slots=1)
+    a.touch_model("M1")
+    b.touch_model("M2")
+    f = _f("t", model="M2", loras=2)
+    assert e.model_ms(f, a) == 6000.0 and e.model_ms(f, b) == 0.0
+    assert p.choose([a, b], f, 0.0) is b
+    Booking.add(a, e, f, 0.0, 60)  # loads M2 on a, evicting M1 (one slot)
+    assert a.holds_model("M2") and not a.holds_model("M1")
+    # slack: with a deadline both meet, the backend where it costs the least work wins even if it finishes later
+    c, d = BackendLoad("c"), BackendLoad("d")
+    d.touch("t", 1e9)
+    d.backlog_ms, d.drain_t = e.request_ms(_f("t"), False), 0.0  # d finishes it later (its backlog)
+    late_but_cheap = _f("t", deadline_s=1e6)
+    assert PredictedLatency(e, use_slack=False).choose([c, d], _f("t"), 0.0) is c
+    slack = PredictedLatency(e, abs_gate_ms=1e9)  # (the hot-spot guard aside: d's backlog is well above c's)
+    assert slack.choose([c, d], late_but_cheap, 0.0) is d
+    assert slack.choose([c, d], _f("t", deadline_s=0.001), 0.0) is c  # no slack: the earliest completion
+
+
+def test_backlog_drains_while_the_backend_works():
+    e = Estimator(CostModel.fallback())
+    load = BackendLoad("b")
+    bk = Booking.add(load, e, _f("t", steps=30), 10.0, 60)
+    assert load.backlog_at(10.0) == pytest.approx(bk.predicted_ms)
+    half = bk.predicted_ms / 2000.0
+    assert load.backlog_at(10.0 + half) == pytest.approx(bk.predicted_ms / 2)
+    assert load.backlog_at(10.0 + 10 * half) == 0.0
+    bk.remove(load, 10.0 + 10 * half)
+    assert load.backlog_ms == 0.0 and load.drained_ms == 0.0
