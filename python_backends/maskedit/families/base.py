@@ -101,6 +101,11 @@ class ModelFamily(ABC):
     def cache_hooks(self, denoiser):
         """The mask-aware block hooks on ``denoiser`` (a ``maskedit.cache.hooks.BlockHooks``)."""
 
+    def flop_text(self, text: int, n: int) -> int:
+        """Tokens a block always computes besides the ``n`` image tokens, for the FLOP model and the kernel ceiling
+        (``maskedit_common.flops``): the text, and anything else every mode computes in full."""
+        return text
+
     # -- decoding (stage 3) -----------------------------------------------------------------------------
     def setup_decoder(self, vae) -> None:
         """Adjust the VAE for decoding as the stock pipeline does (e.g. upcast)."""
