@@ -134,6 +134,7 @@ class EditClient:
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
+        self._stream_refusal: EditError | None = None  # the stream was refused for its key
 
     def _ensure_stream(self) -> None:
         # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
@@ -211,6 +212,9 @@ class EditClient:
         with self._lock:
             pending, self._pending = list(self._pending.items()), {}
             self._stream_open, self._stream_broken = False, True
+            # a refusal of the stream itself (no or a wrong API key): what a send racing the end reports too
+            self._stream_refusal = (EditError(f"{code}: {error.message()}", code)
+                                    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else None)
         for rid, (fut, state) in pending:
             self._failed(rid, fut, state, EditError(f"{code}: the stream to {self.url} ended before the response "
                                                     f"arrived ({error.message()})", code))
@@ -310,7 +314,11 @@ class EditClient:
             with self._lock:
                 self._pending.pop(rid, None)
                 self._stream_open, self._stream_broken = False, True
-            self._failed(rid, fut, state, EditError(f"UNAVAILABLE: could not send the request: {e}", "UNAVAILABLE"))
+            time.sleep(0.05)  # the stream's own end (its status: a refused key?) may be a moment behind
+            with self._lock:
+                refusal = self._stream_refusal
+            self._failed(rid, fut, state, refusal or EditError(f"UNAVAILABLE: could not send the request: {e}",
+                                                               "UNAVAILABLE"))
 
     def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
         """Edit ``template`` where ``mask`` is white; returns the PNG and the server's EDIT_INFO."""
