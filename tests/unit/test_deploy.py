@@ -131,7 +131,7 @@ def _router_args(dep):
 def test_router_and_picker_find_the_triton_pods_and_expose_their_ports(objects):
     overlay, objs = objects
     deps, svcs = _by_kind(objs, "Deployment"), _by_kind(objs, "Service")
-    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker"}[overlay]
+    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker", "secured": "maskedit-router"}[overlay]
     args = _router_args(deps[name])
     host, port = args.backends_dns.split(":")
     assert host in svcs and svcs[host]["spec"]["clusterIP"] == "None"
