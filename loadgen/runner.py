@@ -39,13 +39,15 @@ LOST = "LOST"  # neither a result nor an error arrived before the load generator
 
 
 def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.0, progress: bool = True,
-        register_templates: bool = False, on_start=None, images: dict | None = None) -> tuple[list[Record], float]:
+        register_templates: bool = False, on_start=None, images: dict | None = None,
+        clients: dict | None = None) -> tuple[list[Record], float]:
     """Send every request at its time through ``client`` (an ``EditClient``); returns records and wall time.
 
     Waits at most ``timeout_s`` after the last request was sent; a request with no answer by then is recorded
     as ``LOST``, and anything that arrives for it later (the client's own cancel when it closes) is ignored, so
     a record says what the service did, never what the load generator did on its way out. ``images``: filled with
-    each answered request's PNG by its index (to check results afterwards)."""
+    each answered request's PNG by its index (to check results afterwards). ``clients``: tenant -> ``EditClient``
+    (each with its tenant's API key): a request with a ``tenant`` goes through its tenant's client."""
     if register_templates:
         for tid in sorted({r.template for r in requests}):
             steps = {r.steps for r in requests if r.template == tid}
@@ -91,7 +93,8 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.
                 rec.first_progress_s = time.perf_counter() - t0
 
         try:
-            fut = client.submit(tpl, mask, r.prompt, seed=r.seed, steps=r.steps, deadline_ms=r.deadline_ms,
+            via = clients[r.tenant] if clients and r.tenant in clients else client
+            fut = via.submit(tpl, mask, r.prompt, seed=r.seed, steps=r.steps, deadline_ms=r.deadline_ms,
                                 on_progress=on_progress)
         except Exception as e:
             rec.error, rec.error_code, rec.done_s = str(e)[:300], getattr(e, "code", "SUBMIT"), rec.submit_s

@@ -33,6 +33,7 @@ class Request:
     deadline_ms: int | None = None
     seed: int = 0
     mask_file: str | None = None
+    tenant: str | None = None  # sent with that tenant's API key (``tenant_keys``); None: the run's own client
 
 
 def mask_ratios(workload: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -90,6 +91,40 @@ def gentd26_arrivals(path: str | Path = GENTD26, time_scale: float = 1.0, types:
     if limit is not None:
         t, steps = t[:limit], steps[:limit]
     return (t - t[0]) / time_scale, steps
+
+
+def gentd26_groups(path: str | Path = GENTD26, types: tuple[str, ...] = ("INPAINTING", "IMG_2_IMG"),
+                   limit: int | None = None, start: int = 0) -> list[str]:
+    """The ``groupId`` (the production service's tenant) of each request ``gentd26_arrivals`` returns, in the same
+    order and window: replayed as tenants, each with its own key."""
+    times, groups = [], []
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        for row in csv.DictReader(f):
+            if types and row["predict_type"] not in types:
+                continue
+            times.append(datetime.strptime(row["gmt_create"], "%Y-%m-%d %H:%M:%S").timestamp())
+            groups.append(row.get("groupId") or "none")
+    order = np.argsort(times, kind="stable")
+    groups = [groups[i] for i in order][start:]
+    return groups[:limit] if limit is not None else groups
+
+
+def tenant_keys(tenants, seed: int = 0) -> dict[str, str]:
+    """A key for each tenant name (deterministic from ``seed``: a replay's key file and its clients agree)."""
+    rng = np.random.default_rng(seed)
+    return {t: "sk-load-" + "".join(f"{b:02x}" for b in rng.integers(0, 256, 16)) for t in sorted(set(tenants))}
+
+
+def write_key_file(path: str | Path, keys: dict[str, str], weights: dict[str, float] | None = None,
+                   role: str = "user") -> None:
+    """The router's key file for ``keys`` (tenant -> key): one line each, tenant names made key-file safe."""
+    lines = []
+    for tenant, key in keys.items():
+        name = "".join(c if c.isalnum() or c in "._-" else "-" for c in tenant)[:64] or "tenant"
+        w = (weights or {}).get(tenant)
+        lines.append(f"{key} {name} {role}" + (f" weight={w:g}" if w else ""))
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def load_trace(path: str | Path) -> list[Request]:

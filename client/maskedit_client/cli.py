@@ -31,6 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("result.png"))
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--deadline-ms", type=int, help="fail fast (DEADLINE_EXCEEDED) if it cannot finish in time")
+    ap.add_argument("--api-key-file", type=Path, help="a file holding the router's API key (sent as 'authorization: "
+                    "Bearer <key>'; a file keeps it off the command line)")
+    ap.add_argument("--api-key", help="the API key itself (visible in the process list: prefer --api-key-file)")
+    ap.add_argument("--ca-file", type=Path, help="TLS: a PEM file of the certificate(s) to trust (the router's CA)")
     args = ap.parse_args(argv)
 
     for p in (args.template, args.mask):
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
     threading.Thread(target=tick, daemon=True).start()
     t0 = time.perf_counter()
     try:
-        with EditClient(args.url, timeout_s=args.timeout) as client:
+        api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
+        with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt)

@@ -26,13 +26,15 @@ from PIL import Image
 from .retry import Backoff, Timer, retryable
 
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
-_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL",
+          "UNAUTHENTICATED", "PERMISSION_DENIED")
 _CODE = re.compile(r"\b(%s): " % "|".join(_CODES))
 _FIELD = re.compile(r"^([A-Z_]+): ")
 _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
                              r"|expected number of inputs|shape")
 _TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
 _REQUEST_ID = re.compile(r"request id: ([\w-]+)")
+_RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 log = logging.getLogger("maskedit.client")
 
 
@@ -42,6 +44,9 @@ class EditError(Exception):
     def __init__(self, message: str, code: str = "UNKNOWN", field: str | None = None):
         super().__init__(message)
         self.code, self.field = code, field
+        m = _RETRY_AFTER.search(message)
+        # a refusal's hint (the router's per-tenant limits): when to send again
+        self.retry_after_s = float(m.group(1)) if m else None
 
     @classmethod
     def from_server(cls, message: str) -> "EditError":
@@ -102,13 +107,21 @@ class EditClient:
     A request that fails with UNAVAILABLE before any response came for it (the endpoint restarted, its stream broke,
     no backend was up) is sent again on a new stream after ``backoff``, until its deadline (``deadline_ms`` if
     given, else ``timeout_s`` from its submission): a router restart costs latency, not errors. ``retry=False``:
-    such a request fails at once."""
+    such a request fails at once.
+
+    ``api_key``: sent as ``authorization: Bearer <key>`` metadata on every call (a router with a key file);
+    ``ca_file``: TLS to the endpoint, trusting the certificates in that PEM file (``tls=True`` without one: the
+    system's trusted roots)."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
-                 retry: bool = True, backoff: Backoff = Backoff()):
+                 retry: bool = True, backoff: Backoff = Backoff(), api_key: str | None = None,
+                 ca_file: str | Path | None = None, tls: bool = False):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.retry, self.backoff = retry, backoff
-        self._client = grpcclient.InferenceServerClient(url, channel_args=[
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = grpcclient.InferenceServerClient(url, ssl=bool(ca_file) or tls,
+                                                        root_certificates=str(ca_file) if ca_file else None,
+                                                        channel_args=[
             ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
             # an endpoint that restarts (the router, a server) is reconnected to within ~2 s, not minutes
             ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)])
@@ -121,6 +134,7 @@ class EditClient:
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
+        self._stream_refusal: EditError | None = None  # the stream was refused for its key
 
     def _ensure_stream(self) -> None:
         # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
@@ -132,7 +146,7 @@ class EditClient:
                 broken = self._stream_broken
             if broken:  # its thread has ended or is ending (it reported the break)
                 self._client.stop_stream()
-            self._client.start_stream(callback=self._on_response)
+            self._client.start_stream(callback=self._on_response, headers=self._headers)
             with self._lock:
                 self._stream_open, self._stream_broken = True, False
 
@@ -198,6 +212,9 @@ class EditClient:
         with self._lock:
             pending, self._pending = list(self._pending.items()), {}
             self._stream_open, self._stream_broken = False, True
+            # a refusal of the stream itself (no or a wrong API key): what a send racing the end reports too
+            self._stream_refusal = (EditError(f"{code}: {error.message()}", code)
+                                    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else None)
         for rid, (fut, state) in pending:
             self._failed(rid, fut, state, EditError(f"{code}: the stream to {self.url} ended before the response "
                                                     f"arrived ({error.message()})", code))
@@ -297,7 +314,11 @@ class EditClient:
             with self._lock:
                 self._pending.pop(rid, None)
                 self._stream_open, self._stream_broken = False, True
-            self._failed(rid, fut, state, EditError(f"UNAVAILABLE: could not send the request: {e}", "UNAVAILABLE"))
+            time.sleep(0.05)  # the stream's own end (its status: a refused key?) may be a moment behind
+            with self._lock:
+                refusal = self._stream_refusal
+            self._failed(rid, fut, state, refusal or EditError(f"UNAVAILABLE: could not send the request: {e}",
+                                                               "UNAVAILABLE"))
 
     def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
         """Edit ``template`` where ``mask`` is white; returns the PNG and the server's EDIT_INFO."""
@@ -335,7 +356,8 @@ class EditClient:
         try:
             t = grpcclient.InferInput("REQUEST_IDS", [len(ids)], "BYTES")
             t.set_data_from_numpy(np.array([i.encode() for i in ids], dtype=np.object_))
-            n = int(self._client.infer("cancel", [t], client_timeout=10).as_numpy("CANCELLED")[0])
+            n = int(self._client.infer("cancel", [t], client_timeout=10, headers=self._headers)
+                    .as_numpy("CANCELLED")[0])
         except Exception:  # an endpoint without the cancel model: the stream cancel is all we have
             n = 0
         with self._lock:

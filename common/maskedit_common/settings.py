@@ -97,6 +97,15 @@ class ServiceSettings:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """The router's callers: API keys and TLS (docs/security.md). None: off (open, plaintext)."""
+
+    api_keys_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     """The model, the limits every request is checked against, and the sections of the serving parts."""
 
@@ -119,6 +128,7 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     @property
     def torch_device(self) -> str:
@@ -242,6 +252,12 @@ VARIABLES: tuple[Var, ...] = (
         "early refusals in `preprocess`", "`/dev/shm/maskedit-$UID/admission`"),
     Var("MASKEDIT_METRICS_SYNC_S", "service.metrics_sync_s", float, "seconds between refreshes of the cache "
         "metrics"),
+    # the router's callers
+    Var("MASKEDIT_API_KEYS_FILE", "security.api_keys_file", Path, "the router's API key file (one key a line: key, "
+        "tenant, role, limits; docs/security.md), re-read on change; unset: every caller is let in", "none"),
+    Var("MASKEDIT_TLS_CERT", "security.tls_cert", Path, "PEM certificate (chain) of the router's gRPC and HTTP "
+        "ports; with `MASKEDIT_TLS_KEY`: TLS on them", "none"),
+    Var("MASKEDIT_TLS_KEY", "security.tls_key", Path, "PEM private key of that certificate", "none"),
     # not a setting
     Var("MASKEDIT_PYTHONPATH", "", str, "set by the launcher and the container, not by hand: import paths the "
         "Triton model shims put first on `sys.path` (the stub ignores `PYTHONPATH`); read by the shims before "
@@ -252,7 +268,8 @@ VARIABLES: tuple[Var, ...] = (
 MODEL_FILE_FIELDS = ("resolution", "steps", "guidance", "max_sequence_length", "max_steps", "max_guidance",
                      "max_prompt_chars", "max_input_pixels", "feather_px", "mask_threshold", "dtype", "device",
                      "model_version")
-_SECTIONS = {"cache": CacheSettings, "batching": BatchingSettings, "service": ServiceSettings}
+_SECTIONS = {"cache": CacheSettings, "batching": BatchingSettings, "service": ServiceSettings,
+             "security": SecuritySettings}
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:

@@ -24,6 +24,7 @@ from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
 
 from . import discovery, policies
 from .admission import AdmissionWatcher
+from .auth import Keyring
 from .aio import AioServer, RouterService
 from .health import HealthChecker
 from .kserve_http import KServeHttp
@@ -32,6 +33,8 @@ from .metrics import serve_http
 from .openai_api import OpenAIServer
 from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
 from .server import CHANNEL_OPTIONS, Router
+from .tenancy import FairQueue
+from .tls import TlsFiles
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
 
@@ -86,16 +89,21 @@ def _profiled_resolution(model_dir: str | None) -> int | None:
 
 
 def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0.1",
-          limits: StreamLimits | None = None):
+          limits: StreamLimits | None = None, keyring: Keyring | None = None, tls: TlsFiles | None = None):
     """The router's gRPC port (``grpc.aio``, bounded by ``limits``) and its HTTP port (``/metrics``, ``/health`` and
-    Triton's HTTP/REST protocol under ``/v2``, ``kserve_http``).
-    Returns ``(server, bound port, httpd)``; ``server.stop(grace).wait(timeout)`` stops it."""
+    Triton's HTTP/REST protocol under ``/v2``, ``kserve_http``). ``keyring``: API keys checked on both (None: open);
+    ``tls``: both serve TLS only (the HTTP ports then reach the gRPC logic through a plaintext loopback port, where
+    keys are checked all the same). Returns ``(server, bound port, httpd)``; ``server.stop(grace).wait(timeout)``
+    stops it; ``server.loopback_port or bound`` is the port the router's own HTTP frontends call."""
     limits = limits or StreamLimits()
-    service = RouterService(router, limits)
+    keyring = keyring or Keyring()
+    service = RouterService(router, limits, keyring)
     server = AioServer("router-aio")
     server.on_stop.append(service.close)
     bound = server.start(lambda s: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, s),
-                         f"{host}:{port}", CHANNEL_OPTIONS + limits.grpc_options())
+                         f"{host}:{port}", CHANNEL_OPTIONS + limits.grpc_options(),
+                         credentials=tls.grpc_credentials() if tls else None, loopback=tls is not None)
+    inner = server.loopback_port or bound
 
     def health():
         now = time.monotonic()
@@ -106,9 +114,10 @@ def serve(router: Router, port: int, http_port: int | None, host: str = "127.0.0
         return {"ready": any(b["in_rotation"] for b in bs), "policy": router.policy.name,
                 "backends": bs}
 
-    kserve = KServeHttp(f"127.0.0.1:{bound}", metrics=router.metrics)  # through the router's own gRPC port
+    kserve = KServeHttp(f"127.0.0.1:{inner}", metrics=router.metrics)  # through the router's own gRPC port
     server.on_stop.append(kserve.close)
-    httpd = serve_http(http_port, router.metrics, health, host, kserve) if http_port is not None else None
+    httpd = serve_http(http_port, router.metrics, health, host, kserve, keyring,
+                       tls.ssl_context() if tls else None) if http_port is not None else None
     return server, bound, httpd
 
 
@@ -167,6 +176,21 @@ def parser() -> argparse.ArgumentParser:
                     "body must arrive within this (else 408)")
     ap.add_argument("--openai-keepalive-timeout-s", type=float, default=HttpLimits.keepalive_timeout_s, help="an "
                     "idle connection, or one that has not sent a whole request head, is closed after this")
+    sec = load_settings().security
+    ap.add_argument("--api-keys-file", type=Path, default=sec.api_keys_file, help="API keys, one a line: key, "
+                    "tenant, role (user|admin), optional rps=, burst=, concurrent=, weight= (docs/security.md); "
+                    "re-read on change; checked on every port but health and metrics (default: "
+                    "MASKEDIT_API_KEYS_FILE; none: every caller is let in)")
+    ap.add_argument("--tls-cert", type=Path, default=sec.tls_cert, help="PEM certificate of the gRPC, HTTP and "
+                    "OpenAI ports (default: MASKEDIT_TLS_CERT); with --tls-key they serve TLS only")
+    ap.add_argument("--tls-key", type=Path, default=sec.tls_key, help="its PEM private key (MASKEDIT_TLS_KEY)")
+    ap.add_argument("--fair-share-slots", type=int, default=0, help="edits the router lets into each backend at "
+                    "once (its batch, about); more wait in the router's fair queue and go in weighted fair order "
+                    "of their tenants (key-file weights) (0: off, no queue in the router)")
+    ap.add_argument("--fair-queue-wait-s", type=float, default=5.0, help="the longest an edit waits in that queue "
+                    "before it is refused (RESOURCE_EXHAUSTED)")
+    ap.add_argument("--fifo-queue", action="store_true", help="serve that queue first-come first-served instead "
+                    "of by fair share (for comparison)")
     ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
                     "statistics are read for admission")
     return ap
@@ -182,6 +206,8 @@ def main(argv=None) -> None:
         policies.WeightedScorers(weights)  # checked at start
         if args.chwbl_load_factor < 1:
             raise ValueError(f"--chwbl-load-factor: must be >= 1, got {args.chwbl_load_factor}")
+        tls = TlsFiles.of(args.tls_cert, args.tls_key)
+        keyring = Keyring(args.api_keys_file)  # a bad file stops the start here, naming its line
     except ValueError as e:
         parser().error(str(e))
     handler = logging.StreamHandler()
@@ -199,15 +225,26 @@ def main(argv=None) -> None:
     router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
                    args.retry_budget_s, args.chwbl_load_factor, args.chwbl_vnodes, weights, args.store_mem_templates,
                    args.store_disk_templates)
-    server, port, httpd = serve(router, args.port, args.http_port, args.host, limits)
+    keyring.metrics = router.metrics
+    if args.fair_share_slots > 0:
+        router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),
+                                args.fair_queue_wait_s, fair=not args.fifo_queue, on_wait=router.metrics.queue_wait)
+    server, port, httpd = serve(router, args.port, args.http_port, args.host, limits, keyring, tls)
+    keyring.start()
+    log = logging.getLogger("maskedit.router")
+    log.info(keyring.describe())  # never the keys
+    log.info("TLS on the gRPC, HTTP and OpenAI ports from %s" % args.tls_cert if tls else
+             "no TLS: the ports serve plaintext (put a TLS-terminating proxy in front, or set --tls-cert/--tls-key)")
     HealthChecker(router).start()
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
-    openai = OpenAIServer(f"127.0.0.1:{port}", args.openai_port, args.host, limits=http_limits,
-                          metrics=router.metrics).start() if args.openai_port else None
-    picker = EndpointPicker(router, args.target_port, args.http_target_port)
+    openai = OpenAIServer(f"127.0.0.1:{server.loopback_port or port}", args.openai_port, args.host,
+                          limits=http_limits, metrics=router.metrics, keyring=keyring,
+                          ssl_context=tls.ssl_context() if tls else None).start() if args.openai_port else None
+    picker = EndpointPicker(router, args.target_port, args.http_target_port, keyring)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host, picker_limits) if args.ext_proc_port else None
     print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
-                      "admission_wait_s": args.admission_wait_s,
+                      "admission_wait_s": args.admission_wait_s, "api_keys": keyring.enabled, "tls": bool(tls),
+                      "fair_share_slots": args.fair_share_slots,
                       "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
                       "backends": list(router.backends)}), flush=True)
     stop = threading.Event()
@@ -216,6 +253,9 @@ def main(argv=None) -> None:
     while not stop.wait(5.0):
         if args.backends_file or args.backends_dns:
             router.set_backends(read_backends())
+    keyring.stop()
+    if router.fair is not None:
+        router.fair.stop()
     if watcher:
         watcher.stop()
     if ext_proc:

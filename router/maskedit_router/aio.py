@@ -23,11 +23,14 @@ from typing import Callable
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
+from .auth import Forbidden, Keyring, Unauthenticated
 from .limits import IdleClock, StreamCounter, StreamLimits, StreamRefused
 
 log = logging.getLogger("maskedit.router.aio")
 UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
-         "ModelStatistics", "RepositoryIndex", "ModelInfer")
+         "ModelStatistics", "RepositoryIndex", "ModelInfer", "RepositoryModelLoad", "RepositoryModelUnload")
+OPEN = ("ServerLive", "ServerReady")  # probes: no key needed (as /health on the HTTP port)
+ADMIN = ("RepositoryModelLoad", "RepositoryModelUnload")  # change the served set: admin keys only
 
 
 class _Abort(Exception):
@@ -42,12 +45,17 @@ class ThreadContext:
 
     def __init__(self, context):
         self._ctx = context
+        self.tenant = None  # set by the transport once the call's key is checked (auth.Tenant)
+        self.trailing: tuple = ()
         self._callbacks: list[Callable[[], None]] = []
         self._done = False
         self._lock = threading.Lock()
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise _Abort(code, details)
+
+    def set_trailing_metadata(self, md) -> None:
+        self.trailing = tuple(md)
 
     def time_remaining(self):
         return self._ctx.time_remaining()
@@ -106,10 +114,11 @@ def _bind(context, work: ThreadPoolExecutor) -> ThreadContext:
 class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The aio face of ``server.Router`` (Triton's ``GRPCInferenceService``)."""
 
-    def __init__(self, router, limits: StreamLimits):
+    def __init__(self, router, limits: StreamLimits, keyring: Keyring | None = None):
         from .server import _StreamSession
 
         self.r, self.limits = router, limits
+        self.keyring = keyring or Keyring()
         self.streams = StreamCounter(limits, "router")
         self._session = _StreamSession
         # routing a stream's message, ending a stream: short; unary calls hold a worker while in flight
@@ -122,16 +131,36 @@ class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
         handler = getattr(self.r, name)
 
         async def call(request, context):
+            tenant = None if name in OPEN else await self._authorize(context, admin=name in ADMIN)
             tctx = _bind(context, self.work)
+            tctx.tenant = tenant
             try:
                 return await asyncio.get_running_loop().run_in_executor(self.calls, handler, request, tctx)
             except _Abort as e:
+                if tctx.trailing:
+                    context.set_trailing_metadata(tctx.trailing)
                 await context.abort(e.code, e.details)
 
         call.__name__ = name
         return call
 
+    async def _authorize(self, context, admin: bool = False):
+        """The call's tenant from its ``authorization`` metadata; aborts UNAUTHENTICATED / PERMISSION_DENIED."""
+        value = None
+        for k, v in context.invocation_metadata() or ():
+            if k == "authorization":
+                value = v
+        try:
+            return self.keyring.check(value, admin=admin)
+        except Unauthenticated as e:
+            self.r.metrics.auth_failed("grpc", "unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"UNAUTHENTICATED: {e}")
+        except Forbidden as e:
+            self.r.metrics.auth_failed("grpc", "forbidden")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"PERMISSION_DENIED: {e}")
+
     async def ModelStreamInfer(self, request_iterator, context):
+        tenant = await self._authorize(context)
         peer = context.peer()
         try:
             self.streams.open(peer)
@@ -141,16 +170,18 @@ class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.r.metrics.streams("router", self.streams.total)
         try:
-            async for resp in self._stream(request_iterator, context):
+            async for resp in self._stream(request_iterator, context, tenant):
                 yield resp
         finally:
             self.streams.close(peer)
             self.r.metrics.streams("router", self.streams.total)
 
-    async def _stream(self, request_iterator, context):
+    async def _stream(self, request_iterator, context, tenant=None):
         loop = asyncio.get_running_loop()
         out = _LoopQueue(loop)
-        session = self._session(self.r, _bind(context, self.work), out=out)
+        tctx = _bind(context, self.work)
+        tctx.tenant = tenant
+        session = self._session(self.r, tctx, out=out)
         clock = IdleClock(self.limits.idle_timeout_s, loop.time())
         reader = asyncio.create_task(self._read(request_iterator, session, clock))
         try:
@@ -231,12 +262,11 @@ class PickerService:
                     yield a
         except Refused as e:
             log.info("refused", extra={"fields": {"status": e.status, "path": x.path, "why": str(e)}})
-            yield self.p._immediate(x, e.status, str(e))
+            yield self.p._immediate(x, e.status, str(e), e.retry_after_s)
         finally:
             self.streams.close(peer)
             metrics.streams("picker", self.streams.total)
-            if x.ticket is not None:
-                self.p.finished(x)
+            self.p.finished(x)
 
 
 def _idle_message(idle_s: float) -> str:
@@ -254,12 +284,22 @@ class AioServer:
         self._thread.start()
         self.server: grpc.aio.Server | None = None
         self.on_stop: list[Callable[[], None]] = []
+        self.loopback_port: int | None = None
 
-    def start(self, setup: Callable[[grpc.aio.Server], None], address: str, options: list) -> int:
+    def start(self, setup: Callable[[grpc.aio.Server], None], address: str, options: list,
+              credentials: grpc.ServerCredentials | None = None, loopback: bool = False) -> int:
+        """Serve on ``address`` (TLS with ``credentials``); ``loopback``: also on a plaintext port of 127.0.0.1
+        (``loopback_port``), which the router's own HTTP ports call through when the public one is TLS (keys are
+        checked there all the same)."""
         async def go():
             self.server = grpc.aio.server(options=options)
             setup(self.server)
-            port = self.server.add_insecure_port(address)
+            if credentials is not None:
+                port = self.server.add_secure_port(address, credentials)
+                if loopback:
+                    self.loopback_port = self.server.add_insecure_port("127.0.0.1:0")
+            else:
+                port = self.server.add_insecure_port(address)
             await self.server.start()
             return port
 

@@ -87,13 +87,16 @@ class KServeHttp:
         self.slots = threading.BoundedSemaphore(max_requests)
         self.max_requests = max_requests
         self._meta: dict = {}
+        self._local = threading.local()
 
     def close(self) -> None:
         self.channel.close()
 
     # -- GET ----------------------------------------------------------------------------------------
-    def get(self, path: str) -> tuple[int, dict]:
+    def get(self, path: str, md: tuple = ()) -> tuple[int, dict]:
+        """``md``: the gRPC metadata to call with (the caller's ``authorization``)."""
         parts = [p for p in path.split("?")[0].split("/") if p]
+        md = md or None
         try:
             if parts == ["v2", "health", "live"]:
                 live = self.stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=5).live
@@ -102,28 +105,31 @@ class KServeHttp:
                 ready = self.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5).ready
                 return (200 if ready else 503), {}
             if parts == ["v2"]:
-                return 200, _dict(self.stub.ServerMetadata(service_pb2.ServerMetadataRequest(), timeout=10))
+                return 200, _dict(self.stub.ServerMetadata(service_pb2.ServerMetadataRequest(), timeout=10, metadata=md))
             if len(parts) >= 3 and parts[:2] == ["v2", "models"]:
                 name, version, rest = _model_path(parts[2:])
                 if not rest:
                     return 200, _dict(self.stub.ModelMetadata(service_pb2.ModelMetadataRequest(
-                        name=name, version=version), timeout=10))
+                        name=name, version=version), timeout=10, metadata=md))
                 if rest == ["ready"]:
                     ready = self.stub.ModelReady(service_pb2.ModelReadyRequest(name=name, version=version),
-                                                 timeout=10).ready
+                                                 timeout=10, metadata=md).ready
                     return (200 if ready else 400), {}
                 if rest == ["config"]:
                     return 200, _dict(self.stub.ModelConfig(service_pb2.ModelConfigRequest(
-                        name=name, version=version), timeout=10).config)
+                        name=name, version=version), timeout=10, metadata=md).config)
         except grpc.RpcError as e:
             return _grpc_status(e), {"error": e.details()}
         return 404, {"error": f"not found: {path}"}
 
     # -- POST ---------------------------------------------------------------------------------------
-    def post(self, path: str, body: bytes, headers: dict):
+    def post(self, path: str, body: bytes, headers: dict, md: tuple = ()):
         """Returns ``(status, content_type, body bytes, extra headers)``, or for generate_stream ``(200, events)``
-        where events is an iterator of SSE chunks."""
+        where events is an iterator of SSE chunks. ``md``: the gRPC metadata to call with."""
+        self._local.md = md or None  # per HTTP request (one thread each)
         parts = [p for p in path.split("?")[0].split("/") if p]
+        if len(parts) == 5 and parts[:3] == ["v2", "repository", "models"] and parts[4] in ("load", "unload"):
+            return self._repository(parts[3], parts[4])
         if len(parts) < 4 or parts[:2] != ["v2", "models"]:
             raise HttpError(404, f"not found: {path}")
         name, version, rest = _model_path(parts[2:])
@@ -144,6 +150,19 @@ class KServeHttp:
             return self._infer_answer(final, outputs_binary)
         raise HttpError(404, f"not found: {path}")
 
+    def _repository(self, name: str, action: str):
+        """Triton's model repository extension (admin keys only: ``admin_path``), forwarded to every backend."""
+        try:
+            if action == "load":
+                self.stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name=name), timeout=120,
+                                              metadata=self._local.md)
+            else:
+                self.stub.RepositoryModelUnload(service_pb2.RepositoryModelUnloadRequest(model_name=name),
+                                                timeout=120, metadata=self._local.md)
+        except grpc.RpcError as e:
+            raise HttpError(_grpc_status(e), e.details() or e.code().name) from None
+        return 200, "application/json", b"{}", {}
+
     def acquire(self) -> None:
         if not self.slots.acquire(blocking=False):
             if self.metrics is not None:
@@ -156,7 +175,8 @@ class KServeHttp:
         key = (name, version)
         if key not in self._meta:
             try:
-                md = self.stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=name, version=version), timeout=10)
+                md = self.stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=name, version=version), timeout=10,
+                                             metadata=getattr(self._local, "md", None))
             except grpc.RpcError as e:
                 raise HttpError(_grpc_status(e), e.details()) from None
             self._meta[key] = {t.name: (t.datatype, list(t.shape)) for t in md.inputs}
@@ -218,7 +238,7 @@ class KServeHttp:
         """The request through the router's stream; yields each response that carries outputs; raises HttpError
         on an error response."""
         req.parameters[EMPTY_FINAL].bool_param = True
-        call = self.stub.ModelStreamInfer(iter([req]), timeout=self.timeout_s)
+        call = self.stub.ModelStreamInfer(iter([req]), timeout=self.timeout_s, metadata=getattr(self._local, "md", None))
         try:
             for resp in call:
                 if resp.error_message:
@@ -328,5 +348,6 @@ def _dict(msg) -> dict:
 
 def _grpc_status(e: grpc.RpcError) -> int:
     return {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+            grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
             grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
             grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501}.get(e.code(), 400)

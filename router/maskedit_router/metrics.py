@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,6 +48,43 @@ class RouterMetrics:
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
 
+        # per tenant: the tenant's name from the key file (never the key); "anonymous" without a key file
+        self.tenant_requests = Counter("maskedit_router_tenant_requests_total", "requests by tenant and how they "
+                                       "ended: ok, error, refused, cancelled", ["tenant", "outcome"], registry=r)
+        self.tenant_refusals = Counter("maskedit_router_tenant_refused_total", "requests refused by tenant and "
+                                       "reason: rate, concurrency (the key's limits), fair_queue (waited too long "
+                                       "in the router's fair queue), forbidden (role)", ["tenant", "reason"],
+                                       registry=r)
+        self.tenant_latency = Histogram("maskedit_router_tenant_latency_seconds", "end-to-end latency of a "
+                                        "tenant's completed requests", ["tenant"], registry=r,
+                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+        self.tenant_wait = Histogram("maskedit_router_tenant_queue_wait_seconds", "time a tenant's edits waited "
+                                     "in the router's fair queue", ["tenant"], registry=r,
+                                     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.auth_failures = Counter("maskedit_router_auth_failures_total", "calls refused for their key, by port "
+                                     "and reason: unauthenticated (none or unknown), forbidden (role)",
+                                     ["port", "reason"], registry=r)
+        self.keyfile_reloads = Counter("maskedit_router_keyfile_reloads_total", "reloads of the API key file by "
+                                       "outcome (ok; error: the old keys stay)", ["outcome"], registry=r)
+
+    def tenant_ended(self, tenant: str, outcome: str, latency_s: float | None = None) -> None:
+        self.tenant_requests.labels(tenant, outcome).inc()
+        if outcome == "ok" and latency_s is not None:
+            self.tenant_latency.labels(tenant).observe(latency_s)
+
+    def tenant_refused(self, tenant: str, reason: str) -> None:
+        self.tenant_refusals.labels(tenant, reason).inc()
+        self.tenant_requests.labels(tenant, "refused").inc()
+
+    def queue_wait(self, tenant, seconds: float, granted: bool) -> None:
+        self.tenant_wait.labels(tenant.name).observe(seconds)
+
+    def auth_failed(self, port: str, reason: str) -> None:
+        self.auth_failures.labels(port, reason).inc()
+
+    def keyfile_reload(self, outcome: str) -> None:
+        self.keyfile_reloads.labels(outcome).inc()
+
     def decision(self, policy: str, backend: str, seconds: float) -> None:
         self.decision_s.labels(policy).observe(seconds)
         self.requests.labels(backend, policy).inc()
@@ -82,13 +120,51 @@ class RouterMetrics:
 MAX_BODY_BYTES = 96 << 20  # as the OpenAI port: a 4096x4096 template and its mask as PNG, with room
 
 
+def admin_path(path: str) -> bool:
+    """Routes that change the served set (Triton's model repository load/unload): admin keys only."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    return len(parts) == 5 and parts[:3] == ["v2", "repository", "models"] and parts[4] in ("load", "unload")
+
+
+def retry_after(message: str) -> str | None:
+    """The ``Retry-After`` header of a refusal whose text says "retry after <s> s"."""
+    from .tenancy import retry_after_header
+
+    m = RETRY_AFTER.search(message)
+    return retry_after_header(float(m.group(1))) if m else None
+
+
+RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
+
+
 def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1",
-               kserve=None) -> ThreadingHTTPServer:
+               kserve=None, keyring=None, ssl_context=None) -> ThreadingHTTPServer:
     """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation); with ``kserve``
-    (``kserve_http.KServeHttp``) also Triton's HTTP/REST protocol under ``/v2``."""
+    (``kserve_http.KServeHttp``) also Triton's HTTP/REST protocol under ``/v2``, whose routes (but
+    ``/v2/health/*``) need an API key when ``keyring`` has a key file; TLS with ``ssl_context``."""
+    from .auth import Forbidden, Keyring, Unauthenticated
     from .kserve_http import HttpError
 
+    keyring = keyring or Keyring()
+
     class Handler(BaseHTTPRequestHandler):
+        def _authorized(self) -> tuple | None:
+            """The gRPC metadata carrying the caller's key on; None when refused (401 / 403 sent)."""
+            value = self.headers.get("Authorization")
+            try:
+                keyring.check(value, admin=admin_path(self.path))
+            except Unauthenticated as e:
+                metrics.auth_failed("http", "unauthenticated")
+                self.close_connection = True
+                self._send(401, "application/json", json.dumps({"error": f"UNAUTHENTICATED: {e}"}).encode(),
+                           {"WWW-Authenticate": "Bearer"})
+                return None
+            except Forbidden as e:
+                metrics.auth_failed("http", "forbidden")
+                self._send(403, "application/json", json.dumps({"error": f"PERMISSION_DENIED: {e}"}).encode())
+                return None
+            return (("authorization", value),) if value else ()
+
         def do_GET(self):  # noqa: N802
             if self.path.startswith("/metrics"):
                 body, ctype, code = generate_latest(metrics.registry), CONTENT_TYPE_LATEST, 200
@@ -97,7 +173,10 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
                 body, ctype = json.dumps(h).encode(), "application/json"
                 code = 200 if h.get("ready") else 503
             elif kserve is not None and (self.path == "/v2" or self.path.startswith("/v2/")):
-                code, doc = kserve.get(self.path)
+                md = () if self.path.startswith("/v2/health/") else self._authorized()
+                if md is None:
+                    return
+                code, doc = kserve.get(self.path, md)
                 body, ctype = (json.dumps(doc).encode() if doc else b""), "application/json"
             else:
                 body, ctype, code = b"not found", "text/plain", 404
@@ -106,6 +185,9 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
         def do_POST(self):  # noqa: N802
             if kserve is None or not self.path.startswith("/v2/"):
                 self._send(404, "text/plain", b"not found")
+                return
+            md = self._authorized()
+            if md is None:
                 return
             try:
                 n = int(self.headers.get("Content-Length") or 0)
@@ -122,7 +204,7 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
             try:
                 body = self.rfile.read(n)
                 headers = {k.lower(): v for k, v in self.headers.items()}
-                answer = kserve.post(self.path, body, headers)
+                answer = kserve.post(self.path, body, headers, md)
                 if len(answer) == 2:  # server-sent events
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -137,7 +219,9 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
                 code, ctype, out, extra = answer
                 self._send(code, ctype, out, extra)
             except HttpError as e:
-                self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode())
+                hint = retry_after(str(e)) if e.status == 429 else None
+                self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode(),
+                           {"Retry-After": hint} if hint else None)
             except (BrokenPipeError, ConnectionResetError):
                 pass
             finally:
@@ -157,5 +241,7 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
 
     httpd = ThreadingHTTPServer((host, port), Handler)
     httpd.daemon_threads = True
+    if ssl_context is not None:  # the handshake happens on the request's own thread, not in accept()
+        httpd.socket = ssl_context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=httpd.serve_forever, daemon=True, name="router-http").start()
     return httpd

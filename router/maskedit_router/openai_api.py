@@ -27,12 +27,19 @@ from PIL import Image
 
 from maskedit_client import EditClient, EditError
 
+from .auth import Forbidden, Keyring, Unauthenticated, bearer
 from .limits import HttpLimits
+from .metrics import retry_after
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
 
 log = logging.getLogger("maskedit.router.openai")
 MAX_BODY_BYTES = 96 << 20  # a 4096x4096 template and its mask as PNG, with room
+# routes that change the served set: admin keys only (the LoRA adapter endpoints vLLM names so)
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+TENANT = web.RequestKey("tenant", object)  # the request's auth.Tenant
+API_KEY = web.RequestKey("api_key", object)  # its key, carried to the gRPC port (None: open mode)
+MAX_CLIENTS = 256  # upstream clients kept, one per API key in use (each carries its key to the gRPC port)
 
 
 async def read_form(request: web.Request) -> dict:
@@ -69,16 +76,21 @@ class OpenAIFrontend:
     """The aiohttp application over an ``EditClient`` (the router's gRPC address)."""
 
     def __init__(self, upstream: str, models: list[str] | None = None, timeout_s: float = 600.0,
-                 limits: HttpLimits | None = None, metrics=None):
-        self.client = EditClient(upstream, timeout_s=timeout_s)
+                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None):
+        self.upstream = upstream
+        self.keyring = keyring or Keyring()
+        self.client = EditClient(upstream, timeout_s=timeout_s)  # open mode: no key to carry
+        self._clients: dict[str, EditClient] = {}  # API key -> its client (insertion order: oldest first)
         self.models = models or ["edit"]
         self.timeout_s = timeout_s
         self.limits, self.metrics = limits or HttpLimits(), metrics
         self.inflight = 0  # edits being served (one event loop: no lock)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._bounded])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth, self._bounded])
         app.router.add_post("/v1/images/edits", self.edits)
+        for path in ADMIN_PATHS:
+            app.router.add_post(path, self.adapters)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model}", self.get_model)
         return app
@@ -89,7 +101,11 @@ class OpenAIFrontend:
         try:
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            hint = retry_after(e.message) if e.status == 429 else None
+            headers = {"Retry-After": hint} if hint else {}
+            if e.status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+            return web.json_response(e.body(), status=e.status, headers=headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -97,6 +113,43 @@ class OpenAIFrontend:
             return web.json_response(ApiError(e.status, e.reason if e.status != 413 else
                                               f"request body is above the limit of {MAX_BODY_BYTES} bytes",
                                               param, e.reason.lower().replace(" ", "_")).body(), status=e.status)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        """Every route needs a key when there is a key file (as vLLM's ``--api-key``); admin routes an admin key."""
+        value = request.headers.get("Authorization")
+        try:
+            tenant = self.keyring.check(value, admin=request.path in ADMIN_PATHS)
+        except Unauthenticated as e:
+            if self.metrics is not None:
+                self.metrics.auth_failed("openai", "unauthenticated")
+            raise ApiError(401, str(e), None, "invalid_api_key") from None
+        except Forbidden as e:
+            if self.metrics is not None:
+                self.metrics.auth_failed("openai", "forbidden")
+            raise ApiError(403, str(e), None, "insufficient_permissions") from None
+        request[TENANT] = tenant
+        request[API_KEY] = bearer(value) if self.keyring.enabled else None
+        return await handler(request)
+
+    def client_for(self, api_key: str | None) -> EditClient:
+        """The upstream client carrying ``api_key`` to the router's gRPC port (its limits and fair share apply
+        there, as to any gRPC caller)."""
+        if api_key is None:
+            return self.client
+        c = self._clients.pop(api_key, None)
+        if c is None:
+            c = EditClient(self.upstream, timeout_s=self.timeout_s, api_key=api_key)
+            while len(self._clients) >= MAX_CLIENTS:  # the least recently used goes (its edits have ended)
+                old = self._clients.pop(next(iter(self._clients)))
+                threading.Thread(target=_close_later, args=(old, self.timeout_s), daemon=True).start()
+        self._clients[api_key] = c  # most recently used last
+        return c
+
+    async def adapters(self, request):
+        """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: admin keys only. The backends do not serve
+        adapters yet: answered 501 once the key is checked."""
+        raise ApiError(501, f"{request.path}: the backends do not serve LoRA adapters yet", None, "not_implemented")
 
     @web.middleware
     async def _bounded(self, request, handler):
@@ -135,18 +188,19 @@ class OpenAIFrontend:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
                                 "(body_timeout_s)", None, "request_timeout") from None
         job = parse(form, self.models)
-        futures = [self._submit(job, seed) for seed in job.seeds()]
+        client = self.client_for(request.get(API_KEY))
+        futures = [self._submit(client, job, seed) for seed in job.seeds()]
         try:
             results = await asyncio.wait_for(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]),
                                              self.timeout_s)
         except EditError as e:
-            self._cancel(futures)
+            self._cancel(client, futures)
             raise from_edit_error(e.code, e.field, str(e)) from None
         except asyncio.TimeoutError:
-            self._cancel(futures)
+            self._cancel(client, futures)
             raise ApiError(504, f"no answer within {self.timeout_s:.0f} s", None, "deadline_exceeded") from None
         except asyncio.CancelledError:  # the HTTP client went away: so do its edits
-            self._cancel(futures)
+            self._cancel(client, futures)
             raise
         data = []
         for r in results:
@@ -154,35 +208,44 @@ class OpenAIFrontend:
             data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "edit_info": r.info})
         w, h = job.size or Image.open(io.BytesIO(results[0].png)).size
         log.info("openai edit", extra={"fields": {
-            "n": job.n, "user": job.user, "size": f"{w}x{h}", "latency_s": round(time.perf_counter() - t0, 3),
+            "n": job.n, "user": job.user, "tenant": request[TENANT].name, "size": f"{w}x{h}", "latency_s": round(time.perf_counter() - t0, 3),
             "cache": [r.info.get("cache") for r in results], "ignored": job.ignored}})
         return web.json_response({"created": int(time.time()), "data": data, "output_format": "png",
                                   "size": f"{w}x{h}"})
 
-    def _submit(self, job: EditJob, seed):
-        return self.client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
+    def _submit(self, client: EditClient, job: EditJob, seed):
+        return client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
                                   guidance=job.guidance, template_seed=job.template_seed,
                                   deadline_ms=job.deadline_ms, use_cache=job.use_cache,
                                   negative_prompt=job.negative_prompt)
 
-    def _cancel(self, futures) -> None:
+    def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]
         if pending:
             try:
-                self.client.cancel(*pending)
+                client.cancel(*pending)
             except Exception:  # best effort: the request is ending anyway
                 log.exception("could not cancel abandoned edits")
 
     def close(self) -> None:
         self.client.close()
+        for c in list(self._clients.values()):
+            c.close()
+
+
+def _close_later(client: EditClient, after_s: float) -> None:
+    """Close an evicted client once its edits can have ended."""
+    time.sleep(min(after_s, 60.0))
+    client.close()
 
 
 class OpenAIServer:
     """The frontend served on ``host:port`` from a thread with its own event loop; ``stop()`` ends both."""
 
     def __init__(self, upstream: str, port: int, host: str = "127.0.0.1", models: list[str] | None = None,
-                 limits: HttpLimits | None = None, metrics=None):
-        self.frontend = OpenAIFrontend(upstream, models, limits=limits, metrics=metrics)
+                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None, ssl_context=None):
+        self.frontend = OpenAIFrontend(upstream, models, limits=limits, metrics=metrics, keyring=keyring)
+        self.ssl_context = ssl_context
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
@@ -203,7 +266,7 @@ class OpenAIServer:
             self._runner = web.AppRunner(self.frontend.app(), access_log=None, handler_cancellation=True,
                                          keepalive_timeout=self.frontend.limits.keepalive_timeout_s)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
             self._loop.run_until_complete(site.start())
             self.port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
         except BaseException as e:  # reported to start()

@@ -14,6 +14,8 @@ STATUS = {
     "DEADLINE_EXCEEDED": (504, "deadline_exceeded"),
     "CANCELLED": (499, "cancelled"),
     "INTERNAL": (500, "internal_error"),
+    "UNAUTHENTICATED": (401, "invalid_api_key"),
+    "PERMISSION_DENIED": (403, "insufficient_permissions"),
     "UNKNOWN": (500, "internal_error"),
 }
 # The chain of status names a message starts with: the Python backend of Triton 2.51 has no RESOURCE_EXHAUSTED or

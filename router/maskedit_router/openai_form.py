@@ -36,7 +36,8 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
+             429: "rate_limit_error", 503: "server_error", 504: "timeout_error", 401: "authentication_error",
+             403: "permission_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

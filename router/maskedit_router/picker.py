@@ -35,7 +35,9 @@ from google.protobuf import struct_pb2
 
 from . import grpc_health, picker_body
 from .extproc_wire import metadata_context, streamed_body
+from .auth import Forbidden, Keyring, Unauthenticated
 from .limits import StreamLimits
+from .tenancy import OverLimit, retry_after_header
 from .server import NoBackend, Router, Ticket
 
 log = logging.getLogger("maskedit.router.picker")
@@ -43,7 +45,12 @@ DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-GRPC_CODE = {400: 3, 429: 8, 503: 14}  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
+GRPC_CODE = {400: 3, 401: 16, 403: 7, 429: 8, 503: 14}  # INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED,
+# RESOURCE_EXHAUSTED, UNAVAILABLE
+# paths that change the served set: admin keys only (Triton's repository load/unload, gRPC and HTTP; the adapters')
+ADMIN_PATHS = ("/inference.GRPCInferenceService/RepositoryModelLoad",
+               "/inference.GRPCInferenceService/RepositoryModelUnload", "/v1/load_lora_adapter",
+               "/v1/unload_lora_adapter")
 # Envoy multiplexes ext_proc streams on few connections: one connection may hold them all. A stream lives as long as
 # its HTTP request, so it is idle only when nothing came for longer than the longest edit.
 PICKER_LIMITS = StreamLimits(max_streams=4096, max_streams_per_connection=4096, idle_timeout_s=900.0)
@@ -52,9 +59,15 @@ PICKER_LIMITS = StreamLimits(max_streams=4096, max_streams_per_connection=4096, 
 class Refused(Exception):
     """End the HTTP request at the gateway with ``status`` (an immediate response)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after_s = status, retry_after_s
+
+
+def admin_path(path: str) -> bool:
+    from .metrics import admin_path as http_admin
+
+    return path.split("?")[0] in ADMIN_PATHS or http_admin(path)
 
 
 def subset(req: ep.ProcessingRequest) -> list[str] | None:
@@ -82,6 +95,7 @@ class _Exchange:
     ticket: Ticket | None = None
     endpoint: str | None = None
     status: int | None = None
+    tenant: object = None  # auth.Tenant once its key is checked and its limits admitted it
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -89,8 +103,28 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     chosen pod's IP with the InferencePool's target port: ``target_port`` for gRPC requests (default: the gRPC
     address's own port), ``http_target_port`` for the others (Triton's HTTP port, for a pool of HTTP routes)."""
 
-    def __init__(self, router: Router, target_port: int | None = None, http_target_port: int | None = None):
+    def __init__(self, router: Router, target_port: int | None = None, http_target_port: int | None = None,
+                 keyring: Keyring | None = None):
         self.r, self.target_port, self.http_target_port = router, target_port, http_target_port
+        self.keyring = keyring or Keyring()
+
+    def authorize(self, x: _Exchange) -> None:
+        """The request's key (its ``authorization`` header) and its key's limits; refused with 401 / 403 / 429.
+        The header is removed before the request goes on to the pod."""
+        try:
+            tenant = self.keyring.check(x.headers.get("authorization"), admin=admin_path(x.path))
+        except Unauthenticated as e:
+            self.r.metrics.auth_failed("picker", "unauthenticated")
+            raise Refused(401, f"UNAUTHENTICATED: {e}") from None
+        except Forbidden as e:
+            self.r.metrics.auth_failed("picker", "forbidden")
+            raise Refused(403, f"PERMISSION_DENIED: {e}") from None
+        try:
+            self.r.quotas.enter(tenant)
+        except OverLimit as e:
+            self.r.tenant_refused(tenant, e)
+            raise Refused(429, str(e), e.retry_after_s) from None
+        x.tenant = tenant
 
     # -- the choice ---------------------------------------------------------------------------------
     def endpoint(self, addr: str, grpc_request: bool = True) -> str:
@@ -122,13 +156,18 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             yield from self._process(x, request_iterator)
         except Refused as e:
             log.info("refused", extra={"fields": {"status": e.status, "path": x.path, "why": str(e)}})
-            yield self._immediate(x, e.status, str(e))
+            yield self._immediate(x, e.status, str(e), e.retry_after_s)
         finally:
-            if x.ticket is not None:
-                self.finished(x)
+            self.finished(x)
 
     def finished(self, x: _Exchange) -> None:
-        """The HTTP request is over: its booking ends."""
+        """The HTTP request is over: its booking ends, its tenant's books close."""
+        if x.tenant is not None:
+            self.r.quotas.leave(x.tenant)
+            self.r.metrics.tenant_ended(x.tenant.name, "ok" if x.status == 200 else "error")
+            x.tenant = None
+        if x.ticket is None:
+            return
         # a single edit's latency refits the model; a gRPC stream's lifetime says nothing about one edit
         self.r.release(x.ticket, ok=x.status == 200 and not picker_body.is_grpc(x.headers))
 
@@ -143,6 +182,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             x.headers = {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
                          for h in req.request_headers.headers.headers}
             x.path = x.headers.get(":path", "")
+            self.authorize(x)
             x.allowed = subset(req)
             if req.request_headers.end_of_stream:  # no body: decide now
                 self.choose(x, picker_body.NO_WORK)
@@ -199,7 +239,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def _headers_answer(self, x: _Exchange) -> ep.ProcessingResponse:
         value = x.endpoint.encode()
         mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value))])
+            header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value))],
+            remove_headers=["authorization"] if self.keyring.enabled else [])  # keys stay at the gateway
         dynamic = struct_pb2.Struct()
         dynamic.update({LB_NAMESPACE: {DESTINATION: x.endpoint}})
         return ep.ProcessingResponse(
@@ -207,7 +248,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                                                                           clear_route_cache=True)),
             dynamic_metadata=dynamic)
 
-    def _immediate(self, x: _Exchange, status: int, message: str) -> ep.ProcessingResponse:
+    def _immediate(self, x: _Exchange, status: int, message: str,
+                   retry_after_s: float | None = None) -> ep.ProcessingResponse:
         grpc_req = picker_body.is_grpc(x.headers)
         body = ('{"error": {"message": %s, "type": "%s", "param": null, "code": null}}' % (
             json.dumps(message), "invalid_request_error" if status < 500 else "server_error"))
@@ -219,6 +261,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         else:
             imm.headers.set_headers.add(header=base_pb2.HeaderValue(key="content-type",
                                                                      raw_value=b"application/json"))
+        if retry_after_s is not None:
+            imm.headers.set_headers.add(header=base_pb2.HeaderValue(
+                key="retry-after", raw_value=retry_after_header(retry_after_s).encode()))
+        if status == 401:
+            imm.headers.set_headers.add(header=base_pb2.HeaderValue(key="www-authenticate", raw_value=b"Bearer"))
         return ep.ProcessingResponse(immediate_response=imm)
 
 

@@ -34,9 +34,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from maskedit_client.retry import Backoff, Timer
 
 from .admission import AdmissionGauge, RefusalLog
+from .auth import ANONYMOUS
 from .features import EditFeatures, deadline_s, extract, grid_tokens, set_deadline_ms
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
+from .tenancy import OverLimit, Quotas
 
 log = logging.getLogger("maskedit.router")
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
@@ -133,6 +135,13 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
         # retried with backoff for its DEADLINE_MS, else for retry_budget_s (0: failed at once, as before)
         self.retry_budget_s, self.backoff = retry_budget_s, Backoff()
         self.timer = Timer("router-retry")
+        # who may send how much (tenancy.py): per-key limits, and the fair queue in front of the backends (None: off)
+        self.quotas = Quotas()
+        self.fair = None
+
+    def tenant_refused(self, tenant, e: OverLimit) -> None:
+        self.metrics.tenant_refused(tenant.name, e.reason)
+        self.refusals.note(e.reason, f"tenant {tenant.name}: {e}")
 
     def backend_down(self, backend: "Backend", why: str) -> None:
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
@@ -325,8 +334,54 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
     def RepositoryIndex(self, request, context):
         return self._forward("RepositoryIndex", request, context)
 
+    def RepositoryModelLoad(self, request, context):
+        """Admin only (the transport checks the role): load a model on every backend (Triton answers its own error
+        unless it runs with explicit model control)."""
+        return self._forward_all("RepositoryModelLoad", request, context)
+
+    def RepositoryModelUnload(self, request, context):
+        return self._forward_all("RepositoryModelUnload", request, context)
+
+    def _forward_all(self, method: str, request, context):
+        """``method`` on every backend (the served set is the same everywhere); the first error is the answer."""
+        resp = None
+        for b in list(self.backends.values()):
+            try:
+                resp = getattr(b.stub, method)(request, timeout=_timeout(context, 120.0))
+            except grpc.RpcError as e:
+                context.abort(e.code(), f"{b.addr}: {e.details()}")
+        if resp is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no backend")
+        return resp
+
     def ModelInfer(self, request, context):
-        f = _features(request, self.resolution)
+        tenant = getattr(context, "tenant", None) or ANONYMOUS
+        try:
+            self.quotas.enter(tenant)
+        except OverLimit as e:
+            self.tenant_refused(tenant, e)
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s)
+        t0, outcome, slot = time.monotonic(), "error", False
+        try:
+            f = _features(request, self.resolution)
+            if self.fair is not None and f.runs_edit:
+                why = self.fair.wait(tenant)
+                if why is not None:
+                    outcome = "refused"
+                    self.metrics.tenant_refused(tenant.name, "fair_queue")
+                    _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why, 1.0)
+                slot = True
+            resp = self._model_infer(request, context, f)
+            outcome = "ok"
+            return resp
+        finally:
+            self.quotas.leave(tenant)
+            if slot:
+                self.fair.release()
+            if outcome != "refused":
+                self.metrics.tenant_ended(tenant.name, outcome, time.monotonic() - t0)
+
+    def _model_infer(self, request, context, f):
         tried = set()
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(self.retry_budget_s, remaining if remaining is not None else 1e9)
@@ -396,6 +451,10 @@ class _Pending:
     ticket: Ticket
     want_final: bool
     responded: bool = False
+    tenant: object = ANONYMOUS
+    t0: float = 0.0
+    slot: bool = False  # holds a slot of the router's fair queue
+    ended: bool = False
     tried: set = field(default_factory=set)  # backends that failed it before any response (not retried there)
     deadline: float = 0.0  # monotonic: retried when no backend is up until then
     attempt: int = 0
@@ -411,7 +470,8 @@ class _StreamSession:
         self.streams: dict[str, _BackendStream] = {}
         self.lock = threading.Lock()
         self.reading = True
-        self.retrying = 0  # requests waiting out a backoff before being routed again
+        self.retrying = 0  # requests waiting out a backoff (or in the fair queue) before being routed again
+        self.tenant = getattr(context, "tenant", None) or ANONYMOUS
         context.add_callback(self.on_client_gone)
         router._sessions.add(self)
 
@@ -434,9 +494,55 @@ class _StreamSession:
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
         fwd.parameters[EMPTY_FINAL].bool_param = True
         own = deadline_s(req)
-        p = _Pending(client_id, fwd, None, want_final,
+        try:
+            self.r.quotas.enter(self.tenant)
+        except OverLimit as e:  # over its key's limits: refused at once
+            self.r.tenant_refused(self.tenant, e)
+            self.out.put(_error(client_id, str(e)))
+            return
+        p = _Pending(client_id, fwd, None, want_final, tenant=self.tenant, t0=time.monotonic(),
                      deadline=time.monotonic() + (self.r.retry_budget_s if own is None else own))
-        self._send(p, rid, _features(req, self.r.resolution), exclude)
+        f = _features(req, self.r.resolution)
+        if self.r.fair is not None and f.runs_edit:
+            with self.lock:
+                self.retrying += 1  # waits in the fair queue: the stream is busy
+
+            def granted():
+                with self.lock:
+                    self.retrying -= 1
+                p.slot = True
+                if not self.context.is_active():  # the client went away while it waited
+                    self._end(p, "cancelled")
+                    self._maybe_finish()
+                    return
+                self._send(p, rid, f, exclude)
+
+            def refused(message: str):
+                with self.lock:
+                    self.retrying -= 1
+                self.r.metrics.tenant_refused(self.tenant.name, "fair_queue")
+                self.r.metrics.refused("fair_queue")
+                self._end(p, None)
+                self.out.put(_error(client_id, message))
+                self._maybe_finish()
+
+            self.r.fair.request(self.tenant, granted, refused)
+            return
+        self._send(p, rid, f, exclude)
+
+    def _end(self, p: _Pending, outcome: str | None) -> None:
+        """``p`` is over for its client (answered, failed, refused or abandoned): its tenant's books close, once.
+        ``outcome`` None: already counted (a refusal)."""
+        with self.lock:
+            if p.ended:
+                return
+            p.ended = True
+        self.r.quotas.leave(p.tenant)
+        if p.slot:
+            p.slot = False
+            self.r.fair.release()
+        if outcome is not None:
+            self.r.metrics.tenant_ended(p.tenant.name, outcome, time.monotonic() - p.t0)
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
@@ -445,6 +551,7 @@ class _StreamSession:
             if e.code == grpc.StatusCode.UNAVAILABLE and self._retry_later(p, rid, f):
                 return
             retried = f" (retried {p.attempt} times)" if p.attempt else ""
+            self._end(p, "refused" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error")
             self.out.put(_error(p.client_id, f"{e.code.name}: {e}{retried}"))
             self._maybe_finish()
             return
@@ -473,6 +580,7 @@ class _StreamSession:
         with self.lock:
             self.retrying -= 1
         if not self.context.is_active():  # the client went away meanwhile
+            self._end(p, "cancelled")
             self._maybe_finish()
             return
         if deadline_s(p.request) is not None:  # what is left of its own deadline
@@ -508,6 +616,7 @@ class _StreamSession:
             p.responded = True
         if final or error:
             self.r.release(p.ticket, ok=not error)
+            self._end(p, "error" if error else "ok")
             self._retire(backend)
             self._maybe_finish()
 
@@ -530,6 +639,7 @@ class _StreamSession:
                 return False
             del self.pending[rid]
         self.r.release(p.ticket, ok=False)
+        self._end(p, "refused")
         waited = time.monotonic() - p.ticket.t0
         self.out.put(_error(p.client_id, f"RESOURCE_EXHAUSTED: waited {waited:.2f} s in front of backend "
                                          f"{p.ticket.backend.addr}'s admission check; refused by the router, retry "
@@ -553,6 +663,7 @@ class _StreamSession:
         else failed (never replayed)."""
         self.r.release(p.ticket, ok=False)
         if p.responded or not self.context.is_active():
+            self._end(p, "error")
             self.out.put(_error(p.client_id, f"UNAVAILABLE: backend {backend.addr} failed after this request had "
                                              f"streamed responses; it is not replayed ({why})"))
             return
@@ -589,6 +700,7 @@ class _StreamSession:
         for rid, p in abandoned:
             by_backend.setdefault(p.ticket.backend, []).append(rid)
             self.r.release(p.ticket, ok=False)
+            self._end(p, "cancelled")
         for backend, ids in by_backend.items():
             _cancel_on_backend(backend, ids)
         for bs in list(self.streams.values()):
@@ -720,6 +832,15 @@ def _with_request_id(message: str, client_id: str) -> str:
     if not client_id or f"request id: {client_id}" in message:
         return message
     return f"{message} [request id: {client_id}]"
+
+
+def _abort(context, code, details: str, retry_after_s: float):
+    """Abort a call with a ``retry-after`` hint in its trailing metadata (where the context takes one)."""
+    try:
+        context.set_trailing_metadata((("retry-after", f"{retry_after_s:.3f}"),))
+    except Exception:  # a context without trailing metadata (tests)
+        pass
+    context.abort(code, details)
 
 
 def _error(client_id: str, message: str):

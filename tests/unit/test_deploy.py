@@ -15,7 +15,7 @@ from maskedit_router.__main__ import parser as router_parser
 from tests.conftest import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
-OVERLAYS = ["standalone", "gateway"]
+OVERLAYS = ["standalone", "gateway", "secured"]
 SCHEMAS = {}
 for path in (DEPLOY / "schemas").glob("*.json"):
     s = json.loads(path.read_text())
@@ -131,7 +131,7 @@ def _router_args(dep):
 def test_router_and_picker_find_the_triton_pods_and_expose_their_ports(objects):
     overlay, objs = objects
     deps, svcs = _by_kind(objs, "Deployment"), _by_kind(objs, "Service")
-    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker"}[overlay]
+    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker", "secured": "maskedit-router"}[overlay]
     args = _router_args(deps[name])
     host, port = args.backends_dns.split(":")
     assert host in svcs and svcs[host]["spec"]["clusterIP"] == "None"
@@ -174,3 +174,23 @@ def test_the_image_has_what_the_manifests_run():
     serve = (REPO_ROOT / "requirements-serve.txt").read_text()
     for pkg in ("tritonclient[all]", "aiohttp", "xds-protos", "prometheus-client"):
         assert f"\n{pkg}==" in serve, pkg
+
+
+def test_the_secured_overlay_mounts_the_key_file_and_certificate_from_secrets_where_the_settings_point():
+    from maskedit_common.settings import VARIABLES
+
+    objs = render("secured")
+    router = _by_kind(objs, "Deployment")["maskedit-router"]["spec"]["template"]["spec"]
+    c = router["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert {"MASKEDIT_API_KEYS_FILE", "MASKEDIT_TLS_CERT", "MASKEDIT_TLS_KEY"} <= set(env)
+    assert set(env) <= {v.name for v in VARIABLES}  # names the settings read
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in router["volumes"] if "secret" in v}
+    for var, secret in (("MASKEDIT_API_KEYS_FILE", "maskedit-api-keys"), ("MASKEDIT_TLS_CERT", "maskedit-router-tls"),
+                        ("MASKEDIT_TLS_KEY", "maskedit-router-tls")):
+        d = env[var].rsplit("/", 1)[0]
+        assert secrets[mounts[d]] == secret, var
+    assert all(m.get("readOnly") for m in c["volumeMounts"] if m["name"] in ("api-keys", "tls"))
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"  # /health stays open, over TLS
+    assert not any(o["kind"] == "Secret" for o in objs)  # the secrets themselves are never in the repository

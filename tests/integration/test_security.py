@@ -1,0 +1,114 @@
+"""Keys and TLS on the router in front of a real tritonserver: the project's client with its key and the CA
+edits, without them it gets UNAUTHENTICATED / a transport error; Triton's HTTP protocol answers 401 / 403; the
+official ``openai`` client with ``api_key=`` edits, with a wrong key gets 401, a user key on an adapter route 403."""
+
+import base64
+import io
+import ssl
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from maskedit.launcher import free_port
+from maskedit_client import EditClient, EditError
+from maskedit_lab.cluster import running_backends
+from maskedit_router.__main__ import build, serve
+from maskedit_router.auth import Keyring
+from maskedit_router.health import HealthChecker
+from maskedit_router.openai_api import OpenAIServer
+from maskedit_router.tls import TlsFiles
+from tests.conftest import png
+from tests.tls_certs import make_cert
+
+USER, ADMIN = "sk-user-0123456789abcdef", "sk-admin-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def secured(settings, tmp_path_factory):
+    d = tmp_path_factory.mktemp("security")
+    keys = d / "keys.txt"
+    keys.write_text(f"{USER} acme user\n{ADMIN} ops admin\n")
+    cert, key = make_cert(d / "tls")
+    tls = TlsFiles.of(cert, key)
+    with running_backends(1, d, {"MASKEDIT_MODEL_DIR": str(settings.model_dir)}) as (servers, _):
+        router = build([s.grpc_url for s in servers])
+        ring = Keyring(keys)
+        http_port, openai_port = free_port(), free_port()
+        srv, port, httpd = serve(router, 0, http_port, keyring=ring, tls=tls)
+        checker = HealthChecker(router).start()
+        api = OpenAIServer(f"127.0.0.1:{srv.loopback_port}", openai_port, keyring=ring,
+                           ssl_context=tls.ssl_context()).start()
+        try:
+            yield {"url": f"127.0.0.1:{port}", "cert": cert, "http": http_port, "openai": openai_port}
+        finally:
+            api.stop()
+            checker.stop()
+            srv.stop(grace=1).wait(10)
+            httpd.shutdown()
+
+
+def test_the_client_with_its_key_and_the_ca_edits_and_without_them_fails(secured, template_img, box_mask):
+    with EditClient(secured["url"], api_key=USER, ca_file=secured["cert"], timeout_s=120) as c:
+        r = c.edit(template_img, box_mask, "a red hat", seed=1, steps=2)
+        assert r.image.size == (256, 256)
+    with EditClient(secured["url"], ca_file=secured["cert"], timeout_s=30, retry=False) as c:
+        with pytest.raises(EditError) as e:
+            c.edit(template_img, box_mask, "a red hat", seed=1, steps=2)
+        assert e.value.code == "UNAUTHENTICATED"
+    with EditClient(secured["url"], api_key="sk-wrong-0123456789abc", ca_file=secured["cert"], retry=False) as c:
+        with pytest.raises(EditError) as e:
+            c.edit(template_img, box_mask, "a red hat", seed=1, steps=2)
+        assert e.value.code == "UNAUTHENTICATED", str(e.value)
+    with EditClient(secured["url"], api_key=USER, timeout_s=10, retry=False) as c:  # plaintext on a TLS port
+        with pytest.raises(EditError) as e:
+            c.edit(template_img, box_mask, "a red hat", seed=1, steps=2, timeout_s=10)
+        assert e.value.code == "UNAVAILABLE"
+
+
+def _https(secured, path, key=None, method="GET"):
+    req = urllib.request.Request(f"https://127.0.0.1:{secured['http']}{path}", method=method,
+                                 data=b"" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=ssl.create_default_context(
+                cafile=str(secured["cert"]))) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def test_triton_http_protocol_answers_401_without_a_key_and_403_for_a_user_on_model_load(secured):
+    code, headers, _ = _https(secured, "/v2/models/edit")
+    assert code == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert _https(secured, "/v2/models/edit", "sk-nope-0123456789abcd")[0] == 401
+    code, _, body = _https(secured, "/v2/models/edit", USER)
+    assert code == 200 and b'"edit"' in body
+    assert _https(secured, "/v2/repository/models/edit/load", USER, "POST")[0] == 403
+    assert _https(secured, "/health")[0] == 200  # the probe stays open
+    assert _https(secured, "/v2/health/ready")[0] == 200
+
+
+def test_the_openai_client_with_api_key_edits(secured, template_img, box_mask):
+    http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(secured["cert"])))
+    base = f"https://127.0.0.1:{secured['openai']}/v1"
+    client = openai.OpenAI(base_url=base, api_key=USER, max_retries=0, timeout=120, http_client=http)
+    r = client.images.edit(image=("t.png", io.BytesIO(png(template_img)), "image/png"),
+                           mask=("m.png", io.BytesIO(png(box_mask)), "image/png"), prompt="a hat",
+                           extra_body={"seed": 3, "steps": 2})
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))))
+    assert img.shape[:2] == (256, 256)
+    wrong = openai.OpenAI(base_url=base, api_key="sk-wrong-0123456789abc", max_retries=0, timeout=30,
+                          http_client=http)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.PermissionDeniedError):
+        client.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/x"}, cast_to=object)
+    admin = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=30, http_client=http)
+    with pytest.raises(openai.APIStatusError) as e:  # past the role check: the backends have no adapters yet
+        admin.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/x"}, cast_to=object)
+    assert e.value.status_code == 501
+    http.close()
