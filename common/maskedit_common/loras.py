@@ -78,3 +78,21 @@ def encode(refs) -> str:
     """The JSON text of ``refs`` (``LoraRef`` or ``(name, scale)``), as the ``LORAS`` input carries it."""
     refs = [r if isinstance(r, LoraRef) else LoraRef(*r) for r in refs]
     return json.dumps([{"name": r.name, "scale": r.scale} for r in refs]) if refs else ""
+
+
+def library_names(root) -> list[str]:
+    """The adapter names in library directory ``root``: ``<name>/`` holding a ``.safetensors`` file (Diffusers /
+    PEFT) or ``<name>.safetensors`` (kohya)."""
+    from pathlib import Path
+
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and NAME.match(p.name) and any(p.glob("*.safetensors")):
+            out.append(p.name)
+        elif p.is_file() and p.suffix == ".safetensors" and NAME.match(p.stem):
+            out.append(p.stem)
+    return out
+

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from maskedit_common.loras import FIELD, NAME, LoraRef
+from maskedit_common.loras import FIELD, NAME, LoraRef, library_names
 
 from ..errors import InvalidInput
 
@@ -46,15 +46,7 @@ class AdapterLibrary:
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in sorted(self.root.iterdir()):
-            if p.is_dir() and NAME.match(p.name) and any(p.glob("*.safetensors")):
-                out.append(p.name)
-            elif p.is_file() and p.suffix == ".safetensors" and NAME.match(p.stem):
-                out.append(p.stem)
-        return out
+        return library_names(self.root)
 
     def _locate(self, name: str) -> tuple[Path, str]:
         if not NAME.match(name):
