@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mask", required=True, type=Path, help="white = edit")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--negative-prompt", help="SD 2 / SDXL models: what to steer away from")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME[:SCALE]",
+                    help="a LoRA adapter from the server's library (repeat for several), e.g. --lora style:0.8")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
         with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
-                                 deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt)
+                                 deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
+                                 loras=[_lora_arg(a) for a in args.lora] or None)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)
@@ -84,6 +87,11 @@ def main(argv=None) -> int:
     args.out.write_bytes(result.png)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
     return 0
+
+
+def _lora_arg(text: str) -> tuple[str, float]:
+    name, _, scale = text.partition(":")
+    return name, float(scale) if scale else 1.0
 
 
 if __name__ == "__main__":

@@ -261,15 +261,19 @@ class EditClient:
                guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
-               negative_prompt: str | None = None) -> Future:
+               negative_prompt: str | None = None, loras=None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
         ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
-        ``negative_prompt``: SD 2 / SDXL models (what to steer away from); Flux models refuse it."""
+        ``negative_prompt``: SD 2 / SDXL models (what to steer away from); Flux models refuse it.
+        ``loras``: LoRA adapters from the server's library: ``[("name", 0.8), ...]``, ``{"name": scale}``, a list of
+        ``{"name", "scale"}`` objects or the JSON text of one (sent as ``LORAS``)."""
         inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
                   _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
         if negative_prompt is not None:
             inputs.append(_bytes_input("NEGATIVE_PROMPT", negative_prompt.encode()))
+        if loras:
+            inputs.append(_bytes_input("LORAS", loras_json(loras).encode()))
         if seed is not None:
             inputs.append(_scalar_input("SEED", seed, "INT64", np.int64))
         if steps is not None:
@@ -387,3 +391,17 @@ class EditClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def loras_json(loras) -> str:
+    """The ``LORAS`` JSON text of ``loras`` (see ``EditClient.submit``)."""
+    import json
+
+    if isinstance(loras, (str, bytes)):
+        return loras.decode() if isinstance(loras, bytes) else loras
+    if isinstance(loras, dict) and "name" not in loras:
+        loras = list(loras.items())
+    if isinstance(loras, dict):
+        loras = [loras]
+    return json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": float(d[1]) if len(d) > 1 else 1.0}
+                       for d in loras])

@@ -66,6 +66,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("DEADLINE_MS", "deadline_ms", int, "INT64", "finish within this many ms of arrival, or fail",
                  lo=1, hi=24 * 3600 * 1000, unit=" ms", openai=True),
     RequestField("PROGRESS", "progress", bool, "BOOL", "stream step progress before the image", default=False),
+    RequestField("LORAS", "loras", str, "STRING", 'LoRA adapters by name from the adapter library, as JSON: '
+                 '[{"name": "...", "scale": 0.8}] (at most max_loras; |scale| <= max_lora_scale)', default=(),
+                 hi=8192),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}

@@ -125,6 +125,9 @@ class Settings:
     model_version: str = ""  # pins the cache key's model fingerprint (default: the weight files' size and mtime)
     cost_profile: Path | None = None  # the cost profile file (default: found in ``profiles``)
     profiles_dir: Path | None = None  # where cost profiles are (default: see ``profiles``)
+    lora_dir: Path | None = None  # the adapter library (default: ``<model_dir>/loras``); no other path is opened
+    max_loras: int = 4  # adapters per request
+    max_lora_scale: float = 4.0  # a request's adapter scale must lie in [-max, max]
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -157,6 +160,11 @@ class Settings:
         """The served model's cost profile on hardware ``slug``: ``MASKEDIT_COST_PROFILE`` if set, else
         ``profile_path(slug)``."""
         return Path(self.cost_profile) if self.cost_profile else self.profile_path(slug)
+
+    @property
+    def adapters(self) -> Path:
+        """The LoRA adapter library: ``MASKEDIT_LORA_DIR``, else ``loras/`` in the model directory."""
+        return Path(self.lora_dir) if self.lora_dir is not None else Path(self.model_dir) / "loras"
 
 
 # -- the variables --------------------------------------------------------------------------------------------
@@ -207,7 +215,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_PROFILES_DIR", "profiles_dir", Path, "where cost profiles are found and calibration writes them; "
         "the router's default profile is the benchmark model's there",
         "`perf_profiles/` in a source checkout, else the model directory"),
+    Var("MASKEDIT_LORA_DIR", "lora_dir", Path, "the LoRA adapter library: `<name>/` (Diffusers/PEFT) or "
+        "`<name>.safetensors` (kohya) per adapter; requests name adapters, never paths, and no other directory is "
+        "read", "`loras/` in the model directory"),
     # the limits every request is checked against
+    Var("MASKEDIT_MAX_LORAS", "max_loras", int, "adapters one request may name in `LORAS`"),
+    Var("MASKEDIT_MAX_LORA_SCALE", "max_lora_scale", float, "largest adapter scale magnitude accepted in `LORAS`"),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),

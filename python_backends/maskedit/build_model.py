@@ -22,16 +22,34 @@ def main(argv=None) -> None:
     ap.add_argument("--family", choices=list(REGISTRY), default="flux_fill", help="build this family's tiny preset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
+    ap.add_argument("--loras", choices=["auto", "yes", "no"], default="auto",
+                    help="also write seeded random LoRA adapters to <out>/loras (auto: for tiny presets)")
     args = ap.parse_args(argv)
     args.preset = args.preset or family_class(args.family).tiny_preset
     out = Path(args.out_dir)
+    want_loras = args.loras == "yes" or (args.loras == "auto" and "tiny" in args.preset)
     if (out / "model_index.json").exists() and not args.force:
         print(f"model exists: {out}")
+        if want_loras and not (out / "loras").is_dir():
+            print(f"wrote adapters: {', '.join(p.name for p in build_adapters(out, args.seed))}")
         return
     family = preset_family(args.preset)
     family.build(out, args.preset, args.seed)
     p = family.presets[args.preset]
     print(f"built {args.preset} ({family.name}) model in {out}: {json.dumps(asdict(p) if is_dataclass(p) else p)}")
+    if want_loras:
+        print(f"wrote adapters: {', '.join(p.name for p in build_adapters(out, args.seed))}")
+
+
+def build_adapters(model_dir: Path, seed: int = 0) -> list[Path]:
+    """Seeded random LoRA adapters for the model in ``model_dir`` (``maskedit.adapters.build``)."""
+    from .adapters.build import write_library
+    from .families import family_for
+    from .settings import load_settings
+
+    settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_DEVICE": "cpu"})
+    fam = family_for(model_dir)
+    return write_library(model_dir, fam, fam.load_denoiser(settings), seed=seed)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class DenoiseInputs:
     cache_key: str | None = None  # activation-cache key (None: caching off for this request)
     register: bool = False  # a template run: record even if an entry exists
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
+    loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -65,6 +66,8 @@ class DenoiseJob:
     cache: Any = None  # its ``JobCache`` once admitted (None: no cache runtime)
     tensors: Any = None  # its conditioning on the device, in its family's own dataclass
     restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
+    adapters: tuple = ()  # ((LoadedAdapter, weight), ...) once resolved (``ModelRunner.load_adapters``)
+    adapters_loaded: bool = False
 
     @property
     def steps(self) -> int:
@@ -97,11 +100,35 @@ class ModelRunner:
         self.geometry = self.family.geometry(settings)
         self.pixels_per_token = self.geometry.patch
         self.cache = cache
+        self._adapters = None  # maskedit.adapters.runtime.AdapterRuntime, made on first use
+
+    @property
+    def adapters(self):
+        if self._adapters is None:
+            from .adapters.library import AdapterLibrary
+            from .adapters.runtime import AdapterRuntime
+
+            self._adapters = AdapterRuntime(self.family, self.transformer, AdapterLibrary(self.settings.adapters))
+        return self._adapters
+
+    def load_adapters(self, job: DenoiseJob) -> None:
+        """Load (or find loaded) the job's adapters; called off the loop where the caller can (Triton's execute
+        thread), else at admission. A bad adapter fails this request only (``InvalidInput`` naming LORAS)."""
+        if not job.adapters_loaded:
+            job.adapters = self.adapters.resolve(job.inputs.loras) if job.inputs.loras else ()
+            job.adapters_loaded = True
 
     def decide(self, job: DenoiseJob) -> None:
         """Make the job's cache decision (once, before admission) and count the tokens it will compute."""
         n = int(job.inputs.latents.shape[0])
         if self.cache is None:
+            job.tokens = n
+        elif job.decision is None and job.inputs.loras and not self.family.adapters_in_masked_path:
+            # The cached (masked) block paths do not add adapter deltas yet: such a request runs in full. Its key
+            # (which includes the adapter set) is kept for when they do.
+            from .cache.decision import CacheDecision
+
+            job.decision = CacheDecision("off", job.inputs.cache_key)
             job.tokens = n
         elif job.decision is None:
             job.decision = self.cache.decide(job.inputs)
@@ -110,6 +137,7 @@ class ModelRunner:
     def prepare(self, job: DenoiseJob) -> None:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
         _check_shapes(job.inputs, self.pixels_per_token)
+        self.load_adapters(job)
         self.family.prepare_job(self, job)
         self._admit_cache(job)
 
@@ -156,14 +184,22 @@ class ModelRunner:
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
         attend and cannot be padded)."""
-        return group_by(jobs, self.family.group_key)
+        groups = group_by(jobs, self.family.group_key)
+        if self.family.adapters_in_masked_path:
+            return groups
+        return [g for group in groups for g in _adapter_split(group)]
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
-        """Advance every job by one denoising step: one denoiser call per group of ``groups``."""
+        """Advance every job by one denoising step: one denoiser call per group of ``groups``; the group's adapters
+        (``maskedit.adapters.delta``) active for the call."""
+        from .adapters import delta
+
         for group in self.groups(jobs):
             ctx = self.cache.context(group) if self.cache is not None else None
-            self.family.step(self, group, ctx)
+            plan = delta.BatchPlan([j.adapters for j in group]) if any(j.adapters for j in group) else None
+            with delta.active(plan):
+                self.family.step(self, group, ctx)
             if self.cache is not None:
                 self.cache.after_step(group)
 
@@ -177,6 +213,16 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
+
+
+def _adapter_split(group: list[DenoiseJob]) -> list[list[DenoiseJob]]:
+    """A call carrying adapters runs every row through the denoiser's own forward (where the delta hooks are), so
+    it holds only requests that compute every token (no cache hit, no recording) at one resolution (no packed
+    rows); requests with and without adapters share it. The others form their own call."""
+    if not any(j.adapters for j in group):
+        return [group]
+    plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
+    return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))
 
 
 def group_by(jobs: list[DenoiseJob], key) -> list[list[DenoiseJob]]:

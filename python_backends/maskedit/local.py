@@ -5,6 +5,7 @@ The Triton ensemble runs exactly these classes, one per model process.
 
 from __future__ import annotations
 
+import json
 import threading
 
 from .decode import Decoder
@@ -19,7 +20,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
     return DenoiseInputs(
         latents=p.latents, cond=p.cond, prompt_embeds=p.prompt_embeds, pooled_embeds=p.pooled_embeds,
         token_mask=p.token_mask, model_w=p.model_w, model_h=p.model_h, steps=p.params.steps,
-        guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register,
+        guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register, loras=p.loras,
     )
 
 
@@ -50,10 +51,12 @@ class LocalEditor:
 
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
              raw_output=False, template_seed=None, register=False,
-             use_cache=True, negative_prompt=None) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+             use_cache=True, negative_prompt=None, loras=None) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+        if loras is not None and not isinstance(loras, (str, bytes)):  # [(name, scale)] or [{"name", "scale"}]
+            loras = json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": d[1]} for d in loras])
         params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
                               template_seed=template_seed, register=register, use_cache=use_cache,
-                              negative_prompt=negative_prompt)
+                              negative_prompt=negative_prompt, loras=loras)
         p = self.pre(template, mask, params)
         if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None

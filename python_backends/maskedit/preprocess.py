@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import imaging
+from .adapters.library import AdapterLibrary
 from .cache.key import cache_key, model_fingerprint
 from .components import family, load_pipeline
 from .errors import InvalidInput
@@ -38,6 +39,7 @@ class PreparedEdit:
     template_hash: str
     was_base64: bool
     cache_key: str = ""
+    loras: tuple = ()  # its adapters checked against the library: ``ResolvedRef`` (name, scale, digest)
     # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
     latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
@@ -66,6 +68,7 @@ class Preprocessor:
         self.scheduler_config = dict(self.pipe.scheduler.config)
         self.fingerprint = model_fingerprint(settings.model_dir, settings.model_version)
         self.store = store
+        self.adapters = AdapterLibrary(settings.adapters)
         self.family = family(settings)
         geometry = self.family.geometry(settings)
         self.patch, self.multiple = geometry.patch, geometry.multiple  # pixels per token side; size multiple
@@ -91,6 +94,7 @@ class Preprocessor:
             raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (their guidance is "
                                "embedded: there is no negative row); leave it out", "NEGATIVE_PROMPT")
 
+        loras = self.adapters.resolve(params.loras) if params.loras else ()
         w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
@@ -99,11 +103,12 @@ class Preprocessor:
         prepared = PreparedEdit(
             params=params, model_w=w, model_h=h, template_rgb=template_rgb,
             alpha=imaging.soft_mask(binary, s.feather_px), token_mask=tokens,
-            template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64,
+            template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64, loras=loras,
         )
         if params.use_cache:
             prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
-                                           params.guidance, params.template_seed, self.scheduler_config, s.dtype)
+                                           params.guidance, params.template_seed, self.scheduler_config, s.dtype,
+                                           adapters=[(r.name, r.scale, r.digest) for r in loras])
         if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
         if self.store is not None and prepared.cache_key:

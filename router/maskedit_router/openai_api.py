@@ -170,8 +170,21 @@ class OpenAIFrontend:
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "maskedit"}
 
+    def _adapters(self) -> list[dict]:
+        """The LoRA adapters of the configured library (``MASKEDIT_LORA_DIR``), as models whose parent is the base
+        (vLLM lists its LoRA modules the same way)."""
+        from maskedit_common.loras import library_names
+        from maskedit_common.settings import load_settings
+
+        try:
+            names = library_names(load_settings().adapters)
+        except Exception:
+            return []
+        return [{**self._model(n), "parent": self.models[0], "type": "lora"} for n in names]
+
     async def list_models(self, request):
-        return web.json_response({"object": "list", "data": [self._model(m) for m in self.models]})
+        return web.json_response({"object": "list",
+                                  "data": [self._model(m) for m in self.models] + self._adapters()})
 
     async def get_model(self, request):
         name = request.match_info["model"]
@@ -217,7 +230,8 @@ class OpenAIFrontend:
         return client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
                                   guidance=job.guidance, template_seed=job.template_seed,
                                   deadline_ms=job.deadline_ms, use_cache=job.use_cache,
-                                  negative_prompt=job.negative_prompt)
+                                  negative_prompt=job.negative_prompt,
+                                  loras=[(r.name, r.scale) for r in job.lora] or None)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]

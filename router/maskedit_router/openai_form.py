@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from maskedit_common.loras import LoraSpecError
+from maskedit_common.loras import parse as parse_loras
 from maskedit_common.request_fields import INT_RANGE, OPENAI_EXTRAS
 from maskedit_common.settings import Settings
 
@@ -68,6 +70,7 @@ class EditJob:
     template_seed: int | None = None
     deadline_ms: int | None = None
     use_cache: bool | None = None
+    lora: tuple = ()  # LoRA adapters: ``maskedit_common.loras.LoraRef`` (name, scale), sent as LORAS
     model: str | None = None
     user: str | None = None
     ignored: list = field(default_factory=list)
@@ -236,12 +239,18 @@ def parse(form: dict, models: list[str]) -> EditJob:
         n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
         model=model or None, user=_text(form, "user"), ignored=sorted(k for k in form if k in IGNORED - {"user"}),
         **{f.attr: _extra(form, f) for f in OPENAI_EXTRAS})
+    lora = _text(form, "lora")
+    if lora:
+        try:  # an object or a list of {"name", "scale"} (vLLM-Omni's shape); the server checks its own limits
+            job.lora = parse_loras(lora, max_loras=64, max_scale=float("inf"))
+        except LoraSpecError as e:
+            raise bad("lora", str(e)) from None
     if job.seed is not None and job.seed + job.n - 1 > INT_EXTRAS["seed"][1]:
         raise bad("seed", f"seed + n - 1 must be at most {INT_EXTRAS['seed'][1]}")
     return job
 
 
 KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
-         "background"} | IGNORED | {f.attr for f in OPENAI_EXTRAS}
+         "background", "lora"} | IGNORED | {f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
-PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", **{f.name: f.attr for f in OPENAI_EXTRAS}}
+PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "LORAS": "lora", **{f.name: f.attr for f in OPENAI_EXTRAS}}

@@ -36,10 +36,14 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
-              template_seed: int, scheduler_config: dict, dtype: str) -> str:
+              template_seed: int, scheduler_config: dict, dtype: str, adapters=()) -> str:
+    """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
+    are never valid under another (none: the key of a plain request, unchanged)."""
     fields = {
         "model": fingerprint, "template": template_hash, "size": [model_w, model_h], "steps": steps,
         "guidance": round(float(guidance), 6), "template_seed": int(template_seed), "dtype": dtype,
         "scheduler": {k: v for k, v in sorted(scheduler_config.items()) if not k.startswith("_")},
     }
+    if adapters:
+        fields["adapters"] = [[str(n), round(float(s), 6), str(d)] for n, s, d in adapters]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:40]

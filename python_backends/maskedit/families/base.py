@@ -106,6 +106,21 @@ class ModelFamily(ABC):
         (``maskedit_common.flops``): the text, and anything else every mode computes in full."""
         return text
 
+    # -- LoRA adapters (``maskedit.adapters``) ------------------------------------------------------------
+    # Adapters run as unmerged deltas on the denoiser's linear layers (hooks on the layers, so any family's
+    # plain forward carries them). The mask-aware (cached) block paths compute projections with their own fused
+    # weights and do not add them yet: a family says here when its hooks do.
+    adapters_in_masked_path: ClassVar[bool] = False
+
+    def lora_prefix(self) -> str:
+        """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""
+        return self.denoiser
+
+    def lora_loader_kwargs(self, denoiser) -> dict:
+        """Extra arguments the stock pipeline's ``load_lora_weights`` passes its ``lora_state_dict`` (e.g. SDXL's
+        ``unet_config``, which maps kohya's SGM block numbers)."""
+        return {}
+
     # -- decoding (stage 3) -----------------------------------------------------------------------------
     def setup_decoder(self, vae) -> None:
         """Adjust the VAE for decoding as the stock pipeline does (e.g. upcast)."""

@@ -74,7 +74,7 @@ class TritonPythonModel:
             token_mask=io.array(request, "TOKEN_MASK").astype(bool), model_w=int(size[0]), model_h=int(size[1]),
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
-            deadline=info.get("deadline_ts"),
+            deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
         )
 
         def done(job: DenoiseJob):
@@ -105,8 +105,10 @@ class TritonPythonModel:
         def cancelled() -> bool:  # the stream's own cancel, or a cancel sent through the `cancel` model
             return sender.is_cancelled() or self.cancels.is_cancelled(rid)
 
-        self.engine.submit(DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
-                                      on_step=progress if info.get("progress_requested") else None))
+        job = DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
+                         on_step=progress if info.get("progress_requested") else None)
+        self.engine.runner.load_adapters(job)  # here, off the denoise loop; a bad adapter is refused at once
+        self.engine.submit(job)
 
     @staticmethod
     def _result(latents, size, relay, info):

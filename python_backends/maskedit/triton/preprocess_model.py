@@ -51,7 +51,7 @@ class TritonPythonModel:
             "register": params.register, "progress_requested": params.progress,
             "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
-            "guidance": params.guidance, "raw_output": params.raw_output, "base64": p.was_base64,
+            "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives

@@ -65,6 +65,9 @@ class FluxFill(ModelFamily):
 
         return FluxCacheHooks.of(denoiser)
 
+    def lora_loader_kwargs(self, denoiser) -> dict:
+        return {"return_alphas": True}  # FluxLoraLoaderMixin returns the alphas only when asked
+
     def decode(self, pipe, latents, w, h):
         from .prepare import decode
 

@@ -28,6 +28,9 @@ class UNetInpaint(ModelFamily):
             return {}
         return {"safety_checker": None, "requires_safety_checker": False}  # edits are composited into the template
 
+    def lora_loader_kwargs(self, denoiser) -> dict:
+        return {"unet_config": denoiser.config}  # as load_lora_weights passes it: kohya's SGM block numbers
+
     def load_denoiser(self, settings):
         from diffusers import UNet2DConditionModel
 

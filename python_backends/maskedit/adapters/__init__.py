@@ -1,0 +1,16 @@
+"""LoRA adapters served per request, without touching the base weights.
+
+- ``library``: the configured adapter directory (``Settings.adapters``): names to files (requests carry names,
+  never paths; nothing outside the directory is opened), file digests for the activation-cache key.
+- ``convert``: an adapter file to per-module low-rank factors, through Diffusers' own loaders (the stock
+  pipeline's ``lora_state_dict`` with the family's converters, ``convert_unet_state_dict_to_peft`` and
+  ``_create_lora_config`` for ranks and alphas): the same factors and scalings ``load_lora_weights`` gives PEFT.
+- ``delta``: unmerged low-rank deltas, ``x·Aᵀ·Bᵀ·scale`` added to each targeted projection's output through a
+  Diffusers hook on the projection (``HookRegistry``), grouped by adapter over the rows of a batch (Punica /
+  S-LoRA style): requests with different adapter sets, and with none, share one denoiser call.
+- ``runtime``: the loaded adapters of one denoiser (a host-memory cache keyed by name and digest).
+- ``build``: seeded random adapters for the tiny presets, in Diffusers and kohya formats.
+
+What is family-specific (the loader's keyword arguments, where the denoiser's keys start) is asked of the model
+family (``ModelFamily.lora_*``); nothing here imports a family.
+"""
