@@ -45,9 +45,12 @@ def _outside(mask: np.ndarray) -> np.ndarray:
     return grown == 0
 
 
-def test_models_lists_the_edit_model(api):
-    ids = [m.id for m in api["client"].models.list().data]
-    assert ids == ["edit"]
+def test_models_lists_the_edit_model(api, settings):
+    from maskedit_common.loras import library_names
+
+    models = api["client"].models.list().data
+    assert models[0].id == "edit"  # then the adapter library's, each with the base model as its parent
+    assert sorted(m.id for m in models[1:]) == sorted(library_names(settings.adapters))
     with pytest.raises(openai.NotFoundError) as e:
         api["client"].models.retrieve("dall-e-2")
     assert e.value.body["param"] == "model"
