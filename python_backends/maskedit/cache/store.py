@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .. import logs
@@ -59,7 +61,8 @@ MAPPED_CAP = 64  # entries a process keeps mapped for reuse (requests in flight 
 # a fixed cap alone would fill a small disk.
 DISK_FREE_FRACTION = 0.5
 _HEADER_ROOM = 256  # per array: its header record and alignment
-_ENOSPC_SHRINK = 0.9  # after ENOSPC the memory budget is this share of what the tier held when it happened
+_OS_ERROR = re.compile(r"os error (\d+)")  # safetensors' I/O error text
+_ENOSPC_SHRINK = 0.9  # after ENOSPC the memory budget is this share of what its filesystem can hold
 
 
 @dataclass
@@ -277,11 +280,16 @@ class ActivationStore:
                 if e.errno != errno.ENOSPC or attempt or tier != "mem":
                     self.stats.refused += 1
                     return None
-                # The filesystem is fuller than the budget allows (another user, a smaller tmpfs): hold what it held.
+                # The filesystem holds less than the budget (another user, a smaller tmpfs): keep to what it has
+                # room for, the tier's entries plus its free space, with a margin for writes in flight.
                 held = self.tier_bytes()["mem"]
-                self.mem_bytes = max(0, int(held * _ENOSPC_SHRINK))
+                try:
+                    free = shutil.disk_usage(self.mem_dir).free
+                except OSError:
+                    free = 0
+                self.mem_bytes = min(self.mem_bytes, max(0, int((held + free) * _ENOSPC_SHRINK)))
                 logs.event(log, "activation memory tier budget shrunk after ENOSPC", logging.WARNING,
-                           budget=self.mem_bytes, held=held)
+                           budget=self.mem_bytes, held=held, free=free)
         self.health.ok(tier, "write")
         self.health.ok("mem", "admit")
         self.stats.inserts += 1
@@ -291,7 +299,11 @@ class ActivationStore:
     def _write(self, path: Path, arrays: dict, info: dict) -> None:
         tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.stem}"
         try:
-            save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
+            try:
+                save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
+            except SafetensorError as e:  # its I/O errors are not OSErrors: say which errno, as the OS did
+                m = _OS_ERROR.search(str(e))
+                raise OSError(int(m.group(1)) if m else errno.EIO, str(e), str(tmp)) from None
             os.replace(tmp, path)  # the entry becomes visible complete, or not at all
             # LRU order must come from one clock: the filesystem stamps a new file with a coarse (jiffy) time,
             # which can sort before a touch made a moment earlier with the fine one.
