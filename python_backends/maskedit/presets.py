@@ -130,3 +130,15 @@ def writing(out_dir: str | Path):
 
 def write_serving_defaults(d: Path, serving: dict) -> None:
     (Path(d) / SERVING_DEFAULTS_FILE).write_text(json.dumps(serving, indent=2))
+
+
+def write_model(out_dir: str | Path, pipe, serving: dict, generated: str | None = None) -> Path:
+    """Write ``pipe`` and its serving defaults to ``out_dir`` atomically; ``generated``: the component whose weights
+    are generated at load time from ``serving["seed"]`` (its config only is written)."""
+    if generated is not None:
+        serving = {**serving, generated_key(generated): {"seed": serving["seed"]}}
+    with writing(out_dir) as tmp:
+        save(pipe, tmp, generated)
+        write_serving_defaults(tmp, serving)
+    return Path(out_dir)
+

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...presets import CORPUS, generate, generated_key, save, visible_init, write_serving_defaults, writing
+from ...presets import CORPUS, generate, visible_init, write_model
 
 # Qwen3's chat template reduced to what Flux2Klein's ``apply_chat_template(..., add_generation_prompt=True,
 # enable_thinking=False)`` renders: the user turn, the assistant header and an empty think block.
@@ -137,12 +137,7 @@ def build(out_dir: str | Path, preset: str = "klein-tiny", seed: int = 0) -> Pat
                                      transformer=transformer, is_distilled=p.distilled)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 1.0,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
-    if p.generated_transformer:
-        serving[generated_key("transformer")] = {"seed": seed}
-    with writing(out_dir) as tmp:
-        save(pipe, tmp, "transformer" if p.generated_transformer else None)
-        write_serving_defaults(tmp, serving)
-    return Path(out_dir)
+    return write_model(out_dir, pipe, serving, "transformer" if p.generated_transformer else None)
 
 
 def generate_transformer(model_dir: Path, seed: int, device, dtype):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...presets import generate, generated_key, save, train_tokenizers, visible_init, write_serving_defaults, writing
+from ...presets import generate, train_tokenizers, visible_init, write_model
 
 @dataclass(frozen=True)
 class Preset:
@@ -114,12 +114,7 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     )
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 30.0,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
-    if p.generated_transformer:
-        serving[generated_key("transformer")] = {"seed": seed}
-    with writing(out_dir) as tmp:
-        save(pipe, tmp, "transformer" if p.generated_transformer else None)
-        write_serving_defaults(tmp, serving)
-    return Path(out_dir)
+    return write_model(out_dir, pipe, serving, "transformer" if p.generated_transformer else None)
 
 
 def generate_transformer(model_dir: Path, seed: int, device, dtype):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...presets import generate, generated_key, save, train_tokenizers, visible_init, write_serving_defaults, writing
+from ...presets import generate, train_tokenizers, visible_init, write_model
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,7 @@ def build_unet(out_dir: str | Path, preset: str, seed: int = 0) -> Path:
             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 7.5, "max_sequence_length": 77,
                "preset": preset, "seed": seed}
-    if p.generated_unet:
-        serving[generated_key("unet")] = {"seed": seed}
-    with writing(out_dir) as tmp:
-        save(pipe, tmp, "unet" if p.generated_unet else None)
-        write_serving_defaults(tmp, serving)
-    return Path(out_dir)
+    return write_model(out_dir, pipe, serving, "unet" if p.generated_unet else None)
 
 
 def generate_unet(model_dir: Path, seed: int, device, dtype):
