@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..device import host_empty
 from .hooks import BlockHooks, RecordingStream
 from .modes import FULL
+from .policy import needs_output
 
 
 @dataclass
@@ -151,8 +153,6 @@ class TokenRowHooks(BlockHooks):
         return None
 
     def needs_output(self, modes: list[str]) -> list[bool]:
-        from .policy import needs_output
-
         return needs_output(modes)
 
     def view(self, job, jc, rows=None, recorder=None) -> RowView:
@@ -164,8 +164,6 @@ class TokenRowHooks(BlockHooks):
 
     def heal_recorder(self, jc, x, heal, idx_c, meta: dict, dtype, device) -> None:
         """Set ``jc.patch`` (and where its rows sit among the computed ones) to record the rows of ``jc.heal``."""
-        import numpy as np
-
         jc.patch = Recorder(x.steps, jc.heal.size, self.dim, self.dim, meta["y_blocks"], meta["kv_blocks"], dtype,
                             device)
         jc.patch_pos = torch.from_numpy(np.searchsorted(idx_c, jc.heal)).to(jc.idx_c.device)

@@ -331,17 +331,23 @@ class ActivationStore:
                     self.stats.evictions += 1
                 else:
                     self.stats.dropped += 1
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    self.health.failed("mem", "delete", e, entry=p.name)
+                if not self._remove(p, "mem"):
                     continue
-                self.health.ok("mem", "delete")
                 total -= s.st_size
             self._trim_disk()
             return total + room <= self.mem_bytes
+
+    def _remove(self, p: Path, tier: str) -> bool:
+        """Delete an entry file of ``tier``; False (the failure counted, the tier shown degraded) if it stays."""
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            self.health.failed(tier, "delete", e, entry=p.name)
+            return False
+        self.health.ok(tier, "delete")
+        return True
 
     def _to_disk(self, p: Path) -> bool:
         try:
@@ -359,12 +365,7 @@ class ActivationStore:
         for p, s in disk:
             if total <= limit:
                 break
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                self.health.failed("disk", "delete", e, entry=p.name)
+            if not self._remove(p, "disk"):
                 continue
             total -= s.st_size
             self.stats.dropped += 1
@@ -412,12 +413,7 @@ class ActivationStore:
                 self._copy_atomic(src, dst)
                 self._touch(dst)
                 self.health.ok("mem", "promote")
-                try:
-                    src.unlink()
-                except FileNotFoundError:
-                    pass
-                except OSError as e:  # an unwritable disk tier keeps its copy: a stale duplicate, not a fault
-                    self.health.failed("disk", "delete", e, entry=src.name)
+                self._remove(src, "disk")  # an unwritable disk tier keeps its copy: a stale duplicate, not a fault
         except OSError as e:
             self.health.failed("mem", "promote", e, key=key)
             return False

@@ -57,8 +57,7 @@ class UNetInpaint(ModelFamily):
     def prepare(self, pipe, scheduler_config, image, mask, token_mask, w, h, params, settings):
         from .prepare import prepare_unet
 
-        return prepare_unet(pipe, scheduler_config, image.to(dtype=image.dtype), mask, token_mask, w, h, params,
-                            settings.torch_device)
+        return prepare_unet(pipe, scheduler_config, image, mask, token_mask, w, h, params, settings.torch_device)
 
     def check_scheduler(self, scheduler_config: dict) -> None:
         from .prepare import check_unet_scheduler
