@@ -76,17 +76,9 @@ def gentd26_arrivals(path: str | Path = GENTD26, time_scale: float = 1.0, types:
     """Arrival offsets (s) and step counts from the GenTD26 request log, compressed by ``time_scale``
     (10 = ten times faster). Timestamps have second resolution; arrivals are spread uniformly in their second."""
     rng = np.random.default_rng(seed)
-    times, steps = [], []
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        for row in csv.DictReader(f):
-            if types and row["predict_type"] not in types:
-                continue
-            times.append(datetime.strptime(row["gmt_create"], "%Y-%m-%d %H:%M:%S").timestamp())
-            steps.append(int(float(row["num_inference_steps"] or 0)))
-    order = np.argsort(times, kind="stable")
-    t = np.asarray(times, float)[order] + rng.random(len(times))
-    steps = [steps[i] for i in order]
+    times, rows = _trace_rows(path, types)
+    t = times + rng.random(len(times))
+    steps = [int(float(row["num_inference_steps"] or 0)) for row in rows]
     t, steps = t[start:], steps[start:]
     if limit is not None:
         t, steps = t[:limit], steps[:limit]
@@ -97,17 +89,22 @@ def gentd26_groups(path: str | Path = GENTD26, types: tuple[str, ...] = ("INPAIN
                    limit: int | None = None, start: int = 0) -> list[str]:
     """The ``groupId`` (the production service's tenant) of each request ``gentd26_arrivals`` returns, in the same
     order and window: replayed as tenants, each with its own key."""
-    times, groups = [], []
+    groups = [row.get("groupId") or "none" for row in _trace_rows(path, types)[1]][start:]
+    return groups[:limit] if limit is not None else groups
+
+
+def _trace_rows(path, types: tuple[str, ...]) -> tuple[np.ndarray, list[dict]]:
+    """The trace's requests of ``types`` in time order (stable): their times (s) and rows."""
+    times, rows = [], []
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
         for row in csv.DictReader(f):
             if types and row["predict_type"] not in types:
                 continue
             times.append(datetime.strptime(row["gmt_create"], "%Y-%m-%d %H:%M:%S").timestamp())
-            groups.append(row.get("groupId") or "none")
+            rows.append(row)
     order = np.argsort(times, kind="stable")
-    groups = [groups[i] for i in order][start:]
-    return groups[:limit] if limit is not None else groups
+    return np.asarray(times, float)[order], [rows[i] for i in order]
 
 
 def tenant_keys(tenants, seed: int = 0) -> dict[str, str]:
