@@ -76,9 +76,17 @@ def server_env(extra: dict | None = None) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all held open while they are picked (one at a time, the kernel may hand the port
+    it just took back again; a server then found its HTTP and gRPC ports equal and would not start)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 class TritonServer:
@@ -88,9 +96,9 @@ class TritonServer:
                  metrics_port: int | None = None, env: dict | None = None, log_path: Path | None = None,
                  extra_args: list[str] | None = None):
         self.repository = Path(repository)
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        picked = iter(free_ports(3))
+        self.http_port, self.grpc_port, self.metrics_port = (p or next(picked) for p in
+                                                             (http_port, grpc_port, metrics_port))
         self.env = env or {}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.extra_args = extra_args or []
