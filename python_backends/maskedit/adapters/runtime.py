@@ -123,6 +123,11 @@ class AdapterRuntime:
             out.append((self.get(r), r.scale))
         return tuple(out)
 
+    def clear(self) -> None:
+        """Empty the device tier (requests running keep the adapters they hold)."""
+        with self._lock:
+            self._loaded.clear()
+
     @property
     def resident_bytes(self) -> int:
         with self._lock:
