@@ -150,6 +150,11 @@ def main(argv=None) -> None:
             summary.append({"set": set_name, "arrive_after": k, "without_adapters": k >= args.steps,
                             **{m: round(statistics.mean(r[m] for r in rs), 4)
                                for m in ("ssim", "psnr", "ssim_edited", "psnr_edited")}})
+        # the share of the no-adapter run's SSIM loss that early start still shows (0: exact, 1: no adapters)
+        none = next(r for r in summary if r["set"] == set_name and r["without_adapters"])
+        for r in summary:
+            if r["set"] == set_name:
+                r["ssim_loss_vs_without"] = round((1 - r["ssim"]) / max(1e-12, 1 - none["ssim"]), 4)
     result = {"model": Path(s.model_dir).name, "device": s.torch_device, "dtype": s.dtype, "size": args.size,
               "steps": args.steps, "command": "python -m maskedit_lab.lora_early_start", "summary": summary,
               "rows": rows, "load_ms": tiers}
@@ -157,7 +162,8 @@ def main(argv=None) -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for r in summary:
         print(f"{r['set']:>3} arrive after {r['arrive_after']:>2}/{args.steps}: SSIM {r['ssim']:.4f} PSNR "
-              f"{r['psnr']:.2f}  edited SSIM {r['ssim_edited']:.4f} PSNR {r['psnr_edited']:.2f}")
+              f"{r['psnr']:.2f}  edited SSIM {r['ssim_edited']:.4f} PSNR {r['psnr_edited']:.2f}  SSIM loss "
+              f"{r['ssim_loss_vs_without']:.1%} of the no-adapter run's")
     for r in tiers:
         print(f"{r['adapter']:>14} ({r['bytes'] / 1e6:.2f} MB): library {r['library_ms']:.1f} ms, host "
               f"{r['host_ms']:.1f} ms, device {r['device_ms']:.3f} ms")

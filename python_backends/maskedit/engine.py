@@ -119,7 +119,9 @@ class DenoiseEngine:
         # Adapters: a failed load fails its request alone; a request still loading waits unseen by the scheduler;
         # under early start, admitted requests whose adapters arrived carry them from this step on.
         bad = [(j, self.runner.adapter_failure(j)) for j in self._waiting]
-        bad = [(j, e) for j, e in bad if e is not None]
+        bad = [(j, e) for j, e in bad if e is not None] + \
+            [(j, Cancelled("request was cancelled by the client")) for j in self._waiting
+             if self.runner.adapters_pending(j) and j.is_cancelled()]  # it may wait long: checked while it does
         for job, err in self.runner.patch_adapters(self._running):  # loads that failed after they started
             self._running = [j for j in self._running if j is not job]
             self.runner.release(job, ok=False)

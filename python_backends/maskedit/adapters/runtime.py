@@ -77,13 +77,13 @@ class AdapterRuntime:
                 return hit
             try:
                 adapter = self._load(ref)
+                self._keep(key, adapter)  # before the gate goes: a later caller finds it kept
             except Exception:
                 self.stats.count("device", "failed")
                 raise
             finally:
                 with self._lock:
                     self._inflight.pop(key, None)
-            self._keep(key, adapter)
         return adapter
 
     def _load(self, ref: ResolvedRef) -> convert.LoadedAdapter:

@@ -19,7 +19,7 @@ from maskedit.adapters.prefetch import AdapterPrefetcher
 from maskedit.adapters.runtime import AdapterRuntime
 from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.engine import DenoiseEngine
-from maskedit.errors import InvalidInput
+from maskedit.errors import Cancelled, InvalidInput
 from maskedit.families import family_for
 
 SPECS = (("a4", 4, "attn", False), ("m8", 8, "attn+mlp", False), ("a16", 16, "attn", False))
@@ -172,10 +172,12 @@ def test_a_slow_adapter_load_never_stalls_the_other_requests(settings, runner, l
     eng = DenoiseEngine(r, max_batch=4)
     try:
         slow = Outcome(replace(inputs, loras=(tiers.ref("m8", 0.9),)))
+        gone = Outcome(replace(inputs, loras=(tiers.ref("a16"),)), is_cancelled=lambda: True)
         plain = Outcome(inputs)
-        eng.submit(slow.job)
-        eng.submit(plain.job)
+        for o in (slow, gone, plain):
+            eng.submit(o.job)
         assert plain.event.wait(60) and plain.error is None and plain.done.step_index == 3
+        assert gone.event.wait(60) and isinstance(gone.error, Cancelled)  # cancelled while its load waited
         assert not slow.event.is_set() and slow.job.step_index == 0 and slow.job.started_at is None
         assert eng.stats()["loading_adapters"] == 1
         gate.set()
