@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import threading
@@ -102,6 +103,62 @@ def tier_times(ed: LocalEditor, names: list[str], repeats: int) -> list[dict]:
     return rows
 
 
+# FLUX.1-Fill-dev's transformer (the ``flux-dev`` preset's config): its adapters are what users bring
+FLUX_DEV = {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
+            "guidance_embeds": True, "in_channels": 384, "joint_attention_dim": 4096, "num_attention_heads": 24,
+            "num_layers": 19, "num_single_layers": 38, "out_channels": 64, "patch_size": 1,
+            "pooled_projection_dim": 768}
+
+
+def wide_tier_times(scratch: Path, repeats: int, rank: int = 16) -> dict:
+    """The host tier against the library file for a rank-``rank`` attention + MLP adapter of FLUX.1-Fill-dev's
+    transformer in bfloat16 (as served on GPUs): conversion needs only the module tree, so no weights are made."""
+    import torch
+
+    from maskedit.adapters import skeleton
+    from maskedit.adapters.build import random_lora
+    from maskedit.adapters.host_cache import AdapterHostCache, entry_key
+    from maskedit.adapters.library import AdapterLibrary
+    from maskedit.adapters.runtime import from_library
+    from maskedit.families import family_for
+
+    model = scratch / "flux-dev-config"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "FluxFillPipeline",
+                                                        "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    (model / "transformer" / "config.json").write_text(json.dumps(FLUX_DEV))
+    s = replace(load_settings(), model_dir=model, dtype="bfloat16")
+    fam = family_for(model)
+    skel = skeleton.denoiser_skeleton(s, fam)
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in random_lora(skel, rank, "attn+mlp", 0).items()}
+    fam.pipeline_class().save_lora_weights(model / "loras" / "wide", transformer_lora_layers=sd)
+    lib = AdapterLibrary(model / "loras")
+    ref = ResolvedRef("wide", 1.0, lib.file("wide").digest)
+    host = AdapterHostCache(Path(tempfile.mkdtemp(prefix="lora-wide-", dir="/dev/shm")), 8 << 30)  # RAM, as served
+    key = entry_key("wide", ref.digest, skeleton.fingerprint(s, fam))
+    t = {"library": [], "host_write": [], "host": []}
+    threads = torch.get_num_threads()
+    # One intra-op thread: on this shared 2-core host torch's threaded copies and reductions over 760 small tensors
+    # took 10-30x longer than with one (the threads wait for busy cores); a many-core GPU host does not see that.
+    torch.set_num_threads(1)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a = from_library(lib, ref, fam, skel, device="cpu", dtype=torch.bfloat16)
+        t1 = time.perf_counter()
+        host.put(key, a)
+        t2 = time.perf_counter()
+        b = host.get(key, "cpu", torch.bfloat16)
+        t3 = time.perf_counter()
+        assert b is not None and b.nbytes == a.nbytes
+        t["library"].append(t1 - t0), t["host_write"].append(t2 - t1), t["host"].append(t3 - t2)
+    torch.set_num_threads(threads)
+    out = {"adapter": f"FLUX.1-Fill-dev widths, rank {rank}, attention + MLP, bfloat16", "bytes": a.nbytes,
+            "modules": len(a.modules), "file_bytes": lib.file("wide").path.stat().st_size,
+            "torch_threads": 1, **{f"{k}_ms": round(1000 * statistics.median(v), 1) for k, v in t.items()}}
+    shutil.rmtree(host.dir, ignore_errors=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=256)
@@ -109,6 +166,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arrive", default="1,2,4,8", help="steps after which the adapters arrive")
     ap.add_argument("--cases", type=int, default=3, help="(template, mask) cases per adapter set")
     ap.add_argument("--repeats", type=int, default=5, help="load-time repeats per adapter and tier")
+    ap.add_argument("--no-wide", dest="wide", action="store_false", help="skip the FLUX.1-width load times")
     ap.add_argument("--out", type=Path, default=RESULTS / "lora_early_start.json")
     args = ap.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="lora-early-"))
@@ -143,6 +201,7 @@ def main(argv=None) -> None:
         tiers = tier_times(ed, sorted(ed.runner.adapters.library.names()), args.repeats)
     finally:
         ed.close()
+    wide = wide_tier_times(scratch, max(1, args.repeats // 2)) if args.wide else None
     summary = []
     for set_name in SETS:
         for k in arrive:
@@ -157,7 +216,8 @@ def main(argv=None) -> None:
                 r["ssim_loss_vs_without"] = round((1 - r["ssim"]) / max(1e-12, 1 - none["ssim"]), 4)
     result = {"model": Path(s.model_dir).name, "device": s.torch_device, "dtype": s.dtype, "size": args.size,
               "steps": args.steps, "command": "python -m maskedit_lab.lora_early_start", "summary": summary,
-              "rows": rows, "load_ms": tiers}
+              "rows": rows, "load_ms": tiers,
+              "load_ms_flux_dev_widths": wide}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for r in summary:
@@ -167,6 +227,10 @@ def main(argv=None) -> None:
     for r in tiers:
         print(f"{r['adapter']:>14} ({r['bytes'] / 1e6:.2f} MB): library {r['library_ms']:.1f} ms, host "
               f"{r['host_ms']:.1f} ms, device {r['device_ms']:.3f} ms")
+    if wide:
+        print(f"{wide['adapter']} ({wide['bytes'] / 1e6:.0f} MB): library {wide['library_ms']:.0f} ms, host write "
+              f"{wide['host_write_ms']:.0f} ms, host read {wide['host_ms']:.0f} ms")
+    shutil.rmtree(scratch, ignore_errors=True)
     print(f"wrote {args.out}")
 
 

@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -36,6 +37,13 @@ from .stats import AdapterStats
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 _STALE_TMP_S = 600.0
+
+
+def _copy(arrays, name: str, device, dtype) -> torch.Tensor:
+    """One mapped array as a tensor of its own memory on ``device``: copied by numpy (one memcpy; torch's threaded
+    copy of a small tensor costs far more when the host's cores are busy), then moved or cast if needed."""
+    t = as_tensor(np.array(arrays[name], copy=True), arrays.dtypes[name])
+    return t.to(device, dtype or t.dtype).contiguous()
 
 
 def entry_key(name: str, digest: str, fingerprint: str) -> str:
@@ -99,10 +107,8 @@ class AdapterHostCache:
             meta = info["adapter"]
             modules = {}
             for name, (alpha, r, rslora) in meta["modules"].items():
-                A, B = (as_tensor(arrays[f"{name}.lora_{x}"], arrays.dtypes[f"{name}.lora_{x}"]) for x in "AB")
-                modules[name] = LoraModule(A.to(device, dtype or A.dtype, copy=True).contiguous(),
-                                           B.to(device, dtype or B.dtype, copy=True).contiguous(),
-                                           float(alpha), int(r), bool(rslora))
+                A, B = (_copy(arrays, f"{name}.lora_{x}", device, dtype) for x in "AB")
+                modules[name] = LoraModule(A, B, float(alpha), int(r), bool(rslora))
             adapter = LoadedAdapter(meta["name"], meta["digest"], meta["format"], modules)
         except FileNotFoundError:
             self.stats.count("host", "miss")
