@@ -9,7 +9,7 @@ steps`` is the request served without its adapters at all: how far the adapters 
 early-start figures are read against. Side by side in one run: the tiers' load times (library file read and
 converted; the host tier's converted copy; the device tier) for each adapter of the library.
 
-Writes perf_profiles/results/lora_early_start.json."""
+Writes perf_profiles/results/lora_early_start.json and .png (``--plot-only`` redraws the plot from the JSON)."""
 
 from __future__ import annotations
 
@@ -159,6 +159,37 @@ def wide_tier_times(scratch: Path, repeats: int, rank: int = 16) -> dict:
     return out
 
 
+def plot(result: dict, path: Path) -> None:
+    """Early start's SSIM loss against the step its adapters arrive, and each tier's load time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for set_name in SETS:
+        rs = [r for r in result["summary"] if r["set"] == set_name and not r["without_adapters"]]
+        ax1.plot([r["arrive_after"] for r in rs], [100 * r["ssim_loss_vs_without"] for r in rs], marker="o",
+                 label=" + ".join(f"{n} @{w}" for n, w in SETS[set_name]))
+    ax1.set_xlabel(f"adapters arrive after step (of {result['steps']})")
+    ax1.set_ylabel("SSIM loss, % of the no-adapter run's")
+    ax1.set_title(f"early start vs exact ({result['model']}, {result['dtype']}, {result['device']})")
+    ax1.legend(fontsize=8)
+    rows = result["load_ms"] + ([result["load_ms_flux_dev_widths"]] if result.get("load_ms_flux_dev_widths") else [])
+    labels = [r["adapter"].split(",")[0].replace("FLUX.1-Fill-dev widths", "FLUX.1 r16") for r in rows]
+    x = np.arange(len(rows))
+    for i, tier in enumerate(("library", "host")):
+        ax2.bar(x + (i - 0.5) * 0.38, [r[f"{tier}_ms"] for r in rows], 0.38, label=tier)
+    ax2.set_xticks(x, labels, rotation=20, fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("load time (ms, median)")
+    ax2.set_title("adapter load by tier (device tier: ~0.005 ms)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=256)
@@ -168,7 +199,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="load-time repeats per adapter and tier")
     ap.add_argument("--no-wide", dest="wide", action="store_false", help="skip the FLUX.1-width load times")
     ap.add_argument("--out", type=Path, default=RESULTS / "lora_early_start.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
     scratch = Path(tempfile.mkdtemp(prefix="lora-early-"))
     s = replace(load_settings(), lora_early_start=True, lora_host_dir=scratch / "host")
     ed = LocalEditor(s)
@@ -220,6 +255,7 @@ def main(argv=None) -> None:
               "load_ms_flux_dev_widths": wide}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out.with_suffix(".png"))
     for r in summary:
         print(f"{r['set']:>3} arrive after {r['arrive_after']:>2}/{args.steps}: SSIM {r['ssim']:.4f} PSNR "
               f"{r['psnr']:.2f}  edited SSIM {r['ssim_edited']:.4f} PSNR {r['psnr_edited']:.2f}  SSIM loss "
