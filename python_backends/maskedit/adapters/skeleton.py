@@ -31,7 +31,10 @@ def denoiser_skeleton(settings, family):
 
 def fingerprint(settings, family) -> str:
     """The denoiser's class, config file and compute dtype, hashed: the same in every process serving the model."""
-    config = (Path(settings.model_dir) / family.denoiser / "config.json").read_bytes()
+    try:
+        config = (Path(settings.model_dir) / family.denoiser / "config.json").read_bytes()
+    except OSError:  # no config file to share: this model directory alone
+        config = str(Path(settings.model_dir).resolve()).encode()
     h = hashlib.sha256(config)
     h.update(f"|{family.pipeline_class_name}|{family.denoiser}|{settings.dtype}".encode())
     return h.hexdigest()[:12]
