@@ -8,7 +8,8 @@ metadata carries an xxh3 checksum per array, ``integrity.table``), opened throug
 verified whole on every read; a corrupt entry is deleted and counted, and its adapter comes from the library file
 again. Writes go to a hidden temporary file renamed into place (an entry is visible complete or not at all); LRU
 order is the file's access time, set on every read; eviction runs under an inter-process ``flock`` and keeps the
-directory within its byte budget. Keys are the adapter's name, its file's digest and the denoiser's fingerprint
+directory within its byte budget. One conversion per host: a process converting an adapter holds a marker file
+(``claim``); the others wait for its entry (``wait``, on loader threads) instead of converting it too. Keys are the adapter's name, its file's digest and the denoiser's fingerprint
 (``skeleton.fingerprint``). Storage errors (a full ``/dev/shm``) are logged and counted, never raised: this tier is
 an optimisation, the library file stays the source."""
 
@@ -75,8 +76,12 @@ class AdapterHostCache:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def _sweep_tmp(self) -> None:
-        """Temporary files of writers that died mid-way (their pid is gone) or long ago."""
+        """Temporary files of writers that died mid-way (their pid is gone) or long ago, and their markers."""
         now = time.time()
+        for p in self.dir.glob(".loading-*"):  # conversion markers of processes gone
+            if not self._live(p):
+                with contextlib.suppress(OSError):
+                    p.unlink()
         for p in self.dir.glob(".tmp-*"):
             pid = p.name.split("-")[2] if p.name.count("-") >= 3 else ""
             with contextlib.suppress(OSError):
@@ -136,6 +141,53 @@ class AdapterHostCache:
         with contextlib.suppress(OSError):
             st = path.stat()
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+
+    # -- one conversion per host ----------------------------------------------------------------------
+    def _marker(self, key: str) -> Path:
+        return self.dir / f".loading-{key}"
+
+    def claim(self, key: str) -> bool:
+        """Mark ``key`` as being converted by this process (False if a live process holds the mark), so that the
+        host's other processes wait for its entry instead of converting the same file too."""
+        m = self._marker(key)
+        for _ in range(2):
+            try:
+                fd = os.open(m, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                if self._live(m):
+                    return False
+                with contextlib.suppress(OSError):
+                    m.unlink()  # its holder died or hung: taken over
+                continue
+            except OSError:
+                return True  # no mark possible (a full tier): convert without one
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return True
+        return False
+
+    def release(self, key: str) -> None:
+        with contextlib.suppress(OSError):
+            self._marker(key).unlink()
+
+    @staticmethod
+    def _live(marker: Path) -> bool:
+        try:
+            pid = marker.read_text().strip()
+            age = time.time() - marker.stat().st_mtime
+        except OSError:
+            return False
+        if not pid:  # created a moment ago, its pid not written yet
+            return age < 5.0
+        return pid.isdigit() and Path(f"/proc/{pid}").exists() and age < _STALE_TMP_S
+
+    def wait(self, key: str, timeout: float) -> bool:
+        """Wait (up to ``timeout`` seconds; on a loader thread, never the loop) while another live process converts
+        ``key``; True if its entry is there now."""
+        m, deadline = self._marker(key), time.monotonic() + timeout
+        while not self.contains(key) and m.exists() and self._live(m) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.contains(key)
 
     # -- writes -------------------------------------------------------------------------------------
     def put(self, key: str, adapter: LoadedAdapter) -> bool:

@@ -60,6 +60,10 @@ class AdapterPrefetcher:
     def _load(self, job) -> bool:
         ref, key = job
         t0 = time.perf_counter()
+        if not self.host.claim(key):  # a denoise instance (or another prefetch) converts it already
+            with self._mu:
+                self._inflight.discard(key)
+            return False
         try:
             adapter = from_library(self.library, ref, self.family, self._denoiser(), device="cpu",
                                    dtype=torch_dtype(self.settings))
@@ -70,6 +74,7 @@ class AdapterPrefetcher:
                        error=f"{type(e).__name__}: {str(e)[:200]}")
             return False
         finally:
+            self.host.release(key)
             with self._mu:
                 self._inflight.discard(key)
         dt = time.perf_counter() - t0

@@ -52,6 +52,7 @@ class AdapterRuntime:
         self._loaded: OrderedDict[tuple[str, str], convert.LoadedAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], threading.Lock] = {}
+        self.host_wait_s = 30.0  # the longest wait for another process's conversion of the same adapter
 
     def cached(self, ref: ResolvedRef, count: bool = True) -> convert.LoadedAdapter | None:
         """The device tier's copy, or None."""
@@ -92,11 +93,22 @@ class AdapterRuntime:
         hkey = entry_key(ref.name, ref.digest, self.fingerprint) if self.host is not None and ref.digest else None
         adapter = self.host.get(hkey, p.device, p.dtype) if hkey else None
         source = "host"
+        claimed = False
+        if adapter is None and hkey:
+            claimed = self.host.claim(hkey)
+            # another process (pre-processing's prefetch, another instance) converting it: its entry, not a second
+            # conversion
+            if not claimed and self.host.wait(hkey, self.host_wait_s):
+                adapter = self.host.get(hkey, p.device, p.dtype)
         if adapter is None:
             source = "library"
-            adapter = from_library(self.library, ref, self.family, self.denoiser)
-            if hkey:
-                self.host.put(hkey, adapter)  # for the next process (and for this one after a device eviction)
+            try:
+                adapter = from_library(self.library, ref, self.family, self.denoiser)
+                if hkey:
+                    self.host.put(hkey, adapter)  # for the next process (and this one after a device eviction)
+            finally:
+                if claimed:
+                    self.host.release(hkey)
         dt = time.perf_counter() - t0
         self.stats.loaded(source, dt)
         logs.event(log, "adapter loaded", name=ref.name, digest=ref.digest, source=source, format=adapter.format,

@@ -44,6 +44,7 @@ def tiers(settings, runner, lib, tmp_path):
                               skeleton.fingerprint(settings, fam))
 
     make.library = library
+    make.scratch = tmp_path
     make.ref = lambda name, scale=1.0: ResolvedRef(name, scale, library.file(name).digest)
     return make
 
@@ -85,6 +86,25 @@ def test_prefetch_from_preprocessing_fills_the_host_tier(settings, tiers, tmp_pa
     rt = tiers()
     _same(rt.get(ref), reference)
     assert rt.stats.get("host", "hit") == 1
+
+
+def test_a_conversion_in_progress_in_another_process_is_waited_for(tiers, monkeypatch):
+    ref = tiers.ref("a16")
+    converted = tiers(host_dir=tiers.scratch / "elsewhere").get(ref)
+    rt = tiers()
+    key = entry_key("a16", ref.digest, rt.fingerprint)
+    assert rt.host.claim(key) and not rt.host.claim(key)  # "another process" is converting it (a live pid)
+    monkeypatch.setattr(convert, "load", lambda *a, **k: pytest.fail("converted while another process was"))
+    got = []
+    t = threading.Thread(target=lambda: got.append(rt.get(ref)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive(), "it should wait for the other conversion"
+    rt.host.put(key, converted)
+    rt.host.release(key)
+    t.join(30)
+    _same(got[0], converted)
+    assert rt.stats.get("host", "hit") == 1 and rt.host.wait(key, 0.0)  # entry there, no marker left
 
 
 def test_both_tiers_evict_least_recently_used_within_their_budgets(tiers):
