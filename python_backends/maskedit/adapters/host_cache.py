@@ -9,8 +9,8 @@ verified whole on every read; a corrupt entry is deleted and counted, and its ad
 again. Writes go to a hidden temporary file renamed into place (an entry is visible complete or not at all); LRU
 order is the file's access time, set on every read; eviction runs under an inter-process ``flock`` and keeps the
 directory within its byte budget. One conversion per host: a process converting an adapter holds a marker file
-(``claim``); the others wait for its entry (``wait``, on loader threads) instead of converting it too. Keys are the adapter's name, its file's digest and the denoiser's fingerprint
-(``skeleton.fingerprint``). Storage errors (a full ``/dev/shm``) are logged and counted, never raised: this tier is
+(``claim``); the others wait for its entry (``wait``, on loader threads) instead of converting it too. Keys are
+the adapter's name, its file's digest and the denoiser's fingerprint (``skeleton.fingerprint``). Storage errors (a full ``/dev/shm``) are logged and counted, never raised: this tier is
 an optimisation, the library file stays the source."""
 
 from __future__ import annotations
