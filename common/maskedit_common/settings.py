@@ -128,6 +128,11 @@ class Settings:
     lora_dir: Path | None = None  # the adapter library (default: ``<model_dir>/loras``); no other path is opened
     max_loras: int = 4  # adapters per request
     max_lora_scale: float = 4.0  # a request's adapter scale must lie in [-max, max]
+    lora_host_dir: Path | None = None  # the host tier of the adapter cache (default: see ``lora_host_cache_dir``)
+    lora_host_bytes: int = 2 << 30  # its byte budget, shared by the host's processes (0: no host tier)
+    lora_device_bytes: int = 1 << 30  # converted adapters one denoise process keeps on its device
+    lora_load_threads: int = 2  # background adapter loads of one denoise process at a time
+    lora_early_start: bool = False  # denoise before a request's adapters arrive, patch them in later (inexact)
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -165,6 +170,14 @@ class Settings:
     def adapters(self) -> Path:
         """The LoRA adapter library: ``MASKEDIT_LORA_DIR``, else ``loras/`` in the model directory."""
         return Path(self.lora_dir) if self.lora_dir is not None else Path(self.model_dir) / "loras"
+
+
+    @property
+    def lora_host_cache_dir(self) -> Path:
+        """The adapter cache's host tier: ``MASKEDIT_LORA_HOST_DIR``, else ``adapters/`` beside the activation
+        store's memory tier (``/dev/shm/maskedit-$UID/adapters`` by default)."""
+        return Path(self.lora_host_dir) if self.lora_host_dir is not None else Path(self.cache.mem_dir).parent / \
+            "adapters"
 
 
 # -- the variables --------------------------------------------------------------------------------------------
@@ -218,6 +231,18 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_LORA_DIR", "lora_dir", Path, "the LoRA adapter library: `<name>/` (Diffusers/PEFT) or "
         "`<name>.safetensors` (kohya) per adapter; requests name adapters, never paths, and no other directory is "
         "read", "`loras/` in the model directory"),
+    Var("MASKEDIT_LORA_HOST_DIR", "lora_host_dir", Path, "the adapter cache's host tier: converted adapters "
+        "shared by the host's model processes (a RAM filesystem)",
+        "`adapters/` beside `MASKEDIT_CACHE_MEM_DIR` (`/dev/shm/maskedit-$UID/adapters`)"),
+    Var("MASKEDIT_LORA_HOST_BYTES", "lora_host_bytes", _bytes, "bytes of the adapter cache's host tier (`0`: none)",
+        "2 GiB"),
+    Var("MASKEDIT_LORA_DEVICE_BYTES", "lora_device_bytes", _bytes, "bytes of converted adapters one denoise "
+        "process keeps on its device", "1 GiB"),
+    Var("MASKEDIT_LORA_LOAD_THREADS", "lora_load_threads", int, "background adapter loads one denoise process runs "
+        "at a time"),
+    Var("MASKEDIT_LORA_EARLY_START", "lora_early_start", _flag, "`1`: a request starts denoising before its "
+        "adapters are loaded and they apply from the step after they arrive (faster, inexact; docs/lora.md)",
+        "`0`"),
     # the limits every request is checked against
     Var("MASKEDIT_MAX_LORAS", "max_loras", int, "adapters one request may name in `LORAS`"),
     Var("MASKEDIT_MAX_LORA_SCALE", "max_lora_scale", float, "largest adapter scale magnitude accepted in `LORAS`"),

@@ -68,6 +68,8 @@ class DenoiseJob:
     restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
     adapters: tuple = ()  # ((LoadedAdapter, weight), ...) once resolved (``ModelRunner.load_adapters``)
     adapters_loaded: bool = False
+    adapter_load: Any = None  # the Future of its adapters' background load (``maskedit.adapters.jobs``), if one
+    adapters_from_step: int | None = None  # the step its adapters applied from (> 0 only under early start)
 
     @property
     def steps(self) -> int:
@@ -100,22 +102,58 @@ class ModelRunner:
         self.geometry = self.family.geometry(settings)
         self.pixels_per_token = self.geometry.patch
         self.cache = cache
-        self._adapters = None  # maskedit.adapters.runtime.AdapterRuntime, made on first use
+        self._adapter_jobs = None  # maskedit.adapters.jobs.AdapterJobs, made on first use
 
     @property
     def adapters(self):
-        if self._adapters is None:
+        return self.adapter_jobs.runtime
+
+    @property
+    def adapter_jobs(self):
+        """Requests' adapters on their way to the batch (``maskedit.adapters.jobs``): the device tier of this
+        denoiser, the host tier shared by the host's processes, the background loader; made on first use."""
+        if self._adapter_jobs is None:
+            from .adapters import host_cache, skeleton
+            from .adapters.jobs import AdapterJobs
             from .adapters.library import AdapterLibrary
             from .adapters.runtime import AdapterRuntime
 
-            self._adapters = AdapterRuntime(self.family, self.transformer, AdapterLibrary(self.settings.adapters))
-        return self._adapters
+            s = self.settings
+            runtime = AdapterRuntime(self.family, self.transformer, AdapterLibrary(s.adapters),
+                                     budget_bytes=s.lora_device_bytes, host=host_cache.from_settings(s),
+                                     fingerprint=skeleton.fingerprint(s, self.family))
+            self._adapter_jobs = AdapterJobs(runtime, early_start=s.lora_early_start, threads=s.lora_load_threads)
+        return self._adapter_jobs
+
+    def start_adapters(self, job: DenoiseJob, wake=None) -> None:
+        """At submit: the job's adapters from the device tier, or their load started in the background (``wake()``
+        when it ends). Never raises for a bad adapter: the load's error fails the job when the loop collects it."""
+        if job.inputs.loras:
+            self.adapter_jobs.start(job, wake)
+        else:
+            job.adapters_loaded = True
+
+    def adapters_pending(self, job: DenoiseJob) -> bool:
+        """The job waits for its adapters: the scheduler does not see it yet."""
+        return job.adapter_load is not None and self.adapter_jobs.pending(job)
+
+    def adapter_failure(self, job: DenoiseJob) -> BaseException | None:
+        """The error of the job's background adapter load, once it failed."""
+        return self.adapter_jobs.failure(job) if job.adapter_load is not None else None
+
+    def patch_adapters(self, jobs: list[DenoiseJob]) -> list[tuple[DenoiseJob, BaseException]]:
+        """Early start: admitted jobs whose adapters arrived carry them from this step on; returns the jobs whose
+        load failed, with the error."""
+        if self._adapter_jobs is None or not self._adapter_jobs.early_start:
+            return []
+        return self._adapter_jobs.patch(jobs)
 
     def load_adapters(self, job: DenoiseJob) -> None:
-        """Load (or find loaded) the job's adapters; called off the loop where the caller can (Triton's execute
-        thread), else at admission. A bad adapter fails this request only (``InvalidInput`` naming LORAS)."""
-        if not job.adapters_loaded:
-            job.adapters = self.adapters.resolve(job.inputs.loras) if job.inputs.loras else ()
+        """At admission (the loop thread): the job's adapters, loaded here if nobody started their load, their
+        hooks on the denoiser. A bad adapter fails this request only (``InvalidInput`` naming LORAS)."""
+        if job.inputs.loras:
+            self.adapter_jobs.admit(job)
+        else:
             job.adapters_loaded = True
 
     def decide(self, job: DenoiseJob) -> None:
@@ -123,9 +161,11 @@ class ModelRunner:
         n = int(job.inputs.latents.shape[0])
         if self.cache is None:
             job.tokens = n
-        elif job.decision is None and job.inputs.loras and not self.family.adapters_in_masked_path:
+        elif job.decision is None and job.inputs.loras and (not self.family.adapters_in_masked_path
+                                                            or self.settings.lora_early_start):
             # The cached (masked) block paths do not add adapter deltas yet: such a request runs in full. Its key
-            # (which includes the adapter set) is kept for when they do.
+            # (which includes the adapter set) is kept for when they do. Under early start its first steps may run
+            # without its adapters: never recorded under (or served from) its adapter set's key.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)

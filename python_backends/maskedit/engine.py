@@ -63,8 +63,15 @@ class DenoiseEngine:
             err = self.scheduler.late(job, time.time())
             if err is not None:
                 raise err
+            # Its adapters: from the device tier now, or loading in the background while it waits (the loop is
+            # woken when the load ends); a bad adapter fails it when the loop collects the load.
+            self.runner.start_adapters(job, wake=self._wake)
             self._waiting.append(job)
             self._published()
+            self._cv.notify()
+
+    def _wake(self) -> None:
+        with self._cv:
             self._cv.notify()
 
     def _published(self) -> None:
@@ -75,6 +82,7 @@ class DenoiseEngine:
         with self._cv:
             n = max(1, self.steps_run)
             return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run,
+                    "loading_adapters": sum(1 for j in self._waiting if self.runner.adapters_pending(j)),
                     "paused": sum(1 for j in self._running if j.idle_steps > 0),
                     "step_overhead_ms": 1000 * self.overhead_s / n, "prepare_ms_per_step": 1000 * self.prepare_s / n,
                     "callback_ms_per_step": 1000 * self.callback_s / n, "max_running": self.max_running}
@@ -96,8 +104,10 @@ class DenoiseEngine:
 
     # -- the loop -----------------------------------------------------------------------------------
     def _idle(self) -> bool:
-        """Nothing to do: the loop sleeps until a submit (or shutdown) notifies it. Called holding the lock."""
-        return not self._waiting and not self._running and not self._stopping
+        """Nothing to do: the loop sleeps until a submit, an adapter load ending (or shutdown) notifies it. Called
+        holding the lock."""
+        return not self._running and not self._stopping and \
+            all(self.runner.adapters_pending(j) for j in self._waiting)
 
     def _between_steps(self) -> bool:
         """Work a subclass runs on the loop thread before each step (a benchmark baseline); True if it ran any."""
@@ -106,14 +116,26 @@ class DenoiseEngine:
     def _schedule(self) -> list[DenoiseJob]:
         """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
         Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state."""
+        # Adapters: a failed load fails its request alone; a request still loading waits unseen by the scheduler;
+        # under early start, admitted requests whose adapters arrived carry them from this step on.
+        bad = [(j, self.runner.adapter_failure(j)) for j in self._waiting]
+        bad = [(j, e) for j, e in bad if e is not None] + \
+            [(j, Cancelled("request was cancelled by the client")) for j in self._waiting
+             if self.runner.adapters_pending(j) and j.is_cancelled()]  # it may wait long: checked while it does
+        for job, err in self.runner.patch_adapters(self._running):  # loads that failed after they started
+            self._running = [j for j in self._running if j is not job]
+            self.runner.release(job, ok=False)
+            _fail(job, err)
         for job in self._waiting:  # the cache decision, once per request: its token count is what is scheduled
             if job.decision is None:
                 self.runner.decide(job)
-        out = self.scheduler.select(self._waiting, self._running)
-        gone = set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
+        gone = {id(j) for j, _ in bad}
+        ready = [j for j in self._waiting if id(j) not in gone and not self.runner.adapters_pending(j)]
+        out = self.scheduler.select(ready, self._running)
+        gone |= set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]
         self._published()
-        for job, err in out.rejected:
+        for job, err in out.rejected + bad:
             _fail(job, err)
         failed = set()
         for job in out.admitted:

@@ -8,7 +8,12 @@
 - ``delta``: unmerged low-rank deltas, ``x·Aᵀ·Bᵀ·scale`` added to each targeted projection's output through a
   Diffusers hook on the projection (``HookRegistry``), grouped by adapter over the rows of a batch (Punica /
   S-LoRA style): requests with different adapter sets, and with none, share one denoiser call.
-- ``runtime``: the loaded adapters of one denoiser (a host-memory cache keyed by name and digest).
+- ``runtime``: the device tier of the adapter cache (one denoiser's converted adapters by name and digest, LRU
+  within a byte budget) and where a load looks next: ``host_cache`` (converted adapters in safetensors files on a
+  RAM filesystem shared by the host's processes, checksummed, LRU) then the library file;
+- ``jobs`` and ``loader``: requests' adapters loaded on background threads while the request waits in the queue
+  (or, under early start, starts without them); ``prefetch``: pre-processing fills the host tier ahead of denoise,
+  converting on a weightless ``skeleton`` of the denoiser; ``stats``: what the tiers did, for the metrics.
 - ``build``: seeded random adapters for the tiny presets, in Diffusers and kohya formats.
 
 What is family-specific (the loader's keyword arguments, where the denoiser's keys start) is asked of the model

@@ -22,6 +22,7 @@ from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
 from ..settings import load_settings
 from . import io
+from .adapter_metrics import AdapterMetrics
 from .cache_setup import CacheMetrics, cache_runtime
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -45,6 +46,9 @@ class TritonPythonModel:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
+        rt = runner.adapters  # the adapter cache's device tier (host tier behind it) and its metrics
+        self.adapter_metrics = AdapterMetrics(rt.stats, rt.host, rt)
+        self._adapter_sync = self.adapter_metrics.sync_every(s.service.metrics_sync_s)
         logs.event(self.log, "ready", max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
                    cache=runner.cache.policy if runner.cache else "off")
 
@@ -84,7 +88,10 @@ class TritonPythonModel:
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
+            if job.adapters_from_step:  # early start: the step its adapters applied from
+                info.update(adapters_from_step=job.adapters_from_step)
             _quietly(self.metrics.observe, info)  # a metrics failure must never keep the answer from its caller
+            _quietly(self.adapter_metrics.sync)
             _quietly(self.metrics.outcome, "OK")
             self.cancels.clear(rid)  # a marker that came too late to matter
             sender.send(self._result(job.result(), size, relay, info), flags=FINAL)
@@ -92,6 +99,7 @@ class TritonPythonModel:
         def failed(job: DenoiseJob, e: BaseException):
             _quietly(self.metrics.outcome, getattr(e, "code", "INTERNAL"))
             _quietly(self.metrics.sync)
+            _quietly(self.adapter_metrics.sync)
             self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
             sender.send(io.error_response(e, rid), flags=FINAL)
 
@@ -107,8 +115,7 @@ class TritonPythonModel:
 
         job = DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
                          on_step=progress if info.get("progress_requested") else None)
-        self.engine.runner.load_adapters(job)  # here, off the denoise loop; a bad adapter is refused at once
-        self.engine.submit(job)
+        self.engine.submit(job)  # its adapters load in the background meanwhile; a bad one fails it alone
 
     @staticmethod
     def _result(latents, size, relay, info):
@@ -117,6 +124,7 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.set()
         self._metrics_sync.set()
+        self._adapter_sync.set()
         self.engine.shutdown(timeout=self.settings.service.shutdown_grace_s)
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()

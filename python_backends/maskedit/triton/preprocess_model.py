@@ -8,6 +8,7 @@ import numpy as np
 from maskedit_common.request_fields import PARAMS
 
 from .. import logs
+from ..adapters import prefetch as adapter_prefetch
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..errors import Cancelled
@@ -15,6 +16,7 @@ from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
 from . import io
+from .adapter_metrics import AdapterMetrics
 from .cache_setup import cache_store
 
 
@@ -26,10 +28,21 @@ class TritonPythonModel:
         self.pre = Preprocessor(self.settings, store=cache_store(self.settings.cache, self.log))
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
         self.cancels = CancelBoard(self.settings.service.cancel_dir)
+        # Adapters a request names are converted into the host tier of the adapter cache in the background.
+        self.prefetch = adapter_prefetch.from_settings(self.settings, self.pre.adapters)
+        self.adapter_metrics = None
+        if self.prefetch is not None:
+            self.adapter_metrics = AdapterMetrics(self.prefetch.stats, self.prefetch.host,
+                                                 prefix="maskedit_lora_prefetch", tiers=("host",))
+            self._adapter_sync = self.adapter_metrics.sync_every(self.settings.service.metrics_sync_s)
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
+
+    def finalize(self):
+        if self.adapter_metrics is not None:
+            self._adapter_sync.set()
 
     def _one(self, request):
         t0 = time.perf_counter()
@@ -44,6 +57,11 @@ class TritonPythonModel:
         except Exception as e:
             self.log.warning("rejected request: %s", e)
             return io.error_response(e, request.request_id())
+        if p.loras and self.prefetch is not None:
+            try:
+                self.prefetch.start(p.loras)  # returns at once: the conversion runs on its own thread
+            except Exception:  # the denoise process loads its adapters itself
+                self.log.exception("adapter prefetch could not start")
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,

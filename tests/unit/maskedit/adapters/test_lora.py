@@ -30,7 +30,8 @@ def model(request, tmp_path_factory):
     base = load_settings()
     d = tmp_path_factory.mktemp(request.param) / "model"
     build(d, request.param)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device})
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
+                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
     fam = family_for(d)
     write_library(d, fam, fam.load_denoiser(s))
     ed = LocalEditor(s)
