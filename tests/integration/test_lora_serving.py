@@ -12,21 +12,9 @@ import pytest
 
 from maskedit.local import LocalEditor
 from maskedit_client import EditError
-from maskedit_common.loras import library_names
 from tests.conftest import png
 
 ADAPTER = ("attn-mlp-r16", 0.8)
-
-
-@pytest.fixture(scope="module")
-def adapters(settings):
-    """The model's adapter library (what the server reads): written as ``make model`` writes it if missing."""
-    if not library_names(settings.adapters):
-        from maskedit.build_model import build_adapters
-
-        build_adapters(settings.model_dir)
-    assert ADAPTER[0] in library_names(settings.adapters)
-    return settings.adapters
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ USER, ADMIN = "sk-user-0123456789abcdef", "sk-admin-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def secured(settings, tmp_path_factory):
+def secured(settings, adapters, tmp_path_factory):
     d = tmp_path_factory.mktemp("security")
     keys = d / "keys.txt"
     keys.write_text(f"{USER} acme user\n{ADMIN} ops admin\n")
@@ -42,11 +42,7 @@ def secured(settings, tmp_path_factory):
     # the backends' adapter library starts empty; adapters come in from the source directory at runtime
     library, incoming = d / "loras", d / "incoming"
     library.mkdir()
-    if not (settings.adapters / "attn-mlp-r16").is_dir():
-        from maskedit.build_model import build_adapters
-
-        build_adapters(settings.model_dir)
-    shutil.copytree(settings.adapters / "attn-mlp-r16", incoming / "attn-mlp-r16")
+    shutil.copytree(adapters / "attn-mlp-r16", incoming / "attn-mlp-r16")
     env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_LORA_DIR": str(library)}
     with running_backends(1, d, env) as (servers, _):
         router = build([s.grpc_url for s in servers])
