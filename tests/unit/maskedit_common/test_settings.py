@@ -24,6 +24,7 @@ NON_DEFAULT = {
     "MASKEDIT_PROFILES_DIR": ("/p", "profiles_dir", Path("/p")),
     "MASKEDIT_MAX_STEPS": ("20", "max_steps", 20),
     "MASKEDIT_LORA_DIR": ("/l", "lora_dir", Path("/l")),
+    "MASKEDIT_LORA_ROOTS": ("/in:/up", "lora_roots", (Path("/in"), Path("/up"))),
     "MASKEDIT_MAX_LORAS": ("2", "max_loras", 2),
     "MASKEDIT_MAX_LORA_SCALE": ("1.5", "max_lora_scale", 1.5),
     "MASKEDIT_MAX_GUIDANCE": ("10", "max_guidance", 10.0),
