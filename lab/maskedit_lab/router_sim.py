@@ -521,6 +521,9 @@ def main(argv=None) -> None:
                       "entry_bytes": est.entry_bytes},
             "checkpoints": {"slots_per_worker": args.model_slots, "load_ms": round(est.model_load_ms, 1),
                             "load_steps": args.model_load_steps, "lora_load_ms": round(est.lora_load_ms, 1)},
+            "adapters": {"library": args.lora_library, "slots_per_worker": 32,
+                         "note": "0: num_lora unnamed, loaded with the checkpoint; else named by loadgen's seeded "
+                                 "Zipf draw over that many, each loaded where not resident"},
             "max_batch": 4, "policies": list(args.policies),
             "decision_ms": "median of the policy's choose() over every request of the run (this host's CPU)",
             "host": _host()}
