@@ -163,3 +163,18 @@ def test_a_grpc_stream_is_placed_at_its_first_message_without_waiting_for_its_en
     assert sum(b.load.inflight for b in router.backends.values()) == 0  # and released when it ends
     for b in router.backends.values():
         b.close()
+
+
+def test_the_router_reads_adapter_names_from_raw_grpc_contents_as_the_client_sends_them():
+    from maskedit_router.features import adapter_names
+
+    req = service_pb2.ModelInferRequest(model_name="edit")
+    for name, value in (("PROMPT", b"a hat"), ("LORAS", b'{"name": "attn-r4", "scale": 0.5}')):
+        req.inputs.add(name=name, datatype="BYTES", shape=[1])
+        req.raw_input_contents.append(struct.pack("<I", len(value)) + value)
+    assert adapter_names(req) == ("attn-r4",)
+    req.raw_input_contents[1] = struct.pack("<I", 2) + b"[{"  # malformed: none (the backend refuses it)
+    assert adapter_names(req) == ()
+    del req.inputs[1]
+    del req.raw_input_contents[1]
+    assert adapter_names(req) == ()
