@@ -29,6 +29,10 @@ def main(argv=None) -> None:
     ap.add_argument("--workload", choices=sorted(workload.WORKLOADS), default="public")
     ap.add_argument("--templates", type=int, default=8)
     ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--lora-dir", type=Path, help="GenTD26: replay each request's num_lora with adapters drawn "
+                    "(seeded, Zipf --lora-zipf in name order) from this adapter library's names, sent as LORAS")
+    ap.add_argument("--loras", help="GenTD26: the same from these comma-separated adapter names (most popular first)")
+    ap.add_argument("--lora-zipf", type=float, default=1.1)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--deadline-ms", type=int)
     ap.add_argument("--size", type=int, default=256, help="template side in pixels")
@@ -50,6 +54,14 @@ def main(argv=None) -> None:
         arrivals, _ = workload.gentd26_arrivals(args.gentd26, args.time_scale, limit=args.requests, seed=args.seed)
         reqs = workload.synthesize(arrivals, **kw)
         rate = len(arrivals) / max(arrivals[-1], 1e-9)
+        library = args.loras.split(",") if args.loras else None
+        if args.lora_dir:
+            from maskedit_common.loras import library_names
+
+            library = library_names(args.lora_dir)
+        if library:
+            workload.assign_loras(reqs, workload.gentd26_num_lora(args.gentd26, limit=args.requests), library,
+                                  args.lora_zipf, args.seed)
     else:
         reqs = workload.poisson(args.rate, args.requests, **kw)
         rate = args.rate

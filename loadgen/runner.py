@@ -94,8 +94,9 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.
 
         try:
             via = clients[r.tenant] if clients and r.tenant in clients else client
+            lora_kw = {"loras": [tuple(x) for x in r.loras]} if r.loras else {}  # (clients without adapters too)
             fut = via.submit(tpl, mask, r.prompt, seed=r.seed, steps=r.steps, deadline_ms=r.deadline_ms,
-                                on_progress=on_progress)
+                             on_progress=on_progress, **lora_kw)
         except Exception as e:
             rec.error, rec.error_code, rec.done_s = str(e)[:300], getattr(e, "code", "SUBMIT"), rec.submit_s
             bar.update(1)

@@ -34,6 +34,7 @@ class Request:
     seed: int = 0
     mask_file: str | None = None
     tenant: str | None = None  # sent with that tenant's API key (``tenant_keys``); None: the run's own client
+    loras: list | None = None  # LoRA adapters sent as LORAS: [[name, scale], ...] (``assign_loras``)
 
 
 def mask_ratios(workload: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -107,6 +108,46 @@ def _trace_rows(path, types: tuple[str, ...]) -> tuple[np.ndarray, list[dict]]:
     return np.asarray(times, float)[order], [rows[i] for i in order]
 
 
+def gentd26_num_lora(path: str | Path = GENTD26, types: tuple[str, ...] = ("INPAINTING", "IMG_2_IMG"),
+                     limit: int | None = None, start: int = 0) -> list[int]:
+    """The ``num_lora`` (LoRA adapters the production request carried) of each request ``gentd26_arrivals``
+    returns, in the same order and window."""
+    n = [int(float(row.get("num_lora") or 0)) for row in _trace_rows(path, types)[1]][start:]
+    return n[:limit] if limit is not None else n
+
+
+LORA_SCALES = (0.5, 1.0)  # a drawn adapter's scale: uniform in this range, two decimals
+
+
+def zipf_loras(num_lora, library: list[str], zipf_s: float, rng: np.random.Generator,
+               max_loras: int = 4) -> list[list]:
+    """For each request, ``num_lora`` distinct adapters (at most ``max_loras`` and the library's size) drawn
+    without replacement with P(rank r) ∝ 1/r^s over ``library`` in its order (the first is the most popular), each
+    with a scale from ``LORA_SCALES``: ``[[name, scale], ...]`` (empty without adapters)."""
+    if not library:
+        return [[] for _ in num_lora]
+    p = 1.0 / np.arange(1, len(library) + 1) ** zipf_s
+    p /= p.sum()
+    out = []
+    for k in num_lora:
+        k = min(int(k), max_loras, len(library))
+        idx = rng.choice(len(library), size=k, replace=False, p=p) if k else []
+        out.append([[library[i], round(float(rng.uniform(*LORA_SCALES)), 2)] for i in idx])
+    return out
+
+
+def assign_loras(requests: list[Request], num_lora, library: list[str], zipf_s: float = 1.1, seed: int = 0,
+                 max_loras: int = 4) -> list[Request]:
+    """Give ``requests`` the adapters of a trace's ``num_lora`` (one count per request, in order), drawn by
+    ``zipf_loras`` from their own seeded generator (the rest of the workload draws the same with or without)."""
+    if len(num_lora) < len(requests):
+        raise ValueError(f"num_lora: {len(num_lora)} counts for {len(requests)} requests")
+    drawn = zipf_loras(num_lora[:len(requests)], library, zipf_s, np.random.default_rng([seed, 29]), max_loras)
+    for r, loras in zip(requests, drawn):
+        r.loras = loras or None
+    return requests
+
+
 def tenant_keys(tenants, seed: int = 0) -> dict[str, str]:
     """A key for each tenant name (deterministic from ``seed``: a replay's key file and its clients agree)."""
     rng = np.random.default_rng(seed)
@@ -140,8 +181,16 @@ def load_trace(path: str | Path) -> list[Request]:
             mask_shape=r.get("mask_shape") or "blob", prompt=r.get("prompt") or PROMPTS[0],
             steps=int(r["steps"]) if r.get("steps") else None,
             deadline_ms=int(r["deadline_ms"]) if r.get("deadline_ms") else None,
-            seed=int(r.get("seed") or 0), mask_file=r.get("mask_file") or None))
+            seed=int(r.get("seed") or 0), mask_file=r.get("mask_file") or None,
+            loras=_loras(r.get("loras"))))
     return sorted(out, key=lambda q: q.t)
+
+
+def _loras(value) -> list | None:
+    """A trace row's adapters: a list, or its JSON text in a CSV cell."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return value or None
 
 
 def save_trace(requests: list[Request], path: str | Path) -> None:

@@ -126,6 +126,8 @@ class Settings:
     cost_profile: Path | None = None  # the cost profile file (default: found in ``profiles``)
     profiles_dir: Path | None = None  # where cost profiles are (default: see ``profiles``)
     lora_dir: Path | None = None  # the adapter library (default: ``<model_dir>/loras``); no other path is opened
+    # where ``/v1/load_lora_adapter`` may copy adapters from into the library (none: runtime loading is off)
+    lora_roots: tuple[Path, ...] = ()
     max_loras: int = 4  # adapters per request
     max_lora_scale: float = 4.0  # a request's adapter scale must lie in [-max, max]
     lora_host_dir: Path | None = None  # the host tier of the adapter cache (default: see ``lora_host_cache_dir``)
@@ -187,6 +189,10 @@ def _bytes(v: str) -> int:
     return int(float(v))  # "4e9" as well as "4294967296"
 
 
+def _paths(v: str) -> tuple[Path, ...]:
+    return tuple(Path(p) for p in v.split(os.pathsep) if p.strip())
+
+
 def _flag(v: str) -> bool:
     return v.strip() != "0"
 
@@ -243,6 +249,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_LORA_EARLY_START", "lora_early_start", _flag, "`1`: a request starts denoising before its "
         "adapters are loaded and they apply from the step after they arrive (faster, inexact; docs/lora.md)",
         "`0`"),
+    Var("MASKEDIT_LORA_ROOTS", "lora_roots", _paths, "directories (`:`-separated) the router's "
+        "`/v1/load_lora_adapter` accepts a `lora_path` in (symlinks resolved); it copies the adapter from there into "
+        "the library; no other path is opened", "none (runtime loading off)"),
     # the limits every request is checked against
     Var("MASKEDIT_MAX_LORAS", "max_loras", int, "adapters one request may name in `LORAS`"),
     Var("MASKEDIT_MAX_LORA_SCALE", "max_lora_scale", float, "largest adapter scale magnitude accepted in `LORAS`"),

@@ -108,6 +108,8 @@ class Worker:
     invalid: dict = field(default_factory=dict)  # template key -> tokens its entry holds invalid (bool array)
     stored: set = field(default_factory=set)  # keys whose template run has finished (entry in the store)
     healing: set = field(default_factory=set)  # keys with a heal in progress
+    adapters: OrderedDict = field(default_factory=OrderedDict)  # LoRA adapters in its host cache (LRU)
+    adapter_slots: int = 32
 
     def holds(self, key) -> bool:
         return key in self.cache or key in self.disk
@@ -132,6 +134,17 @@ class Worker:
     def _drop(self, key) -> None:
         self.invalid.pop(key, None)
         self.stored.discard(key)
+
+    def load_adapters(self, names) -> int:
+        """Make ``names`` resident; how many had to be loaded (cold)."""
+        cold = 0
+        for n in names:
+            cold += n not in self.adapters
+            self.adapters[n] = True
+            self.adapters.move_to_end(n)
+        while len(self.adapters) > self.adapter_slots:
+            self.adapters.popitem(last=False)
+        return cold
 
     def load_model(self, model, in_use) -> bool:
         """Make ``model`` resident; True if it had to be loaded. Evicts the least recently used checkpoint that no
@@ -191,7 +204,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                  model_slots=model_slots) for i in range(workers)]
     loads = [w.load for w in ws]
     by_name = {w.load.name: w for w in ws}
-    cold = {"model_loads": 0, "disk_reads": 0, "misses": 0}
+    cold = {"model_loads": 0, "disk_reads": 0, "misses": 0, "adapter_loads": 0}
     per_host = host.workers_per_host if host else 1
     hosts = [_Host(host.cores, host.interference) if host else _Host(float("inf"))
              for _ in range(-(-workers // per_host))]
@@ -261,8 +274,11 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                 extra += service.tier_load_ms("disk")
                 cold["disk_reads"] += 1
             if w.load_model(q.f.model, {r.f.model for r in w.running}):
-                extra += service.model_load_ms + q.f.loras * service.lora_load_ms
+                extra += service.model_ms(q.f, BackendLoad("cold"))  # the checkpoint (with unnamed adapters)
                 cold["model_loads"] += 1
+            k = w.load_adapters(q.f.adapters)  # named adapters: each loaded where it is not resident
+            extra += k * service.lora_load_ms
+            cold["adapter_loads"] += k
             q.join_ms = extra
             if not w.holds(key):
                 cold["misses"] += 1
@@ -343,7 +359,10 @@ class TraceWorkload:
     """A window of the GenTD26 production request log (``loadgen/traces``): arrival times (relative, seconds), steps,
     base checkpoint (``checkpoint_model_version_id``) and ``num_lora`` per request, replayed as edits with
     production-like mask ratios (InstGenIE's production workload: Beta, mean 0.11) and templates per checkpoint
-    (an activation entry belongs to one template on one checkpoint), Zipf ``zipf_s`` over ``templates_per_model``."""
+    (an activation entry belongs to one template on one checkpoint), Zipf ``zipf_s`` over ``templates_per_model``.
+    With ``lora_library`` > 0 each request's ``num_lora`` adapters are named, drawn as loadgen draws them (seeded
+    Zipf over that many adapters, ``loadgen.workload.zipf_loras``): workers load each where it is not resident and
+    the router tracks them; 0: unnamed, loaded with their checkpoint."""
 
     t: np.ndarray
     steps: list
@@ -351,10 +370,12 @@ class TraceWorkload:
     loras: list
     ratios: np.ndarray
     templates: list
+    adapters: list = field(default_factory=list)  # per request: its adapters' names (``lora_library`` > 0)
 
     @classmethod
     def load(cls, n: int = 4000, start: int = 10000, seed: int = 0, templates_per_model: int = 64,
-             zipf_s: float = 1.1, workload: str = "production", path=None) -> "TraceWorkload":
+             zipf_s: float = 1.1, workload: str = "production", path=None,
+             lora_library: int = 0) -> "TraceWorkload":
         import csv
         import gzip
         from datetime import datetime
@@ -371,17 +392,20 @@ class TraceWorkload:
         rows = [rows[i] for i in order]
         ratios = wl.mask_ratios(workload, len(rows), rng)
         tpl = wl.zipf_templates(len(rows), templates_per_model, zipf_s, rng)
+        loras = [int(float(r["num_lora"] or 0)) for r in rows]
+        names = wl.zipf_loras(loras, [f"lora-{i}" for i in range(lora_library)], zipf_s,
+                              np.random.default_rng([seed, 29]))
         return cls(t, [max(1, int(float(r["num_inference_steps"] or 30))) for r in rows],
-                   [r["checkpoint_model_version_id"] or "M?" for r in rows],
-                   [int(float(r["num_lora"] or 0)) for r in rows], ratios,
-                   [f"{r['checkpoint_model_version_id']}/t{k}" for r, k in zip(rows, tpl)])
+                   [r["checkpoint_model_version_id"] or "M?" for r in rows], loras, ratios,
+                   [f"{r['checkpoint_model_version_id']}/t{k}" for r, k in zip(rows, tpl)],
+                   [tuple(x[0] for x in n) for n in names])
 
     def features(self, est: Estimator, slo_scale: float, tokens: int = 1024) -> list[EditFeatures]:
         """Each request's features, its deadline ``slo_scale`` x its own cache-free service time alone."""
         out = []
         for i in range(len(self.t)):
             f = EditFeatures(self.templates[i], float(self.ratios[i]), tokens, self.steps[i], model=self.models[i],
-                             loras=self.loras[i])
+                             loras=self.loras[i], adapters=self.adapters[i] if self.adapters else ())
             out.append(replace(f, deadline_s=slo_scale * est.request_ms(f, False) / 1000.0))
         return out
 
@@ -403,12 +427,14 @@ def ideal_service_s(fs: list[EditFeatures], est: Estimator, step_fixed_ms: float
     """Mean service time (s) of ``fs`` with only compulsory misses: each template run once and each checkpoint
     loaded once in the whole cluster, every other request a memory-tier hit on a resident checkpoint. Its inverse
     per worker is the capacity the offered loads are fractions of: no policy can do better on average."""
-    seen_t, seen_m, total = set(), set(), 0.0
+    seen_t, seen_m, seen_a, total = set(), set(), set(), 0.0
     for f in fs:
         total += est.request_ms(f, f.template_key in seen_t) + step_fixed_ms * (f.steps or est.default_steps)
         if f.model is not None and f.model not in seen_m:
-            total += est.model_load_ms + f.loras * est.lora_load_ms
+            total += est.model_ms(f, BackendLoad("cold"))
+        total += sum(a not in seen_a for a in f.adapters) * est.lora_load_ms  # each adapter loaded once, too
         seen_t.add(f.template_key)
+        seen_a.update(f.adapters)
         seen_m.add(f.model)
     return total / len(fs) / 1000.0
 
@@ -430,7 +456,8 @@ def simulate_trace(policy_name: str, workers: int, load: float, wl: TraceWorkloa
             "p50_s": float(np.percentile(lat, 50)), "slo_attainment": float(ok.mean()),
             "decision_ms": out["decision_us_p50"] / 1000, "decision_ms_p99": out["decision_us_p99"] / 1000,
             "miss_rate": out["misses"] / n, "model_load_rate": out["model_loads"] / n,
-            "disk_read_rate": out["disk_reads"] / n, "requests": n, "simulated": True}
+            "disk_read_rate": out["disk_reads"] / n, "adapter_load_rate": out["adapter_loads"] / n, "requests": n,
+            "simulated": True}
 
 
 def main(argv=None) -> None:
@@ -451,6 +478,9 @@ def main(argv=None) -> None:
                     "in full-model denoising steps at the profile's resolution (the load cost; see docs/router.md)")
     ap.add_argument("--lora-load-fraction", type=float, default=0.05, help="each LoRA's load, as a fraction of the "
                     "checkpoint's")
+    ap.add_argument("--lora-library", type=int, default=0, help="name each request's num_lora adapters, drawn "
+                    "(seeded Zipf) from this many; workers and the router track them (0: unnamed, loaded with "
+                    "their checkpoint)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "perf_profiles" / "results" / "router.json")
     args = ap.parse_args(argv)
     profile = default_profile()
@@ -458,7 +488,7 @@ def main(argv=None) -> None:
     full_step_ms = est.request_ms(EditFeatures("x", 1.0, 1024, 1), False)
     est.model_load_ms = args.model_load_steps * full_step_ms
     est.lora_load_ms = args.lora_load_fraction * est.model_load_ms
-    wl = TraceWorkload.load(args.requests, args.trace_start)
+    wl = TraceWorkload.load(args.requests, args.trace_start, lora_library=args.lora_library)
     kw = dict(slo_scale=args.slo_scale, model_slots=args.model_slots)
     rows = []
 
@@ -491,6 +521,9 @@ def main(argv=None) -> None:
                       "entry_bytes": est.entry_bytes},
             "checkpoints": {"slots_per_worker": args.model_slots, "load_ms": round(est.model_load_ms, 1),
                             "load_steps": args.model_load_steps, "lora_load_ms": round(est.lora_load_ms, 1)},
+            "adapters": {"library": args.lora_library, "slots_per_worker": 32,
+                         "note": "0: num_lora unnamed, loaded with the checkpoint; else named by loadgen's seeded "
+                                 "Zipf draw over that many, each loaded where not resident"},
             "max_batch": 4, "policies": list(args.policies),
             "decision_ms": "median of the policy's choose() over every request of the run (this host's CPU)",
             "host": _host()}

@@ -56,19 +56,21 @@ def default_profile() -> Path:
 
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
           admission_wait_s: float = 0.6, retry_budget_s: float = 30.0, load_factor: float = 1.25,
-          vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64):
+          vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64,
+          lora_load_ms: float = policies.LORA_LOAD_MS):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
     check (``admission.py``; 0: off); ``retry_budget_s`` how long a request without a ``DEADLINE_MS`` is retried
     while no backend can take it (0: failed at once). ``load_factor`` and ``vnodes`` set ``chwbl``, ``weights``
     ``weighted`` (``policies.WeightedScorers``); ``mem_templates`` / ``disk_templates`` are the backends' store
-    capacities in entries, which the router's shadow of each store uses."""
+    capacities in entries, which the router's shadow of each store uses; ``lora_load_ms`` the cold load of one LoRA
+    adapter a backend was not recently routed."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
-    est = policies.Estimator(cost)
+    est = policies.Estimator(cost, lora_load_ms=lora_load_ms)
     router = Router(addrs, policies.make(policy, est, load_factor=load_factor, vnodes=vnodes, weights=weights), est,
                     resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s)
     router.store_capacity = (mem_templates, disk_templates)
@@ -149,6 +151,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--store-mem-templates", type=int, default=16, help="template entries a backend's memory tier "
                     "holds (its MASKEDIT_CACHE_MEM_BYTES / an entry's size): the router's shadow of each store")
     ap.add_argument("--store-disk-templates", type=int, default=64, help="and its disk tier")
+    ap.add_argument("--lora-load-ms", type=float, default=policies.LORA_LOAD_MS, help="predicted cold load of one "
+                    "LoRA adapter on a backend the router has not recently sent it to (docs/lora.md: measured by "
+                    "`python -m maskedit_lab.lora_load`)")
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: MASKEDIT_COST_PROFILE, else the served "
                     "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "
@@ -224,7 +229,7 @@ def main(argv=None) -> None:
 
     router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
                    args.retry_budget_s, args.chwbl_load_factor, args.chwbl_vnodes, weights, args.store_mem_templates,
-                   args.store_disk_templates)
+                   args.store_disk_templates, args.lora_load_ms)
     keyring.metrics = router.metrics
     if args.fair_share_slots > 0:
         router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),

@@ -23,6 +23,7 @@ class EditFeatures:
     model: str | None = None  # the base checkpoint it needs
     loras: int = 0  # LoRA adapters applied on it
     deadline_s: float | None = None
+    adapters: tuple[str, ...] = ()  # their names (``LORAS``), when known: the router tracks where each was served
 
     @property
     def runs_edit(self) -> bool:
@@ -98,8 +99,23 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
             ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"", resolution)
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
+    names = adapter_names(request)
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None,
-                        deadline_s=deadline_s(request))
+                        deadline_s=deadline_s(request), loras=len(names), adapters=names)
+
+
+def adapter_names(request) -> tuple[str, ...]:
+    """The names of the request's ``LORAS`` adapters (none when absent or malformed: the backend refuses those)."""
+    from maskedit_common.loras import LoraSpecError, parse
+
+    names, raw = _names(request)
+    if "LORAS" not in names:
+        return ()
+    try:
+        refs = parse(_tensor_bytes(request, names["LORAS"], raw), max_loras=64, max_scale=float("inf"))
+    except (LoraSpecError, IndexError):
+        return ()
+    return tuple(r.name for r in refs)
 
 
 def _names(request) -> tuple[dict, bool]:

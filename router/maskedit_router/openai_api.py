@@ -29,6 +29,7 @@ from maskedit_client import EditClient, EditError
 
 from .auth import Forbidden, Keyring, Unauthenticated, bearer
 from .limits import HttpLimits
+from .lora_admin import AdapterAdmin, AdminError
 from .metrics import retry_after
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
@@ -76,7 +77,8 @@ class OpenAIFrontend:
     """The aiohttp application over an ``EditClient`` (the router's gRPC address)."""
 
     def __init__(self, upstream: str, models: list[str] | None = None, timeout_s: float = 600.0,
-                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None):
+                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None,
+                 admin: AdapterAdmin | None = None):
         self.upstream = upstream
         self.keyring = keyring or Keyring()
         self.client = EditClient(upstream, timeout_s=timeout_s)  # open mode: no key to carry
@@ -85,6 +87,17 @@ class OpenAIFrontend:
         self.timeout_s = timeout_s
         self.limits, self.metrics = limits or HttpLimits(), metrics
         self.inflight = 0  # edits being served (one event loop: no lock)
+        self._admin = admin
+
+    @property
+    def admin(self) -> AdapterAdmin:
+        """Runtime adapter loading into the configured library (``lora_admin``), from the settings by default."""
+        if self._admin is None:
+            from maskedit_common.settings import load_settings
+
+            s = load_settings()
+            self._admin = AdapterAdmin(s.adapters, s.lora_roots, reserved=self.models)
+        return self._admin
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth, self._bounded])
@@ -147,9 +160,22 @@ class OpenAIFrontend:
         return c
 
     async def adapters(self, request):
-        """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: admin keys only. The backends do not serve
-        adapters yet: answered 501 once the key is checked."""
-        raise ApiError(501, f"{request.path}: the backends do not serve LoRA adapters yet", None, "not_implemented")
+        """``/v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter``
+        ``{"lora_name"}`` (vLLM's names and bodies): admin keys only (``_auth``). The adapter is installed into
+        (removed from) the library every backend reads (``lora_admin``), off the event loop: a copy can be large."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body must be JSON", None, "invalid_body") from None
+        op = self.admin.load if request.path.endswith("/load_lora_adapter") else self.admin.unload
+        try:
+            out = await asyncio.to_thread(op, body)
+        except AdminError as e:
+            code = {400: "invalid_lora_adapter", 404: "lora_adapter_not_found"}.get(e.status, "lora_library_error")
+            raise ApiError(e.status, str(e), e.param, code) from None
+        log.info("lora adapter", extra={"fields": {**out, "op": request.path.rsplit("/", 1)[-1],
+                                                   "tenant": request[TENANT].name}})
+        return web.json_response(out)
 
     @web.middleware
     async def _bounded(self, request, handler):
@@ -174,10 +200,9 @@ class OpenAIFrontend:
         """The LoRA adapters of the configured library (``MASKEDIT_LORA_DIR``), as models whose parent is the base
         (vLLM lists its LoRA modules the same way)."""
         from maskedit_common.loras import library_names
-        from maskedit_common.settings import load_settings
 
         try:
-            names = library_names(load_settings().adapters)
+            names = library_names(self.admin.library)
         except Exception:
             return []
         return [{**self._model(n), "parent": self.models[0], "type": "lora"} for n in names]
@@ -257,8 +282,10 @@ class OpenAIServer:
     """The frontend served on ``host:port`` from a thread with its own event loop; ``stop()`` ends both."""
 
     def __init__(self, upstream: str, port: int, host: str = "127.0.0.1", models: list[str] | None = None,
-                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None, ssl_context=None):
-        self.frontend = OpenAIFrontend(upstream, models, limits=limits, metrics=metrics, keyring=keyring)
+                 limits: HttpLimits | None = None, metrics=None, keyring: Keyring | None = None, ssl_context=None,
+                 admin: AdapterAdmin | None = None):
+        self.frontend = OpenAIFrontend(upstream, models, limits=limits, metrics=metrics, keyring=keyring,
+                                       admin=admin)
         self.ssl_context = ssl_context
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()

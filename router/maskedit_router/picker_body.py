@@ -77,6 +77,10 @@ def json_features(path: str, body: bytes, resolution: int) -> EditFeatures:
             t = req.inputs.add(name=name, datatype="BYTES", shape=[1])
             # the raw image, so a template's key is the same whichever protocol brought it
             t.contents.bytes_contents.append(maybe_base64(doc[name].encode())[0])
+    loras = doc.get("LORAS")
+    if loras is not None:  # JSON text, or the list itself
+        t = req.inputs.add(name="LORAS", datatype="BYTES", shape=[1])
+        t.contents.bytes_contents.append((loras if isinstance(loras, str) else json.dumps(loras)).encode())
     for name, kind in _SCALARS.items():
         v = doc.get(name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):

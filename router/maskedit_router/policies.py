@@ -10,7 +10,9 @@ made explicit), in milliseconds:
                                        template's activations, the full model otherwise (a template run)
   + tier_load(r, tier)                 bringing the activations in: 0 from the memory tier, the profile's measured disk
                                        read of an entry from the disk tier
-  + model_load(r, b)                   the base checkpoint (and its LoRAs) r needs, when b does not hold it resident
+  + model_load(r, b)                   the base checkpoint r needs, when b does not hold it resident
+  + adapter_load(r, b)                 each of r's LoRA adapters b has not recently been routed (a cold load,
+                                       ``lora_load_ms`` each; ``adapter_residency``)
 A request with a deadline and slack picks, among the backends predicted to meet it, the one where it costs the
 least work (its cache entry and checkpoint are there): the capacity it saves is the other requests' latency.
 The router keeps its own books: per backend the work it booked, a shadow of the backend's store (a memory tier and a
@@ -38,9 +40,13 @@ from dataclasses import dataclass, field
 
 from maskedit_common.cost_model import CostModel
 
+from .adapter_residency import AdapterResidency
 from .features import EditFeatures
 
 MEM, DISK = "mem", "disk"
+# A cold LoRA adapter load (read, Diffusers' conversion, hooks attached) in ms: measured by
+# ``python -m maskedit_lab.lora_load`` (perf_profiles/results/lora_load.json); the router's ``--lora-load-ms``.
+LORA_LOAD_MS = 22.0  # bench-flux-fill, attn-mlp-r16 (3.8 MB), 2-core CPU float32: 22.5 ms
 
 
 @dataclass
@@ -56,6 +62,7 @@ class BackendLoad:
     templates: OrderedDict = field(default_factory=OrderedDict)
     disk: OrderedDict = field(default_factory=OrderedDict)  # the disk tier: what the memory tier evicted
     models: OrderedDict = field(default_factory=OrderedDict)  # resident checkpoints (LRU)
+    adapters: AdapterResidency = field(default_factory=AdapterResidency)  # LoRA adapters routed here (LRU)
     healthy: bool = True
     mem_templates: int = 16  # the store's capacities in entries (its byte budgets / an entry's size)
     disk_templates: int = 64
@@ -105,6 +112,7 @@ class BackendLoad:
         self.templates.clear()
         self.disk.clear()
         self.models.clear()
+        self.adapters.clear()
 
     def utilisation(self) -> float:
         """Fill of the store's memory tier (what llm-d's kv-cache utilisation scorer reads from a pod)."""
@@ -140,7 +148,7 @@ class Estimator:
     observations: int = 0
     entry_bytes: int = 300_000_000  # an activation-store entry of the served model (a template's)
     model_load_ms: float = 0.0  # loading a base checkpoint that is not resident (0: one model, always resident)
-    lora_load_ms: float = 0.0  # and each of its LoRA adapters
+    lora_load_ms: float = 0.0  # loading one LoRA adapter the backend does not hold (cold: from disk)
 
     def __post_init__(self):
         # The served model's blocks as its profile recorded them: runs of [kind, count, tokens, width], the tokens
@@ -185,7 +193,12 @@ class Estimator:
     def model_ms(self, f: EditFeatures, load: BackendLoad) -> float:
         if f.model is None or load.holds_model(f.model):
             return 0.0
-        return self.model_load_ms + f.loras * self.lora_load_ms
+        # adapters the request counts but does not name (a trace's num_lora): loaded with their checkpoint
+        return self.model_load_ms + (0 if f.adapters else f.loras) * self.lora_load_ms
+
+    def adapter_ms(self, f: EditFeatures, load: BackendLoad, now: float) -> float:
+        """Cold loads of the request's named adapters that ``load`` has not recently been routed."""
+        return load.adapters.missing(f.adapters, now) * self.lora_load_ms if f.adapters else 0.0
 
     def eviction_ms(self, f: EditFeatures, load: BackendLoad) -> float:
         """What loading ``f``'s checkpoint on ``load`` costs later: with every slot taken it evicts the least recently
@@ -202,7 +215,7 @@ class Estimator:
             c = self.request_ms(f, False) if miss_ms is None else miss_ms
         else:
             c = (self.request_ms(f, True) if hit_ms is None else hit_ms) + self.tier_load_ms(tier)
-        return c + self.model_ms(f, load)
+        return c + self.model_ms(f, load) + self.adapter_ms(f, load, now)
 
     def observe(self, predicted_ms: float, observed_ms: float, predicted_scale: float | None = None,
                 alpha: float = 0.1) -> None:
@@ -244,6 +257,7 @@ class Booking:
         load.backlog_ms += predicted
         load.touch(f.template_key, now + ttl)  # "just routed this template here": its activations will be there
         load.touch_model(f.model)
+        load.adapters.touch(f.adapters, now + ttl)
         return b
 
     def remove(self, load: BackendLoad, now: float | None = None) -> None:
@@ -361,7 +375,7 @@ class PowerOfTwoChoices(Policy):
         return min((a, b), key=lambda x: (x.work, x.inflight))
 
 
-WEIGHTED_DEFAULTS = {"affinity": 3.0, "queue": 2.0, "utilisation": 2.0}
+WEIGHTED_DEFAULTS = {"affinity": 3.0, "queue": 2.0, "utilisation": 2.0, "adapter": 2.0}
 
 
 class WeightedScorers(Policy):
@@ -370,8 +384,10 @@ class WeightedScorers(Policy):
     ``affinity`` — 1 if the router's index says the backend holds the template (llm-d's prefix-cache scorer: the
     fraction of the request's cache prefix it routed there), else 0; ``queue`` — min-max normalised requests in
     flight, fewest = 1 (llm-d's queue scorer; all equal: 1); ``utilisation`` — 1 - the fill of the backend's memory
-    tier (llm-d's kv-cache utilisation scorer). Weights: ``WEIGHTED_DEFAULTS`` (llm-d's documented profile:
-    prefix-cache 3, queue 2, kv-cache utilisation 2), normalised to sum to 1."""
+    tier (llm-d's kv-cache utilisation scorer); ``adapter`` — the fraction of the request's LoRA adapters the
+    router routed there recently (1 for all when it has none: no effect; GIE's LoRA-affinity idea). Weights:
+    ``WEIGHTED_DEFAULTS`` (llm-d's documented profile: prefix-cache 3, queue 2, kv-cache utilisation 2; adapter 2,
+    ours), normalised to sum to 1."""
 
     name = "weighted"
 
@@ -394,7 +410,8 @@ class WeightedScorers(Policy):
         for b in backends:
             queue = 1.0 if hi == lo else (hi - b.inflight) / (hi - lo)
             out.append(w["affinity"] * (1.0 if b.holds(f.template_key, now) else 0.0) + w["queue"] * queue
-                       + w["utilisation"] * (1.0 - b.utilisation()))
+                       + w["utilisation"] * (1.0 - b.utilisation()) + w["adapter"] * b.adapters.share_held(
+                           f.adapters, now))
         return out
 
     def choose(self, backends, f, now=None):

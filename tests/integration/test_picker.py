@@ -75,9 +75,10 @@ def body(data: bytes, end_of_stream: bool):
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end_of_stream))
 
 
-def edit_message(tpl, mask, steps=2) -> bytes:
+def edit_message(tpl, mask, steps=2, loras: bytes | None = None) -> bytes:
     req = service_pb2.ModelInferRequest(model_name="edit", id="1")
-    for name, value in (("TEMPLATE", png(tpl)), ("MASK", png(mask)), ("PROMPT", b"a hat")):
+    for name, value in (("TEMPLATE", png(tpl)), ("MASK", png(mask)), ("PROMPT", b"a hat")) + (
+            (("LORAS", loras),) if loras else ()):
         req.inputs.add(name=name, datatype="BYTES", shape=[1]).contents.bytes_contents.append(value)
     req.inputs.add(name="STEPS", datatype="INT32", shape=[1]).contents.int_contents.append(steps)
     msg = req.SerializeToString()
@@ -149,6 +150,28 @@ def test_json_generate_body_is_picked_at_its_end_and_bodiless_requests_at_their_
     p.send(headers("/v2/health/ready", "", end_of_stream=True, method="GET"))
     assert picked(p.recv()) in pool["router"].backends
     finish(p)
+
+
+def test_the_picker_sees_a_requests_adapters_and_sends_the_next_request_naming_them_to_the_same_pod(pool):
+    """The picker reads ``LORAS`` from the body and books the adapters on the chosen pod (the router's shadow); a
+    later request with another template but the same adapter goes where it is loaded (its cold load saved), each
+    adapter to its own pod, whichever way the pods' other ties would break."""
+    mask = samples.mask(256, 256, 0.2, "box", seed=4)
+    tpl = lambda seed: samples.template(256, 256, seed=seed)  # noqa: E731  (a fresh template: no cache affinity)
+    r4, r8 = b'[{"name": "attn-r4", "scale": 0.7}]', b'[{"name": "attn-mlp-r8"}]'
+    p1, x = exchange(pool, edit_message(tpl(75), mask, loras=r4))
+    p2, y = exchange(pool, edit_message(tpl(76), mask, loras=r8))  # x is busy with the first: the other pod
+    finish(p1)
+    finish(p2)  # (a gRPC stream's lifetime does not refit the cost model)
+    assert x != y
+    now = time.monotonic()
+    books = {a: b.load.adapters for a, b in pool["router"].backends.items()}
+    assert books[x].holds("attn-r4", now) and books[y].holds("attn-mlp-r8", now)
+    assert not books[x].holds("attn-mlp-r8", now) and not books[y].holds("attn-r4", now)
+    for seed, loras, holder in ((77, r8, y), (78, r4, x), (79, r8, y)):
+        p, again = exchange(pool, edit_message(tpl(seed), mask, loras=loras))
+        finish(p)
+        assert again == holder, (seed, loras)
 
 
 def test_only_endpoints_of_the_offered_subset_are_picked(pool):

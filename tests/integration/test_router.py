@@ -169,6 +169,38 @@ def test_triton_http_protocol_through_the_router(cluster, template_img, box_mask
     assert _http(cluster, "/v2/models/edit/generate", json.dumps({**doc, "NOPE": 1}).encode())[0] == 400
 
 
+def test_adapters_pass_through_the_router_over_grpc_and_http_generate_and_its_books_see_them(
+        cluster, adapters, template_img, box_mask):
+    """``LORAS`` through the router's gRPC port and its KServe generate endpoint: the same adapted image both ways
+    (not the plain one); the router books the adapter on the backend it chose; a bad adapter's error passes
+    through naming LORAS."""
+    import base64
+    import json
+
+    from tests.conftest import png
+
+    kw = dict(seed=6, steps=2, use_cache=False)
+    with EditClient(cluster["url"], timeout_s=120) as c:
+        adapted = np.asarray(c.edit(template_img, box_mask, "a hat", loras=[("attn-r4", 0.9)], **kw).image, int)
+        plain = np.asarray(c.edit(template_img, box_mask, "a hat", **kw).image, int)
+        with pytest.raises(EditError) as e:
+            c.edit(template_img, box_mask, "a hat", loras=[("nope", 1.0)], **kw)
+        assert e.value.code == "INVALID_ARGUMENT" and e.value.field == "LORAS" and "nope" in str(e.value)
+    assert np.abs(adapted - plain).max() > 10
+    now = time.monotonic()
+    assert any(b.load.adapters.holds("attn-r4", now) for b in cluster["router"].backends.values())
+    doc = {"TEMPLATE": base64.b64encode(png(template_img)).decode(), "MASK": base64.b64encode(png(box_mask)).decode(),
+           "PROMPT": "a hat", "SEED": 6, "STEPS": 2, "USE_CACHE": False,
+           "LORAS": json.dumps([{"name": "attn-r4", "scale": 0.9}])}
+    status, _, body = _http(cluster, "/v2/models/edit/generate", json.dumps(doc).encode())
+    assert status == 200, body
+    from PIL import Image
+    import io
+
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(json.loads(body)["IMAGE"]))), int)
+    assert np.abs(got - adapted).max() <= 1
+
+
 def test_perf_analyzer_through_the_router(cluster, tmp_path):
     """Concurrency 1 and 2 on perf_analyzer's own streams; at 2 the router must not add seconds (it once did: two
     instances on one host each ran their denoise loop on every core, and OpenMP oversubscription stalled steps)."""

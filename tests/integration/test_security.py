@@ -1,9 +1,13 @@
 """Keys and TLS on the router in front of a real tritonserver: the project's client with its key and the CA
 edits, without them it gets UNAUTHENTICATED / a transport error; Triton's HTTP protocol answers 401 / 403; the
-official ``openai`` client with ``api_key=`` edits, with a wrong key gets 401, a user key on an adapter route 403."""
+official ``openai`` client with ``api_key=`` edits, with a wrong key gets 401, a user key on an adapter route 403;
+an admin key loads an adapter from the configured source directory (never from elsewhere), every backend serves it
+through the ``lora`` field at once, and unloads it."""
 
 import base64
 import io
+import json
+import shutil
 import ssl
 import urllib.error
 import urllib.request
@@ -19,6 +23,7 @@ from maskedit_lab.cluster import running_backends
 from maskedit_router.__main__ import build, serve
 from maskedit_router.auth import Keyring
 from maskedit_router.health import HealthChecker
+from maskedit_router.lora_admin import AdapterAdmin
 from maskedit_router.openai_api import OpenAIServer
 from maskedit_router.tls import TlsFiles
 from tests.conftest import png
@@ -28,22 +33,28 @@ USER, ADMIN = "sk-user-0123456789abcdef", "sk-admin-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def secured(settings, tmp_path_factory):
+def secured(settings, adapters, tmp_path_factory):
     d = tmp_path_factory.mktemp("security")
     keys = d / "keys.txt"
     keys.write_text(f"{USER} acme user\n{ADMIN} ops admin\n")
     cert, key = make_cert(d / "tls")
     tls = TlsFiles.of(cert, key)
-    with running_backends(1, d, {"MASKEDIT_MODEL_DIR": str(settings.model_dir)}) as (servers, _):
+    # the backends' adapter library starts empty; adapters come in from the source directory at runtime
+    library, incoming = d / "loras", d / "incoming"
+    library.mkdir()
+    shutil.copytree(adapters / "attn-mlp-r16", incoming / "attn-mlp-r16")
+    env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_LORA_DIR": str(library)}
+    with running_backends(1, d, env) as (servers, _):
         router = build([s.grpc_url for s in servers])
         ring = Keyring(keys)
         http_port, openai_port = free_port(), free_port()
         srv, port, httpd = serve(router, 0, http_port, keyring=ring, tls=tls)
         checker = HealthChecker(router).start()
         api = OpenAIServer(f"127.0.0.1:{srv.loopback_port}", openai_port, keyring=ring,
-                           ssl_context=tls.ssl_context()).start()
+                           ssl_context=tls.ssl_context(), admin=AdapterAdmin(library, [incoming])).start()
         try:
-            yield {"url": f"127.0.0.1:{port}", "cert": cert, "http": http_port, "openai": openai_port}
+            yield {"url": f"127.0.0.1:{port}", "cert": cert, "http": http_port, "openai": openai_port,
+                   "incoming": incoming, "library": library}
         finally:
             api.stop()
             checker.stop()
@@ -105,10 +116,44 @@ def test_the_openai_client_with_api_key_edits(secured, template_img, box_mask):
                           http_client=http)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
+    http.close()
+
+
+def test_an_admin_loads_an_adapter_every_backend_serves_through_the_lora_field_and_unloads_it(
+        secured, template_img, box_mask):
+    http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(secured["cert"])))
+    base = f"https://127.0.0.1:{secured['openai']}/v1"
+    user = openai.OpenAI(base_url=base, api_key=USER, max_retries=0, timeout=120, http_client=http)
+    admin = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=60, http_client=http)
+    load = {"lora_name": "uploaded", "lora_path": str(secured["incoming"] / "attn-mlp-r16")}
     with pytest.raises(openai.PermissionDeniedError):
-        client.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/x"}, cast_to=object)
-    admin = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=30, http_client=http)
-    with pytest.raises(openai.APIStatusError) as e:  # past the role check: the backends have no adapters yet
-        admin.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/x"}, cast_to=object)
-    assert e.value.status_code == 501
+        user.post("/load_lora_adapter", body=load, cast_to=object)
+    with pytest.raises(openai.BadRequestError) as e:  # outside the source directories: refused, never opened
+        admin.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/etc/passwd"}, cast_to=object)
+    assert e.value.body["param"] == "lora_path"
+
+    def edit(lora):
+        r = user.images.edit(image=("t.png", io.BytesIO(png(template_img)), "image/png"),
+                             mask=("m.png", io.BytesIO(png(box_mask)), "image/png"), prompt="a hat",
+                             extra_body={"seed": 5, "steps": 2, "lora": json.dumps(lora)})
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))), dtype=int)
+
+    with pytest.raises(openai.BadRequestError) as e:  # not loaded yet
+        edit({"name": "uploaded", "scale": 0.8})
+    assert e.value.body["param"] == "lora" and "uploaded" in e.value.body["message"]
+    assert admin.post("/load_lora_adapter", body=load, cast_to=object)["status"] == "loaded"
+    assert admin.post("/load_lora_adapter", body=load, cast_to=object)["status"] == "already loaded"
+    assert "uploaded" in [m.id for m in user.models.list().data]
+    served = edit({"name": "uploaded", "scale": 0.8})
+    with EditClient(secured["url"], api_key=USER, ca_file=secured["cert"], timeout_s=120) as c:
+        plain = np.asarray(c.edit(template_img, box_mask, "a hat", seed=5, steps=2).image, dtype=int)
+    assert np.abs(served - plain).max() > 10  # the adapter is applied
+    with pytest.raises(openai.PermissionDeniedError):
+        user.post("/unload_lora_adapter", body={"lora_name": "uploaded"}, cast_to=object)
+    assert admin.post("/unload_lora_adapter", body={"lora_name": "uploaded"}, cast_to=object)["status"] == "unloaded"
+    with pytest.raises(openai.NotFoundError):
+        admin.post("/unload_lora_adapter", body={"lora_name": "uploaded"}, cast_to=object)
+    with pytest.raises(openai.BadRequestError):
+        edit({"name": "uploaded", "scale": 0.8})
+    assert "uploaded" not in [m.id for m in user.models.list().data]
     http.close()

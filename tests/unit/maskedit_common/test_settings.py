@@ -29,6 +29,7 @@ NON_DEFAULT = {
     "MASKEDIT_LORA_DEVICE_BYTES": ("2048", "lora_device_bytes", 2048),
     "MASKEDIT_LORA_LOAD_THREADS": ("3", "lora_load_threads", 3),
     "MASKEDIT_LORA_EARLY_START": ("1", "lora_early_start", True),
+    "MASKEDIT_LORA_ROOTS": ("/in:/up", "lora_roots", (Path("/in"), Path("/up"))),
     "MASKEDIT_MAX_LORAS": ("2", "max_loras", 2),
     "MASKEDIT_MAX_LORA_SCALE": ("1.5", "max_lora_scale", 1.5),
     "MASKEDIT_MAX_GUIDANCE": ("10", "max_guidance", 10.0),

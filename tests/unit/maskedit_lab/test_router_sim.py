@@ -1,6 +1,7 @@
 """The router simulator's worker model: step-level batching, template caching, CPU hosts shared by processor
 sharing with single-instance pre/post-processing queues."""
 
+import numpy as np
 import pytest
 
 from maskedit_common.cost_model import CostModel
@@ -222,3 +223,21 @@ def test_an_entry_write_takes_its_cpu_from_the_requests_running_beside_it(est):
     assert quiet[1].records is False and busy[0].records is True
     assert latency(busy[1]) == pytest.approx(latency(quiet[1]) + 0.05)
     assert latency(busy[0]) == pytest.approx(latency(quiet[0]))  # the write does not delay the run's own reply
+
+
+def test_adapters_load_cold_once_per_worker_and_affinity_keeps_them_where_they_are(est):
+    """A named adapter costs ``lora_load_ms`` the first time it runs on a worker, not after; routing that knows
+    adapters (``predicted``, ``weighted``) loads fewer of them cluster-wide than round robin on the same arrivals."""
+    e = Estimator(CostModel.fallback(), lora_load_ms=500.0)
+    one = [(0.0, EditFeatures("a", 0.2, 1024, 4, loras=1, adapters=("L",))),
+           (100.0, EditFeatures("a", 0.2, 1024, 4, loras=1, adapters=("L",)))]
+    out = replay("round_robin", 1, one, e)
+    first, second = out["requests"]
+    assert out["adapter_loads"] == 1 and latency(first) - latency(second) > 0.5
+    # eight adapters drawn at random over four workers, each request its own template (no template affinity),
+    # spaced so little queues (a request is ~7 s): round robin loads each adapter nearly everywhere
+    rng = np.random.default_rng(0)
+    arrivals = [(i * 8.0, EditFeatures(f"u{i}", 0.2, 1024, 4, loras=1, adapters=(f"L{rng.integers(8)}",)))
+                for i in range(96)]
+    loads = {p: replay(p, 4, arrivals, e)["adapter_loads"] for p in ("round_robin", "predicted", "weighted")}
+    assert loads["predicted"] < loads["round_robin"] / 2 and loads["weighted"] < loads["round_robin"] / 2, loads

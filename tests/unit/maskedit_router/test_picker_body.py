@@ -20,9 +20,10 @@ TPL, MASK = png(samples.template(256, 256, seed=1)), png(samples.mask(256, 256, 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-def _grpc_body(steps=4) -> bytes:
+def _grpc_body(steps=4, loras=None) -> bytes:
     req = service_pb2.ModelInferRequest(model_name="edit")
-    for name, value in (("TEMPLATE", TPL), ("MASK", MASK), ("PROMPT", b"a hat")):
+    for name, value in (("TEMPLATE", TPL), ("MASK", MASK), ("PROMPT", b"a hat")) + ((("LORAS", loras),) if loras
+                                                                                       else ()):
         req.inputs.add(name=name, datatype="BYTES", shape=[1]).contents.bytes_contents.append(value)
     req.inputs.add(name="STEPS", datatype="INT32", shape=[1]).contents.int_contents.append(steps)
     msg = req.SerializeToString()
@@ -37,6 +38,18 @@ def test_json_and_grpc_bodies_of_one_edit_have_the_same_features():
     assert g == j and g.template_key and g.steps == 4 and 0.2 < g.mask_ratio < 0.35
     assert picker_body.json_features("/v2/models/edit/generate", json.dumps({**doc, "STEPS": 5}).encode(),
                                      256).template_key != g.template_key  # steps key the cache
+
+
+def test_the_picker_and_the_router_read_the_adapters_a_request_names():
+    loras = '[{"name": "attn-r4", "scale": 0.8}, {"name": "attn-mlp-r16"}]'
+    g = picker_body.grpc_features(STREAM, picker_body.first_grpc_message(_grpc_body(loras=loras.encode())), 256)
+    assert g.adapters == ("attn-r4", "attn-mlp-r16") and g.loras == 2
+    doc = {"TEMPLATE": base64.b64encode(TPL).decode(), "MASK": base64.b64encode(MASK).decode(), "PROMPT": "a hat",
+           "STEPS": 4, "LORAS": loras}
+    assert picker_body.json_features("/v2/models/edit/generate", json.dumps(doc).encode(), 256) == g
+    # malformed: no adapters to route by (the backend refuses it, naming LORAS)
+    bad = picker_body.grpc_features(STREAM, picker_body.first_grpc_message(_grpc_body(loras=b"[{")), 256)
+    assert bad.adapters == () and bad.template_key == g.template_key
 
 
 def test_grpc_message_is_read_once_whole():
@@ -150,3 +163,18 @@ def test_a_grpc_stream_is_placed_at_its_first_message_without_waiting_for_its_en
     assert sum(b.load.inflight for b in router.backends.values()) == 0  # and released when it ends
     for b in router.backends.values():
         b.close()
+
+
+def test_the_router_reads_adapter_names_from_raw_grpc_contents_as_the_client_sends_them():
+    from maskedit_router.features import adapter_names
+
+    req = service_pb2.ModelInferRequest(model_name="edit")
+    for name, value in (("PROMPT", b"a hat"), ("LORAS", b'{"name": "attn-r4", "scale": 0.5}')):
+        req.inputs.add(name=name, datatype="BYTES", shape=[1])
+        req.raw_input_contents.append(struct.pack("<I", len(value)) + value)
+    assert adapter_names(req) == ("attn-r4",)
+    req.raw_input_contents[1] = struct.pack("<I", 2) + b"[{"  # malformed: none (the backend refuses it)
+    assert adapter_names(req) == ()
+    del req.inputs[1]
+    del req.raw_input_contents[1]
+    assert adapter_names(req) == ()

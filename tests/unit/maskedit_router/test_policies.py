@@ -222,19 +222,20 @@ def test_p2c_samples_two_and_takes_the_one_with_less_outstanding_work():
 def test_weighted_scores_are_normalised():
     p = WeightedScorers()
     assert sum(p.weights.values()) == pytest.approx(1.0)
-    assert p.weights["affinity"] == pytest.approx(3 / 7)
+    assert p.weights["affinity"] == pytest.approx(3 / 9)
     bs = [BackendLoad(f"b{i}", inflight=q) for i, q in enumerate((0, 4, 8))]
     bs[2].templates["tplA"] = 1e12
     s = p.scores(bs, F, 0.0)
     assert all(0.0 <= x <= 1.0 for x in s)
-    # every scorer in [0, 1]: the empty, least loaded backend scores queue 1, utilisation 1
-    assert s[0] == pytest.approx(p.weights["queue"] + p.weights["utilisation"])
+    # every scorer in [0, 1]: the empty, least loaded backend scores queue 1, utilisation 1 (and adapter 1: the
+    # request names none, so every backend holds all of them)
+    assert s[0] == pytest.approx(p.weights["queue"] + p.weights["utilisation"] + p.weights["adapter"])
     # all equal queues: the queue scorer gives all 1, not a division by zero
     same = [BackendLoad(f"c{i}", inflight=3) for i in range(3)]
-    assert WeightedScorers({"affinity": 0, "utilisation": 0}).scores(same, F, 0.0) == [1.0, 1.0, 1.0]
+    assert WeightedScorers({"affinity": 0, "utilisation": 0, "adapter": 0}).scores(same, F, 0.0) == [1.0, 1.0, 1.0]
     # weights are settings
-    assert WeightedScorers(parse_weights("affinity=1,queue=1,utilisation=0")).weights == {
-        "affinity": 0.5, "queue": 0.5, "utilisation": 0.0}
+    assert WeightedScorers(parse_weights("affinity=1,queue=1,utilisation=0,adapter=0")).weights == {
+        "affinity": 0.5, "queue": 0.5, "utilisation": 0.0, "adapter": 0.0}
     with pytest.raises(ValueError):
         WeightedScorers({"latency": 1.0})
     # affinity decides between equally loaded backends
@@ -299,3 +300,36 @@ def test_backlog_drains_while_the_backend_works():
     assert load.backlog_at(10.0 + 10 * half) == 0.0
     bk.remove(load, 10.0 + 10 * half)
     assert load.backlog_ms == 0.0 and load.drained_ms == 0.0
+
+
+def test_adapters_cost_a_cold_load_where_they_were_not_routed_and_policies_prefer_their_holders():
+    """The router's shadow of each backend's adapters (``adapter_residency``): a request's adapters count as held
+    where it was routed (until they expire or fall out of the LRU); each one a backend does not hold costs
+    ``lora_load_ms``; ``predicted`` and ``weighted`` send a request to the backend holding its adapters."""
+    e = Estimator(CostModel.fallback(), lora_load_ms=400.0)
+    a, b = BackendLoad("a"), BackendLoad("b")
+    f = _f("t", adapters=("style", "detail"), loras=2)
+    assert e.adapter_ms(f, a, 0.0) == 800.0 and e.cost_ms(f, a, 0.0) == pytest.approx(e.request_ms(f, False) + 800)
+    assert e.adapter_ms(_f("t"), a, 0.0) == 0.0
+    Booking.add(b, e, _f("other", adapters=("style",)), 0.0, 60)  # b served "style" (another template)
+    assert e.adapter_ms(f, b, 1.0) == 400.0 and b.adapters.share_held(f.adapters, 1.0) == 0.5
+    assert e.adapter_ms(f, b, 61.0) == 800.0  # expired: cold again
+    b.backlog_ms = 0.0
+    assert PredictedLatency(e).choose([a, b], f, 1.0) is b
+    a.inflight = 1  # as busy as b (its one request): the adapter term decides
+    assert make("weighted", e).choose([a, b], f, 1.0) is b
+    # without adapters: a (its store emptier) wins
+    assert make("weighted", e).choose([a, b], _f("t2"), 1.0) is a
+    # far busier, the holder loses: the saved load is smaller than the queue
+    b.backlog_ms, b.drain_t = 5000.0, 1.0
+    assert PredictedLatency(e).choose([a, b], f, 1.0) is a
+    # the LRU keeps ``slots`` adapters; a failed backend's books are forgotten
+    b.adapters.slots = 2
+    b.adapters.touch(("x", "y"), 100.0)
+    assert not b.adapters.holds("style", 1.0) and len(b.adapters) == 2
+    b.forget()
+    assert b.adapters.missing(("x", "y"), 1.0) == 2
+    # a trace's unnamed adapters still load with their checkpoint
+    e2 = Estimator(CostModel.fallback(), model_load_ms=5000.0, lora_load_ms=500.0)
+    assert e2.model_ms(_f("t", model="M", loras=2), a) == 6000.0
+    assert e2.model_ms(_f("t", model="M", loras=2, adapters=("p", "q")), a) == 5000.0
