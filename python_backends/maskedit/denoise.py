@@ -124,8 +124,7 @@ class ModelRunner:
         if self.cache is None:
             job.tokens = n
         elif job.decision is None and job.inputs.loras and not self.family.adapters_in_masked_path:
-            # The cached (masked) block paths do not add adapter deltas yet: such a request runs in full. Its key
-            # (which includes the adapter set) is kept for when they do.
+            # This family's cached (masked) block paths do not add adapter deltas: such a request runs in full.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -183,11 +182,9 @@ class ModelRunner:
 
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
-        attend and cannot be padded)."""
-        groups = group_by(jobs, self.family.group_key)
-        if self.family.adapters_in_masked_path:
-            return groups
-        return [g for group in groups for g in _adapter_split(group)]
+        attend and cannot be padded). Adapter sets do not split a call: cache hits, template recordings and plain
+        rows carry their requests' deltas alike (``maskedit.adapters.delta``)."""
+        return group_by(jobs, self.family.group_key)
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -213,16 +210,6 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
-
-
-def _adapter_split(group: list[DenoiseJob]) -> list[list[DenoiseJob]]:
-    """A call carrying adapters runs every row through the denoiser's own forward (where the delta hooks are), so
-    it holds only requests that compute every token (no cache hit, no recording) at one resolution (no packed
-    rows); requests with and without adapters share it. The others form their own call."""
-    if not any(j.adapters for j in group):
-        return [group]
-    plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
-    return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))
 
 
 def group_by(jobs: list[DenoiseJob], key) -> list[list[DenoiseJob]]:
