@@ -41,6 +41,7 @@ class DenoiseInputs:
     register: bool = False  # a template run: record even if an entry exists
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
+    base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
