@@ -107,7 +107,8 @@ def run_preset(preset: str, ratios=RATIOS, sets=SETS, steps: int | None = None,
             assert exact.cache.status == "hit" and not exact.cache.base_reuse
             assert reuse.cache.status == "hit" and reuse.cache.base_reuse
             ref, ref_full = image(exact), image(full)
-            row = {"preset": preset, "adapters": set_name, "loras": [list(p) for p in pairs],
+            row = {"preset": preset, "device": h.settings.torch_device, "dtype": h.settings.dtype,
+                   "adapters": set_name, "loras": [list(p) for p in pairs],
                    "mask_ratio": ratio, "masked_tokens": int(np.asarray(x.token_mask).sum()),
                    "tokens": int(len(x.token_mask)), "steps": h.steps, "template_pass_s": round(reg_s, 3),
                    "exact_hit_s": round(exact_s, 3), "reuse_hit_s": round(reuse_s, 3), "full_s": round(full_s, 3),
@@ -157,8 +158,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = [r for p in a.presets for r in run_preset(p, tuple(a.ratios), steps=a.steps, models=a.models)]
-    dev = os.environ.get("MASKEDIT_DEVICE", "cpu")
-    out = {"device": dev, "dtype": os.environ.get("MASKEDIT_DTYPE", "float32"), "host": platform.node(),
+    out = {"device": rows[0]["device"], "dtype": rows[0]["dtype"], "host": platform.node(),
            "threads": torch.get_num_threads(), "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
