@@ -162,3 +162,50 @@ def test_base_reuse_is_opt_in_and_approximate(env):
     again = run(x, reuse=True)
     assert again.cache.status == "hit" and not again.cache.base_reuse
     np.testing.assert_allclose(again.result(), exact, atol=atol(s, 1e-5), rtol=0)
+
+
+def _every_block_linear(denoiser, rank: int, seed: int) -> dict:
+    """PEFT-format factors on every linear layer of the transformer blocks: on FLUX.2 that includes the single
+    blocks' fused ``to_qkv_mlp_proj``, whose key/value features the cached path projects on their own."""
+    import torch
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    sd = {}
+    for name, m in denoiser.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.split(".")[0] in ("transformer_blocks", "single_transformer_blocks"):
+            sd[f"{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
+            sd[f"{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * (0.3 / rank ** 0.5)
+    return sd
+
+
+def test_klein_hits_under_an_adapter_on_every_block_linear_are_exact(tmp_path):
+    s0 = load_settings()
+    d = tmp_path / "model"
+    build(d, "klein-tiny")
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": s0.dtype, "MASKEDIT_DEVICE": s0.device})
+    fam = family_for(d)
+    sd = _every_block_linear(fam.load_denoiser(s), 8, 3)
+    assert any("to_qkv_mlp_proj" in k for k in sd)
+    fam.pipeline_class().save_lora_weights(d / "loras" / "every", transformer_lora_layers=sd)
+    store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
+    pre = Preprocessor(s, store=store)
+    runner = ModelRunner(s)
+    tpl, mask = samples.template(SIZE, SIZE, seed=47), samples.mask(SIZE, SIZE, 0.25, "box", seed=47)
+    x = denoise_inputs(pre(png(tpl), png(mask), parse_params(s, "a red hat", steps=STEPS,
+                                                               loras='[{"name": "every", "scale": 0.9}]')))
+    ref = plain(runner, x).result()
+    m = np.asarray(x.token_mask, bool)
+    assert np.abs(plain(runner, replace(x, loras=())).result()[m] - ref[m]).max() > 1e-2
+    statuses = []
+    for policy in ("all_y", "all_y", "all_kv"):  # the first records, then hits (y: the fused projection's slice)
+        rt = CacheRuntime(runner.family.cache_hooks(runner.transformer), store, policy=cache_policy(policy))
+        eng = DenoiseEngine(ModelRunner(s, transformer=runner.transformer, cache=rt))
+        try:
+            job = run_job(eng, x)
+            rt.flush()
+        finally:
+            eng.shutdown()
+            rt.close()
+        np.testing.assert_allclose(job.result(), ref, atol=atol(s, 1e-5), rtol=0)
+        statuses.append((job.cache.status, set(job.cache.modes)))
+    assert statuses == [("record", {"full"}), ("hit", {"y"}), ("hit", {"kv"})]
