@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -82,6 +83,13 @@ def run_preset(preset: str, ratios=RATIOS, sets=SETS, steps: int | None = None,
     model_dir = Path(models or REPO_ROOT / "models") / preset_family(preset).dir_name(preset)
     lib = Path(tempfile.mkdtemp(prefix="maskedit-loras-"))
     os.environ["MASKEDIT_LORA_DIR"] = str(lib)
+    try:
+        return _measure(preset, model_dir, lib, ratios, sets, steps)
+    finally:
+        shutil.rmtree(lib, ignore_errors=True)
+
+
+def _measure(preset: str, model_dir: Path, lib: Path, ratios, sets, steps) -> list[dict]:
     h = Harness.create(model_dir=model_dir, preset=preset, steps=steps)
     write_library(model_dir, h.runner.family, h.runner.transformer, out=lib)  # seeded: the tiny model's library
     dec = Decoder(h.settings)
