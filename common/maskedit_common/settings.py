@@ -61,6 +61,10 @@ class CacheSettings:
     disk_bytes: int = 32 << 30
     disk_free_fraction: float = 0.5
     budget_bytes: int = 1 << 30
+    # An adapter request on a template recorded only without adapters reuses that recording's rows for its
+    # unmasked tokens (approximate: they lack the adapters' effect; docs/lora.md measures it) instead of running a
+    # template pass under its own adapter set. Off: exact.
+    lora_base_reuse: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -276,6 +280,9 @@ VARIABLES: tuple[Var, ...] = (
         "share of the space its filesystem has"),
     Var("MASKEDIT_CACHE_BUDGET_BYTES", "cache.budget_bytes", _bytes, "activation bytes recorded per template",
         "1 GiB"),
+    Var("MASKEDIT_CACHE_LORA_BASE_REUSE", "cache.lora_base_reuse", _flag, "`1`: a request with LoRA adapters on a "
+        "template cached only without adapters reuses that entry for its unmasked tokens (approximate, saves the "
+        "template pass; see docs/lora.md); `0`: exact, it records its own", "`0`"),
     # batching and the queue
     Var("MASKEDIT_BATCHING", "batching.policy", str, "batching policy", choices=BATCHING_POLICIES),
     Var("MASKEDIT_MAX_BATCH", "batching.max_batch", int, "requests per denoising step"),

@@ -95,8 +95,11 @@ class Harness:
     def settings(self):
         return self.runner.settings
 
-    def inputs(self, mask: np.ndarray, register: bool = False, seed: int = 0) -> DenoiseInputs:
-        params = parse_params(self.settings, "a red dress", seed=seed, steps=self.steps, register=register)
+    def inputs(self, mask: np.ndarray, register: bool = False, seed: int = 0,
+               loras: str | None = None) -> DenoiseInputs:
+        """``loras``: the LORAS JSON (adapters from ``MASKEDIT_LORA_DIR``)."""
+        params = parse_params(self.settings, "a red dress", seed=seed, steps=self.steps, register=register,
+                              loras=loras)
         return denoise_inputs(self.pre(png(self.template), png(mask), params))
 
     def mask(self, ratio: float, seed: int = 0) -> np.ndarray:
@@ -105,14 +108,15 @@ class Harness:
         return token_mask_image(w // patch, h // patch, patch, ratio, seed)
 
     def engine(self, policy: str, overlap: bool = True, scheduler=None, max_queue: int = 64,
-               pack: bool = True, inline_work: bool = False) -> tuple[DenoiseEngine, CacheRuntime | None]:
+               pack: bool = True, inline_work: bool = False,
+               lora_base_reuse: bool = False) -> tuple[DenoiseEngine, CacheRuntime | None]:
         """A denoise engine on the shared transformer with cache ``policy`` (a serving policy, or a fixed baseline
         of ``baselines.FIXED_POLICIES``); stop it with ``shutdown`` and ``close`` its runtime. Baselines, composed
         from ``baselines``: ``overlap=False`` loads rows inside the block, ``pack=False`` makes one transformer call
         per resolution, ``inline_work=True`` gives an engine whose ``call_soon`` runs work on its loop thread."""
         rt = None if policy == "off" else CacheRuntime(
             self.hooks, self.store, self.cost, policy=cache_policy(policy), budget_bytes=self.budget_bytes,
-            loader=RowLoader if overlap else InlineRowLoader)
+            loader=RowLoader if overlap else InlineRowLoader, lora_base_reuse=lora_base_reuse)
         runner_cls = ModelRunner if pack else PerResolutionRunner
         runner = runner_cls(self.settings, transformer=self.runner.transformer, cache=rt)
         engine_cls = InlineWorkEngine if inline_work else DenoiseEngine

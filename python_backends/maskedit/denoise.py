@@ -41,6 +41,7 @@ class DenoiseInputs:
     register: bool = False  # a template run: record even if an entry exists
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
+    base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -163,9 +164,9 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and job.inputs.loras and (not self.family.adapters_in_masked_path
                                                             or self.settings.lora_early_start):
-            # The cached (masked) block paths do not add adapter deltas yet: such a request runs in full. Its key
-            # (which includes the adapter set) is kept for when they do. Under early start its first steps may run
-            # without its adapters: never recorded under (or served from) its adapter set's key.
+            # This family's cached (masked) block paths do not add adapter deltas: such a request runs in full. Under
+            # early start its first steps may run without its adapters: never recorded under (or served from) its
+            # adapter set's key.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -223,11 +224,9 @@ class ModelRunner:
 
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
-        attend and cannot be padded)."""
-        groups = group_by(jobs, self.family.group_key)
-        if self.family.adapters_in_masked_path:
-            return groups
-        return [g for group in groups for g in _adapter_split(group)]
+        attend and cannot be padded). Adapter sets do not split a call: cache hits, template recordings and plain
+        rows carry their requests' deltas alike (``maskedit.adapters.delta``)."""
+        return group_by(jobs, self.family.group_key)
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -253,16 +252,6 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
-
-
-def _adapter_split(group: list[DenoiseJob]) -> list[list[DenoiseJob]]:
-    """A call carrying adapters runs every row through the denoiser's own forward (where the delta hooks are), so
-    it holds only requests that compute every token (no cache hit, no recording) at one resolution (no packed
-    rows); requests with and without adapters share it. The others form their own call."""
-    if not any(j.adapters for j in group):
-        return [group]
-    plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
-    return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))
 
 
 def group_by(jobs: list[DenoiseJob], key) -> list[list[DenoiseJob]]:

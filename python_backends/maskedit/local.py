@@ -21,6 +21,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
         latents=p.latents, cond=p.cond, prompt_embeds=p.prompt_embeds, pooled_embeds=p.pooled_embeds,
         token_mask=p.token_mask, model_w=p.model_w, model_h=p.model_h, steps=p.params.steps,
         guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register, loras=p.loras,
+        base_cache_key=p.base_cache_key or None,
     )
 
 

@@ -39,6 +39,7 @@ class PreparedEdit:
     template_hash: str
     was_base64: bool
     cache_key: str = ""
+    base_cache_key: str = ""  # with adapters: the key the same request has without them (``lora_base_reuse``)
     loras: tuple = ()  # its adapters checked against the library: ``ResolvedRef`` (name, scale, digest)
     # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
     latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
@@ -109,10 +110,16 @@ class Preprocessor:
             prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                            params.guidance, params.template_seed, self.scheduler_config, s.dtype,
                                            adapters=[(r.name, r.scale, r.digest) for r in loras])
+            if loras:
+                prepared.base_cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
+                                                    params.guidance, params.template_seed, self.scheduler_config,
+                                                    s.dtype)
         if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
         if self.store is not None and prepared.cache_key:
             self.store.prefetch(prepared.cache_key)  # promote from disk while the request queues
+            if prepared.base_cache_key and s.cache.lora_base_reuse:
+                self.store.prefetch(prepared.base_cache_key)
 
         init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
         t = self.family.prepare(self.pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, s)

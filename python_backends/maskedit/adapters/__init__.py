@@ -7,7 +7,8 @@
   ``_create_lora_config`` for ranks and alphas): the same factors and scalings ``load_lora_weights`` gives PEFT.
 - ``delta``: unmerged low-rank deltas, ``x·Aᵀ·Bᵀ·scale`` added to each targeted projection's output through a
   Diffusers hook on the projection (``HookRegistry``), grouped by adapter over the rows of a batch (Punica /
-  S-LoRA style): requests with different adapter sets, and with none, share one denoiser call.
+  S-LoRA style): requests with different adapter sets, and with none, share one denoiser call; the families'
+  mask-aware (cached) block paths add them too (``owners``: which request each row is; ``add_fused``).
 - ``runtime``: the device tier of the adapter cache (one denoiser's converted adapters by name and digest, LRU
   within a byte budget) and where a load looks next: ``host_cache`` (converted adapters in safetensors files on a
   RAM filesystem shared by the host's processes, checksummed, LRU) then the library file;

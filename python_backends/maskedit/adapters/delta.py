@@ -1,16 +1,21 @@
 """Unmerged low-rank deltas on a shared batch: a Diffusers hook on each projection an adapter targets adds
-``B(A(x))·scaling`` for the rows whose request carries that adapter, grouped by adapter (Punica / S-LoRA style:
-one gather, two small GEMMs and one scatter per adapter and projection; none when every row shares it). Base weights
-are never touched; with no plan active (a batch without adapters) the hook only calls the layer.
+``B(A(x))·scaling`` for the rows whose request carries that adapter, grouped by adapter and weight (Punica /
+S-LoRA style: one gather, two small GEMMs and one scatter per group and projection; none when every row shares
+it). Base weights are never touched; with no plan active (a batch without adapters) the hook only calls the layer.
 
-The plan is per thread and per denoiser call: ``active(plan)`` around the call. Batch rows map to requests in
-order, ``k = rows // requests`` consecutive rows each (a UNet's classifier-free guidance doubles them)."""
+The plan is per thread and per denoiser call: ``active(plan)`` around the call. Which request each row of a
+layer's input belongs to: by default (the denoiser's own forward over the whole batch) requests in order,
+``rows // requests`` consecutive rows each (a UNet's classifier-free guidance doubles them). The mask-aware block
+paths (``maskedit.families.*.cache``) call layers on other layouts (a subset of the batch rows, or the computed
+tokens of several requests concatenated): they say so with ``owners(segments)``, and add the deltas of
+projections they compute with stacked (fused) weights with ``add`` / ``add_fused``."""
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
@@ -26,41 +31,127 @@ class BatchPlan:
 
     def __init__(self, per_request: list[tuple[tuple[LoadedAdapter, float], ...]]):
         self.n = len(per_request)
-        groups: dict[int, tuple[LoadedAdapter, list[int], list[float]]] = {}
+        groups: dict[tuple[int, float], tuple[LoadedAdapter, float, set[int]]] = {}
         for j, sets in enumerate(per_request):
             for adapter, weight in sets:
-                g = groups.setdefault(id(adapter), (adapter, [], []))
-                g[1].append(j)
-                g[2].append(float(weight))
-        # each adapter once, in the order requests name them (PEFT adds active adapters in set_adapters' order)
+                groups.setdefault((id(adapter), float(weight)), (adapter, float(weight), set()))[2].add(j)
+        # each (adapter, weight) once, in the order requests name them (PEFT adds active adapters in set_adapters'
+        # order)
         self.groups = list(groups.values())
         self._rows: dict = {}
 
-    def _index(self, jobs: tuple[int, ...], k: int, device) -> torch.Tensor:
-        key = (jobs, k, str(device))
+    def request_of(self, row: int, batch: int) -> int:
+        """The request that batch row ``row`` of a ``batch``-row call belongs to."""
+        return row // (batch // self.n)
+
+    def _index(self, g: int, segments: tuple, device):
+        """Rows of group ``g`` among ``segments`` ((request, rows) runs along dim 0): None (none), "all", or an
+        index tensor; made once per call and layout."""
+        key = (g, segments, str(device))
         if key not in self._rows:
-            self._rows[key] = torch.tensor([j * k + t for j in jobs for t in range(k)], device=device)
+            jobs = self.groups[g][2]
+            starts = np.cumsum([0] + [c for _, c in segments])
+            mine = [(int(s), c) for (r, c), s in zip(segments, starts) if r in jobs and c]
+            if not mine:
+                idx = None
+            elif sum(c for _, c in mine) == int(starts[-1]):
+                idx = "all"
+            else:
+                idx = torch.from_numpy(np.concatenate([np.arange(s, s + c) for s, c in mine])).to(device)
+            self._rows[key] = idx
         return self._rows[key]
 
-    def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, name: str, x: torch.Tensor, out: torch.Tensor, part: slice | None = None,
+              inplace: bool = False) -> torch.Tensor:
+        """``out`` plus the deltas of layer ``name`` on input ``x`` (``part``: only those output features of the
+        layer, for a slice of a fused projection). ``inplace``: add into ``out`` (a view of a larger output)."""
+        segments = getattr(_local, "owners", None)
         rows = x.shape[0]
-        if rows % self.n:
-            raise RuntimeError(f"LoRA delta at {name}: {rows} batch rows for {self.n} requests")
-        k = rows // self.n
+        if segments is None:
+            if rows % self.n:
+                raise RuntimeError(f"LoRA delta at {name}: {rows} batch rows for {self.n} requests")
+            k = rows // self.n
+            segments = tuple((j, k) for j in range(self.n))
+        elif sum(c for _, c in segments) != rows:
+            raise RuntimeError(f"LoRA delta at {name}: {rows} rows for a layout of {segments}")
         dtype = out.dtype
-        for adapter, jobs, weights in self.groups:
+        for g, (adapter, weight, _) in enumerate(self.groups):
             m = adapter.modules.get(name)
             if m is None:
                 continue
-            xa = x.to(m.A.dtype)
-            if len(jobs) == self.n and len(set(weights)) == 1:  # every row: no gather, PEFT's own expression
-                out = out + F.linear(F.linear(xa, m.A), m.B) * m.scaling(weights[0])
+            idx = self._index(g, segments, x.device)
+            if idx is None:
                 continue
-            idx = self._index(tuple(jobs), k, x.device)
-            d = F.linear(F.linear(xa[idx], m.A), m.B)
-            s = torch.tensor([m.scaling(w) for w in weights for _ in range(k)], device=d.device, dtype=d.dtype)
-            out = out.index_add(0, idx, d * s.view(-1, *([1] * (d.ndim - 1))))
-        return out.to(dtype)
+            B = m.B if part is None else m.B[part]
+            xa = x.to(m.A.dtype)
+            if isinstance(idx, str):  # every row: no gather, PEFT's own expression
+                d = (F.linear(F.linear(xa, m.A), B) * m.scaling(weight)).to(dtype)
+                out = out.add_(d) if inplace else out + d
+                continue
+            d = (F.linear(F.linear(xa[idx], m.A), B) * m.scaling(weight)).to(dtype)
+            out = out.index_add_(0, idx, d) if inplace else out.index_add(0, idx, d)
+        return out if inplace else out.to(dtype)
+
+
+def _name(layer) -> str | None:
+    reg = getattr(layer, "_diffusers_hook", None)
+    hook = reg.get_hook(HOOK_NAME) if reg is not None else None
+    return hook.name if hook is not None else None
+
+
+def current() -> BatchPlan | None:
+    return getattr(_local, "plan", None)
+
+
+def add(layer, x: torch.Tensor, out: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+    """``out`` (``layer``'s output on ``x``, or its features ``part``, computed without the layer's forward) plus
+    the active plan's deltas of ``layer``, in place."""
+    plan = current()
+    name = _name(layer) if plan is not None else None
+    return out if name is None else plan.apply(name, x, out, part, inplace=True)
+
+
+def add_fused(layers: list, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out``: the outputs of ``layers`` on ``x`` side by side (one GEMM over their stacked weights); each layer's
+    deltas added to its own columns, in place."""
+    if current() is None:
+        return out
+    off = 0
+    for layer in layers:
+        n = layer.out_features
+        add(layer, x, out[..., off:off + n])
+        off += n
+    return out
+
+
+class owners:
+    """``with owners(segments)``: dim 0 of every targeted layer's input inside is ``segments``, (request, rows) runs
+    in order (nothing without an active plan). Requests are indices of the plan's (the denoiser call's) requests.
+    Reusable: one layout entered around several calls."""
+
+    def __init__(self, segments):
+        self.segments = tuple((int(r), int(c)) for r, c in segments) if current() is not None else None
+        self._prev = []
+
+    def __enter__(self):
+        if self.segments is not None:
+            self._prev.append(getattr(_local, "owners", None))
+            _local.owners = self.segments
+        return self
+
+    def __exit__(self, *exc):
+        if self.segments is not None:
+            _local.owners = self._prev.pop()
+
+
+def batch_rows(rows, batch: int, counts=None) -> list[tuple[int, int]]:
+    """Segments for batch rows ``rows`` of a ``batch``-row call: one run per row (``counts``: rows of the layer
+    input each contributes, e.g. its computed tokens; default 1)."""
+    plan = current()
+    if plan is None:
+        return []
+    counts = counts if counts is not None else [1] * len(rows)
+    return [(plan.request_of(i, batch), c) for i, c in zip(rows, counts)]
 
 
 class LoraDeltaHook(ModelHook):
@@ -97,10 +188,11 @@ def detach(denoiser) -> None:
 
 @contextmanager
 def active(plan: BatchPlan | None):
-    """``plan`` applies to the denoiser calls this thread makes inside the block."""
-    prev = getattr(_local, "plan", None)
-    _local.plan = plan
+    """``plan`` applies to the denoiser calls this thread makes inside the block (and no layout from an outer
+    call's ``owners``)."""
+    prev, prev_owners = getattr(_local, "plan", None), getattr(_local, "owners", None)
+    _local.plan, _local.owners = plan, None
     try:
         yield
     finally:
-        _local.plan = prev
+        _local.plan, _local.owners = prev, prev_owners

@@ -7,6 +7,11 @@ admission carries the decision out.
 - ``hit``: compute the request's masked tokens plus the entry's invalid ones, take the rest from the entry (a
   stored one, or a template run in progress here: the request follows it);
 - ``full``: the entry exists but every token must be computed anyway.
+
+A request with LoRA adapters has its own key (the adapter set is part of it): rows recorded under one set are never
+used under another. With ``lora_base_reuse`` (opt-in, approximate) such a request whose own entry does not exist
+but whose template is cached without adapters is a hit on that base entry (``base``): its unmasked rows lack its
+adapters' effect; it neither records nor heals.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class CacheDecision:
     entry: Entry | LiveEntry | None = None  # a hit's (or full's) rows
     computed: np.ndarray | None = None  # a hit: per image token, computed by this request
     heal: np.ndarray | None = None  # a hit from the store: invalid tokens it leaves unmasked (template context)
+    base: bool = False  # an adapter request's hit on the entry recorded without adapters (``lora_base_reuse``)
 
     @property
     def follows(self) -> bool:
@@ -53,31 +59,46 @@ def latent_grid(x, n: int) -> tuple[int, int]:
     return x.model_h // side, x.model_w // side
 
 
-def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
-           record: bool = True, count: bool = True, coarsest: int = 0) -> CacheDecision:
-    """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing but
-    the store's hit/miss counts (``count=False``: a second look for the same request). ``coarsest``: a UNet's
-    deepest level with transformer blocks (what a hit may heal depends on it), 0 for Flux."""
-    key = x.cache_key
-    if store is None or not key:
-        return CacheDecision("off")
+def _entry(key: str, x, store: ActivationStore, live_runs: LiveRuns, dim: int, blocks: int, count: bool):
+    """The stored entry of ``key`` that fits ``x``, else a template run of it in progress here, else None."""
     n = x.latents.shape[0]
-    if x.register:
-        return CacheDecision("record" if record else "off", key)
     entry = store.open(key, count=count)
     if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks):
         log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
         entry = None
     if entry is None:
         live = live_runs.get(key)
-        if live is None or not fits(live.meta, n, x.steps, dim, blocks):
-            return CacheDecision("record" if record else "off", key)
-        entry = live
+        if live is not None and fits(live.meta, n, x.steps, dim, blocks):
+            entry = live
+    return entry
+
+
+def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
+           record: bool = True, count: bool = True, coarsest: int = 0, base_reuse: bool = False) -> CacheDecision:
+    """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing but
+    the store's hit/miss counts (``count=False``: a second look for the same request). ``coarsest``: a UNet's
+    deepest level with transformer blocks (what a hit may heal depends on it), 0 for Flux. ``base_reuse``: an
+    adapter request without an entry of its own may use its template's entry recorded without adapters."""
+    key = x.cache_key
+    if store is None or not key:
+        return CacheDecision("off")
+    n = x.latents.shape[0]
+    if x.register:
+        return CacheDecision("record" if record else "off", key)
+    entry = _entry(key, x, store, live_runs, dim, blocks, count)
+    base = False
+    if entry is None and base_reuse and getattr(x, "base_cache_key", None):
+        entry = _entry(x.base_cache_key, x, store, live_runs, dim, blocks, count)
+        base = entry is not None
+        if base:
+            key = x.base_cache_key
+    if entry is None:
+        return CacheDecision("record" if record else "off", key)
     invalid = ~np.asarray(entry.arrays["valid"], dtype=bool)
     own = np.asarray(x.token_mask, bool)
     computed = computed_tokens(own, invalid)
     if computed.all():
-        return CacheDecision("full", key, entry)
-    return CacheDecision("hit", key, entry, computed=computed,
-                         heal=None if isinstance(entry, LiveEntry) else
+        return CacheDecision("full", x.cache_key if base else key, None if base else entry)
+    return CacheDecision("hit", key, entry, computed=computed, base=base,
+                         heal=None if isinstance(entry, LiveEntry) or base else  # never heal a base entry
                          heal_candidates(own, invalid, latent_grid(x, n) if coarsest else None, coarsest))

@@ -65,6 +65,7 @@ class JobCache:
     recovered: str | None = None  # the corrupt entry this request was restarted without (what was found)
     computed: np.ndarray | None = None  # UNet hits: latent pixels computed (host), and per-level indices
     level_idx: dict | None = None
+    base_reuse: bool = False  # an adapter request reading the rows recorded without adapters (approximate)
 
     def ready(self, step: int) -> bool:
         """Are this hit's rows for ``step`` there? Always for a stored entry; for a follower once the run has
@@ -80,15 +81,17 @@ class JobCache:
                 if self.status == "hit" else "",
                 "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None,
                 "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0,
-                "cache_corrupt": self.recovered is not None}
+                "cache_corrupt": self.recovered is not None, "cache_base_reuse": self.base_reuse}
 
 
 class CacheRuntime:
     def __init__(self, hooks, store: ActivationStore | None, cost: CostModel | None = None,
                  policy: str | BlockPolicy = "planner", budget_bytes: int = 1 << 30, record: bool = True,
-                 heal_min_ratio: float = HEAL_MIN_RATIO, loader: type[RowLoader] = RowLoader):
+                 heal_min_ratio: float = HEAL_MIN_RATIO, loader: type[RowLoader] = RowLoader,
+                 lora_base_reuse: bool = False):
         """``policy``: a name in ``POLICIES`` or a ``BlockPolicy``; ``off`` caches nothing. ``loader``: how rows
-        reach the device (benchmarks pass the naive baseline's, which loads inside the block)."""
+        reach the device (benchmarks pass the naive baseline's, which loads inside the block).
+        ``lora_base_reuse``: ``CacheSettings.lora_base_reuse`` (approximate; off by default)."""
         if isinstance(policy, str) and policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}")
         self.policy = policy if isinstance(policy, str) else policy.name
@@ -106,6 +109,7 @@ class CacheRuntime:
         self.live_runs = LiveRuns()
         self.heal_min_ratio = heal_min_ratio
         self.heals = HealsInProgress()
+        self.lora_base_reuse = bool(lora_base_reuse)
 
     # -- before admission -----------------------------------------------------------------------------
     def decide(self, x, count: bool = True) -> CacheDecision:
@@ -114,7 +118,7 @@ class CacheRuntime:
             return CacheDecision("off")
         try:
             return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record, count,
-                          coarsest=getattr(self.hooks, "coarsest", 0))
+                          coarsest=getattr(self.hooks, "coarsest", 0), base_reuse=self.lora_base_reuse)
         except Exception:
             log.exception("activation cache unusable for %s; running in full", x.cache_key)
             return CacheDecision("off", x.cache_key)
@@ -155,7 +159,8 @@ class CacheRuntime:
         dev = job.latents.device if job.latents is not None else "cpu"
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
         jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=self.hooks.text_len(x),
-                      live=d.entry.recorder if d.follows else None, computed=np.asarray(d.computed, bool))
+                      live=d.entry.recorder if d.follows else None, computed=np.asarray(d.computed, bool),
+                      base_reuse=d.base)
         idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)

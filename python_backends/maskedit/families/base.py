@@ -108,8 +108,9 @@ class ModelFamily(ABC):
 
     # -- LoRA adapters (``maskedit.adapters``) ------------------------------------------------------------
     # Adapters run as unmerged deltas on the denoiser's linear layers (hooks on the layers, so any family's
-    # plain forward carries them). The mask-aware (cached) block paths compute projections with their own fused
-    # weights and do not add them yet: a family says here when its hooks do.
+    # plain forward carries them). A family's mask-aware (cached) block paths must add them too: say which request
+    # each layer input row belongs to (``delta.owners``) and add the deltas of projections computed with stacked
+    # weights (``delta.add_fused``). Until a family's hooks do, its adapter requests run uncached (``off``).
     adapters_in_masked_path: ClassVar[bool] = False
 
     def lora_prefix(self) -> str:

@@ -48,7 +48,8 @@ def cache_runtime(transformer, settings: Settings, log: logging.Logger) -> Cache
     if store is None:
         return None
     return CacheRuntime(family(settings).cache_hooks(transformer), store, cost_model(settings, log),
-                        policy=settings.cache.policy, budget_bytes=settings.cache.budget_bytes)
+                        policy=settings.cache.policy, budget_bytes=settings.cache.budget_bytes,
+                        lora_base_reuse=settings.cache.lora_base_reuse)
 
 
 class CacheMetrics:

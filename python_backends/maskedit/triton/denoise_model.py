@@ -79,6 +79,7 @@ class TritonPythonModel:
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
+            base_cache_key=info.get("base_cache_key") or None,
         )
 
         def done(job: DenoiseJob):

@@ -65,7 +65,8 @@ class TritonPythonModel:
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
-            "template_hash": p.template_hash, "cache_key": p.cache_key, "template_seed": params.template_seed,
+            "template_hash": p.template_hash, "cache_key": p.cache_key, "base_cache_key": p.base_cache_key,
+            "template_seed": params.template_seed,
             "register": params.register, "progress_requested": params.progress,
             "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,

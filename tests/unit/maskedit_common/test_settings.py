@@ -44,6 +44,7 @@ NON_DEFAULT = {
     "MASKEDIT_CACHE_DISK_BYTES": ("2048", "cache.disk_bytes", 2048),
     "MASKEDIT_CACHE_DISK_FREE_FRACTION": ("0.25", "cache.disk_free_fraction", 0.25),
     "MASKEDIT_CACHE_BUDGET_BYTES": ("4096", "cache.budget_bytes", 4096),
+    "MASKEDIT_CACHE_LORA_BASE_REUSE": ("1", "cache.lora_base_reuse", True),
     "MASKEDIT_BATCHING": ("priority", "batching.policy", "priority"),
     "MASKEDIT_MAX_BATCH": ("2", "batching.max_batch", 2),
     "MASKEDIT_MAX_TOKENS_PER_STEP": ("500", "batching.max_tokens_per_step", 500),

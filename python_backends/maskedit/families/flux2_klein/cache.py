@@ -30,6 +30,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux2 import Flux2Modulation, Flux2TransformerBlock
 
+from ...adapters import delta
 from ...cache.modes import FULL, KV, NOCTX, Y, StepContext  # noqa: F401  (the shared contract)
 from ...cache.rows import Recorder, RowView, TokenRowHooks  # noqa: F401
 
@@ -87,18 +88,21 @@ class KleinBlockHook(ModelHook):
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
         out = torch.empty_like(hidden) if full_rows else hidden  # no full rows: the input buffer becomes the output
         out_txt = torch.empty_like(a["encoder_hidden_states"]) if dual else None
+        batch = hidden.shape[0]
         if full_rows:
             sel = torch.tensor(full_rows, device=hidden.device)
-            if dual:
-                t, h = forward(hidden_states=hidden[sel], encoder_hidden_states=a["encoder_hidden_states"][sel],
-                               temb_mod_img=_rows(a["temb_mod_img"], sel), temb_mod_txt=_rows(a["temb_mod_txt"], sel),
-                               image_rotary_emb=rope, joint_attention_kwargs=a.get("joint_attention_kwargs"))
-                out_txt[sel], out[sel] = t, h
-            else:
-                h = forward(hidden_states=hidden[sel], encoder_hidden_states=None,
-                            temb_mod=_rows(a["temb_mod"], sel), image_rotary_emb=rope,
-                            joint_attention_kwargs=a.get("joint_attention_kwargs"))
-                out[sel] = h
+            with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
+                if dual:
+                    t, h = forward(hidden_states=hidden[sel], encoder_hidden_states=a["encoder_hidden_states"][sel],
+                                   temb_mod_img=_rows(a["temb_mod_img"], sel),
+                                   temb_mod_txt=_rows(a["temb_mod_txt"], sel), image_rotary_emb=rope,
+                                   joint_attention_kwargs=a.get("joint_attention_kwargs"))
+                    out_txt[sel], out[sel] = t, h
+                else:
+                    h = forward(hidden_states=hidden[sel], encoder_hidden_states=None,
+                                temb_mod=_rows(a["temb_mod"], sel), image_rotary_emb=rope,
+                                joint_attention_kwargs=a.get("joint_attention_kwargs"))
+                    out[sel] = h
             for j, i in enumerate(full_rows):
                 rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
                 if rec is None:
@@ -106,10 +110,12 @@ class KleinBlockHook(ModelHook):
                 n = _n_image(hidden, L, dual)
                 rec.put_y(b, h[j, :n] if dual else h[j, L:L + n])
                 if rec.wants_kv(b):
-                    k, v = noisy_kv(module, dual, hidden[i:i + 1], a, i, rope, L)
+                    with delta.owners(delta.batch_rows([i], batch)):
+                        k, v = noisy_kv(module, dual, hidden[i:i + 1], a, i, rope, L)
                     rec.put_kv(b, k[0], v[0])
         for i in masked_rows:
-            masked_row(module, dual, b, i, ctx.rows[i], hidden, a, rope, L, out, out_txt)
+            with delta.owners(delta.batch_rows([i], batch)):  # every layer below sees this one row
+                masked_row(module, dual, b, i, ctx.rows[i], hidden, a, rope, L, out, out_txt)
         return (out_txt, out) if dual else out
 
 
@@ -156,8 +162,9 @@ def _kv(block, dual: bool, normed: torch.Tensor):
     if dual:
         return attn.norm_k(_heads(attn.to_k(normed), hd)), _heads(attn.to_v(normed), hd)
     inner = attn.inner_dim
-    kv = F.linear(normed, attn.to_qkv_mlp_proj.weight[inner:3 * inner],
-                  None if attn.to_qkv_mlp_proj.bias is None else attn.to_qkv_mlp_proj.bias[inner:3 * inner])
+    proj = attn.to_qkv_mlp_proj
+    kv = F.linear(normed, proj.weight[inner:3 * inner], None if proj.bias is None else proj.bias[inner:3 * inner])
+    kv = delta.add(proj, normed, kv, part=slice(inner, 3 * inner))  # the adapters' share of those features
     return attn.norm_k(_heads(kv[..., :inner], hd)), _heads(kv[..., inner:], hd)
 
 

@@ -25,6 +25,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...adapters import delta
 from .tiny import TEXT_LAYERS
 
 REF_T = 10  # the reference image's time coordinate (``_prepare_image_ids``' scale)
@@ -105,8 +106,11 @@ class _PerRow(ModelHook):
         if first is None or first.ndim == 0 or first.shape[0] <= 1:
             return forward(*args, **kwargs)
         row = lambda a, i: a[i:i + 1] if isinstance(a, torch.Tensor) and a.ndim > 0 else a  # noqa: E731
-        return torch.cat([forward(*[row(a, i) for a in args], **{k: row(v, i) for k, v in kwargs.items()})
-                          for i in range(first.shape[0])])
+        out = []
+        for i in range(first.shape[0]):
+            with delta.owners(delta.batch_rows([i], first.shape[0])):  # an adapter on these layers: row i's
+                out.append(forward(*[row(a, i) for a in args], **{k: row(v, i) for k, v in kwargs.items()}))
+        return torch.cat(out)
 
 
 _ROWWISE = "maskedit_klein_rowwise"

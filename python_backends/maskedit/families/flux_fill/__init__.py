@@ -16,6 +16,7 @@ class FluxFill(ModelFamily):
     denoiser = "transformer"
     text_components = ("text_encoder", "text_encoder_2")
     presets = tiny.PRESETS
+    adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
 
     def load_denoiser(self, settings):
         from diffusers import FluxTransformer2DModel

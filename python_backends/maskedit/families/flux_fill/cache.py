@@ -36,6 +36,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
+from ...adapters import delta
 from ...cache.modes import FULL, KV, NOCTX, Y
 from ...cache.modes import index as _index
 from ...cache.rows import RowView, TokenRowHooks
@@ -82,19 +83,22 @@ class MaskedBlockHook(ModelHook):
         # With no full rows the block's input (the previous block's output, ours to reuse) becomes its output:
         # only the computed rows are scattered in, sparing a copy of every token per block.
         out_img = torch.empty_like(hidden_states) if full_rows else hidden_states
+        batch = hidden_states.shape[0]
         if full_rows:
             sel = _index(full_rows, hidden_states.device)
-            t, h = forward(hidden_states=hidden_states[sel], encoder_hidden_states=encoder_hidden_states[sel],
-                           temb=temb[sel], image_rotary_emb=image_rotary_emb,
-                           joint_attention_kwargs=joint_attention_kwargs)
+            with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
+                t, h = forward(hidden_states=hidden_states[sel], encoder_hidden_states=encoder_hidden_states[sel],
+                               temb=temb[sel], image_rotary_emb=image_rotary_emb,
+                               joint_attention_kwargs=joint_attention_kwargs)
             out_txt[sel], out_img[sel] = t, h
             for j, i in enumerate(full_rows):
                 rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
                 if rec is not None:
                     rec.put_y(b, h[j])
                     if rec.wants_kv(b):
-                        k, v = image_kv(module, hidden_states[i:i + 1], temb[i:i + 1], image_rotary_emb,
-                                        encoder_hidden_states.shape[1])
+                        with delta.owners(delta.batch_rows([i], batch)):
+                            k, v = image_kv(module, hidden_states[i:i + 1], temb[i:i + 1], image_rotary_emb,
+                                            encoder_hidden_states.shape[1])
                         rec.put_kv(b, k[0], v[0])
         if masked_rows:
             views = [ctx.rows[i] for i in masked_rows]
@@ -174,6 +178,7 @@ class _FusedInputs:
                     m.bias = torch.nn.Parameter(self.bias[off:off + n], requires_grad=m.bias.requires_grad)
                 off += n
         self.key = _weights_key(layers)
+        self.layers = layers  # whose adapter deltas go on which columns (``delta.add_fused``)
 
     @classmethod
     def of(cls, block, name: str, layers: list) -> "_FusedInputs":
@@ -183,8 +188,10 @@ class _FusedInputs:
             f = per_block[name] = cls(layers)
         return f
 
-    def __call__(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        return F.linear(x, self.weight[rows], self.bias[rows])
+    def __call__(self, x: torch.Tensor, rows: slice = slice(None), layers: slice = slice(None)) -> torch.Tensor:
+        """The stacked output (its features ``rows``, which are those of ``self.layers[layers]``) with the active
+        adapters' deltas of each layer on its own columns (the layout of ``x``'s rows: ``delta.owners``)."""
+        return delta.add_fused(self.layers[layers], x, F.linear(x, self.weight[rows], self.bias[rows]))
 
 
 def _weights_key(layers: list) -> tuple:
@@ -211,16 +218,23 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     counts_c = [int(c.numel()) for c in cols]
     # Tokens each row computes: its image tokens ``cols`` (dual: text goes through its own stream; single: text
     # rows are part of the same sequence and come first).
+    counts = counts_c if dual else [L + c for c in counts_c]
+    # Adapter deltas (``maskedit.adapters.delta``): which request each input row of a layer belongs to, for
+    # per-request layers (modulation, the text stream: one row each) and token-wise ones (computed tokens).
+    per_row = delta.batch_rows(rows, hidden.shape[0])
+    per_token = delta.batch_rows(rows, hidden.shape[0], counts)
+    with delta.owners(per_row):
+        if dual:
+            mods = _modulation(block.norm1, temb_r, 6)
+            cmods = _modulation(block.norm1_context, temb_r, 6)
+        else:
+            mods = _modulation(block.norm, temb_r, 3)
     if dual:
-        mods = _modulation(block.norm1, temb_r, 6)
-        cmods = _modulation(block.norm1_context, temb_r, 6)
         shift, scale, gate, shift_m, scale_m, gate_m = mods
-        counts = counts_c
         x = hidden[rows[0], cols[0]] if len(rows) == 1 else torch.cat([hidden[i, c] for i, c in zip(rows, cols)])
         norm = block.norm1.norm
     else:
-        shift, scale, gate = _modulation(block.norm, temb_r, 3)
-        counts = [L + c for c in counts_c]
+        shift, scale, gate = mods
         x = torch.cat([t for i, c in zip(rows, cols) for t in (enc[i], hidden[i, c])])
         norm = block.norm.norm
     every = list(range(len(rows)))
@@ -230,13 +244,15 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     normed = norm(x) * (1 + E(scale)) + E(shift)
     fused = _inputs(block, dual)
     inner = attn.to_q.weight.shape[0]
-    proj = fused(normed)  # [q | k | v (| mlp)] per token
+    with delta.owners(per_token):
+        proj = fused(normed)  # [q | k | v (| mlp)] per token
     # queries and keys side by side (2H heads): one rotary call per request covers both
     qk = torch.cat([attn.norm_q(_heads(proj[:, :inner], hd)), attn.norm_k(_heads(proj[:, inner:2 * inner], hd))], 1)
     v = _heads(proj[:, 2 * inner:3 * inner], hd)
     if dual:
         t_norm = block.norm1_context.norm(enc[sel]) * (1 + cmods[1][:, None]) + cmods[0][:, None]
-        tproj = _FusedInputs.of(block, "txt", [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])(t_norm)
+        with delta.owners(per_row):
+            tproj = _FusedInputs.of(block, "txt", [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])(t_norm)
         tqk = torch.cat([attn.norm_added_q(_heads(tproj[..., :inner], hd)),
                          attn.norm_added_k(_heads(tproj[..., inner:2 * inner], hd))], 2)
         tv = _heads(tproj[..., 2 * inner:], hd)
@@ -250,7 +266,8 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
         xu = torch.cat([hidden[rows[j], views[j].idx_u] for j in y_rows], 0)
         nu = [int(views[j].idx_u.numel()) for j in y_rows]
         nxu = norm(xu) * (1 + _per_token(scale, y_rows, nu)) + _per_token(shift, y_rows, nu)
-        kvu = fused(nxu, slice(inner, 3 * inner))
+        with delta.owners(delta.batch_rows([rows[j] for j in y_rows], hidden.shape[0], nu)):
+            kvu = fused(nxu, slice(inner, 3 * inner), slice(1, 3))  # to_k, to_v
         ku = attn.norm_k(_heads(kvu[:, :inner], hd)).split(nu)
         vu = _heads(kvu[:, inner:], hd).split(nu)
 
@@ -292,20 +309,23 @@ def masked_block(block, b: int, rows: list[int], views: list[RowView], hidden, e
     if dual:
         txt_o = torch.stack([o[:L] for o in outs])  # (R, L, inner)
         img_o = torch.cat([o[L:] for o in outs], 0)  # (sum c, inner)
-        xi = x + E(gate) * attn.to_out[0](img_o)
-        n2 = block.norm2(xi) * (1 + E(scale_m)) + E(shift_m)
-        xi = xi + E(gate_m) * block.ff(n2)
+        with delta.owners(per_token):
+            xi = x + E(gate) * attn.to_out[0](img_o)
+            n2 = block.norm2(xi) * (1 + E(scale_m)) + E(shift_m)
+            xi = xi + E(gate_m) * block.ff(n2)
         c_shift, c_scale, c_gate, c_shift_m, c_scale_m, c_gate_m = cmods
-        xt = enc[sel] + c_gate[:, None] * attn.to_add_out(txt_o)
-        n2c = block.norm2_context(xt) * (1 + c_scale_m[:, None]) + c_shift_m[:, None]
-        xt = xt + c_gate_m[:, None] * block.ff_context(n2c)
+        with delta.owners(per_row):
+            xt = enc[sel] + c_gate[:, None] * attn.to_add_out(txt_o)
+            n2c = block.norm2_context(xt) * (1 + c_scale_m[:, None]) + c_shift_m[:, None]
+            xt = xt + c_gate_m[:, None] * block.ff_context(n2c)
         if xt.dtype == torch.float16:  # as FluxTransformerBlock clips its text stream in fp16
             xt = xt.clip(-65504, 65504)
         img_chunks = xi.split(counts_c)
         txt_rows = list(xt)
     else:
         h = torch.cat([torch.cat(outs, 0), mlp], dim=1)
-        xs = x + E(gate) * block.proj_out(h)
+        with delta.owners(per_token):
+            xs = x + E(gate) * block.proj_out(h)
         if xs.dtype == torch.float16:  # as FluxSingleTransformerBlock clips its output in fp16
             xs = xs.clip(-65504, 65504)
         chunks = xs.split(counts)

@@ -18,6 +18,7 @@ class UNetInpaint(ModelFamily):
     negative_prompt = True
     presets = tiny.UNET_PRESETS
     tiny_preset = "sdxl-tiny"
+    adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
 
     @property
     def text_components(self) -> tuple[str, ...]:

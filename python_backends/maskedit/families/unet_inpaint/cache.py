@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
+from ...adapters import delta
 from ...cache.decision import latent_grid
 from ...cache.hooks import BlockHooks, RecordingStream
 from ...cache.modes import FULL, KV, NOCTX, Y, StepContext
@@ -262,17 +263,21 @@ class MaskedUNetBlockHook(ModelHook):
         full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
         out = torch.empty_like(hidden_states) if full_rows else hidden_states
+        batch = hidden_states.shape[0]
         if full_rows:
             sel = _index(full_rows, hidden_states.device)
-            h = call(hidden_states[sel], encoder_hidden_states[sel])
+            with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
+                h = call(hidden_states[sel], encoder_hidden_states[sel])
             out[sel] = h
             for j, i in enumerate(full_rows):
                 vw = ctx.rows[i]
                 if vw is not None and vw.recorder is not None:
-                    _record(module, b, vw.recorder, vw.slot, h[j], hidden_states[i])
+                    with delta.owners(delta.batch_rows([i], batch, [hidden_states.shape[1]])):
+                        _record(module, b, vw.recorder, vw.slot, h[j], hidden_states[i])
                 if vw is not None and vw.patch is not None:  # a heal's tokens, computed here with all the others
                     t = vw.heal_idx[self.owner.levels[b]][1]
-                    _record(module, b, vw.patch, vw.slot, h[j, t], hidden_states[i, t])
+                    with delta.owners(delta.batch_rows([i], batch, [int(t.numel())])):
+                        _record(module, b, vw.patch, vw.slot, h[j, t], hidden_states[i, t])
         if masked_rows:
             masked_unet_block(module, b, self.owner.levels[b], masked_rows, [ctx.rows[i] for i in masked_rows],
                               hidden_states, encoder_hidden_states, out)
@@ -323,15 +328,20 @@ def masked_unet_block(block, b: int, level: int, rows: list[int], views: list[UN
     offs = np.cumsum([0] + counts)
     part = lambda t, j: t[int(offs[j]):int(offs[j + 1])]  # noqa: E731  row j's computed tokens of ``t``
     x = torch.cat([hidden[i, c] for i, (c, _) in zip(rows, idx)])  # computed tokens of every row
+    # Adapter deltas (``maskedit.adapters.delta``): the request each input row of a layer belongs to.
+    batch = hidden.shape[0]
+    per_token = delta.owners(delta.batch_rows(rows, batch, counts))
     n1 = block.norm1(x)
-    q, k_c, v_c = attn1.to_q(n1), attn1.to_k(n1), attn1.to_v(n1)
+    with per_token:
+        q, k_c, v_c = attn1.to_q(n1), attn1.to_k(n1), attn1.to_v(n1)
     # Keys/values of cached tokens projected from the block's input rows (y mode), for all such rows at once.
     y_rows = [j for j, vw in enumerate(views) if vw.modes[b] == Y]
     kv_u = {}
     if y_rows:
         nu = block.norm1(torch.cat([hidden[rows[j], idx[j][1]] for j in y_rows]))
         sizes = [int(idx[j][1].numel()) for j in y_rows]
-        kv_u = dict(zip(y_rows, zip(attn1.to_k(nu).split(sizes), attn1.to_v(nu).split(sizes))))
+        with delta.owners(delta.batch_rows([rows[j] for j in y_rows], batch, sizes)):
+            kv_u = dict(zip(y_rows, zip(attn1.to_k(nu).split(sizes), attn1.to_v(nu).split(sizes))))
     keys, vals = [], []
     for j, (i, vw) in enumerate(zip(rows, views)):
         c, u = idx[j]
@@ -354,17 +364,20 @@ def masked_unet_block(block, b: int, level: int, rows: list[int], views: list[UN
                     torch.stack([vals[j] for j in g]))
         for j, oj in zip(g, o):
             attn_out[j] = oj
-    x = _out(attn1, torch.cat(attn_out)) + x
+    with per_token:
+        x = _out(attn1, torch.cat(attn_out)) + x
     if block.attn2 is not None:
         n2 = block.norm2(x)
         cross = [None] * len(rows)
         for g in _same_counts(counts):
-            o = block.attn2(torch.stack([part(n2, j) for j in g]),
-                            encoder_hidden_states=enc[_index([rows[j] for j in g], dev)])
+            with delta.owners(delta.batch_rows([rows[j] for j in g], batch)):
+                o = block.attn2(torch.stack([part(n2, j) for j in g]),
+                                encoder_hidden_states=enc[_index([rows[j] for j in g], dev)])
             for j, oj in zip(g, o):
                 cross[j] = oj
         x = torch.cat(cross) + x
-    x = block.ff(block.norm3(x)) + x
+    with per_token:
+        x = block.ff(block.norm3(x)) + x
     for j, vw in enumerate(views):  # a heal's tokens among the computed ones: template context, recorded
         if vw.patch is not None:
             pos = vw.heal_idx[level][0]
