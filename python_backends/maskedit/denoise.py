@@ -68,6 +68,9 @@ class DenoiseJob:
     restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
     adapters: tuple = ()  # ((LoadedAdapter, weight), ...) once resolved (``ModelRunner.load_adapters``)
     adapters_loaded: bool = False
+    tenant: str = ""  # who sent it (the router's ``maskedit_tenant`` parameter) and its weight: ``fair_share``
+    weight: float = 1.0
+    fair_tag: float = 0.0  # its virtual finish tag in the denoise queue (0: fair share off)
 
     @property
     def steps(self) -> int:
