@@ -127,7 +127,7 @@ class DenoiseEngine:
             _fail(job, err)
         failed = set()
         for job in out.admitted:
-            self.fair.started(job)
+            self.fair.started(job, self._waiting)
             t = time.perf_counter()
             try:
                 self.runner.prepare(job)

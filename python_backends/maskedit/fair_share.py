@@ -60,8 +60,8 @@ class FairShare:
     """The denoise queue's tags and its displacement rule (called under the engine's lock). ``enabled=False``:
     tags stay 0 (the scheduler's arrival order) and a full queue refuses every newcomer, as before."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, max_tenants: int = 1024):
+        self.enabled, self.max_tenants = enabled, max_tenants
         self.vtime = 0.0
         self._finish: dict[str, float] = {}  # tenant -> finish tag of its last queued request
 
@@ -72,14 +72,16 @@ class FairShare:
         job.fair_tag = start + 1.0 / job.weight
         self._finish[job.tenant] = job.fair_tag
 
-    def started(self, job) -> None:
-        """``job`` left the queue for the batch: virtual time moves to its start tag; tenants whose last tag is
-        behind it are forgotten (their next request starts at the virtual time anyway), so the map stays bounded
-        by the tenants with requests waiting."""
+    def started(self, job, waiting=()) -> None:
+        """``job`` left the queue for the batch: virtual time moves to its start tag. A tenant whose last tag is
+        behind it is forgotten (its next request would start at the virtual time anyway); past ``max_tenants``
+        remembered, so are those with nothing in ``waiting`` (at most one request's head start each), so the map
+        stays bounded however many tenant names callers use."""
         if not self.enabled:
             return
         self.vtime = max(self.vtime, job.fair_tag - 1.0 / job.weight)
-        for t in [t for t, f in self._finish.items() if f <= self.vtime]:
+        present = {j.tenant for j in waiting} if len(self._finish) > self.max_tenants else None
+        for t in [t for t, f in self._finish.items() if f <= self.vtime or (present is not None and t not in present)]:
             del self._finish[t]
 
     def make_room(self, waiting: list, job):
