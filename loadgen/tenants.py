@@ -33,6 +33,7 @@ from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
 from . import capacity, records, runner, workload
+from .overload import refusal_source
 from .topology import running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -80,20 +81,45 @@ def tenant_summary(recs: list, wall_s: float) -> dict:
     s = records.summarize(recs, wall_s)
     refused = s["errors"].get("RESOURCE_EXHAUSTED", 0)
     other = {k: v for k, v in s["errors"].items() if k not in ("RESOURCE_EXHAUSTED", runner.LOST)}
-    return {"sent": len(recs), "ok": s["completed"], "refused": refused, "other_errors": other, "lost": s["lost"],
+    by: dict[str, int] = {}
+    for r in recs:
+        if r.error_code == "RESOURCE_EXHAUSTED":
+            by[refused_by(r.error)] = by.get(refused_by(r.error), 0) + 1
+    return {"sent": len(recs), "ok": s["completed"], "refused": refused, "refused_by": by, "other_errors": other,
+            "lost": s["lost"],
             "p50_s": _r(s["p50_s"]), "p95_s": _r(s["p95_s"]),
             "latencies_s": [round(r.latency_s, 3) for r in recs if r.latency_s is not None]}
+
+
+def refused_by(message: str) -> str:
+    """Who refused: the router's fair queue, a backend giving a place to a lighter tenant, or as
+    ``loadgen.overload.refusal_source`` tells (the router's admission or in-flight limits, a backend's check)."""
+    if "fair queue" in (message or ""):
+        return "router_fair_queue"
+    if "fair share" in (message or ""):
+        return "backend_displaced"
+    return refusal_source(message)
 
 
 def _r(x):
     return None if x is None else round(x, 3)
 
 
+def settled_leftovers(topo, wait_s: float = 20.0) -> dict:
+    """What the stopped parts left behind, once their processes had ``wait_s`` to exit (a loaded host is slow)."""
+    deadline = time.monotonic() + wait_s
+    while any((left := topo.leftovers()).values()) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
 def rows_of(result: dict, device: str, dtype: str) -> list[dict]:
+    """One row per tenant and set-up; ``p95_alone_s`` from the one phase without the flood (measured once: with
+    the light tenants alone the queues hold a request or two, and fair share has nothing to reorder)."""
     rows = []
+    alone = result["phases"].get("alone")
     for layers, fair in (("router+backend", True), ("backend", True), ("off", False)):
         run = result["phases"].get(layers)
-        alone = result["phases"].get(f"alone ({'fair' if fair else 'off'})")
         if run is None or alone is None:
             continue
         for tenant, s in run["tenants"].items():
@@ -113,7 +139,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
     tenants = [*LIGHT, "light (all)"]
-    shown = [(k, result["phases"][k]) for k in ("alone (fair)", "router+backend", "backend", "alone (off)", "off")
+    shown = [(k, result["phases"][k]) for k in ("alone", "router+backend", "backend", "off")
              if k in result["phases"]]
     w = 0.8 / max(1, len(shown))
     for i, (name, ph) in enumerate(shown):
@@ -142,9 +168,12 @@ def main(argv=None) -> None:
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--probe-rate", type=float, default=12.0, help="load used to measure capacity (well past it)")
     ap.add_argument("--probe-s", type=float, default=15.0)
-    ap.add_argument("--duration", type=float, default=40.0, help="seconds of sending per phase")
-    ap.add_argument("--steps", type=int, default=30, help="denoising steps per request")
-    ap.add_argument("--max-batch", type=int, default=4, help="MASKEDIT_MAX_BATCH (and the router's fair slots)")
+    ap.add_argument("--duration", type=float, default=45.0, help="seconds of sending per phase")
+    ap.add_argument("--steps", type=int, default=16, help="denoising steps per request")
+    ap.add_argument("--max-batch", type=int, default=4, help="MASKEDIT_MAX_BATCH")
+    ap.add_argument("--fair-slots", type=int, default=2, help="the router's --fair-share-slots: edits let into a "
+                    "backend at once (fewer: a light tenant's request waits behind fewer of the flood's at each of "
+                    "the backend's first-come stages, and the flood gets less of the backend)")
     ap.add_argument("--max-queue", type=int, default=8, help="each server's denoise queue (MASKEDIT_MAX_QUEUE)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "tenants")
     ap.add_argument("--result", type=Path, default=RESULTS / "tenants.json")
@@ -154,19 +183,23 @@ def main(argv=None) -> None:
     key_file = args.out / "keys.txt"
     workload.write_key_file(key_file, keys)
     keyed = ["--api-keys-file", str(key_file)]
-    fair_router = keyed + ["--fair-share-slots", str(args.max_batch)]
-    env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue), "MASKEDIT_MAX_BATCH": str(args.max_batch)}
+    fair_router = keyed + ["--fair-share-slots", str(args.fair_slots)]
+    # One denoise thread: on a shared 2-core host a 2-thread OpenMP team waits at every barrier for a core another
+    # process holds (measured: a matmul loop 5-6x slower with 2 threads than with 1 at load average 14).
+    env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue), "MASKEDIT_MAX_BATCH": str(args.max_batch),
+           "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
     started = time.time()
     result = {"command": "python -m loadgen.tenants " + " ".join(argv if argv is not None else
                                                                  __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
-              "max_batch": args.max_batch, "max_queue": args.max_queue, "instances": args.instances,
+              "max_batch": args.max_batch, "max_queue": args.max_queue, "fair_slots": args.fair_slots, "instances": args.instances,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "loadavg_1m_start": round(os.getloadavg()[0], 2),
                        "note": "shared host: other work ran beside this one (see each phase's loadavg_1m)"},
               "phases": {}}
-    with running_topology(args.instances, args.out / "fair", {**env, "MASKEDIT_FAIR_SHARE": "1"},
-                          fair_router) as topo:
+    # the backends share their queues by tenant; the router first without its queue (capacity, alone, a flood
+    # that gets past the router), then with it (fair share in both)
+    with running_topology(args.instances, args.out / "fair", {**env, "MASKEDIT_FAIR_SHARE": "1"}, keyed) as topo:
         settings = topo.servers[0].settings
         device, dtype = settings.torch_device, settings.dtype
         print(f"capacity: {args.probe_rate:g} req/s offered for {args.probe_s:g} s", flush=True)
@@ -175,21 +208,19 @@ def main(argv=None) -> None:
         cap = result["capacity_rps"] = round(capacity.capacity([s]), 3)
         print(f"capacity {cap:.2f} req/s: flood {3 * cap:.2f} req/s, light tenants {0.1 * cap:.2f} req/s each",
               flush=True)
-        _, result["phases"]["alone (fair)"] = phase(topo, keys, mix(cap, args.duration, args.steps, False), "alone")
+        _, result["phases"]["alone"] = phase(topo, keys, mix(cap, args.duration, args.steps, False), "alone")
         flood = mix(cap, args.duration, args.steps, True)
-        _, result["phases"]["router+backend"] = phase(topo, keys, flood, "router+backend")
-        topo.stop_router()
-        topo.router_args = keyed  # the router's queue off: the flood reaches the backends' queues
-        topo.start_router()
         _, result["phases"]["backend"] = phase(topo, keys, flood, "backend")
+        topo.stop_router()
+        topo.router_args = fair_router
+        topo.start_router()
+        _, result["phases"]["router+backend"] = phase(topo, keys, flood, "router+backend")
         topo.remember()
-    leftovers = [topo.leftovers()]
+    leftovers = [settled_leftovers(topo)]
     with running_topology(args.instances, args.out / "off", {**env, "MASKEDIT_FAIR_SHARE": "0"}, keyed) as topo:
-        _, result["phases"]["alone (off)"] = phase(topo, keys, mix(cap, args.duration, args.steps, False),
-                                                   "alone, fair share off")
         _, result["phases"]["off"] = phase(topo, keys, flood, "off")
         topo.remember()
-    leftovers.append(topo.leftovers())
+    leftovers.append(settled_leftovers(topo))
     result["leftovers_after_shutdown"] = leftovers
     result["host"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.time() - started, 1)
