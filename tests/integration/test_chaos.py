@@ -70,7 +70,7 @@ def test_with_keys_on_a_router_restart_under_load_loses_nothing_and_a_keyless_cl
     from maskedit_client import EditError
 
     with topo.keys_on():
-        case = chaos.run_case(topo, "restart_router", rate=2.0, duration_s=8, seed=7, progress=False)
+        case = chaos.run_case(topo, "restart_router", rate=1.0, duration_s=10, seed=7, progress=False)
         with EditClient(topo.url, retry=False, timeout_s=30) as c:
             with pytest.raises(EditError) as e:
                 c.edit(*_images(), "a hat", steps=1)
