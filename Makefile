@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos faults overload soak clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving router-sim router-validate serve-cluster chaos faults overload soak bench-tenants clean
 
 setup: $(STAMP)
 
@@ -98,3 +98,7 @@ overload: model
 
 soak: model
 	$(PY) -m loadgen.soak $(ARGS)
+
+# Fair share between tenants (docs/security.md): a flood at 3x capacity beside four light tenants, on and off.
+bench-tenants: model
+	$(PY) -m loadgen.tenants $(ARGS)

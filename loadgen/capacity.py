@@ -9,10 +9,10 @@ from . import records, runner, workload
 
 
 def run_at(url: str, rate: float, duration_s: float, templates: int = 8, zipf: float = 1.1, seed: int = 0,
-           steps: int | None = None, progress: bool = False) -> tuple[list, dict]:
+           steps: int | None = None, progress: bool = False, api_key: str | None = None) -> tuple[list, dict]:
     reqs = workload.poisson(rate, max(1, int(rate * duration_s)), n_templates=templates, zipf_s=zipf, steps=steps,
                             seed=seed)
-    with EditClient(url) as c:
+    with EditClient(url, api_key=api_key) as c:  # api_key: a router with keys on
         recs, wall = runner.run(c, reqs, runner.Assets(256), timeout_s=60.0, progress=progress)
     return recs, dict(records.summarize(recs, wall), rate=rate)
 

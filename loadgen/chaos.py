@@ -150,7 +150,7 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
         assets.template(r.template)
     th = threading.Thread(target=inject, name=f"fault-{fault}")
     th.start()
-    with EditClient(topo.url) as client:
+    with EditClient(topo.url, api_key=topo.api_key) as client:  # keys on: the run's key
         records, wall = runner.run(client, reqs, assets, timeout_s=60.0, progress=progress, on_start=on_start,
                                    images=sink["images"])
     sink.update(records=records, t0=t0)
@@ -232,6 +232,8 @@ def main(argv=None) -> None:
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of load per fault")
     ap.add_argument("--mem-mb", type=int, default=128, help="each instance's activation-store memory budget")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-keys", action="store_true", help="the router with a key file: every request sent with "
+                    "a key (the same faults and targets with keys on)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "chaos")
     ap.add_argument("--result", type=Path, default=RESULTS / "chaos.json")
     args = ap.parse_args(argv)
@@ -242,7 +244,7 @@ def main(argv=None) -> None:
     env = {"MASKEDIT_CACHE_MEM_BYTES": str(args.mem_mb << 20)}
     cases = []
     t_start = time.time()
-    with running_topology(args.instances, args.out, env) as topo:
+    with running_topology(args.instances, args.out, env, keys=args.api_keys) as topo:
         for k, fault in enumerate(faults):
             print(f"[{k + 1}/{len(faults)}] {fault} at {args.rate} req/s for {args.duration:g} s", flush=True)
             case = run_case(topo, fault, args.rate, args.duration, seed=args.seed + k)
@@ -257,7 +259,8 @@ def main(argv=None) -> None:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                  "note": "2 CPU cores shared with other work during the run"},
-        "instances": args.instances, "rate": args.rate, "duration_s": args.duration, "cases": cases,
+        "instances": args.instances, "rate": args.rate, "duration_s": args.duration, "api_keys": args.api_keys,
+        "cases": cases,
         "leftovers_after_shutdown": final,
         "all_met": all(all(c["met"].values()) for c in cases) and not any(final.values()),
     }

@@ -35,6 +35,7 @@ class Topology:
     seen: dict = field(default_factory=dict)  # every pgid / shm prefix / port used, for the leak check
     router_starts: int = 0
     router_args: list = field(default_factory=list)  # extra ``python -m maskedit_router`` arguments
+    api_key: str | None = None  # the load's key while the router runs with keys on (``keys_on``)
 
     @property
     def url(self) -> str:
@@ -70,6 +71,25 @@ class Topology:
                 return
             time.sleep(0.2)
         raise TimeoutError("router not ready")
+
+    @contextlib.contextmanager
+    def keys_on(self, tenant: str = "load"):
+        """The router restarted with a key file (one user key for ``tenant``, in ``api_key``), and back without
+        it on the way out: the same faults and load, every request authenticated."""
+        key = "sk-" + os.urandom(16).hex()
+        path = self.out / "keys.txt"
+        path.write_text(f"{key} {tenant} user\n")
+        path.chmod(0o600)
+        before = list(self.router_args)
+        self.stop_router()
+        self.router_args, self.api_key = before + ["--api-keys-file", str(path)], key
+        self.start_router()
+        try:
+            yield key
+        finally:
+            self.stop_router()
+            self.router_args, self.api_key = before, None
+            self.start_router()
 
     def kill_router(self) -> None:
         if self.router is None:
@@ -135,8 +155,10 @@ def _exit_on_signal(signum, frame):
 
 
 @contextlib.contextmanager
-def running_topology(instances: int, out: Path, env: dict | None = None, router_args: list | None = None):
-    """``instances`` supervised Triton servers and the router process in front of them. SIGTERM and SIGINT end
+def running_topology(instances: int, out: Path, env: dict | None = None, router_args: list | None = None,
+                     keys: bool = False):
+    """``instances`` supervised Triton servers and the router process in front of them (``keys``: with a key
+    file; the load's key in ``topo.api_key``). SIGTERM and SIGINT end
     the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
     sessions and would outlive a plain kill of this process)."""
     out = Path(out)
@@ -146,7 +168,11 @@ def running_topology(instances: int, out: Path, env: dict | None = None, router_
         previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with _running(instances, out, env, router_args or []) as topo:
-            yield topo
+            if keys:
+                with topo.keys_on():
+                    yield topo
+            else:
+                yield topo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -81,6 +81,7 @@ class BatchingSettings:
     max_queue: int = 64
     reject_late: bool = True
     max_wait_steps: int = 8
+    fair_share: bool = True  # tenants share the denoise queue by weight (``maskedit.fair_share``)
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,8 @@ VARIABLES: tuple[Var, ...] = (
         "(`0`: off)", "`1`"),
     Var("MASKEDIT_MAX_WAIT_STEPS", "batching.max_wait_steps", int, "`priority`'s bound on how many steps a "
         "request waits"),
+    Var("MASKEDIT_FAIR_SHARE", "batching.fair_share", _flag, "tenants (the router's `maskedit_tenant` parameter) "
+        "share the denoise queue by weight (`0`: first come, first served)", "`1`"),
     # the processes
     Var("MASKEDIT_LOG_LEVEL", "service.log_level", str, "log level of the model processes"),
     Var(THREADS_PREFIX + "<MODEL>", "service.threads", int, "threads of one Triton model's process, e.g. "

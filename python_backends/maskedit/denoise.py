@@ -71,6 +71,9 @@ class DenoiseJob:
     adapters_loaded: bool = False
     adapter_load: Any = None  # the Future of its adapters' background load (``maskedit.adapters.jobs``), if one
     adapters_from_step: int | None = None  # the step its adapters applied from (> 0 only under early start)
+    tenant: str = ""  # who sent it (the router's ``maskedit_tenant`` parameter) and its weight: ``fair_share``
+    weight: float = 1.0
+    fair_tag: float = 0.0  # its virtual finish tag in the denoise queue (0: fair share off)
 
     @property
     def steps(self) -> int:

@@ -16,6 +16,7 @@ from . import logs
 from .denoise import DenoiseJob, ModelRunner
 from .device import StepClock, device_lost, out_of_memory, release_cached_memory
 from .errors import Cancelled, ResourceExhausted, Unavailable
+from .fair_share import FairShare, loads
 from .scheduler import BatchScheduler
 from .cache.integrity import corrupt_entry
 
@@ -24,11 +25,12 @@ log = logging.getLogger(__name__)
 
 class DenoiseEngine:
     def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64,
-                 scheduler: BatchScheduler | None = None, on_queue=None):
+                 scheduler: BatchScheduler | None = None, on_queue=None, fair: FairShare | None = None):
         self.runner = runner
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
-        self.on_queue = on_queue  # on_queue(waiting, max_queue) whenever the queue changes (early admission)
+        self.on_queue = on_queue  # on_queue(waiting, max_queue, shares) whenever the queue changes (early admission)
+        self.fair = fair or FairShare(enabled=False)  # tenants' order in the queue and who gives way when it is full
         self._waiting: list[DenoiseJob] = []
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
@@ -56,19 +58,27 @@ class DenoiseEngine:
                 raise Unavailable(str(self.broken))
             if self._stopping:
                 raise Unavailable("server is shutting down")
+            displaced = None
             if len(self._waiting) >= self.max_queue:
-                raise ResourceExhausted(f"denoise queue is full ({self.max_queue} waiting); retry later")
+                displaced = self.fair.make_room(self._waiting, job)  # or raises: refused
             if job.tokens is None:
                 job.tokens = self.runner.estimate_tokens(job)
             err = self.scheduler.late(job, time.time())
             if err is not None:
                 raise err
+            if displaced is not None:
+                self._waiting.remove(displaced)
+            self.fair.tag(job)
             # Its adapters: from the device tier now, or loading in the background while it waits (the loop is
             # woken when the load ends); a bad adapter fails it when the loop collects the load.
             self.runner.start_adapters(job, wake=self._wake)
             self._waiting.append(job)
             self._published()
             self._cv.notify()
+        if displaced is not None:
+            _fail(displaced, ResourceExhausted(
+                f"denoise queue is full ({self.max_queue} waiting) and tenant '{displaced.tenant}' holds more than "
+                f"its fair share of it: this request gave its place to another tenant's; retry later"))
 
     def _wake(self) -> None:
         with self._cv:
@@ -76,7 +86,7 @@ class DenoiseEngine:
 
     def _published(self) -> None:
         if self.on_queue is not None:
-            self.on_queue(len(self._waiting), self.max_queue)
+            self.on_queue(len(self._waiting), self.max_queue, loads(self._waiting) if self.fair.enabled else None)
 
     def stats(self) -> dict:
         with self._cv:
@@ -139,6 +149,7 @@ class DenoiseEngine:
             _fail(job, err)
         failed = set()
         for job in out.admitted:
+            self.fair.started(job, self._waiting)
             t = time.perf_counter()
             try:
                 self.runner.prepare(job)

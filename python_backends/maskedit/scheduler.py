@@ -156,7 +156,9 @@ class BatchScheduler:
                 rejected.append((job, err))
             else:
                 candidates.append(job)
-        candidates.sort(key=lambda j: (self.slack(j, now), j.submitted_at))
+        # equal slack (no deadlines: all infinite): tenants' fair-share order (``maskedit.fair_share``; tags 0
+        # when it is off), first come first served within a tenant
+        candidates.sort(key=lambda j: (self.slack(j, now), getattr(j, "fair_tag", 0.0), j.submitted_at))
         chosen = []
         tokens = sum(j.tokens for j in running)
         for job in candidates:

@@ -38,7 +38,7 @@ from .auth import ANONYMOUS
 from .features import EditFeatures, deadline_s, extract, grid_tokens, set_deadline_ms
 from .metrics import RouterMetrics
 from .policies import BackendLoad, Booking, Estimator, Policy
-from .tenancy import OverLimit, Quotas
+from .tenancy import OverLimit, Quotas, tag_request
 
 log = logging.getLogger("maskedit.router")
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
@@ -371,6 +371,7 @@ class Router(service_pb2_grpc.GRPCInferenceServiceServicer):
                     self.metrics.tenant_refused(tenant.name, "fair_queue")
                     _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why, 1.0)
                 slot = True
+            tag_request(request, tenant)  # the backends share their queues by it
             resp = self._model_infer(request, context, f)
             outcome = "ok"
             return resp
@@ -493,6 +494,7 @@ class _StreamSession:
         fwd.id = rid
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
         fwd.parameters[EMPTY_FINAL].bool_param = True
+        tag_request(fwd, self.tenant)  # the backends share their queues by it
         own = deadline_s(req)
         try:
             self.r.quotas.enter(self.tenant)

@@ -10,6 +10,8 @@ a fair queue in front of the backends.
   by 1/w; the smallest tag goes first), so a tenant that floods waits behind its own requests, not in front of
   everyone's. ``fair=False``: the same queue first-come first-served (the comparison). A request that waits
   ``max_wait_s`` is refused (RESOURCE_EXHAUSTED): an answer, never lost.
+- ``tag_request``: what the router forwards names the caller's tenant and weight (request parameters), so each
+  backend's denoise queue shares itself between tenants too (``maskedit.fair_share``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .auth import Tenant
+from .auth import ANONYMOUS, Tenant
+
+# The request parameters a backend reads its caller's tenant from (``maskedit.fair_share``; the same names there).
+TENANT_PARAM = "maskedit_tenant"
+WEIGHT_PARAM = "maskedit_tenant_weight"
+
+
+def tag_request(req, tenant: Tenant) -> None:
+    """Set ``req``'s (a ModelInferRequest the router forwards) tenant parameters from the caller's key: the
+    tenant's name and weight, never the key. With keys on, whatever the client put there is overwritten: a tenant
+    is what its key says. Open mode (no key file, ``ANONYMOUS``): nothing is known of the caller, so the request
+    goes on as the client sent it (a client-named tenant, as a direct client's to a backend)."""
+    if tenant is ANONYMOUS:
+        return
+    req.parameters[TENANT_PARAM].string_param = tenant.name
+    req.parameters[WEIGHT_PARAM].double_param = float(tenant.weight)
 
 
 class OverLimit(Exception):

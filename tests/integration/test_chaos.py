@@ -64,6 +64,28 @@ def test_a_router_restart_under_load_loses_nothing(topo):
     assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
 
 
+def test_with_keys_on_a_router_restart_under_load_loses_nothing_and_a_keyless_client_is_refused(topo):
+    """The chaos checks hold with keys on (``make chaos ARGS=--api-keys`` runs every fault so): the router restarted
+    with its key file under keyed load loses nothing, and a caller without a key is refused, not served."""
+    from maskedit_client import EditError
+
+    with topo.keys_on():
+        case = chaos.run_case(topo, "restart_router", rate=1.0, duration_s=10, seed=7, progress=False)
+        with EditClient(topo.url, retry=False, timeout_s=30) as c:
+            with pytest.raises(EditError) as e:
+                c.edit(*_images(), "a hat", steps=1)
+    assert e.value.code == "UNAUTHENTICATED", str(e.value)
+    assert case["lost"] == 0 and case["ok"] > 0, case
+    assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
+    assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
+
+
+def _images():
+    from maskedit import samples
+
+    return samples.template(256, 256, seed=1), samples.mask(256, 256, 0.2, "box", seed=1)
+
+
 def test_a_hung_server_loses_nothing_and_is_taken_back_after_it_resumes(topo):
     """SIGSTOP for 10 s, then SIGCONT: a hang, not a crash. The router takes it out of rotation (its requests
     retried or failed), and back only after a probe request succeeds once it resumes; the supervisor leaves it."""

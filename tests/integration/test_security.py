@@ -54,7 +54,7 @@ def secured(settings, adapters, tmp_path_factory):
                            ssl_context=tls.ssl_context(), admin=AdapterAdmin(library, [incoming])).start()
         try:
             yield {"url": f"127.0.0.1:{port}", "cert": cert, "http": http_port, "openai": openai_port,
-                   "incoming": incoming, "library": library}
+                   "incoming": incoming, "library": library, "backend": servers[0].grpc_url}
         finally:
             api.stop()
             checker.stop()
@@ -78,6 +78,41 @@ def test_the_client_with_its_key_and_the_ca_edits_and_without_them_fails(secured
         with pytest.raises(EditError) as e:
             c.edit(template_img, box_mask, "a red hat", seed=1, steps=2, timeout_s=10)
         assert e.value.code == "UNAVAILABLE"
+
+
+def test_the_backend_learns_the_tenant_from_the_key_never_from_the_client(secured, template_img, box_mask):
+    """The router names the key's tenant (and weight) to the backend in request parameters, over whatever the
+    client put there (stream and unary paths); the backend's queue shares itself by it (``maskedit.fair_share``).
+    A direct client's malformed tenant parameter is refused naming it."""
+    import tritonclient.grpc as grpcclient
+    from maskedit_client.client import _bytes_input, _scalar_input
+
+    with EditClient(secured["url"], api_key=USER, ca_file=secured["cert"], timeout_s=120) as c:
+        assert c.edit(template_img, box_mask, "a hat", seed=1, steps=1).info["tenant"] == "acme"
+
+    def inputs():
+        return [_bytes_input("TEMPLATE", png(template_img)), _bytes_input("MASK", png(box_mask)),
+                _bytes_input("PROMPT", b"a hat"), _scalar_input("STEPS", 1, "INT32", np.int32)]
+
+    def stream(url, parameters, **kw):  # the raw Triton protocol (the edit model is decoupled: a stream)
+        import queue
+        got = queue.Queue()
+        tc = grpcclient.InferenceServerClient(url, **kw.pop("client", {}))
+        tc.start_stream(lambda result, error: got.put((result, error)), **kw)
+        tc.async_stream_infer("edit", inputs(), parameters=parameters)
+        result, error = got.get(timeout=120)
+        tc.stop_stream()
+        tc.close()
+        return result, error
+
+    claimed = {"maskedit_tenant": "ops", "maskedit_tenant_weight": 50.0}
+    r, err = stream(secured["url"], claimed, headers={"authorization": f"Bearer {USER}"},
+                    client={"ssl": True, "root_certificates": str(secured["cert"])})
+    assert err is None, err
+    info = __import__("json").loads(r.as_numpy("EDIT_INFO").reshape(-1)[0])
+    assert (info["tenant"], info["tenant_weight"]) == ("acme", 1.0)  # the key's, not the claimed
+    _, err = stream(secured["backend"], {"maskedit_tenant": "not a name!"})
+    assert "maskedit_tenant: must be a tenant name" in str(err), err
 
 
 def _https(secured, path, key=None, method="GET"):

@@ -19,6 +19,7 @@ from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..engine import DenoiseEngine
+from ..fair_share import FairShare
 from ..scheduler import BatchScheduler
 from ..settings import load_settings
 from . import io
@@ -40,7 +41,7 @@ class TritonPythonModel:
         self.board = QueueBoard(board_path(s.service.admission_dir))  # pre-processing refuses early while it is full
         self.engine = DenoiseEngine(runner, max_queue=b.max_queue, scheduler=BatchScheduler(
             b.policy, max_batch=b.max_batch, max_tokens=b.max_tokens_per_step, reject_late=b.reject_late,
-            max_wait_steps=b.max_wait_steps), on_queue=self.board.publish)
+            max_wait_steps=b.max_wait_steps), on_queue=self.board.publish, fair=FairShare(b.fair_share))
         self.cancels = CancelBoard(s.service.cancel_dir)
         self._sweeper = self.cancels.sweep_every(s.service.cancel_sweep_s)
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
@@ -115,7 +116,8 @@ class TritonPythonModel:
             return sender.is_cancelled() or self.cancels.is_cancelled(rid)
 
         job = DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
-                         on_step=progress if info.get("progress_requested") else None)
+                         on_step=progress if info.get("progress_requested") else None,
+                         tenant=info.get("tenant", ""), weight=float(info.get("tenant_weight", 1.0)))
         self.engine.submit(job)  # its adapters load in the background meanwhile; a bad one fails it alone
 
     @staticmethod

@@ -12,6 +12,7 @@ from ..adapters import prefetch as adapter_prefetch
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..errors import Cancelled
+from ..fair_share import tenant_of
 from ..params import parse_params
 from ..preprocess import Preprocessor
 from ..settings import load_settings
@@ -51,7 +52,8 @@ class TritonPythonModel:
             if self.cancels.is_cancelled(request.request_id()):  # given up (e.g. refused by the router meanwhile)
                 self.cancels.clear(request.request_id())
                 raise Cancelled("cancelled before pre-processing")
-            self.board.check()  # the denoise queue is full: refused before any work, so refusals come at once
+            tenant, weight = tenant_of(request.parameters())  # set by the router after it checked the caller's key
+            self.board.check(tenant, weight)  # the denoise queue is full: refused before any work, at once
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
         except Exception as e:
@@ -72,6 +74,7 @@ class TritonPythonModel:
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
+            "tenant": tenant, "tenant_weight": weight,
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({

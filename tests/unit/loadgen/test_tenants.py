@@ -21,3 +21,17 @@ def test_groups_align_with_arrivals_and_become_keys_the_router_accepts(tmp_path)
     g = groups[0]
     assert ring.check(f"Bearer {keys[g]}").name.replace("-", "") != ""
     assert len({t.name for t in ring.tenants()}) == len(keys)
+
+
+def test_the_fairness_run_sends_the_flood_at_3x_and_each_light_tenant_at_a_tenth_and_names_who_refused():
+    from loadgen import tenants
+
+    reqs = tenants.mix(2.0, 100.0, steps=4, flood=True)
+    count = {t: sum(r.tenant == t for r in reqs) for t in (*tenants.LIGHT, tenants.FLOOD)}
+    assert count[tenants.FLOOD] == 600 and all(count[t] == 20 for t in tenants.LIGHT)
+    assert [r.t for r in reqs] == sorted(r.t for r in reqs)
+    assert not any(r.tenant == tenants.FLOOD for r in tenants.mix(2.0, 100.0, steps=4, flood=False))
+    assert tenants.refused_by("RESOURCE_EXHAUSTED: waited 5.00 s in the router's fair queue") == "router_fair_queue"
+    assert tenants.refused_by("denoise queue is full (8 waiting) and tenant 'flood' holds more than its fair "
+                              "share of it") == "backend_displaced"
+    assert tenants.refused_by("RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)") == "backend"

@@ -51,6 +51,7 @@ NON_DEFAULT = {
     "MASKEDIT_MAX_QUEUE": ("8", "batching.max_queue", 8),
     "MASKEDIT_REJECT_LATE": ("0", "batching.reject_late", False),
     "MASKEDIT_MAX_WAIT_STEPS": ("3", "batching.max_wait_steps", 3),
+    "MASKEDIT_FAIR_SHARE": ("0", "batching.fair_share", False),
     "MASKEDIT_LOG_LEVEL": ("DEBUG", "service.log_level", "DEBUG"),
     "MASKEDIT_THREADS_<MODEL>": (None, "service.threads", None),  # a family: checked below
     "MASKEDIT_SHUTDOWN_GRACE_S": ("2.5", "service.shutdown_grace_s", 2.5),

@@ -183,3 +183,22 @@ def test_a_request_that_waits_too_long_is_refused_never_lost():
     q.stop()
     assert got[0] == "granted" and got[1].startswith("RESOURCE_EXHAUSTED: waited") and "fair queue" in got[1]
     assert q.waiting() == 0
+
+
+def test_what_the_router_forwards_names_the_keys_tenant_and_weight_over_the_clients_claim():
+    from tritonclient.grpc import service_pb2
+
+    from maskedit.fair_share import TENANT_PARAM as BACKEND_TENANT, WEIGHT_PARAM as BACKEND_WEIGHT
+    from maskedit_router.tenancy import TENANT_PARAM, WEIGHT_PARAM, tag_request
+
+    assert (TENANT_PARAM, WEIGHT_PARAM) == (BACKEND_TENANT, BACKEND_WEIGHT)  # the two sides agree
+    acme = next(t for t in parse(KEYS).values() if t.name == "acme")
+    req = service_pb2.ModelInferRequest()
+    req.parameters[TENANT_PARAM].string_param = "ops"  # a claim
+    req.parameters[WEIGHT_PARAM].double_param = 99.0
+    tag_request(req, acme)
+    assert (req.parameters[TENANT_PARAM].string_param, req.parameters[WEIGHT_PARAM].double_param) == ("acme", 2.0)
+    assert USER_KEY not in str(req)  # never the key
+    open_mode = service_pb2.ModelInferRequest()
+    tag_request(open_mode, ANONYMOUS)  # no key file: nothing known of the caller, nothing added
+    assert not open_mode.parameters
