@@ -55,17 +55,18 @@ class ControlNetLibrary:
             runs = ", ".join(fam.controlnet_classes) or "no ControlNets"
             raise InvalidInput(f"control {i}: ControlNet {spec.name!r} is a {cls}, for another model family; "
                                f"{fam.pipeline_class_name} models run {runs}", FIELD)
-        union = cls in fam.union_controlnet_classes
+        union = fam.controlnet_union(cfg)
         if union and spec.mode is None:
             raise InvalidInput(f"control {i}: ControlNet {spec.name!r} is a union ControlNet; give its \"mode\" "
                                f"({', '.join(UNION_MODES)})", FIELD)
         if not union and spec.mode is not None:
             raise InvalidInput(f"control {i}: ControlNet {spec.name!r} takes no \"mode\" (not a union ControlNet)",
                                FIELD)
-        n_modes = cfg.get("num_control_type")
-        if union and n_modes is not None and spec.mode_index >= n_modes:
-            raise InvalidInput(f"control {i}: mode {spec.mode!r} is number {spec.mode_index}; ControlNet "
-                               f"{spec.name!r} has {n_modes} modes", FIELD)
+        if union:
+            try:
+                fam.control_mode_index(spec.mode, cfg)
+            except ValueError as e:
+                raise InvalidInput(f"control {i}: ControlNet {spec.name!r}: {e}", FIELD) from None
 
     def load(self, spec: ControlSpec, index: int = 0, denoiser=None):
         """The loaded ControlNet of ``spec`` (cached), checked against the family and ``denoiser``."""

@@ -135,6 +135,21 @@ class ModelFamily(ABC):
     controlnet_classes: ClassVar[tuple[str, ...]] = ()  # ControlNet ``config.json`` ``_class_name`` values it runs
     union_controlnet_classes: ClassVar[tuple[str, ...]] = ()  # those taking a control ``mode`` (union models)
 
+    def controlnet_union(self, config: dict) -> bool:
+        """Does the ControlNet with this ``config.json`` take a control mode? (Flux's union and plain ControlNets
+        are one class, told apart by their config.)"""
+        return config.get("_class_name") in self.union_controlnet_classes
+
+    def control_mode_index(self, mode: str, config: dict) -> int:
+        """The index a union ControlNet takes for control mode ``mode`` (its training's numbering: xinsir's SDXL
+        union by default); ``ValueError`` (a reason) when it has no such mode."""
+        from maskedit_common.controls import UNION_MODES
+
+        index, n_modes = UNION_MODES[mode], config.get("num_control_type")
+        if n_modes is not None and index >= n_modes:
+            raise ValueError(f"mode {mode!r} is number {index} and it has {n_modes} modes")
+        return index
+
     def load_controlnet(self, path: Path, settings):
         """The ControlNet saved at ``path`` (``save_pretrained``'s layout) on ``settings``' device and dtype, loaded
         with ``from_pretrained`` of the class its config names. Raises ``ValueError`` with a reason the library
