@@ -16,9 +16,12 @@ Each ControlNet takes the noisy latents plus its control image's packed VAE late
 spread over the blocks by ``ceil(blocks / samples)``), scaled by the control's conditioning scale while the step is
 within its [start, end] fraction of the schedule.
 
-Caching: requests with controls run uncached (the runner decides ``off``: the cached block paths do not add the
-residuals); the family's block hooks are not implemented, so no request of this family is cached yet
-(``cache_hooks`` refuses, and the Triton process then serves without the activation cache).
+Caching: a request without controls is cached as Flux Fill's are (the same transformer class, so the same block
+hooks, ``maskedit.cache.flux``); the blend makes its unmasked tokens follow the template's trajectory exactly, as
+for FLUX.2 [klein]. A request with controls runs uncached (the runner decides ``off``): the residuals are added
+between the blocks, to every token, by the transformer's own forward, and the ControlNet computes every token.
+Caching them would key entries by control image, ControlNet and scale and put the ControlNet's blocks behind the
+same hooks (future work).
 """
 
 from __future__ import annotations
@@ -150,8 +153,10 @@ class FluxControlNetFamily(ModelFamily):
         step(runner, group, ctx)
 
     def cache_hooks(self, denoiser):
-        raise NotImplementedError("the flux_controlnet family has no mask-aware block hooks yet: serve it with "
-                                  "MASKEDIT_CACHE=off")
+        """The Flux blocks' hooks (``maskedit.cache.flux``): this is Flux Fill's transformer class."""
+        from ...cache.flux import FluxCacheHooks
+
+        return FluxCacheHooks.of(denoiser)
 
     # -- decoding -------------------------------------------------------------------------------------------
     def decode(self, pipe, latents, w: int, h: int):

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from diffusers import FluxControlNetInpaintPipeline
 
+from ...cache.flux import FluxCacheHooks
+from ...cache.modes import StepContext
 from ...schedule import make_scheduler
 from . import residuals as R
 from .prepare import control_latents, split_cond
@@ -62,7 +64,7 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
 
 
 @torch.no_grad()
-def step(runner, group: list, ctx, hooks_of=None) -> None:
+def step(runner, group: list, ctx) -> None:
     """One step for ``group`` (one resolution, equal text length): residuals, the transformer call(s), each
     request's scheduler step and blend."""
     tr = runner.transformer
@@ -83,7 +85,7 @@ def step(runner, group: list, ctx, hooks_of=None) -> None:
     rows = R.compute(uses, len(group), latents, timestep, guidance, pooled, text, jt.txt_ids, jt.img_ids,
                      shapes) if uses else [None] * len(group)
     pred = torch.empty_like(latents)
-    for idx in R.calls(rows, shapes):
+    for n, idx in enumerate(R.calls(rows, shapes)):
         sel = torch.tensor(idx, device=latents.device)
         double, single = R.stacked(rows, idx, latents)
         forward = lambda: tr(  # noqa: E731
@@ -92,7 +94,11 @@ def step(runner, group: list, ctx, hooks_of=None) -> None:
             encoder_hidden_states=text[sel], controlnet_block_samples=double,
             controlnet_single_block_samples=single, txt_ids=jt.txt_ids, img_ids=jt.img_ids,
             joint_attention_kwargs=None, return_dict=False, controlnet_blocks_repeat=False)[0]
-        pred[sel] = hooks_of(tr).run(ctx, forward) if ctx is not None and hooks_of is not None else forward()
+        if ctx is None:
+            pred[sel] = forward()
+        else:  # the cache's views of this call's rows (the loader's look-ahead told once, by the first call)
+            sub = StepContext([ctx.rows[i] for i in idx], ctx.packed, ctx.on_block if n == 0 else None)
+            pred[sel] = FluxCacheHooks.of(tr).run(sub, forward)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
         stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
