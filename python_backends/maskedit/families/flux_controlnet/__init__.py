@@ -169,6 +169,15 @@ class FluxControlNetFamily(ModelFamily):
     def dir_name(cls, preset: str) -> str:
         return preset
 
+    def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
+        """The preset's ControlNets (``tiny.build`` writes them beside the model already; kept if there)."""
+        import json
+
+        from ...settings import SERVING_DEFAULTS_FILE
+
+        preset = json.loads((self.model_dir / SERVING_DEFAULTS_FILE).read_text()).get("preset", self.tiny_preset)
+        return tiny.build_library(Path(out), tiny.PRESETS[preset], seed)
+
     @classmethod
     def build(cls, out_dir: str | Path, preset: str, seed: int = 0) -> Path:
         return tiny.build(out_dir, preset, seed)

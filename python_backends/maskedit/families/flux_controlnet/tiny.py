@@ -92,12 +92,14 @@ def controlnet(p: Preset, net: Net, seed: int):
     return model
 
 
-def build_library(model_dir: Path, p: Preset, seed: int = 0) -> Path:
-    """``model_dir/controlnets/<name>/`` for each of the preset's ControlNets (``save_pretrained``)."""
-    lib = Path(model_dir) / LIBRARY
+def build_library(lib: Path, p: Preset, seed: int = 0) -> list[Path]:
+    """``lib/<name>/`` for each of the preset's ControlNets (``save_pretrained``); those already there are kept."""
+    out = []
     for i, (name, net) in enumerate(sorted(p.controlnets.items())):
-        controlnet(p, net, seed + 1 + i).save_pretrained(lib / name)
-    return lib
+        if not (Path(lib) / name / "config.json").is_file():
+            controlnet(p, net, seed + 1 + i).save_pretrained(Path(lib) / name)
+        out.append(Path(lib) / name)
+    return out
 
 
 def build(out_dir: str | Path, preset: str = "flux-cn-tiny", seed: int = 0) -> Path:
@@ -144,7 +146,7 @@ def build(out_dir: str | Path, preset: str = "flux-cn-tiny", seed: int = 0) -> P
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 3.5,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}
     out = write_model(out_dir, pipe, serving, "transformer" if p.generated_transformer else None)
-    build_library(out, p, seed)
+    build_library(out / LIBRARY, p, seed)
     return out
 
 
