@@ -5,7 +5,8 @@ inpaints by blending latents, with ``FluxControlNetModel`` ControlNets (several 
 
 Files: ``tiny.py`` (presets ``flux-cn-tiny`` / ``flux-cn-bench`` and their ControlNet libraries), ``prepare.py``
 (request tensors, control images, decoding), ``step.py`` (a request's tensors on the device, the step),
-``residuals.py`` (ControlNet residuals batched across requests, merged per request).
+and ``maskedit.controlnets.flux`` (ControlNet residuals batched across requests, merged per request, shared with
+Flux Fill's ControlNet extension).
 
 How it differs from Flux Fill: Fill's transformer sees the mask and the masked image as extra input channels
 (384 = 64 latents + 64 masked-image latents + 256 mask); this transformer sees the noisy latents only, and after
@@ -33,10 +34,6 @@ import numpy as np
 
 from ..base import Geometry, ModelFamily, Prepared
 from . import tiny
-
-# InstantX FLUX.1-dev-Controlnet-Union's control modes (its model card): the index a union control's mode selects.
-UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "pose": 4, "openpose": 4, "gray": 5, "lq": 6}
-
 
 class FluxControlNetFamily(ModelFamily):
     name: ClassVar[str] = "flux_controlnet"
@@ -74,26 +71,19 @@ class FluxControlNetFamily(ModelFamily):
 
     # -- ControlNets ----------------------------------------------------------------------------------------
     def controlnet_union(self, config: dict) -> bool:
-        return config.get("num_mode") is not None
+        from ...controlnets.flux import is_union
+
+        return is_union(config)
 
     def control_mode_index(self, mode: str, config: dict) -> int:
-        if mode not in UNION_MODES:
-            raise ValueError(f"mode {mode!r} is not a Flux union mode ({', '.join(UNION_MODES)})")
-        index = UNION_MODES[mode]
-        if index >= config.get("num_mode", 0):
-            raise ValueError(f"mode {mode!r} is number {index} and it has {config.get('num_mode')} modes")
-        return index
+        from ...controlnets.flux import mode_index
+
+        return mode_index(mode, config)
 
     def check_controlnet(self, controlnet, denoiser) -> None:
-        c, t = controlnet.config, denoiser.config
-        if c.get("conditioning_embedding_channels") is not None:
-            raise ValueError("takes its control image in pixels (XLabs layout); this family serves ControlNets "
-                             "that take it through the VAE (InstantX layout)")
-        widths = ("in_channels", "joint_attention_dim", "pooled_projection_dim")
-        inner = lambda x: x.num_attention_heads * x.attention_head_dim  # noqa: E731
-        if any(c[k] != t[k] for k in widths) or inner(c) != inner(t):
-            raise ValueError(f"does not fit the transformer (in / text / pooled / inner widths "
-                             f"{[c[k] for k in widths] + [inner(c)]} vs {[t[k] for k in widths] + [inner(t)]})")
+        from ...controlnets.flux import check_fits
+
+        check_fits(controlnet, denoiser, denoiser.config.in_channels)
 
     def prepare_control_image(self, pipe, image, w: int, h: int, settings):
         """Its packed VAE posterior (N, 2C) (``prepare.control_posterior``; the sample is drawn with the edit's
@@ -104,7 +94,7 @@ class FluxControlNetFamily(ModelFamily):
 
     def control_residuals(self, control, inputs: dict, scale: float) -> list:
         """One ControlNet call for one job's rows: its double then single block samples, scaled."""
-        from . import residuals as R
+        from ...controlnets import flux as R
 
         use = R.Use(0, 0, inputs["controlnet_cond"], scale, inputs.get("controlnet_mode"))
         double, single = R.per_net(control.model, [use], inputs["hidden_states"], inputs["timestep"],

@@ -1,7 +1,7 @@
 """The Flux ControlNet inpainting denoise step for a group of requests, and a request's tensors on the device.
 
 One step of ``FluxControlNetInpaintPipeline``'s loop for every request of the group: the ControlNets' residuals
-(``residuals``: batched per ControlNet over the requests using it), one transformer call with them
+(``maskedit.controlnets.flux``: batched per ControlNet over the requests using it), one transformer call with them
 (``controlnet_block_samples`` / ``controlnet_single_block_samples``), each request's own scheduler step, then the
 pipeline's blend: ``latents = (1 - m) * scale_noise(image_latents, t_next, noise) + m * latents`` (after the last
 step the clean image latents), so the region outside the mask follows the template.
@@ -17,8 +17,8 @@ from diffusers import FluxControlNetInpaintPipeline
 
 from ...cache.flux import FluxCacheHooks
 from ...cache.modes import StepContext
+from ...controlnets import flux as R
 from ...schedule import make_scheduler
-from . import residuals as R
 from .prepare import control_latents, split_cond
 
 
@@ -33,7 +33,6 @@ class ControlTensors:
     img_ids: torch.Tensor  # (N, 3)
     txt_ids: torch.Tensor  # (txt, 3)
     guidance: torch.Tensor | None  # (1,) when the transformer embeds guidance
-    shape: tuple = (None, None)  # its merged residual lists' lengths (``residuals.structure``)
 
 
 def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index) -> None:
@@ -58,8 +57,7 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
         img_ids=FluxControlNetInpaintPipeline._prepare_latent_image_ids(1, grid_h, grid_w, runner.device,
                                                                          runner.dtype),
         txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
-        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None,
-        shape=R.structure([a.model for a in active]))
+        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None)
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
 
 
@@ -75,15 +73,8 @@ def step(runner, group: list, ctx) -> None:
     guidance = cat("guidance") if group[0].tensors.guidance is not None else None
     pooled, text = cat("pooled"), cat("prompt_embeds")
     jt = group[0].tensors
-    uses: dict = {}  # ControlNet -> its uses this step (keyed by the loaded model: shared by name)
-    for i, j in enumerate(group):
-        for k, (active, mode, ctrl) in enumerate(j.tensors.controls):
-            s = active.scale_at(j.step_index, j.steps)
-            if s != 0:
-                uses.setdefault(active.model, []).append(R.Use(i, k, ctrl, s, mode))
-    shapes = [j.tensors.shape for j in group]
-    rows = R.compute(uses, len(group), latents, timestep, guidance, pooled, text, jt.txt_ids, jt.img_ids,
-                     shapes) if uses else [None] * len(group)
+    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, guidance, pooled, text,
+                                    jt.txt_ids, jt.img_ids)
     pred = torch.empty_like(latents)
     for n, idx in enumerate(R.calls(rows, shapes)):
         sel = torch.tensor(idx, device=latents.device)

@@ -1,6 +1,9 @@
-"""ControlNet residuals for a step's group of requests, as ``FluxMultiControlNetModel`` computes them for one request:
-each ControlNet's block samples times its conditioning scale (``controlnet_keep``: 0 outside the control's
-[start, end] of the schedule), summed over the request's controls in order.
+"""Flux ControlNets (Diffusers' ``FluxControlNetModel``, InstantX layout) for the families whose denoiser is a
+``FluxTransformer2DModel`` (``flux_controlnet``: FLUX.1-dev as ``FluxControlNetInpaintPipeline`` runs it; ``flux_fill``:
+our extension feeding the residuals to the Fill transformer): which ControlNets fit, union modes, and the residuals of
+a step's group of requests, as ``FluxMultiControlNetModel`` computes them for one request: each ControlNet's block
+samples times its conditioning scale (``controlnet_keep``: 0 outside the control's [start, end] of the schedule),
+summed over the request's controls in order.
 
 Batched across requests: every ControlNet runs once per step over the rows of all requests (and all controls of a
 request) that use it, with a per-row conditioning scale; then each request's residuals are merged in its control
@@ -19,6 +22,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# InstantX FLUX.1-dev-Controlnet-Union's control modes (its model card): the index a union control's mode selects.
+UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "pose": 4, "openpose": 4, "gray": 5, "lq": 6}
+
+
+def is_union(config: dict) -> bool:
+    """Flux union and plain ControlNets are one class; a union one has control modes (``num_mode``)."""
+    return config.get("num_mode") is not None
+
+
+def mode_index(mode: str, config: dict) -> int:
+    if mode not in UNION_MODES:
+        raise ValueError(f"mode {mode!r} is not a Flux union mode ({', '.join(UNION_MODES)})")
+    index = UNION_MODES[mode]
+    if index >= config.get("num_mode", 0):
+        raise ValueError(f"mode {mode!r} is number {index} and it has {config.get('num_mode')} modes")
+    return index
+
+
+def check_fits(controlnet, denoiser, latent_channels: int) -> None:
+    """``ValueError`` (a reason) unless ``controlnet`` takes ``latent_channels`` packed latents and has the
+    transformer's text, pooled and inner widths (its residuals are added to the transformer's hidden states)."""
+    c, t = controlnet.config, denoiser.config
+    if c.get("conditioning_embedding_channels") is not None:
+        raise ValueError("takes its control image in pixels (XLabs layout); Flux ControlNets here take it through "
+                         "the VAE (InstantX layout)")
+    inner = lambda x: x.num_attention_heads * x.attention_head_dim  # noqa: E731
+    ours = [c.in_channels, c.joint_attention_dim, c.pooled_projection_dim, inner(c)]
+    want = [latent_channels, t.joint_attention_dim, t.pooled_projection_dim, inner(t)]
+    if ours != want:
+        raise ValueError(f"does not fit the transformer (latent / text / pooled / inner widths {ours}, want {want})")
 
 
 @dataclass
@@ -121,3 +155,20 @@ def stacked(rows: list, idx: list[int], like: torch.Tensor):
         out.append([torch.stack([rows[i][kind][b] if rows[i] is not None and rows[i][kind] is not None else zero
                                  for i in idx]) for b in range(n)])
     return out[0], out[1]
+
+
+def step_residuals(group: list, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids):
+    """The residuals of a step's ``group``: (rows, shapes) for ``calls`` / ``stacked``. ``controls_of(job)``: the
+    job's ((ActiveControl, mode index or None, (1, N, C) control latents), ...) in control order."""
+    uses: dict = {}  # ControlNet -> its uses this step (keyed by the loaded model: shared by name)
+    shapes = []
+    for i, j in enumerate(group):
+        controls = controls_of(j)
+        for k, (active, mode, ctrl) in enumerate(controls):
+            s = active.scale_at(j.step_index, j.steps)
+            if s != 0:
+                uses.setdefault(active.model, []).append(Use(i, k, ctrl, s, mode))
+        shapes.append(structure([a.model for a, _, _ in controls]))
+    if not uses:
+        return [None] * len(group), shapes
+    return compute(uses, len(group), latents, timestep, guidance, pooled, text, txt_ids, img_ids, shapes), shapes
