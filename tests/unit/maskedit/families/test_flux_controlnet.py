@@ -85,6 +85,19 @@ def test_a_union_controlnet_with_a_mode_equals_the_stock_pipeline(model):
     close(ours, ref)
 
 
+def test_two_controls_on_one_union_controlnet_equal_the_stock_multi_controlnet(model):
+    """One union ControlNet with two control images and modes (stock: ``FluxMultiControlNetModel([union])``, which
+    runs the one model per image): our step runs both in one batched call."""
+    family, pipe, run_ = model
+    img, mask, a, b = template(seed=12), box_mask(), edges(seed=13), edges(seed=14)
+    specs = [spec("union", 0.6, mode="canny"), spec("union", 0.9, start=0.3, mode="depth")]
+    (ours,) = run(family, run_, [edit(family, pipe, run_, img, mask, specs, [a, b], seed=6, steps=STEPS)])
+    ref = stock(pipe, FluxMultiControlNetModel([net(family, "union")]), img, mask, 6, [a, b],
+                controlnet_conditioning_scale=[0.6, 0.9], control_guidance_start=[0.0, 0.3],
+                control_guidance_end=[1.0, 1.0], control_mode=[0, 2])
+    close(ours, ref)
+
+
 def test_a_request_without_controls_equals_stock_flux_inpainting(model):
     family, pipe, run_ = model
     img, mask = template(seed=8), box_mask()
