@@ -27,11 +27,6 @@ from diffusers.utils.torch_utils import randn_tensor
 from ...schedule import make_scheduler
 
 
-def channels(pipe) -> int:
-    """C: packed channels per token (the pipeline's ``num_channels_latents * 4``)."""
-    return pipe.vae.config.latent_channels * 4
-
-
 def split_cond(cond: torch.Tensor, c: int):
     """(image latents, noise, blend mask, control sample noise (..., k, C) or None) views of ``cond``."""
     rest = cond[..., 3 * c:]

@@ -18,6 +18,7 @@ from diffusers import FluxControlNetInpaintPipeline
 from ...cache.flux import FluxCacheHooks
 from ...cache.modes import StepContext
 from ...controlnets import flux as R
+from ...errors import InvalidInput
 from ...schedule import make_scheduler
 from .prepare import control_latents, split_cond
 
@@ -45,9 +46,9 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
     cond = t(x.cond)
     eps = split_cond(cond, c)[3]
     active = tuple(job.controls)
-    if (0 if eps is None else eps.shape[-2]) != len(active):
-        raise ValueError(f"COND carries sample noise for {0 if eps is None else eps.shape[-2]} control images and "
-                         f"the request has {len(active)} controls")
+    if (0 if eps is None else eps.shape[-2]) != len(active):  # a request's own tensors disagree: refuse it alone
+        raise InvalidInput(f"carries sample noise for {0 if eps is None else eps.shape[-2]} control images and the "
+                           f"request has {len(active)} controls", "COND")
     controls = tuple((a, mode_index(a.spec, a.model), control_latents(vae_config, a.image.unsqueeze(0), eps[..., k, :]))
                      for k, a in enumerate(active))
     grid_h, grid_w = x.model_h // pixels_per_token, x.model_w // pixels_per_token

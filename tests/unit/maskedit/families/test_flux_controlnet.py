@@ -129,3 +129,27 @@ def test_a_mixed_batch_equals_each_request_alone(model):
                                   for s, c, seed in requests])
     for x, y in zip(together, alone):
         close(x, y)
+
+
+def test_control_residuals_of_one_job_are_the_controlnets_scaled_samples(model):
+    """``control_residuals`` (the unit a separate ControlNet model would return): double then single samples of
+    one ControlNet call, scaled."""
+    family, pipe, run_ = model
+    j = edit(family, pipe, run_, template(seed=2), box_mask(), [spec("union", 0.7, mode="pose")], [edges(seed=3)],
+             seed=1, steps=STEPS)
+    family.prepare_job(run_, j)
+    active, mode, ctrl = j.tensors.controls[0]
+    jt = j.tensors
+    inputs = dict(hidden_states=j.latents, controlnet_cond=ctrl, controlnet_mode=mode,
+                  timestep=j.scheduler.timesteps[:1] / 1000, guidance=jt.guidance, pooled_projections=jt.pooled,
+                  encoder_hidden_states=jt.prompt_embeds, txt_ids=jt.txt_ids, img_ids=jt.img_ids)
+    with torch.no_grad():
+        flat = family.control_residuals(active, inputs, 0.7)
+        double, single = active.model(hidden_states=j.latents, controlnet_cond=ctrl,
+                                      controlnet_mode=torch.tensor([[4]]), conditioning_scale=0.7,
+                                      timestep=inputs["timestep"], guidance=jt.guidance, pooled_projections=jt.pooled,
+                                      encoder_hidden_states=jt.prompt_embeds, txt_ids=jt.txt_ids, img_ids=jt.img_ids,
+                                      return_dict=False)
+    assert mode == 4 and len(flat) == len(double) + len(single) == 2
+    for a, b in zip(flat, [*double, *single]):
+        assert torch.equal(a, b)
