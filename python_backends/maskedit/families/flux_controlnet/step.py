@@ -34,6 +34,7 @@ class ControlTensors:
     img_ids: torch.Tensor  # (N, 3)
     txt_ids: torch.Tensor  # (txt, 3)
     guidance: torch.Tensor | None  # (1,) when the transformer embeds guidance
+    net_guidance: torch.Tensor | None = None  # (1,) for ControlNets embedding guidance (as stock: always given)
 
 
 def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index) -> None:
@@ -58,7 +59,8 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
         img_ids=FluxControlNetInpaintPipeline._prepare_latent_image_ids(1, grid_h, grid_w, runner.device,
                                                                          runner.dtype),
         txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
-        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None)
+        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None,
+        net_guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32))
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
 
 
@@ -74,8 +76,8 @@ def step(runner, group: list, ctx) -> None:
     guidance = cat("guidance") if group[0].tensors.guidance is not None else None
     pooled, text = cat("pooled"), cat("prompt_embeds")
     jt = group[0].tensors
-    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, guidance, pooled, text,
-                                    jt.txt_ids, jt.img_ids)
+    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, cat("net_guidance"),
+                                    pooled, text, jt.txt_ids, jt.img_ids)
     pred = torch.empty_like(latents)
     for n, idx in enumerate(R.calls(rows, shapes)):
         sel = torch.tensor(idx, device=latents.device)
