@@ -333,6 +333,8 @@ def _family_defaults(model_dir: Path) -> dict:
         return {}
     if name == "StableDiffusionXLInpaintPipeline":
         return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 1024, "steps": 30}
+    if name in ("FluxControlNetInpaintPipeline", "FluxPipeline"):  # FLUX.1-dev (flux_controlnet): guidance 3.5
+        return {"guidance": 3.5, "steps": 28}
     if name == "StableDiffusionInpaintPipeline":
         return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 512, "steps": 50}
     return {}

@@ -37,12 +37,19 @@ from . import tiny
 
 class FluxControlNetFamily(ModelFamily):
     name: ClassVar[str] = "flux_controlnet"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxControlNetInpaintPipeline",)
+    # A FLUX.1-dev checkout (``FluxPipeline``) is served as it is: its components load into the ControlNet
+    # inpainting pipeline.
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxControlNetInpaintPipeline", "FluxPipeline")
     denoiser: ClassVar[str] = "transformer"
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controlnet_classes: ClassVar[tuple[str, ...]] = ("FluxControlNetModel",)
+
+    def pipeline_class(self):
+        from diffusers import FluxControlNetInpaintPipeline
+
+        return FluxControlNetInpaintPipeline
 
     def pipeline_kwargs(self) -> dict:
         return {"controlnet": None}  # ControlNets are the request's, from the library

@@ -52,6 +52,23 @@ def test_the_family_is_found_from_the_model_directory(model):
     assert sorted(p.name for p in (family.model_dir / "controlnets").iterdir()) == ["canny", "depth", "union"]
 
 
+def test_a_flux_1_dev_checkout_is_served_as_it_is(model, tmp_path):
+    """A ``FluxPipeline`` directory (FLUX.1-dev's layout) is this family's, loads into the ControlNet inpainting
+    pipeline and takes FLUX.1-dev's guidance by default."""
+    from diffusers import FluxPipeline
+
+    from maskedit.components import load_pipeline
+    from maskedit.settings import load_settings
+
+    family, pipe, _ = model
+    comps = {k: v for k, v in pipe.components.items() if k != "controlnet"}
+    FluxPipeline(**comps, image_encoder=None, feature_extractor=None).save_pretrained(tmp_path / "dev")
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(tmp_path / "dev"), "MASKEDIT_DEVICE": "cpu"})
+    assert family_for(tmp_path / "dev").name == "flux_controlnet" and s.guidance == 3.5
+    loaded = load_pipeline(s, with_text=False)
+    assert type(loaded).__name__ == "FluxControlNetInpaintPipeline" and loaded.mask_processor is not None
+
+
 def test_one_controlnet_equals_the_stock_pipeline(model):
     family, pipe, run_ = model
     img, mask, ctrl = template(seed=1), box_mask(), edges(seed=2)
