@@ -140,6 +140,9 @@ class Settings:
     lora_device_bytes: int = 1 << 30  # converted adapters one denoise process keeps on its device
     lora_load_threads: int = 2  # background adapter loads of one denoise process at a time
     lora_early_start: bool = False  # denoise before a request's adapters arrive, patch them in later (inexact)
+    controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
+    max_controls: int = 2  # ControlNets per request
+    max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -177,6 +180,11 @@ class Settings:
     def adapters(self) -> Path:
         """The LoRA adapter library: ``MASKEDIT_LORA_DIR``, else ``loras/`` in the model directory."""
         return Path(self.lora_dir) if self.lora_dir is not None else Path(self.model_dir) / "loras"
+
+    @property
+    def controlnets(self) -> Path:
+        """The ControlNet library: ``MASKEDIT_CONTROLNET_DIR``, else ``controlnets/`` in the model directory."""
+        return Path(self.controlnet_dir) if self.controlnet_dir is not None else Path(self.model_dir) / "controlnets"
 
 
     @property
@@ -257,9 +265,15 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_LORA_ROOTS", "lora_roots", _paths, "directories (`:`-separated) the router's "
         "`/v1/load_lora_adapter` accepts a `lora_path` in (symlinks resolved); it copies the adapter from there into "
         "the library; no other path is opened", "none (runtime loading off)"),
+    Var("MASKEDIT_CONTROLNET_DIR", "controlnet_dir", Path, "the ControlNet library: `<name>/` per ControlNet as "
+        "`save_pretrained` writes it; requests name ControlNets, never paths, and no other directory is read",
+        "`controlnets/` in the model directory"),
     # the limits every request is checked against
     Var("MASKEDIT_MAX_LORAS", "max_loras", int, "adapters one request may name in `LORAS`"),
     Var("MASKEDIT_MAX_LORA_SCALE", "max_lora_scale", float, "largest adapter scale magnitude accepted in `LORAS`"),
+    Var("MASKEDIT_MAX_CONTROLS", "max_controls", int, "ControlNets one request may name in `CONTROLS`"),
+    Var("MASKEDIT_MAX_CONTROL_SCALE", "max_control_scale", float, "largest conditioning scale accepted in "
+        "`CONTROLS`"),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),
@@ -363,6 +377,8 @@ def _family_defaults(model_dir: Path) -> dict:
         return {}
     if name == "StableDiffusionXLInpaintPipeline":
         return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 1024, "steps": 30}
+    if name in ("FluxControlNetInpaintPipeline", "FluxPipeline"):  # FLUX.1-dev (flux_controlnet): guidance 3.5
+        return {"guidance": 3.5, "steps": 28}
     if name == "StableDiffusionInpaintPipeline":
         return {"guidance": 7.5, "max_sequence_length": 77, "resolution": 512, "steps": 50}
     return {}

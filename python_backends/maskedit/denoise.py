@@ -42,6 +42,7 @@ class DenoiseInputs:
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
+    controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -74,6 +75,8 @@ class DenoiseJob:
     tenant: str = ""  # who sent it (the router's ``maskedit_tenant`` parameter) and its weight: ``fair_share``
     weight: float = 1.0
     fair_tag: float = 0.0  # its virtual finish tag in the denoise queue (0: fair share off)
+    controls: tuple = ()  # ``controlnets.job.ActiveControl`` per control once loaded (``ModelRunner.load_controls``)
+    controls_loaded: bool = False
 
     @property
     def steps(self) -> int:
@@ -107,6 +110,7 @@ class ModelRunner:
         self.pixels_per_token = self.geometry.patch
         self.cache = cache
         self._adapter_jobs = None  # maskedit.adapters.jobs.AdapterJobs, made on first use
+        self._controlnets = None  # maskedit.controlnets.library.ControlNetLibrary, made on first use
 
     @property
     def adapters(self):
@@ -160,16 +164,38 @@ class ModelRunner:
         else:
             job.adapters_loaded = True
 
+    @property
+    def controlnets(self):
+        if self._controlnets is None:
+            from .controlnets.library import ControlNetLibrary
+
+            self._controlnets = ControlNetLibrary(self.settings.controlnets, self.family, self.settings)
+        return self._controlnets
+
+    def load_controls(self, job: DenoiseJob) -> None:
+        """Load (or find loaded) the job's ControlNets and put its control images on the device; called off the
+        loop where the caller can, else at admission. A bad one fails this request only (naming CONTROLS)."""
+        if job.controls_loaded:
+            return
+        from .controlnets.job import ActiveControl
+
+        job.controls = tuple(
+            ActiveControl(c.spec, self.controlnets.load(c.spec, i, self.transformer),
+                          torch.from_numpy(np.ascontiguousarray(c.image)).to(self.device, self.dtype))
+            for i, c in enumerate(job.inputs.controls))
+        job.controls_loaded = True
+
     def decide(self, job: DenoiseJob) -> None:
         """Make the job's cache decision (once, before admission) and count the tokens it will compute."""
         n = int(job.inputs.latents.shape[0])
         if self.cache is None:
             job.tokens = n
-        elif job.decision is None and job.inputs.loras and (not self.family.adapters_in_masked_path
-                                                            or self.settings.lora_early_start):
-            # This family's cached (masked) block paths do not add adapter deltas: such a request runs in full. Under
-            # early start its first steps may run without its adapters: never recorded under (or served from) its
-            # adapter set's key.
+        elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
+                                                              or self.settings.lora_early_start))
+                                       or job.inputs.controls):
+            # This family's cached (masked) block paths do not add adapter deltas, and none adds ControlNet residuals
+            # yet: such a request runs in full. Under early start its first steps may run without its adapters: never
+            # recorded under (or served from) its adapter set's key.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -182,6 +208,7 @@ class ModelRunner:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
         _check_shapes(job.inputs, self.pixels_per_token)
         self.load_adapters(job)
+        self.load_controls(job)
         self.family.prepare_job(self, job)
         self._admit_cache(job)
 
@@ -227,9 +254,10 @@ class ModelRunner:
 
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
-        attend and cannot be padded). Adapter sets do not split a call: cache hits, template recordings and plain
-        rows carry their requests' deltas alike (``maskedit.adapters.delta``)."""
-        return group_by(jobs, self.family.group_key)
+        attend and cannot be padded). Adapter sets do not split a call where the family's masked paths add their
+        deltas (``maskedit.adapters.delta``); ControlNet residuals do (``_plain_split``)."""
+        groups = group_by(jobs, self.family.group_key)
+        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path)]
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -255,6 +283,17 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
+
+
+def _plain_split(group: list[DenoiseJob], adapters_masked: bool) -> list[list[DenoiseJob]]:
+    """A call carrying adapters (unless the family's masked path adds them) or ControlNet residuals runs every row
+    through the denoiser's own forward (where the delta hooks are, and which takes the residuals), so it holds only
+    requests that compute every token (no cache hit, no recording) at one resolution (no packed rows); requests
+    with and without adapters or controls share it. The others form their own call."""
+    if not any((j.adapters and not adapters_masked) or j.controls for j in group):
+        return [group]
+    plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
+    return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))
 
 
 def group_by(jobs: list[DenoiseJob], key) -> list[list[DenoiseJob]]:

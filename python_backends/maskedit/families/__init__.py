@@ -17,6 +17,7 @@ REGISTRY = {
     "flux_fill": "maskedit.families.flux_fill:FluxFill",
     "unet_inpaint": "maskedit.families.unet_inpaint:UNetInpaint",
     "flux2_klein": "maskedit.families.flux2_klein:Flux2KleinFamily",
+    "flux_controlnet": "maskedit.families.flux_controlnet:FluxControlNetFamily",
 }
 
 

@@ -18,6 +18,7 @@ from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
+from ..controlnets.job import from_wire
 from ..engine import DenoiseEngine
 from ..fair_share import FairShare
 from ..scheduler import BatchScheduler
@@ -81,6 +82,7 @@ class TritonPythonModel:
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
             base_cache_key=info.get("base_cache_key") or None,
+            controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
         )
 
         def done(job: DenoiseJob):
@@ -118,6 +120,7 @@ class TritonPythonModel:
         job = DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
                          on_step=progress if info.get("progress_requested") else None,
                          tenant=info.get("tenant", ""), weight=float(info.get("tenant_weight", 1.0)))
+        self.engine.runner.load_controls(job)  # here, off the denoise loop; a bad ControlNet is refused at once
         self.engine.submit(job)  # its adapters load in the background meanwhile; a bad one fails it alone
 
     @staticmethod

@@ -18,6 +18,8 @@ class FluxFill(ModelFamily):
     presets = tiny.PRESETS
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
 
+    controlnet_classes = ("FluxControlNetModel",)  # our extension: docs/controlnet_flux.md, "Flux Fill"
+
     def load_denoiser(self, settings):
         from diffusers import FluxTransformer2DModel
 
@@ -47,6 +49,30 @@ class FluxFill(ModelFamily):
 
         return prepare(pipe, scheduler_config, image, mask, token_mask, w, h, params, settings,
                        self.geometry(settings).patch)
+
+    # -- ControlNets: our extension (no stock Fill + ControlNet pipeline); the residuals of Flux ControlNets
+    # (``maskedit.controlnets.flux``) go to the Fill transformer's blocks, which take them as FLUX.1-dev's do.
+    def controlnet_union(self, config: dict) -> bool:
+        from ...controlnets.flux import is_union
+
+        return is_union(config)
+
+    def control_mode_index(self, mode: str, config: dict) -> int:
+        from ...controlnets.flux import mode_index
+
+        return mode_index(mode, config)
+
+    def check_controlnet(self, controlnet, denoiser) -> None:
+        from ...controlnets.flux import check_fits
+
+        check_fits(controlnet, denoiser, denoiser.config.out_channels)  # it sees the noisy latents only
+
+    def prepare_control_image(self, pipe, image, w, h, settings):
+        """The control image's packed VAE latents (N, C): resized by the image processor, the posterior's mean
+        (no draw: the edit's generator order, so its noise, is that of the plain Fill edit), shifted and scaled."""
+        from .prepare import control_latents
+
+        return control_latents(pipe, image, w, h)
 
     def prepare_job(self, runner, job) -> None:
         from .step import prepare_job

@@ -53,6 +53,17 @@ def prepare(pipe, scheduler_config: dict, init_image, mask_t, tokens, w: int, h:
 
 
 @torch.no_grad()
+def control_latents(pipe, image, w: int, h: int) -> torch.Tensor:
+    """A control image (PIL) to packed latents (N, C) for a Flux ControlNet (our extension): the image processor's
+    resize and normalisation (made contiguous, as ``FluxControlNetInpaintPipeline.prepare_image``'s copy does), the
+    VAE posterior's mean, shift and scale, packed."""
+    vae = pipe.vae
+    x = pipe.image_processor.preprocess(image, height=h, width=w).contiguous().to(vae.device, vae.dtype)
+    z = (vae.encode(x).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+    return pipe._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3])[0]
+
+
+@torch.no_grad()
 def decode(pipe, latents, w: int, h: int):
     """Packed latents (1, tokens, C) to a PIL image at model resolution, as FluxFillPipeline step 8 does."""
     vae = pipe.vae

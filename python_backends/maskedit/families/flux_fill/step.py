@@ -16,6 +16,7 @@ from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 
 from ...cache.modes import FULL, StepContext
 from ...cache.rows import RowView
+from ...controlnets import flux as R
 from ...schedule import make_scheduler
 from .cache import FluxCacheHooks
 
@@ -31,6 +32,9 @@ class FluxTensors:
     txt_ids: torch.Tensor  # (txt, 3)
     guidance: torch.Tensor | None  # (1,) when the model embeds guidance
     rope: tuple | None = None  # its own rotary tables, made the first time it joins a packed call
+    # ControlNets (our extension, docs/controlnet_flux.md): ((ActiveControl, mode index or None, (1, tokens, C)
+    # control latents), ...) in control order
+    controls: tuple = ()
 
 
 def prepare_job(runner, job, pixels_per_token: int) -> None:
@@ -44,7 +48,9 @@ def prepare_job(runner, job, pixels_per_token: int) -> None:
         cond=t(x.cond), prompt_embeds=t(x.prompt_embeds), pooled=t(x.pooled_embeds),
         img_ids=FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, runner.device, runner.dtype),
         txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
-        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None)
+        guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None,
+        controls=tuple((a, R.mode_index(a.spec.mode, a.model.config) if R.is_union(a.model.config) else None,
+                        a.image.unsqueeze(0)) for a in getattr(job, "controls", ())))
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
 
 
@@ -73,12 +79,36 @@ def step(runner, group: list, ctx: StepContext | None) -> None:
         joint_attention_kwargs=None,
         return_dict=False,
     )[0]
-    if packed:
-        ctx = _packed_context(transformer, group, ctx)
-    noise_pred = FluxCacheHooks.of(transformer).run(ctx, forward) if ctx is not None else forward()
+    if any(j.tensors.controls for j in group):  # one resolution, uncached rows (the runner's plain calls)
+        noise_pred = _with_controls(transformer, group, latents, cond, timestep, guidance, cat("pooled"),
+                                    cat("prompt_embeds"))
+    else:
+        if packed:
+            ctx = _packed_context(transformer, group, ctx)
+        noise_pred = FluxCacheHooks.of(transformer).run(ctx, forward) if ctx is not None else forward()
     for i, (job, t, n) in enumerate(zip(group, timesteps, tokens)):
         job.latents = job.scheduler.step(noise_pred[i:i + 1, :n], t, job.latents, return_dict=False)[0]
         job.step_index += 1
+
+
+def _with_controls(transformer, group: list, latents, cond, timestep, guidance, pooled, text) -> torch.Tensor:
+    """Our extension: ControlNet residuals (``maskedit.controlnets.flux``; the ControlNets see the noisy latents
+    only) added to the Fill transformer's blocks through its ``controlnet_block_samples`` /
+    ``controlnet_single_block_samples``, as FLUX.1-dev takes them in ``FluxControlNetInpaintPipeline``."""
+    jt = group[0].tensors
+    ts = timestep / 1000
+    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, ts, guidance, pooled, text,
+                                    jt.txt_ids, jt.img_ids)
+    pred = torch.empty_like(latents)
+    for idx in R.calls(rows, shapes):
+        sel = torch.tensor(idx, device=latents.device)
+        double, single = R.stacked(rows, idx, latents)
+        pred[sel] = transformer(
+            hidden_states=torch.cat((latents[sel], cond[sel]), dim=2), timestep=ts[sel],
+            guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],
+            encoder_hidden_states=text[sel], controlnet_block_samples=double, controlnet_single_block_samples=single,
+            txt_ids=jt.txt_ids, img_ids=jt.img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+    return pred
 
 
 def _packed_context(transformer, group: list, ctx: StepContext | None) -> StepContext:

@@ -1,0 +1,100 @@
+"""Shared helpers of the flux_controlnet tests: the tiny model and its ControlNet library, stand-ins for the
+engine's runner and jobs (as ``klein_util``), the stock pipelines to compare with."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from maskedit_common.controls import ControlSpec
+from PIL import Image
+
+from maskedit import imaging
+from maskedit.controlnets.job import ActiveControl
+from maskedit.controlnets.library import ControlNetLibrary
+
+MAX_SEQ = 64
+GUIDANCE = 3.5
+
+
+def settings(model_dir=None):
+    return SimpleNamespace(max_sequence_length=MAX_SEQ, torch_device="cpu", dtype="float32", model_dir=model_dir)
+
+
+def params(prompt="a red hat", seed=0, template_seed=None, steps=3, controls=()):
+    return SimpleNamespace(prompt=prompt, seed=seed, template_seed=seed if template_seed is None else template_seed,
+                           steps=steps, guidance=GUIDANCE, controls=tuple(controls))
+
+
+def template(w=256, h=256, seed=0):
+    rs = np.random.RandomState(seed)
+    base = rs.rand(h // 32, w // 32, 3)
+    return Image.fromarray((np.kron(base, np.ones((32, 32, 1))) * 255).astype(np.uint8))
+
+
+def edges(w=256, h=256, seed=0):
+    """A control map: white lines on black, as an edge or line-art map looks."""
+    rs = np.random.RandomState(seed)
+    m = np.zeros((h, w, 3), np.uint8)
+    for _ in range(6):
+        if rs.rand() < 0.5:
+            m[rs.randint(h), :] = 255
+        else:
+            m[:, rs.randint(w)] = 255
+    return Image.fromarray(m)
+
+
+def box_mask(w=256, h=256, box=(64, 80, 160, 200)):
+    m = np.zeros((h, w), np.uint8)
+    y0, x0, y1, x1 = box
+    m[y0:y1, x0:x1] = 255
+    return m
+
+
+def prepared(family, pipe, img, mask, p, control_images=()):
+    """The pre-processing stage's tensors (``Preprocessor.__call__``'s family calls) and the request's controls."""
+    w, h = img.size
+    image = pipe.image_processor.preprocess(img, height=h, width=w).to(dtype=torch.float32)
+    mask_t = pipe.mask_processor.preprocess(Image.fromarray(mask), height=h, width=w)
+    tokens = imaging.token_mask(mask_t[0, 0].numpy(), family.geometry().patch)
+    out = family.prepare(pipe, dict(pipe.scheduler.config), image, mask_t, tokens, w, h, p, settings())
+    images = [family.prepare_control_image(pipe, c, w, h, settings()) for c in control_images]
+    return out, tokens, images
+
+
+def runner(family, pipe):
+    return SimpleNamespace(transformer=pipe.transformer, device=torch.device("cpu"), dtype=torch.float32,
+                           scheduler_config=dict(pipe.scheduler.config), geometry=family.geometry(),
+                           library=ControlNetLibrary(family.model_dir / "controlnets", family,
+                                                     settings(family.model_dir)))
+
+
+def job(run_, prep, tokens, images, specs, w, h, steps):
+    """A denoise job as the runner admits it: its controls loaded from the library (``ModelRunner.load_controls``)."""
+    np_ = lambda t: t.detach().numpy()  # noqa: E731
+    inputs = SimpleNamespace(latents=np_(prep.latents), cond=np_(prep.cond), prompt_embeds=np_(prep.prompt_embeds),
+                             pooled_embeds=np_(prep.pooled_embeds), token_mask=tokens, model_w=w, model_h=h,
+                             steps=steps, guidance=GUIDANCE, cache_key=None, register=False)
+    controls = tuple(ActiveControl(s, run_.library.load(s, i, run_.transformer), img)
+                     for i, (s, img) in enumerate(zip(specs, images)))
+    return SimpleNamespace(inputs=inputs, latents=None, tensors=None, scheduler=None, step_index=0, cache=None,
+                           steps=steps, controls=controls)
+
+
+def edit(family, pipe, run_, img, mask, specs=(), control_images=(), seed=0, steps=3, prompt="a red hat"):
+    p = params(prompt, seed=seed, steps=steps, controls=specs)
+    prep, tokens, images = prepared(family, pipe, img, mask, p, control_images)
+    return job(run_, prep, tokens, images, specs, *img.size, steps)
+
+
+def run(family, run_, jobs):
+    """Step ``jobs`` (one group) to the end."""
+    for j in jobs:
+        family.prepare_job(run_, j)
+    with torch.no_grad():
+        while jobs[0].step_index < jobs[0].steps:
+            family.step(run_, jobs, None)
+    return [j.latents for j in jobs]
+
+
+def spec(name, scale=1.0, start=0.0, end=1.0, mode=None):
+    return ControlSpec(name, scale, start, end, mode)

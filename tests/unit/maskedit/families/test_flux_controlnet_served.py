@@ -1,0 +1,95 @@
+"""The flux_controlnet family through the serving stages in one process (``LocalEditor``: pre-processing, the
+controls' wire format, the engine's runner and step loop, decoding): equal to stock ``FluxControlNetInpaintPipeline``
+with two ControlNets; requests batched by the engine equal each alone; bad controls fail their request only, naming
+the field."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxControlNetInpaintPipeline, FluxControlNetModel, FluxMultiControlNetModel
+from PIL import Image
+
+from maskedit.errors import InvalidInput
+from maskedit.families.flux_controlnet.tiny import build
+from maskedit.local import LocalEditor, denoise_inputs, run_job
+from maskedit.params import parse_params
+from maskedit.settings import load_settings
+from tests.conftest import png
+
+from .cn_util import MAX_SEQ, box_mask, edges, template
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = build(tmp_path_factory.mktemp("flux-cn-served") / "flux-cn-tiny", "flux-cn-tiny", seed=1)
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "cpu", "MASKEDIT_CACHE": "off"})
+    ed = LocalEditor(s, max_batch=4)
+    yield ed, d
+    ed.close()
+
+
+def test_two_controlnets_served_equal_the_stock_pipeline(served):
+    ed, d = served
+    img, mask, a, b = template(seed=1), box_mask(), edges(seed=2), edges(seed=3)
+    controls = [{"name": "depth", "scale": 0.9}, {"name": "union", "scale": 1.2, "mode": "canny", "end": 0.6}]
+    out, prepared, job = ed.edit(png(img), png(mask), "a red hat", seed=3, steps=STEPS, guidance=3.5,
+                                 raw_output=True, template_seed=3, controls=controls, control_images=[png(a), png(b)])
+    nets = [FluxControlNetModel.from_pretrained(d / "controlnets" / n) for n in ("depth", "union")]
+    pipe = FluxControlNetInpaintPipeline.from_pretrained(d, controlnet=FluxMultiControlNetModel(nets))
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt="a red hat", image=img, mask_image=Image.fromarray(mask), control_image=[a, b], height=256,
+               width=256, strength=1.0, num_inference_steps=STEPS, guidance_scale=3.5, max_sequence_length=MAX_SEQ,
+               controlnet_conditioning_scale=[0.9, 1.2], control_guidance_start=[0.0, 0.0],
+               control_guidance_end=[1.0, 0.6], control_mode=[None, 0],
+               generator=torch.Generator("cpu").manual_seed(3), output_type="latent").images
+    np.testing.assert_allclose(job.result(), ref[0].numpy(), atol=1e-5, rtol=0)
+    assert Image.open(io.BytesIO(out)).size == img.size
+
+
+def test_concurrent_requests_with_and_without_controls_through_the_engine_equal_each_alone(served):
+    ed, _ = served
+    img, mask, a = template(seed=4), box_mask(), edges(seed=5)
+    asks = [([], []), ([{"name": "canny", "scale": 0.8}], [png(a)]),
+            ([{"name": "union", "mode": "depth", "start": 0.3}], [png(a)])]
+    inputs = []
+    for i, (controls, images) in enumerate(asks):
+        p = parse_params(ed.settings, "a blue shirt", seed=10 + i, steps=STEPS, controls=json.dumps(controls))
+        inputs.append(denoise_inputs(ed.pre(png(img), png(mask), p, images)))
+    alone = [run_job(ed.engine, x).result() for x in inputs]
+    import threading
+
+    results = [None] * len(inputs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run_job(ed.engine, inputs[i]).result()))
+               for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, y in zip(results, alone):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+    assert max(np.abs(alone[0] - alone[1]).max(), np.abs(alone[0] - alone[2]).max()) > 1e-2
+
+
+@pytest.mark.parametrize("controls,images,field,words", [
+    ([{"name": "nope"}], 1, "CONTROLS", "unknown ControlNet"),
+    ([{"name": "union"}], 1, "CONTROLS", "union"),
+    ([{"name": "canny", "mode": "depth"}], 1, "CONTROLS", "no \"mode\""),
+    ([{"name": "union", "mode": "lineart"}], 1, "CONTROLS", "not a Flux union mode"),
+    ([{"name": "sdxl"}], 1, "CONTROLS", "another model family"),
+    ([{"name": "canny"}], 0, "CONTROL_IMAGES", "no image"),
+])
+def test_bad_controls_name_the_field(served, controls, images, field, words):
+    ed, d = served
+    (d / "controlnets" / "sdxl").mkdir(exist_ok=True)
+    (d / "controlnets" / "sdxl" / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel"}))
+    with pytest.raises(InvalidInput) as e:
+        ed.edit(png(template()), png(box_mask()), "x", steps=1, controls=controls,
+                control_images=[png(edges())] * images)
+    assert e.value.field == field and words in str(e.value)
+    out, _, job = ed.edit(png(template()), png(box_mask()), "x", steps=1)  # and the editor keeps serving
+    assert job is not None and job.done
