@@ -23,6 +23,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from .controls import control_images_input, controls_json
 from .retry import Backoff, Timer, retryable
 
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
@@ -261,19 +262,26 @@ class EditClient:
                guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
-               negative_prompt: str | None = None, loras=None) -> Future:
+               negative_prompt: str | None = None, loras=None, controls=None, control_images=None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
         ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
         ``negative_prompt``: SD 2 / SDXL models (what to steer away from); Flux models refuse it.
         ``loras``: LoRA adapters from the server's library: ``[("name", 0.8), ...]``, ``{"name": scale}``, a list of
-        ``{"name", "scale"}`` objects or the JSON text of one (sent as ``LORAS``)."""
+        ``{"name", "scale"}`` objects or the JSON text of one (sent as ``LORAS``).
+        ``controls``: ControlNets from the server's library, ``[("name", scale[, start, end]), ...]`` or
+        ``{"name", "scale", "start", "end", "mode", "preprocess"}`` objects (sent as ``CONTROLS``), with
+        ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``)."""
         inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
                   _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
         if negative_prompt is not None:
             inputs.append(_bytes_input("NEGATIVE_PROMPT", negative_prompt.encode()))
         if loras:
             inputs.append(_bytes_input("LORAS", loras_json(loras).encode()))
+        if controls:
+            inputs.append(_bytes_input("CONTROLS", controls_json(controls).encode()))
+        if control_images:
+            inputs.append(control_images_input(control_images, encode_image, grpcclient.InferInput))
         if seed is not None:
             inputs.append(_scalar_input("SEED", seed, "INT64", np.int64))
         if steps is not None:

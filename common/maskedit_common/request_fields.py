@@ -28,6 +28,7 @@ class RequestField:
     hi: float | str | None = None  # highest allowed (numbers); for text: most characters
     unit: str = ""  # said after the limits in errors ("ms")
     openai: bool = False  # also a form field of /v1/images/edits (``extra_body``), under ``attr``
+    dims: tuple[int, ...] = (1,)  # the Triton input's shape: (1,) one value, (-1,) a list (CONTROL_IMAGES)
 
     @property
     def optional(self) -> bool:
@@ -69,10 +70,16 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("LORAS", "loras", str, "STRING", 'LoRA adapters by name from the adapter library, as JSON: '
                  '[{"name": "...", "scale": 0.8}] (at most max_loras; |scale| <= max_lora_scale)', default=(),
                  hi=8192),
+    RequestField("CONTROLS", "controls", str, "STRING", 'ControlNets by name from the ControlNet library, as JSON: '
+                 '[{"name": "...", "scale": 0.8, "start": 0, "end": 1, "mode": "canny", "preprocess": "canny"}] '
+                 '(at most max_controls; 0 <= scale <= max_control_scale; one CONTROL_IMAGES entry each)',
+                 default=(), hi=8192),
+    RequestField("CONTROL_IMAGES", "control_images", bytes, "STRING", "one control image (PNG/JPEG bytes or "
+                 "base64) per CONTROLS entry, in order", dims=(-1,)),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}
-# The request parameters (everything but the two images).
+# The request parameters (everything but the images).
 PARAMS = tuple(f for f in REQUEST_FIELDS if f.kind is not bytes)
 OPENAI_EXTRAS = tuple(f for f in REQUEST_FIELDS if f.openai)
 # What a tensor of each integer type can hold (the server checks the field's own limits and says them).

@@ -128,6 +128,9 @@ class Settings:
     lora_dir: Path | None = None  # the adapter library (default: ``<model_dir>/loras``); no other path is opened
     max_loras: int = 4  # adapters per request
     max_lora_scale: float = 4.0  # a request's adapter scale must lie in [-max, max]
+    controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
+    max_controls: int = 2  # ControlNets per request
+    max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -165,6 +168,11 @@ class Settings:
     def adapters(self) -> Path:
         """The LoRA adapter library: ``MASKEDIT_LORA_DIR``, else ``loras/`` in the model directory."""
         return Path(self.lora_dir) if self.lora_dir is not None else Path(self.model_dir) / "loras"
+
+    @property
+    def controlnets(self) -> Path:
+        """The ControlNet library: ``MASKEDIT_CONTROLNET_DIR``, else ``controlnets/`` in the model directory."""
+        return Path(self.controlnet_dir) if self.controlnet_dir is not None else Path(self.model_dir) / "controlnets"
 
 
 # -- the variables --------------------------------------------------------------------------------------------
@@ -218,9 +226,15 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_LORA_DIR", "lora_dir", Path, "the LoRA adapter library: `<name>/` (Diffusers/PEFT) or "
         "`<name>.safetensors` (kohya) per adapter; requests name adapters, never paths, and no other directory is "
         "read", "`loras/` in the model directory"),
+    Var("MASKEDIT_CONTROLNET_DIR", "controlnet_dir", Path, "the ControlNet library: `<name>/` per ControlNet as "
+        "`save_pretrained` writes it; requests name ControlNets, never paths, and no other directory is read",
+        "`controlnets/` in the model directory"),
     # the limits every request is checked against
     Var("MASKEDIT_MAX_LORAS", "max_loras", int, "adapters one request may name in `LORAS`"),
     Var("MASKEDIT_MAX_LORA_SCALE", "max_lora_scale", float, "largest adapter scale magnitude accepted in `LORAS`"),
+    Var("MASKEDIT_MAX_CONTROLS", "max_controls", int, "ControlNets one request may name in `CONTROLS`"),
+    Var("MASKEDIT_MAX_CONTROL_SCALE", "max_control_scale", float, "largest conditioning scale accepted in "
+        "`CONTROLS`"),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),

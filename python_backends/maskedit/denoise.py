@@ -41,6 +41,7 @@ class DenoiseInputs:
     register: bool = False  # a template run: record even if an entry exists
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
+    controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -68,6 +69,8 @@ class DenoiseJob:
     restarts: int = 0  # times it started again from its first step (its cached rows failed verification)
     adapters: tuple = ()  # ((LoadedAdapter, weight), ...) once resolved (``ModelRunner.load_adapters``)
     adapters_loaded: bool = False
+    controls: tuple = ()  # ``controlnets.job.ActiveControl`` per control once loaded (``ModelRunner.load_controls``)
+    controls_loaded: bool = False
 
     @property
     def steps(self) -> int:
@@ -101,6 +104,7 @@ class ModelRunner:
         self.pixels_per_token = self.geometry.patch
         self.cache = cache
         self._adapters = None  # maskedit.adapters.runtime.AdapterRuntime, made on first use
+        self._controlnets = None  # maskedit.controlnets.library.ControlNetLibrary, made on first use
 
     @property
     def adapters(self):
@@ -118,14 +122,36 @@ class ModelRunner:
             job.adapters = self.adapters.resolve(job.inputs.loras) if job.inputs.loras else ()
             job.adapters_loaded = True
 
+    @property
+    def controlnets(self):
+        if self._controlnets is None:
+            from .controlnets.library import ControlNetLibrary
+
+            self._controlnets = ControlNetLibrary(self.settings.controlnets, self.family, self.settings)
+        return self._controlnets
+
+    def load_controls(self, job: DenoiseJob) -> None:
+        """Load (or find loaded) the job's ControlNets and put its control images on the device; called off the
+        loop where the caller can, else at admission. A bad one fails this request only (naming CONTROLS)."""
+        if job.controls_loaded:
+            return
+        from .controlnets.job import ActiveControl
+
+        job.controls = tuple(
+            ActiveControl(c.spec, self.controlnets.load(c.spec, i, self.transformer),
+                          torch.from_numpy(np.ascontiguousarray(c.image)).to(self.device, self.dtype))
+            for i, c in enumerate(job.inputs.controls))
+        job.controls_loaded = True
+
     def decide(self, job: DenoiseJob) -> None:
         """Make the job's cache decision (once, before admission) and count the tokens it will compute."""
         n = int(job.inputs.latents.shape[0])
         if self.cache is None:
             job.tokens = n
-        elif job.decision is None and job.inputs.loras and not self.family.adapters_in_masked_path:
-            # The cached (masked) block paths do not add adapter deltas yet: such a request runs in full. Its key
-            # (which includes the adapter set) is kept for when they do.
+        elif job.decision is None and ((job.inputs.loras and not self.family.adapters_in_masked_path)
+                                       or job.inputs.controls):
+            # The cached (masked) block paths do not add adapter deltas or ControlNet residuals yet: such a request
+            # runs in full. Its key is kept for when they do.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -138,6 +164,7 @@ class ModelRunner:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
         _check_shapes(job.inputs, self.pixels_per_token)
         self.load_adapters(job)
+        self.load_controls(job)
         self.family.prepare_job(self, job)
         self._admit_cache(job)
 
@@ -185,9 +212,7 @@ class ModelRunner:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
         attend and cannot be padded)."""
         groups = group_by(jobs, self.family.group_key)
-        if self.family.adapters_in_masked_path:
-            return groups
-        return [g for group in groups for g in _adapter_split(group)]
+        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path)]
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -215,11 +240,12 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
-def _adapter_split(group: list[DenoiseJob]) -> list[list[DenoiseJob]]:
-    """A call carrying adapters runs every row through the denoiser's own forward (where the delta hooks are), so
-    it holds only requests that compute every token (no cache hit, no recording) at one resolution (no packed
-    rows); requests with and without adapters share it. The others form their own call."""
-    if not any(j.adapters for j in group):
+def _plain_split(group: list[DenoiseJob], adapters_masked: bool) -> list[list[DenoiseJob]]:
+    """A call carrying adapters (unless the family's masked path adds them) or ControlNet residuals runs every row
+    through the denoiser's own forward (where the delta hooks are, and which takes the residuals), so it holds only
+    requests that compute every token (no cache hit, no recording) at one resolution (no packed rows); requests
+    with and without adapters or controls share it. The others form their own call."""
+    if not any((j.adapters and not adapters_masked) or j.controls for j in group):
         return [group]
     plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
     return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))

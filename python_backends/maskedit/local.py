@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 
+from .controlnets.job import from_wire, to_wire
 from .decode import Decoder
 from .denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from .engine import DenoiseEngine
@@ -21,6 +22,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
         latents=p.latents, cond=p.cond, prompt_embeds=p.prompt_embeds, pooled_embeds=p.pooled_embeds,
         token_mask=p.token_mask, model_w=p.model_w, model_h=p.model_h, steps=p.params.steps,
         guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register, loras=p.loras,
+        controls=from_wire(*to_wire(p.controls)),  # through the wire format, as the stages pass them
     )
 
 
@@ -51,13 +53,16 @@ class LocalEditor:
 
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
              raw_output=False, template_seed=None, register=False,
-             use_cache=True, negative_prompt=None, loras=None) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+             use_cache=True, negative_prompt=None, loras=None, controls=None,
+             control_images=()) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+        """``controls``: CONTROLS' JSON or a list of its objects; ``control_images``: one encoded image each."""
         if loras is not None and not isinstance(loras, (str, bytes)):  # [(name, scale)] or [{"name", "scale"}]
             loras = json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": d[1]} for d in loras])
         params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
                               template_seed=template_seed, register=register, use_cache=use_cache,
-                              negative_prompt=negative_prompt, loras=loras)
-        p = self.pre(template, mask, params)
+                              negative_prompt=negative_prompt, loras=loras,
+                              controls=json.dumps(controls) if isinstance(controls, list) else controls)
+        p = self.pre(template, mask, params, control_images)
         if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None
         job = run_job(self.engine, denoise_inputs(p))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from maskedit_common.controls import ControlSpecError
+from maskedit_common.controls import parse as parse_controls
 from maskedit_common.loras import LoraSpecError
 from maskedit_common.loras import parse as parse_loras
 from maskedit_common.request_fields import BY_ATTR, MAX_SEED, PARAMS, FieldError, check
@@ -28,6 +30,7 @@ class EditParams:
     progress: bool = False  # stream "step i of N" responses before the image
     negative_prompt: str = ""  # SD 2 / SDXL: the guidance's negative row (their pipelines' ``negative_prompt``)
     loras: tuple = ()  # LoRA adapters (``maskedit_common.loras.LoraRef``: name, scale), parsed from LORAS' JSON
+    controls: tuple = ()  # ControlNets (``maskedit_common.controls.ControlSpec``), parsed from CONTROLS' JSON
 
 
 assert {f.attr for f in PARAMS} == set(EditParams.__dataclass_fields__), "EditParams and the schema must agree"
@@ -47,6 +50,10 @@ def parse_params(settings: Settings, prompt: bytes | str | None = None, **values
     try:
         out["loras"] = parse_loras(out["loras"], settings.max_loras, settings.max_lora_scale)
     except LoraSpecError as e:
+        raise InvalidInput(str(e), e.field) from None
+    try:
+        out["controls"] = parse_controls(out["controls"], settings.max_controls, settings.max_control_scale)
+    except ControlSpecError as e:
         raise InvalidInput(str(e), e.field) from None
     if out["prompt"] is None or not out["prompt"].strip():
         raise InvalidInput("is empty; describe the edit", "PROMPT")

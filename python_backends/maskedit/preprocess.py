@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from maskedit_common.controls import IMAGES, ControlSpecError, check_images
 
 from . import imaging
 from .adapters.library import AdapterLibrary
 from .cache.key import cache_key, model_fingerprint
 from .components import family, load_pipeline
+from .controlnets import preprocessors
+from .controlnets.job import ControlInput
+from .controlnets.library import ControlNetLibrary
 from .errors import InvalidInput
 from .params import EditParams
 from .settings import Settings
@@ -40,6 +44,7 @@ class PreparedEdit:
     was_base64: bool
     cache_key: str = ""
     loras: tuple = ()  # its adapters checked against the library: ``ResolvedRef`` (name, scale, digest)
+    controls: tuple = ()  # its ControlNets: ``controlnets.job.ControlInput`` (spec + the family's prepared image)
     # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
     latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
@@ -70,6 +75,7 @@ class Preprocessor:
         self.store = store
         self.adapters = AdapterLibrary(settings.adapters)
         self.family = family(settings)
+        self.controlnets = ControlNetLibrary(settings.controlnets, self.family, settings)
         geometry = self.family.geometry(settings)
         self.patch, self.multiple = geometry.patch, geometry.multiple  # pixels per token side; size multiple
 
@@ -78,7 +84,8 @@ class Preprocessor:
         return self.family.count_prompt_tokens(self.pipe, prompt)
 
     @torch.no_grad()
-    def __call__(self, template: bytes, mask: bytes, params: EditParams) -> PreparedEdit:
+    def __call__(self, template: bytes, mask: bytes, params: EditParams, control_images=()) -> PreparedEdit:
+        """``control_images``: the encoded control images (``CONTROL_IMAGES``), one per ``params.controls``."""
         s = self.settings
         template_raw, was_b64 = imaging.maybe_base64(template)
         mask_raw, _ = imaging.maybe_base64(mask)
@@ -95,6 +102,7 @@ class Preprocessor:
                                "embedded: there is no negative row); leave it out", "NEGATIVE_PROMPT")
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
+        controls = self._decode_controls(params.controls, control_images)
         w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
@@ -116,9 +124,34 @@ class Preprocessor:
 
         init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
         t = self.family.prepare(self.pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, s)
+        prepared.controls = tuple(
+            ControlInput(spec, _np(self.family.prepare_control_image(self.pipe, img, w, h, s)))
+            for spec, img in controls)
         prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
         return prepared
+
+
+    def _decode_controls(self, specs, images) -> list:
+        """(spec, PIL image with its preprocessor applied) per control; bad input names CONTROLS / CONTROL_IMAGES
+        and the control's index."""
+        images = list(images or ())
+        try:
+            check_images(specs, len(images))
+        except ControlSpecError as e:
+            raise InvalidInput(str(e), e.field) from None
+        if not specs:
+            return []
+        self.controlnets.check(specs)
+        out = []
+        for i, (spec, data) in enumerate(zip(specs, images)):
+            raw, _ = imaging.maybe_base64(data if isinstance(data, bytes) else str(data).encode())
+            try:
+                img = imaging.decode_image(raw, IMAGES, self.settings.max_input_pixels).convert("RGB")
+            except InvalidInput as e:
+                raise InvalidInput(f"control {i}: {str(e).removeprefix(IMAGES + ': ')}", IMAGES) from None
+            out.append((spec, preprocessors.apply(spec.preprocess, img)))
+        return out
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -28,7 +28,7 @@ class T:
 
 
 # Ensemble inputs/outputs: the public API (documented in README).
-EDIT_INPUTS = [T(f.name, f.dtype, (1,), optional=f.optional) for f in REQUEST_FIELDS]  # the declared schema
+EDIT_INPUTS = [T(f.name, f.dtype, f.dims, optional=f.optional) for f in REQUEST_FIELDS]  # the declared schema
 EDIT_OUTPUTS = [T("IMAGE", "STRING", (1,)), T("EDIT_INFO", "STRING", (1,))]
 
 # Tensors between the stages.
@@ -41,6 +41,9 @@ PREPARED = [
     T("MODEL_SIZE", "INT32", (2,)),  # (width, height) the model runs at
     T("STEPS_RESOLVED", "INT32", (1,)),
     T("GUIDANCE_RESOLVED", "FP32", (1,)),
+    # One row per control: the family's prepared control image (``ModelFamily.prepare_control_image``) flattened;
+    # its shape and spec travel in REQUEST_INFO's "controls". (0, 0) without controls.
+    T("CONTROL_COND", "FP32", (-1, -1)),
 ]
 PASSTHROUGH = [  # what vae_decode needs; it may only take inputs from masked_denoise, so denoise relays them
     T("TEMPLATE_RGB", "UINT8", (-1, -1, 3)),

@@ -121,6 +121,54 @@ class ModelFamily(ABC):
         ``unet_config``, which maps kohya's SGM block numbers)."""
         return {}
 
+    # -- ControlNets (``maskedit.controlnets``; docs/controlnet.md) ----------------------------------------
+    # A request names up to ``max_controls`` ControlNets from the library, each with one control image. The
+    # library (``controlnets.library``) loads a ControlNet with ``load_controlnet`` (once, shared by requests);
+    # pre-processing turns each control image into the family's conditioning tensor with
+    # ``prepare_control_image``; the runner admits a job with ``job.controls`` (``controlnets.job.ActiveControl``:
+    # the loaded model, the prepared image on the device, the spec with scale/start/end/mode). The family's
+    # ``step`` computes, per job and step, each active control's residuals with ``control_residuals`` at
+    # ``spec.scale_at(step_index, steps)`` (skipped at 0: the pipelines add zeros), sums a job's controls as
+    # Diffusers' Multi-ControlNet does, and adds the sums to the denoiser's call (jobs without controls in the same
+    # call get none). A family that runs no ControlNets leaves ``controlnet_classes`` empty: requests naming one
+    # are refused.
+    controlnet_classes: ClassVar[tuple[str, ...]] = ()  # ControlNet ``config.json`` ``_class_name`` values it runs
+    union_controlnet_classes: ClassVar[tuple[str, ...]] = ()  # those taking a control ``mode`` (union models)
+
+    def load_controlnet(self, path: Path, settings):
+        """The ControlNet saved at ``path`` (``save_pretrained``'s layout) on ``settings``' device and dtype, loaded
+        with ``from_pretrained`` of the class its config names. Raises ``ValueError`` with a reason the library
+        reports (naming CONTROLS) when this family cannot run it (another family's ControlNet, other widths)."""
+        import json
+
+        import diffusers
+
+        from ..device import torch_dtype
+
+        cls_name = json.loads((Path(path) / "config.json").read_text()).get("_class_name")
+        if cls_name not in self.controlnet_classes:
+            runs = ", ".join(self.controlnet_classes) or "none"
+            raise ValueError(f"is a {cls_name} and {self.pipeline_class_name} models run {runs}")
+        model = getattr(diffusers, cls_name).from_pretrained(path, torch_dtype=torch_dtype(settings))
+        return model.to(settings.torch_device).eval()
+
+    def check_controlnet(self, controlnet, denoiser) -> None:
+        """Raise ``ValueError`` (a reason) when ``controlnet`` does not fit ``denoiser`` (e.g. its text width)."""
+
+    def prepare_control_image(self, pipe, image, w: int, h: int, settings):
+        """One control image (a PIL RGB image, the preprocessor already applied) as the tensor the family's
+        ControlNet takes at model size ``w`` x ``h`` — resized and normalised (and VAE-encoded / packed where the
+        family's pipeline does so) exactly as the stock ControlNet pipeline's ``prepare_control_image`` /
+        ``prepare_image``, for one image and no guidance doubling (the step repeats it per guidance row). Runs in
+        pre-processing; the result travels as one ``CONTROL_COND`` row and is restored with its shape."""
+        raise NotImplementedError(f"{self.name} runs no ControlNets")
+
+    def control_residuals(self, control, inputs: dict, scale: float) -> list:
+        """One ControlNet call for one job's rows: ``control`` an ``ActiveControl``, ``inputs`` the denoiser's call
+        arguments for those rows (the family's names), ``scale`` the conditioning scale at this step. Returns the
+        residuals as a flat list of tensors (the unit a BLS ``controlnet`` model returns), already scaled."""
+        raise NotImplementedError(f"{self.name} runs no ControlNets")
+
     # -- decoding (stage 3) -----------------------------------------------------------------------------
     def setup_decoder(self, vae) -> None:
         """Adjust the VAE for decoding as the stock pipeline does (e.g. upcast)."""

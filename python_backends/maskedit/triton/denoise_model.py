@@ -18,6 +18,7 @@ from .. import logs
 from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
+from ..controlnets.job import from_wire
 from ..engine import DenoiseEngine
 from ..scheduler import BatchScheduler
 from ..settings import load_settings
@@ -75,6 +76,7 @@ class TritonPythonModel:
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
+            controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
         )
 
         def done(job: DenoiseJob):
@@ -108,6 +110,7 @@ class TritonPythonModel:
         job = DenoiseJob(inputs, on_done=done, on_error=failed, is_cancelled=cancelled,
                          on_step=progress if info.get("progress_requested") else None)
         self.engine.runner.load_adapters(job)  # here, off the denoise loop; a bad adapter is refused at once
+        self.engine.runner.load_controls(job)  # likewise its ControlNets
         self.engine.submit(job)
 
     @staticmethod

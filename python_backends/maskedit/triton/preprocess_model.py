@@ -10,6 +10,7 @@ from maskedit_common.request_fields import PARAMS
 from .. import logs
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
+from ..controlnets.job import to_wire
 from ..errors import Cancelled
 from ..params import parse_params
 from ..preprocess import Preprocessor
@@ -40,10 +41,13 @@ class TritonPythonModel:
                 raise Cancelled("cancelled before pre-processing")
             self.board.check()  # the denoise queue is full: refused before any work, so refusals come at once
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
-            p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params)
+            images = io.array(request, "CONTROL_IMAGES")
+            p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,
+                         () if images is None else list(images.reshape(-1)))
         except Exception as e:
             self.log.warning("rejected request: %s", e)
             return io.error_response(e, request.request_id())
+        control_rows, controls = to_wire(p.controls)
         info = {
             "mask_ratio": round(p.mask_ratio, 6), "masked_tokens": int(p.token_mask.sum()),
             "tokens": int(p.token_mask.size), "empty_mask": p.empty_mask, "skip_model": p.skip_model,
@@ -51,7 +55,8 @@ class TritonPythonModel:
             "register": params.register, "progress_requested": params.progress,
             "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
-            "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "raw_output": params.raw_output, "base64": p.was_base64,
+            "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
+            "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
@@ -59,6 +64,6 @@ class TritonPythonModel:
             "LATENTS": p.latents, "COND": p.cond, "PROMPT_EMBEDS": p.prompt_embeds, "POOLED_EMBEDS": p.pooled_embeds,
             "TOKEN_MASK": p.token_mask.astype(bool), "MODEL_SIZE": np.array([p.model_w, p.model_h], np.int32),
             "STEPS_RESOLVED": np.array([params.steps], np.int32),
-            "GUIDANCE_RESOLVED": np.array([params.guidance], np.float32),
+            "GUIDANCE_RESOLVED": np.array([params.guidance], np.float32), "CONTROL_COND": control_rows,
             "TEMPLATE_RGB": p.template_rgb, "ALPHA": p.alpha, "REQUEST_INFO": info,
         })

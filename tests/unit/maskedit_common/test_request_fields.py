@@ -16,8 +16,9 @@ from maskedit.settings import Settings
 def test_the_ensembles_committed_config_has_exactly_the_schemas_inputs():
     text = (REPOSITORY / "edit" / "config.pbtxt").read_text()
     block = text[text.index("input ["):text.index("output [")]
-    found = re.findall(r'name: "(\w+)"\s+data_type: TYPE_(\w+)\s+dims: \[ 1 \](\s+optional: true)?', block)
-    assert [(n, t, bool(o)) for n, t, o in found] == [(f.name, f.dtype, f.optional) for f in REQUEST_FIELDS]
+    found = re.findall(r'name: "(\w+)"\s+data_type: TYPE_(\w+)\s+dims: \[ (-?1) \](\s+optional: true)?', block)
+    assert [(n, t, (int(d),), bool(o)) for n, t, d, o in found] == [
+        (f.name, f.dtype, f.dims, f.optional) for f in REQUEST_FIELDS]
 
 
 def test_server_parameters_are_the_schemas():
@@ -54,7 +55,7 @@ def test_the_python_client_sends_every_parameter_as_the_schema_types_it(monkeypa
     png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
     values = {"seed": 3, "steps": 4, "guidance": 2.5, "raw_output": True, "template_seed": 5, "use_cache": False,
               "register": True, "deadline_ms": 1000, "negative_prompt": "blur",
-              "loras": [("style", 0.5)]}
+              "loras": [("style", 0.5)], "controls": [("edges", 0.5, 0.0, 0.5)], "control_images": [png, png]}
     c.submit(png, png, "a hat", on_progress=lambda *a: None, **values)
     got = {t.name(): t.datatype() for t in sent}
     assert got == {f.name: ("BYTES" if f.dtype == "STRING" else f.dtype) for f in REQUEST_FIELDS}

@@ -1,0 +1,87 @@
+"""The ControlNet library: a directory of ControlNets, each ``<name>/`` as ``save_pretrained`` writes it
+(``config.json`` + weights). Requests name ControlNets; a name is never a path, and only directories directly in the
+library are opened (a symlink out of it is refused). Loaded models are cached by name and the files' mtimes, and
+shared by every request naming them."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from maskedit_common.controls import FIELD, NAME, UNION_MODES, ControlSpec, library_names
+
+from ..errors import InvalidInput
+
+
+class ControlNetLibrary:
+    def __init__(self, root: str | Path, family, settings):
+        self.root = Path(root)
+        self.family = family
+        self.settings = settings
+        self._models: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return library_names(self.root)
+
+    def path(self, name: str, index: int = 0) -> Path:
+        """The ControlNet directory of ``name``, inside the library, or ``InvalidInput`` naming CONTROLS."""
+        if not NAME.match(name):
+            raise InvalidInput(f"control {index}: {name!r:.60} is not a ControlNet name (names, not paths)", FIELD)
+        root = self.root.resolve()
+        d = root / name
+        if not (d / "config.json").is_file():
+            avail = ", ".join(self.names()) or "none"
+            raise InvalidInput(f"control {index}: unknown ControlNet {name!r}; available: {avail}", FIELD)
+        real = d.resolve()
+        if root not in real.parents:
+            raise InvalidInput(f"control {index}: ControlNet {name!r} is not inside the ControlNet library", FIELD)
+        return real
+
+    def config(self, name: str, index: int = 0) -> dict:
+        return json.loads((self.path(name, index) / "config.json").read_text())
+
+    def check(self, specs: tuple[ControlSpec, ...]) -> None:
+        """What can be told from the configs alone (pre-processing: no weights loaded): each name exists, is a
+        ControlNet this family runs, and takes a mode exactly when it is a union model."""
+        for i, spec in enumerate(specs):
+            self._check_config(spec, self.config(spec.name, i), i)
+
+    def _check_config(self, spec: ControlSpec, cfg: dict, i: int) -> None:
+        cls = cfg.get("_class_name")
+        fam = self.family
+        if cls not in fam.controlnet_classes:
+            runs = ", ".join(fam.controlnet_classes) or "no ControlNets"
+            raise InvalidInput(f"control {i}: ControlNet {spec.name!r} is a {cls}, for another model family; "
+                               f"{fam.pipeline_class_name} models run {runs}", FIELD)
+        union = cls in fam.union_controlnet_classes
+        if union and spec.mode is None:
+            raise InvalidInput(f"control {i}: ControlNet {spec.name!r} is a union ControlNet; give its \"mode\" "
+                               f"({', '.join(UNION_MODES)})", FIELD)
+        if not union and spec.mode is not None:
+            raise InvalidInput(f"control {i}: ControlNet {spec.name!r} takes no \"mode\" (not a union ControlNet)",
+                               FIELD)
+        n_modes = cfg.get("num_control_type")
+        if union and n_modes is not None and spec.mode_index >= n_modes:
+            raise InvalidInput(f"control {i}: mode {spec.mode!r} is number {spec.mode_index}; ControlNet "
+                               f"{spec.name!r} has {n_modes} modes", FIELD)
+
+    def load(self, spec: ControlSpec, index: int = 0, denoiser=None):
+        """The loaded ControlNet of ``spec`` (cached), checked against the family and ``denoiser``."""
+        path = self.path(spec.name, index)
+        self._check_config(spec, json.loads((path / "config.json").read_text()), index)
+        stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()))
+        key = (spec.name, stamp)
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                try:
+                    model = self.family.load_controlnet(path, self.settings)
+                    if denoiser is not None:
+                        self.family.check_controlnet(model, denoiser)
+                except ValueError as e:
+                    raise InvalidInput(f"control {index}: ControlNet {spec.name!r} {e}", FIELD) from None
+                self._models = {k: v for k, v in self._models.items() if k[0] != spec.name}  # drop a stale version
+                self._models[key] = model
+        return model
