@@ -231,7 +231,9 @@ class OpenAIFrontend:
                                   guidance=job.guidance, template_seed=job.template_seed,
                                   deadline_ms=job.deadline_ms, use_cache=job.use_cache,
                                   negative_prompt=job.negative_prompt,
-                                  loras=[(r.name, r.scale) for r in job.lora] or None)
+                                  loras=[(r.name, r.scale) for r in job.lora] or None,
+                                  controls=[c.as_dict() for c in job.controls] or None,
+                                  control_images=job.control_images or None)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]
