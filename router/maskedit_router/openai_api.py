@@ -182,9 +182,22 @@ class OpenAIFrontend:
             return []
         return [{**self._model(n), "parent": self.models[0], "type": "lora"} for n in names]
 
+    def _controlnets(self) -> list[dict]:
+        """The ControlNets of the configured library (``MASKEDIT_CONTROLNET_DIR``), listed the same way: names a
+        request's ``controls`` may use."""
+        from maskedit_common.controls import library_names
+        from maskedit_common.settings import load_settings
+
+        try:
+            names = library_names(load_settings().controlnets)
+        except Exception:
+            return []
+        return [{**self._model(n), "parent": self.models[0], "type": "controlnet"} for n in names]
+
     async def list_models(self, request):
         return web.json_response({"object": "list",
-                                  "data": [self._model(m) for m in self.models] + self._adapters()})
+                                  "data": [self._model(m) for m in self.models] + self._adapters()
+                                  + self._controlnets()})
 
     async def get_model(self, request):
         name = request.match_info["model"]

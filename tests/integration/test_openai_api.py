@@ -135,6 +135,11 @@ FORM_CASES = {
     "unknown_field": (dict(extra_body={"strength": "0.5"}), "strength"),
     "opaque_image_without_mask": (dict(mask=None), "mask"),
     "deadline_zero": (dict(extra_body={"deadline_ms": "0"}), "deadline_ms"),
+    "controls_not_json": (dict(extra_body={"controls": "["}), "controls"),
+    # through the router to the server, whose CONTROLS error comes back under the form field's name
+    "controls_unknown_controlnet": (dict(extra_body={"controls": json.dumps(
+        [{"name": "no-such-controlnet", "image": base64.b64encode(png(np.zeros((32, 32, 3), np.uint8))).decode()}])}),
+        "controls"),
 }
 
 
