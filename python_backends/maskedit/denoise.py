@@ -71,6 +71,7 @@ class DenoiseJob:
     adapters_loaded: bool = False
     controls: tuple = ()  # ``controlnets.job.ActiveControl`` per control once loaded (``ModelRunner.load_controls``)
     controls_loaded: bool = False
+    control_s: float = 0.0  # seconds its ControlNets took, over all its steps (EDIT_INFO ``control_s``)
 
     @property
     def steps(self) -> int:

@@ -89,6 +89,7 @@ def test_two_controlnets_served_over_grpc_equal_the_stock_controlnet_pipeline(sd
     r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=3, guidance=7.5, raw_output=True,
                     template_seed=11, controls=CONTROLS, control_images=ctl)
     assert r.info["controls"][1]["name"] == "depth" and r.info["cache"] == "off"  # controls run uncached for now
+    assert r.info["control_s"] > 0
     nets = MultiControlNetModel([ControlNetModel.from_pretrained(model / "controlnets" / n) for n in ("canny", "depth")])
     stock = StableDiffusionXLControlNetInpaintPipeline(**DiffusionPipeline.from_pretrained(model).components,
                                                        controlnet=nets)
@@ -99,9 +100,6 @@ def test_two_controlnets_served_over_grpc_equal_the_stock_controlnet_pipeline(sd
                 control_guidance_end=[1.0, 0.9], generator=torch.Generator("cpu").manual_seed(11)).images[0]
     served = np.asarray(r.image).astype(int)
     assert np.abs(served - np.asarray(ref).astype(int)).max() <= 1
-    plain = client.edit(template_img, box_mask, "a red hat", seed=11, steps=3, guidance=7.5, raw_output=True,
-                        template_seed=11, use_cache=False)
-    assert np.abs(np.asarray(plain.image).astype(int) - served).max() > 10  # the controls change the image
 
 
 def test_controls_over_http_generate(sdxl_server, template_img, box_mask):

@@ -13,6 +13,7 @@ a control's scale is 0 outside its start / end), so their rows equal their run a
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,13 +74,15 @@ def group_residuals(family, group: list, steps_inputs: list[dict]):
     per-request ``inputs`` each), or (None, None) when no request has an active control at this step."""
     per_job = []
     for job, inputs in zip(group, steps_inputs):
-        total = None
+        total, t0 = None, time.perf_counter()
         for control in job.controls:
             scale = control.scale_at(job.step_index, job.steps)
             if scale == 0:  # outside its start / end: the pipelines add its zeros
                 continue
             res = family.control_residuals(control, inputs, scale)
             total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
+        if job.controls:
+            job.control_s += time.perf_counter() - t0
         per_job.append(total)
     shapes = next((t for t in per_job if t is not None), None)
     if shapes is None:
