@@ -93,8 +93,8 @@ def group_residuals(family, group: list, steps_inputs: list[dict]):
 
 
 def build_controlnets(model_dir: Path, out: Path, seed: int = 0) -> list[Path]:
-    """Seeded random ControlNets for the UNet in ``model_dir``: ``canny`` and ``depth`` (``ControlNetModel``) and
-    ``union`` (``ControlNetUnionModel``, 8 modes), each the UNet's layout (its widths, blocks, text and SDXL
+    """Seeded random ControlNets for the UNet in ``model_dir``: ``canny`` and ``depth`` (``ControlNetModel``) and,
+    for SDXL, ``union`` (``ControlNetUnionModel``, 8 modes), each the UNet's layout (its widths, blocks, text and SDXL
     conditioning) with 4 latent input channels, built with ``from_unet`` from a weightless copy of the UNet's config
     and written with ``save_pretrained``. The zero-initialised output convolutions get visible random weights."""
     from diffusers import ControlNetModel, ControlNetUnionModel, UNet2DConditionModel
@@ -106,7 +106,8 @@ def build_controlnets(model_dir: Path, out: Path, seed: int = 0) -> list[Path]:
     embed = (8, 16, widths[0] // 2, widths[0])  # the control image down to latent size (3 halvings, like 16..256)
     out = Path(out)
     written = []
-    for i, name in enumerate(("canny", "depth", "union")):
+    names = ("canny", "depth", "union") if cfg.get("addition_embed_type") == "text_time" else ("canny", "depth")
+    for i, name in enumerate(names):  # the union model is SDXL's (its mode embedding uses the time-id width)
         torch.manual_seed(seed * 100 + i + 1)
         model = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=embed,
                                           load_weights_from_unet=False)

@@ -1,5 +1,6 @@
 """SDXL ControlNet inpainting in-process: served latents equal ``StableDiffusionXLControlNetInpaintPipeline`` with
-one and two ControlNets (different scales, one with start / end), the union ControlNet equals the stock loop with
+one and two ControlNets (different scales, one with start / end), SD 2's ``StableDiffusionControlNetInpaintPipeline``
+with two, the union ControlNet equals the stock loop with
 the union pipeline's call, a mixed batch equals each request alone, and bad control input is refused naming its
 field and control."""
 
@@ -104,6 +105,36 @@ def test_one_and_two_controlnets_equal_the_stock_pipeline(sdxl):
     _assert_equal(s, two, ref)
     _, plain = _served(ed, None, [])
     assert np.abs(one - plain).max() > 0.05 and np.abs(two - one).max() > 0.05  # each control really acts
+
+
+def test_sd2_two_controlnets_equal_the_stock_sd_pipeline(tmp_path_factory, settings):
+    """SD 2 runs the same UNet path: two ControlNets against ``StableDiffusionControlNetInpaintPipeline``."""
+    from diffusers import DiffusionPipeline, StableDiffusionControlNetInpaintPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    d = tmp_path_factory.mktemp("sd2-cn") / "model"
+    build_unet(d, "sd2-tiny")
+    assert [p.name for p in family_for(d).build_controlnets(d / "controlnets")] == ["canny", "depth"]  # no union
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": settings.dtype,
+                       "MASKEDIT_DEVICE": settings.device})
+    tpl, mask, ctl = _images()
+    spec = [{"name": "canny", "scale": 0.8}, {"name": "depth", "scale": 0.5, "start": 0.3, "end": 0.9}]
+    ed = LocalEditor(s)
+    try:
+        _, p, job = ed.edit(png(tpl), png(mask), PROMPT, seed=5, steps=STEPS, guidance=7.5, raw_output=True,
+                            template_seed=5, controls=spec, control_images=[png(c) for c in ctl])
+    finally:
+        ed.close()
+    base = DiffusionPipeline.from_pretrained(d, safety_checker=None, requires_safety_checker=False)
+    pipe = StableDiffusionControlNetInpaintPipeline(
+        **base.components, controlnet=MultiControlNetModel([_net(s, "canny"), _net(s, "depth")])).to(s.torch_device)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt=PROMPT, image=tpl, mask_image=Image.fromarray(mask), control_image=ctl, height=p.model_h,
+               width=p.model_w, num_inference_steps=STEPS, guidance_scale=7.5, strength=1.0,
+               controlnet_conditioning_scale=[0.8, 0.5], control_guidance_start=[0.0, 0.3],
+               control_guidance_end=[1.0, 0.9], generator=torch.Generator().manual_seed(5),
+               output_type="latent").images[0]
+    _assert_equal(s, job.result(), _rows(ref))
 
 
 def test_union_controlnet_equals_the_stock_loop_with_the_union_pipelines_call(sdxl):
