@@ -26,6 +26,11 @@ def main(argv=None) -> int:
     ap.add_argument("--negative-prompt", help="SD 2 / SDXL models: what to steer away from")
     ap.add_argument("--lora", action="append", default=[], metavar="NAME[:SCALE]",
                     help="a LoRA adapter from the server's library (repeat for several), e.g. --lora style:0.8")
+    ap.add_argument("--control", action="append", default=[], metavar="NAME[:SCALE[:START:END]][:mode=M][:preprocess=P]",
+                    help="a ControlNet from the server's library (repeat for several, each with its --control-image), "
+                         "e.g. --control canny:0.8 or --control union:1:0:0.6:mode=depth")
+    ap.add_argument("--control-image", action="append", default=[], type=Path, metavar="FILE",
+                    help="the control image of each --control, in order (a map, or a photo with preprocess=canny)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
@@ -39,7 +44,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ca-file", type=Path, help="TLS: a PEM file of the certificate(s) to trust (the router's CA)")
     args = ap.parse_args(argv)
 
-    for p in (args.template, args.mask):
+    try:
+        controls = [_control_arg(a) for a in args.control]
+    except ValueError as e:
+        print(f"error: --control: {e}", file=sys.stderr)
+        return 2
+    if len(controls) != len(args.control_image):
+        print(f"error: {len(controls)} --control but {len(args.control_image)} --control-image: give one image per "
+              "control, in order", file=sys.stderr)
+        return 2
+    for p in (args.template, args.mask, *args.control_image):
         if not p.is_file():
             print(f"error: {p} is not a file", file=sys.stderr)
             return 2
@@ -73,7 +87,8 @@ def main(argv=None) -> int:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
-                                 loras=[_lora_arg(a) for a in args.lora] or None)
+                                 loras=[_lora_arg(a) for a in args.lora] or None, controls=controls or None,
+                                 control_images=list(args.control_image) or None)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)
@@ -92,6 +107,22 @@ def main(argv=None) -> int:
 def _lora_arg(text: str) -> tuple[str, float]:
     name, _, scale = text.partition(":")
     return name, float(scale) if scale else 1.0
+
+
+def _control_arg(text: str) -> dict:
+    """``NAME[:SCALE[:START:END]][:key=value ...]`` as one CONTROLS object."""
+    parts = text.split(":")
+    keyed = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    numbers = [p for p in parts[1:] if "=" not in p]
+    if not parts[0] or len(numbers) not in (0, 1, 3):
+        raise ValueError(f"{text!r} is not NAME[:SCALE[:START:END]][:mode=M][:preprocess=P]")
+    out: dict = {"name": parts[0]}
+    for key, value in zip(("scale", "start", "end"), numbers):
+        out[key] = float(value)
+    unknown = set(keyed) - {"mode", "preprocess"}
+    if unknown:
+        raise ValueError(f"{text!r}: unknown keys {sorted(unknown)} (mode, preprocess)")
+    return {**out, **keyed}
 
 
 if __name__ == "__main__":

@@ -24,14 +24,20 @@ def main(argv=None) -> None:
     ap.add_argument("--force", action="store_true", help="rebuild even if the directory exists")
     ap.add_argument("--loras", choices=["auto", "yes", "no"], default="auto",
                     help="also write seeded random LoRA adapters to <out>/loras (auto: for tiny presets)")
+    ap.add_argument("--controlnets", choices=["auto", "yes", "no"], default="auto",
+                    help="also write seeded random ControlNets to <out>/controlnets where the family runs them (auto: "
+                         "for tiny presets)")
     args = ap.parse_args(argv)
     args.preset = args.preset or family_class(args.family).tiny_preset
     out = Path(args.out_dir)
     want_loras = args.loras == "yes" or (args.loras == "auto" and "tiny" in args.preset)
+    want_controlnets = args.controlnets == "yes" or (args.controlnets == "auto" and "tiny" in args.preset)
     if (out / "model_index.json").exists() and not args.force:
         print(f"model exists: {out}")
         if want_loras and not (out / "loras").is_dir():
             print(f"wrote adapters: {', '.join(p.name for p in build_adapters(out, args.seed))}")
+        if want_controlnets and not (out / "controlnets").is_dir():
+            _report_controlnets(build_controlnets(out, args.seed))
         return
     family = preset_family(args.preset)
     family.build(out, args.preset, args.seed)
@@ -39,6 +45,21 @@ def main(argv=None) -> None:
     print(f"built {args.preset} ({family.name}) model in {out}: {json.dumps(asdict(p) if is_dataclass(p) else p)}")
     if want_loras:
         print(f"wrote adapters: {', '.join(p.name for p in build_adapters(out, args.seed))}")
+    if want_controlnets:
+        _report_controlnets(build_controlnets(out, args.seed))
+
+
+def _report_controlnets(paths: list[Path]) -> None:
+    if paths:
+        print(f"wrote ControlNets: {', '.join(p.name for p in paths)}")
+
+
+def build_controlnets(model_dir: Path, seed: int = 0) -> list[Path]:
+    """Seeded random ControlNets for the model in ``model_dir`` in ``<model_dir>/controlnets`` (the family's
+    ``build_controlnets``; none for a family that runs none)."""
+    from .families import family_for
+
+    return family_for(model_dir).build_controlnets(Path(model_dir) / "controlnets", seed)
 
 
 def build_adapters(model_dir: Path, seed: int = 0) -> list[Path]:

@@ -77,6 +77,7 @@ class DenoiseJob:
     fair_tag: float = 0.0  # its virtual finish tag in the denoise queue (0: fair share off)
     controls: tuple = ()  # ``controlnets.job.ActiveControl`` per control once loaded (``ModelRunner.load_controls``)
     controls_loaded: bool = False
+    control_s: float = 0.0  # seconds its ControlNets took, over all its steps (EDIT_INFO ``control_s``)
 
     @property
     def steps(self) -> int:

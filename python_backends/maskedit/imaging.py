@@ -37,6 +37,8 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
             img.load()  # forces the full decode: truncated files fail here, not later
     except InvalidInput:
         raise
+    except Image.DecompressionBombError:  # a header claiming > 2x Pillow's own limit: refused on opening
+        raise InvalidInput(f"image is above the limit of {max_pixels} pixels", field) from None
     except Image.UnidentifiedImageError:  # its message is a repr of our buffer: say what it means instead
         raise InvalidInput("could not decode image (not a PNG, JPEG, WebP or other format Pillow reads)",
                            field) from None

@@ -62,7 +62,7 @@ class LocalEditor:
         params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
                               template_seed=template_seed, register=register, use_cache=use_cache,
                               negative_prompt=negative_prompt, loras=loras,
-                              controls=json.dumps(controls) if isinstance(controls, list) else controls)
+                              controls=json.dumps(controls) if isinstance(controls, (list, dict)) else controls)
         p = self.pre(template, mask, params, control_images)
         if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None

@@ -207,9 +207,22 @@ class OpenAIFrontend:
             return []
         return [{**self._model(n), "parent": self.models[0], "type": "lora"} for n in names]
 
+    def _controlnets(self) -> list[dict]:
+        """The ControlNets of the configured library (``MASKEDIT_CONTROLNET_DIR``), listed the same way: names a
+        request's ``controls`` may use."""
+        from maskedit_common.controls import library_names
+        from maskedit_common.settings import load_settings
+
+        try:
+            names = library_names(load_settings().controlnets)
+        except Exception:
+            return []
+        return [{**self._model(n), "parent": self.models[0], "type": "controlnet"} for n in names]
+
     async def list_models(self, request):
         return web.json_response({"object": "list",
-                                  "data": [self._model(m) for m in self.models] + self._adapters()})
+                                  "data": [self._model(m) for m in self.models] + self._adapters()
+                                  + self._controlnets()})
 
     async def get_model(self, request):
         name = request.match_info["model"]
@@ -256,7 +269,9 @@ class OpenAIFrontend:
                                   guidance=job.guidance, template_seed=job.template_seed,
                                   deadline_ms=job.deadline_ms, use_cache=job.use_cache,
                                   negative_prompt=job.negative_prompt,
-                                  loras=[(r.name, r.scale) for r in job.lora] or None)
+                                  loras=[(r.name, r.scale) for r in job.lora] or None,
+                                  controls=[c.as_dict() for c in job.controls] or None,
+                                  control_images=job.control_images or None)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from maskedit_common.controls import ControlSpecError
+from maskedit_common.controls import parse as parse_controls
 from maskedit_common.loras import LoraSpecError
 from maskedit_common.loras import parse as parse_loras
 from maskedit_common.request_fields import INT_RANGE, OPENAI_EXTRAS
@@ -71,6 +73,8 @@ class EditJob:
     deadline_ms: int | None = None
     use_cache: bool | None = None
     lora: tuple = ()  # LoRA adapters: ``maskedit_common.loras.LoraRef`` (name, scale), sent as LORAS
+    controls: tuple = ()  # ControlNets: ``maskedit_common.controls.ControlSpec``, sent as CONTROLS
+    control_images: list = field(default_factory=list)  # one encoded image (or base64) per control: CONTROL_IMAGES
     model: str | None = None
     user: str | None = None
     ignored: list = field(default_factory=list)
@@ -245,12 +249,45 @@ def parse(form: dict, models: list[str]) -> EditJob:
             job.lora = parse_loras(lora, max_loras=64, max_scale=float("inf"))
         except LoraSpecError as e:
             raise bad("lora", str(e)) from None
+    job.controls, job.control_images = _controls(form)
     if job.seed is not None and job.seed + job.n - 1 > INT_EXTRAS["seed"][1]:
         raise bad("seed", f"seed + n - 1 must be at most {INT_EXTRAS['seed'][1]}")
     return job
 
 
+def _controls(form: dict) -> tuple[tuple, list]:
+    """``controls``: the CONTROLS JSON (docs/controlnet.md), whose objects may carry their control image as base64
+    in ``"image"`` (what the OpenAI SDK's ``extra_body`` can send); else the images are ``control_image`` file parts
+    (``control_image[]`` repeated), in order. The server checks names, limits and the images."""
+    import json
+
+    text = _text(form, "controls")
+    files = form.get("control_image[]", form.get("control_image"))
+    files = [] if files is None else files if isinstance(files, list) else [files]
+    images = [f if isinstance(f, bytes) else f.encode() for f in files]
+    if not text:
+        if images:
+            raise bad("control_image", "was sent without controls naming a ControlNet for it")
+        return (), []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad("controls", f"is not valid JSON ({e.msg} at character {e.pos})") from None
+    items = [value] if isinstance(value, dict) else value
+    if isinstance(items, list) and any(isinstance(it, dict) and "image" in it for it in items):
+        if images:
+            raise bad("control_image", "was sent besides images inside controls; send the images one way")
+        images = [str(it.pop("image", "")).encode() if isinstance(it, dict) else b"" for it in items]
+    try:
+        specs = parse_controls(items, max_controls=64, max_scale=float("inf"))
+    except ControlSpecError as e:
+        raise bad("controls", str(e)) from None
+    return specs, images
+
+
 KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
-         "background", "lora"} | IGNORED | {f.attr for f in OPENAI_EXTRAS}
+         "background", "lora", "controls", "control_image", "control_image[]"} | IGNORED | {
+    f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
-PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "LORAS": "lora", **{f.name: f.attr for f in OPENAI_EXTRAS}}
+PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "LORAS": "lora", "CONTROLS": "controls",
+                   "CONTROL_IMAGES": "control_image", **{f.name: f.attr for f in OPENAI_EXTRAS}}

@@ -135,6 +135,7 @@ FORM_CASES = {
     "unknown_field": (dict(extra_body={"strength": "0.5"}), "strength"),
     "opaque_image_without_mask": (dict(mask=None), "mask"),
     "deadline_zero": (dict(extra_body={"deadline_ms": "0"}), "deadline_ms"),
+    "controls_not_json": (dict(extra_body={"controls": "["}), "controls"),
 }
 
 
@@ -153,6 +154,18 @@ def test_form_errors_are_400_naming_the_field(case, api, template_img, box_mask)
     # and the server keeps serving
     assert api["client"].images.edit(image=_png_file(template_img), mask=_png_file(box_mask, "m.png"),
                                      prompt="a hat", extra_body={"steps": 1}).data
+
+
+def test_controls_and_their_images_reach_the_server_through_the_router(api, template_img, box_mask):
+    """CONTROLS and CONTROL_IMAGES (from base64 inside the controls) travel OpenAI -> router -> Triton: the server
+    judges the ControlNet name, which it does only once each control has its image."""
+    image = base64.b64encode(png(np.zeros((32, 32, 3), np.uint8))).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        api["client"].images.edit(image=_png_file(template_img), mask=_png_file(box_mask, "m.png"), prompt="a hat",
+                                  extra_body={"steps": 1, "controls": json.dumps(
+                                      [{"name": "no-such-controlnet", "scale": 0.5, "image": image}])})
+    body = e.value.body
+    assert body["param"] == "controls" and "unknown ControlNet 'no-such-controlnet'" in body["message"], body
 
 
 def test_deadline_gives_504(api, template_img, box_mask):

@@ -32,7 +32,10 @@ def to_wire(controls) -> tuple[np.ndarray, list[dict]]:
     ``REQUEST_INFO`` "controls" list (each spec with its image's shape)."""
     if not controls:
         return np.zeros((0, 0), np.float32), []
-    rows = np.stack([np.ascontiguousarray(c.image, np.float32).reshape(-1) for c in controls])
+    flat = [np.ascontiguousarray(c.image, np.float32).reshape(-1) for c in controls]
+    rows = np.zeros((len(flat), max(f.size for f in flat)), np.float32)  # shapes may differ: rows are padded
+    for row, f in zip(rows, flat):
+        row[:f.size] = f
     return rows, [{**c.spec.as_dict(), "shape": list(c.image.shape)} for c in controls]
 
 

@@ -185,6 +185,11 @@ class ModelFamily(ABC):
         residuals as a flat list of tensors (the unit a BLS ``controlnet`` model returns), already scaled."""
         raise NotImplementedError(f"{self.name} runs no ControlNets")
 
+    def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
+        """Seeded random ControlNets for this (tiny) model, the family's layout scaled to its denoiser, written to
+        ``out/<name>/`` with ``save_pretrained`` (``maskedit-build-model``, ``make model``). None by default."""
+        return []
+
     # -- decoding (stage 3) -----------------------------------------------------------------------------
     def setup_decoder(self, vae) -> None:
         """Adjust the VAE for decoding as the stock pipeline does (e.g. upcast)."""

@@ -89,6 +89,8 @@ class TritonPythonModel:
             info.update(denoise_s=round(job.finished_at - job.started_at, 6),
                         queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off",
                         instance=self.instance)
+            if job.controls:  # the ControlNet calls' wall time (on a GPU: launch time, the calls are not synchronised)
+                info.update(control_s=round(job.control_s, 6))
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))

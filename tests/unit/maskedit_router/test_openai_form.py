@@ -98,3 +98,31 @@ def test_service_errors_map_to_http_status_and_param(message, status, param, tex
     e = EditError.from_server(message)
     api = from_edit_error(e.code, e.field, str(e))
     assert (api.status, api.param, api.message) == (status, param, text)
+
+
+def test_controls_come_as_json_with_files_or_with_base64_images_inside():
+    import base64
+    import json
+
+    from maskedit_common.controls import ControlSpec
+
+    a, b = png(np.zeros((32, 32, 3), np.uint8)), png(np.full((32, 32, 3), 255, np.uint8))
+    specs = [{"name": "canny", "scale": 0.8}, {"name": "union", "mode": "depth", "start": 0.2, "end": 0.9}]
+    job = parse(_form(controls=json.dumps(specs), **{"control_image[]": [a, b]}), ["edit"])
+    assert job.controls == (ControlSpec("canny", 0.8), ControlSpec("union", 1.0, 0.2, 0.9, "depth"))
+    assert job.control_images == [a, b]
+    inline = [{**specs[0], "image": base64.b64encode(a).decode()}, {**specs[1], "image": base64.b64encode(b).decode()}]
+    job = parse(_form(controls=json.dumps(inline)), ["edit"])  # the OpenAI SDK's extra_body can carry text only
+    assert job.controls[1].mode == "depth" and job.control_images == [base64.b64encode(x) for x in (a, b)]
+    assert parse(_form(), ["edit"]).controls == ()
+
+
+@pytest.mark.parametrize("change,param", [
+    (dict(controls="[", control_image=TPL), "controls"),
+    (dict(controls='[{"name": "a", "scale": -1}]', control_image=TPL), "controls"),
+    (dict(control_image=TPL), "control_image"),
+])
+def test_control_errors_name_the_form_field(change, param):
+    with pytest.raises(ApiError) as e:
+        parse(_form(**change), ["edit"])
+    assert e.value.param == param and e.value.status == 400

@@ -84,6 +84,30 @@ class UNetInpaint(ModelFamily):
 
         return UNetCacheHooks.of(denoiser)
 
+    # ControlNets (``controlnet.py``): the ControlNet inpaint pipelines' per-step residuals.
+    controlnet_classes = ("ControlNetModel", "ControlNetUnionModel")
+    union_controlnet_classes = ("ControlNetUnionModel",)
+
+    def check_controlnet(self, controlnet, denoiser) -> None:
+        from .controlnet import check_controlnet
+
+        check_controlnet(controlnet, denoiser)
+
+    def prepare_control_image(self, pipe, image, w, h, settings):
+        from .controlnet import prepare_control_image
+
+        return prepare_control_image(pipe, image, w, h, settings.torch_device)
+
+    def control_residuals(self, control, inputs, scale):
+        from .controlnet import control_residuals
+
+        return control_residuals(control, inputs, scale)
+
+    def build_controlnets(self, out, seed=0):
+        from .controlnet import build_controlnets
+
+        return build_controlnets(self.model_dir, out, seed)
+
     def setup_decoder(self, vae) -> None:
         from .prepare import setup_decoder
 

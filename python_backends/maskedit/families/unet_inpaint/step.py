@@ -16,6 +16,7 @@ import torch
 
 from ...errors import InvalidInput
 from .cache import UNetCacheHooks, per_unet_row
+from .controlnet import group_residuals
 from .prepare import cfg_rows, from_rows, make_unet_scheduler
 
 
@@ -61,10 +62,11 @@ def step_group(runner, group: list, ctx=None) -> None:
     h, w = x0.model_h // runner.geometry.patch, x0.model_w // runner.geometry.patch
     r = group[0].tensors.prompt_embeds.shape[0]
     timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
-    rows, ts = [], []
+    rows, ts, scaled = [], [], []
     for job, t in zip(group, timesteps):
         lat = from_rows(job.latents, h, w)
         lat = job.scheduler.scale_model_input(torch.cat([lat] * r) if r > 1 else lat, t)
+        scaled.append(lat)
         cond = from_rows(job.tensors.cond, h, w).expand(r, -1, -1, -1)
         rows.append(torch.cat([lat, cond], dim=1))
         ts.append(t.reshape(1).expand(r))
@@ -75,8 +77,17 @@ def step_group(runner, group: list, ctx=None) -> None:
         pooled = torch.cat([j.tensors.pooled for j in group])
         n_ids = _time_ids_len(unet, pooled.shape[1])
         added = {"text_embeds": pooled[:, :-n_ids], "time_ids": pooled[:, -n_ids:]}
+    down, mid = None, None
+    if any(j.controls for j in group):  # the ControlNets see each request's latents before the mask channels
+        per_job = [{"sample": lat, "timestep": t.reshape(1).expand(r).to(runner.device),
+                    "encoder_hidden_states": j.tensors.prompt_embeds,
+                    "added_cond_kwargs": None if added is None else
+                    {k: v[i * r:(i + 1) * r] for k, v in added.items()}}
+                   for i, (j, lat, t) in enumerate(zip(group, scaled, timesteps))]
+        down, mid = group_residuals(runner.family, group, per_job)
     forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
-                           added_cond_kwargs=added, return_dict=False)[0]
+                           added_cond_kwargs=added, down_block_additional_residuals=down,
+                           mid_block_additional_residual=mid, return_dict=False)[0]
     if ctx is not None and any(v is not None for v in ctx.rows):
         noise = UNetCacheHooks.of(unet).run(per_unet_row(ctx, r), forward)
     else:
