@@ -1,7 +1,8 @@
 """Unmerged low-rank deltas on a shared batch: a Diffusers hook on each projection an adapter targets adds
 ``B(A(x))·scaling`` for the rows whose request carries that adapter, grouped by adapter (Punica / S-LoRA style:
 one gather, two small GEMMs and one scatter per adapter and projection; none when every row shares it). Base weights
-are never touched; with no plan active (a batch without adapters) the hook only calls the layer.
+are never touched; with no plan active (a batch without adapters) the hook only calls the layer. A call whose
+requests all carry one set may run projections with merged weights instead (``merge``).
 
 The plan is per thread and per denoiser call: ``active(plan)`` around the call. Batch rows map to requests in
 order, ``k = rows // requests`` consecutive rows each (a UNet's classifier-free guidance doubles them)."""
@@ -42,6 +43,10 @@ class BatchPlan:
             self._rows[key] = torch.tensor([j * k + t for j in jobs for t in range(k)], device=device)
         return self._rows[key]
 
+    def weight(self, name: str, module, x: torch.Tensor) -> torch.Tensor | None:
+        """A merged weight to run the projection with instead (``merge.MergedPlan``); None: add the deltas."""
+        return None
+
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows % self.n:
@@ -69,8 +74,10 @@ class LoraDeltaHook(ModelHook):
         self.name = name
 
     def new_forward(self, module, x, *args, **kwargs):
-        out = self.fn_ref.original_forward(x, *args, **kwargs)
         plan = getattr(_local, "plan", None)
+        if plan is not None and (w := plan.weight(self.name, module, x)) is not None:
+            return F.linear(x, w, module.bias)  # the merged path (``merge``): the base weight is only read
+        out = self.fn_ref.original_forward(x, *args, **kwargs)
         return out if plan is None else plan.apply(self.name, x, out)
 
 
