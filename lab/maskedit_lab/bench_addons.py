@@ -46,12 +46,12 @@ from maskedit.cache.cost_model import device_slug
 from maskedit.denoise import DenoiseJob
 
 from . import REPO_ROOT, addon_blocks
+from .addons_report import markdown_table, plot, targets
 from .harness import Harness, png
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 RANK = 16
 NAMES = ("r16-a", "r16-b", "r16-c", "r16-d")
-TARGETS = {"warm_vs_flop_share": 1.5, "flux_width_warm_2": 0.05, "cold_host_e2e": 0.10, "mixed_vs_same": 0.9}
 
 
 def count_flops(fn) -> int:
@@ -278,7 +278,7 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
             "flux_width_merged_bytes": merged_bytes, "merge_costs": _costs(bench.merger),
             "library": "temporary directory on the root disk (cold-disk: page cache dropped by posix_fadvise; a VM "
                        "disk may still be cached by its host)"}
-    meta["targets_met"] = _targets(rows)
+    meta["targets_met"] = targets(rows)
     return rows, meta
 
 
@@ -350,63 +350,6 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
     return rows
 
 
-def _targets(rows) -> dict:
-    """Each target on wall-clock latency and on CPU time (``_cpu``)."""
-    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
-    out = {}
-    for k in ("", "_cpu"):
-        for c in ("warm-1", "warm-2", "warm-1-merged", "warm-2-merged"):
-            out[f"{c} overhead{k} <= 1.5 x flop share"] = by[c][f"overhead{k}"] <= \
-                TARGETS["warm_vs_flop_share"] * max(by[c]["flop_share"], 0.0)
-        for c in ("warm-2@fw", "warm-2-merged@fw"):
-            if c in by:
-                out[f"{c} overhead{k} <= 5%"] = by[c][f"overhead{k}"] <= TARGETS["flux_width_warm_2"]
-        out[f"cold-host e2e_overhead{k} <= 10%"] = by["cold-host"][f"e2e_overhead{k}"] <= TARGETS["cold_host_e2e"]
-        out[f"mixed-batch throughput{k} >= 0.9 x same-batch"] = \
-            by["mixed-batch"][f"throughput_vs_same_batch{k}"] >= TARGETS["mixed_vs_same"]
-    return out
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = [("bench preset: one request (8 steps)", [r for r in rows if r["preset"] == "bench"
-                                                        and r["requests"] == 1]),
-              ("bench preset: 4 requests in one step batch", [r for r in rows if r["requests"] == 4]),
-              ("FLUX.1 widths: 1 dual + 1 single block", [r for r in rows if r["preset"] != "bench"])]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [10, 4, 3]})
-    for ax, (title, rs) in zip(axes, groups):
-        xs = range(len(rs))
-        ax.bar([x - 0.27 for x in xs], [100 * r["overhead"] for r in rs], 0.27, label="overhead (wall clock)")
-        ax.bar(list(xs), [100 * r["overhead_cpu"] for r in rs], 0.27, label="overhead (CPU time)")
-        ax.bar([x + 0.27 for x in xs], [100 * r["flop_share"] for r in rs], 0.27, label="FLOP share")
-        ax.set_xticks(list(xs), [r["case"] for r in rs], rotation=35, ha="right", fontsize=8)
-        ax.set(title=title, ylabel="% over its baseline")
-        ax.set_yscale("symlog", linthresh=5)
-        ax.axhline(0, color="k", lw=0.5)
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    r0 = rows[0]
-    fig.suptitle(f"LoRA adapters (rank {RANK}, attention + MLP): % over each case's baseline (base, base-batch, "
-                 f"stock-base) — {r0['device']}, {r0['dtype']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| preset | case | latency s | CPU s | baseline | overhead | overhead (CPU) | FLOP share | e2e overhead "
-             "(CPU) | path |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        e2e = f"{r['e2e_overhead']:+.1%} ({r['e2e_overhead_cpu']:+.1%})" if "e2e_overhead" in r else "–"
-        lines.append(f"| {r['preset']} | {r['case']} | {r['latency_s']:.3f} | {r['cpu_s']:.3f} | {r['baseline']} | "
-                     f"{r['overhead']:+.1%} | {r['overhead_cpu']:+.1%} | {r['flop_share']:+.1%} | {e2e} | "
-                     f"{r.get('path', '–')} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -430,7 +373,7 @@ def main(argv=None) -> None:
                  "seconds": round(time.time() - t0, 1), "device": hw, "dtype": rows[0]["dtype"]})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), RANK)
     print(markdown_table(rows))
     print(json.dumps(meta["targets_met"], indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')} in {meta['seconds']} s (load avg {meta['load_avg']})")
