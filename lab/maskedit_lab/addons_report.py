@@ -29,17 +29,17 @@ def targets(rows) -> dict:
     return out
 
 
-def plot(rows: list[dict], path: Path, rank: int = 16) -> None:
+def plot(rows: list[dict], path: Path, rank: int = 16, steps: int = 8) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("bench preset: one request (8 steps)", [r for r in rows if r["preset"] == "bench"
+    groups = [(f"bench preset: one request ({steps} steps)", [r for r in rows if r["preset"] == "bench"
                                                         and r["requests"] == 1]),
               ("bench preset: 4 requests in one step batch", [r for r in rows if r["requests"] == 4]),
-              ("FLUX.1 widths: 1 dual + 1 single block", [r for r in rows if r["preset"] != "bench"])]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [10, 4, 3]})
+              ("FLUX.1 widths: dual + single block", [r for r in rows if r["preset"] != "bench"])]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [10, 4, 3.2]})
     for ax, (title, rs) in zip(axes, groups):
         xs = range(len(rs))
         ax.bar([x - 0.27 for x in xs], [100 * r["overhead"] for r in rs], 0.27, label="overhead (wall clock)")
@@ -47,7 +47,6 @@ def plot(rows: list[dict], path: Path, rank: int = 16) -> None:
         ax.bar([x + 0.27 for x in xs], [100 * r["flop_share"] for r in rs], 0.27, label="FLOP share")
         ax.set_xticks(list(xs), [r["case"] for r in rs], rotation=35, ha="right", fontsize=8)
         ax.set(title=title, ylabel="% over its baseline")
-        ax.set_yscale("symlog", linthresh=5)
         ax.axhline(0, color="k", lw=0.5)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -74,6 +73,6 @@ def markdown_table(rows: list[dict]) -> str:
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     data = json.loads(path.read_text())
-    plot(data["rows"], path.with_suffix(".png"))
+    plot(data["rows"], path.with_suffix(".png"), data["meta"]["rank"], data["meta"]["steps"])
     print(markdown_table(data["rows"]))
     print(json.dumps(targets(data["rows"]), indent=1))

@@ -373,7 +373,7 @@ def main(argv=None) -> None:
                  "seconds": round(time.time() - t0, 1), "device": hw, "dtype": rows[0]["dtype"]})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out.with_suffix(".png"), RANK)
+    plot(rows, out.with_suffix(".png"), RANK, meta["steps"])
     print(markdown_table(rows))
     print(json.dumps(meta["targets_met"], indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')} in {meta['seconds']} s (load avg {meta['load_avg']})")
