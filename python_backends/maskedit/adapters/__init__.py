@@ -8,6 +8,9 @@
 - ``delta``: unmerged low-rank deltas, ``x·Aᵀ·Bᵀ·scale`` added to each targeted projection's output through a
   Diffusers hook on the projection (``HookRegistry``), grouped by adapter over the rows of a batch (Punica /
   S-LoRA style): requests with different adapter sets, and with none, share one denoiser call.
+- ``merge``: the merged (fused) path for a call whose requests all carry one adapter set: ``W + Σ (B@A)·scale``
+  as new tensors per set (the base weights are only read), chosen per projection by a cost model with measured
+  throughputs.
 - ``runtime``: the loaded adapters of one denoiser (a host-memory cache keyed by name and digest).
 - ``build``: seeded random adapters for the tiny presets, in Diffusers and kohya formats.
 
