@@ -215,5 +215,8 @@ _merger_lock = threading.Lock()
 
 def merger_for(denoiser) -> Merger:
     """The denoiser's ``Merger`` (one per denoiser: the merged copies are of its weights)."""
-    with _merger_lock:
-        return denoiser.__dict__.setdefault("_maskedit_lora_merger", Merger())
+    m = denoiser.__dict__.get("_maskedit_lora_merger")
+    if m is None:
+        with _merger_lock:
+            m = denoiser.__dict__.setdefault("_maskedit_lora_merger", Merger())
+    return m
