@@ -263,12 +263,14 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
         """Advance every job by one denoising step: one denoiser call per group of ``groups``; the group's adapters
-        (``maskedit.adapters.delta``) active for the call."""
-        from .adapters import delta
+        (``maskedit.adapters.delta``; merged into the weights when every request carries one set and the cost
+        model says it pays, ``maskedit.adapters.merge``) active for the call."""
+        from .adapters import delta, merge
 
         for group in self.groups(jobs):
             ctx = self.cache.context(group) if self.cache is not None else None
-            plan = delta.BatchPlan([j.adapters for j in group]) if any(j.adapters for j in group) else None
+            plan = merge.merger_for(self.transformer).plan([j.adapters for j in group], max(
+                j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):
                 self.family.step(self, group, ctx)
             if self.cache is not None:

@@ -9,6 +9,9 @@
   Diffusers hook on the projection (``HookRegistry``), grouped by adapter over the rows of a batch (Punica /
   S-LoRA style): requests with different adapter sets, and with none, share one denoiser call; the families'
   mask-aware (cached) block paths add them too (``owners``: which request each row is; ``add_fused``).
+- ``merge``: the merged (fused) path for a call whose requests all carry one adapter set: ``W + Σ (B@A)·scale``
+  as new tensors per set (the base weights are only read), chosen per projection by a cost model with measured
+  throughputs.
 - ``runtime``: the device tier of the adapter cache (one denoiser's converted adapters by name and digest, LRU
   within a byte budget) and where a load looks next: ``host_cache`` (converted adapters in safetensors files on a
   RAM filesystem shared by the host's processes, checksummed, LRU) then the library file;

@@ -2,6 +2,7 @@
 ``B(A(x))·scaling`` for the rows whose request carries that adapter, grouped by adapter and weight (Punica /
 S-LoRA style: one gather, two small GEMMs and one scatter per group and projection; none when every row shares
 it). Base weights are never touched; with no plan active (a batch without adapters) the hook only calls the layer.
+A call whose requests all carry one set may run projections with merged weights instead (``merge``).
 
 The plan is per thread and per denoiser call: ``active(plan)`` around the call. Which request each row of a
 layer's input belongs to: by default (the denoiser's own forward over the whole batch) requests in order,
@@ -60,6 +61,10 @@ class BatchPlan:
                 idx = torch.from_numpy(np.concatenate([np.arange(s, s + c) for s, c in mine])).to(device)
             self._rows[key] = idx
         return self._rows[key]
+
+    def weight(self, name: str, module, x: torch.Tensor) -> torch.Tensor | None:
+        """A merged weight to run the projection with instead (``merge.MergedPlan``); None: add the deltas."""
+        return None
 
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor, part: slice | None = None,
               inplace: bool = False) -> torch.Tensor:
@@ -160,8 +165,10 @@ class LoraDeltaHook(ModelHook):
         self.name = name
 
     def new_forward(self, module, x, *args, **kwargs):
-        out = self.fn_ref.original_forward(x, *args, **kwargs)
         plan = getattr(_local, "plan", None)
+        if plan is not None and (w := plan.weight(self.name, module, x)) is not None:
+            return F.linear(x, w, module.bias)  # the merged path (``merge``): the base weight is only read
+        out = self.fn_ref.original_forward(x, *args, **kwargs)
         return out if plan is None else plan.apply(self.name, x, out)
 
 

@@ -62,6 +62,19 @@ PRESETS = {
 }
 
 
+def transformer_config(preset: str) -> dict:
+    """The ``FluxTransformer2DModel`` config of ``preset``."""
+    p = PRESETS[preset]
+    scale = 2 ** (len(p.vae_channels) - 1)
+    packed = p.latent_channels * 4
+    return dict(
+        patch_size=1, in_channels=2 * packed + scale * scale * 4, out_channels=packed, num_layers=p.num_layers,
+        num_single_layers=p.num_single_layers, attention_head_dim=p.dim_head, num_attention_heads=p.heads,
+        joint_attention_dim=p.text_dim, pooled_projection_dim=p.clip_dim, guidance_embeds=True,
+        axes_dims_rope=p.rope_axes,
+    )
+
+
 def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Generate a Flux Fill model directory loadable by ``FluxFillPipeline.from_pretrained``."""
     import torch
@@ -90,14 +103,7 @@ def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
         layers_per_block=1, norm_num_groups=4, sample_size=p.resolution, scaling_factor=0.3611, shift_factor=0.1159,
         use_quant_conv=False, use_post_quant_conv=False,
     )
-    scale = 2 ** (n_down - 1)
-    packed = p.latent_channels * 4
-    config = dict(
-        patch_size=1, in_channels=2 * packed + scale * scale * 4, out_channels=packed, num_layers=p.num_layers,
-        num_single_layers=p.num_single_layers, attention_head_dim=p.dim_head, num_attention_heads=p.heads,
-        joint_attention_dim=p.text_dim, pooled_projection_dim=p.clip_dim, guidance_embeds=True,
-        axes_dims_rope=p.rope_axes,
-    )
+    config = transformer_config(preset)
     if p.generated_transformer:
         with torch.device("meta"):  # its config only: no memory, no weights written
             transformer = FluxTransformer2DModel(**config)
