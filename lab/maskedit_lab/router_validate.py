@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -48,7 +49,7 @@ from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
 from maskedit_router.__main__ import default_profile
 from maskedit_router.features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
-from maskedit_router.policies import Estimator
+from maskedit_router.policies import POLICIES, Estimator
 
 from . import REPO_ROOT
 from .router_sim import HostModel, replay
@@ -102,7 +103,8 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
         ratio = info["denoise_s"] * 1000 / est.request_ms(f, hit)
         (hit_r if hit else miss_r).append(ratio)
         outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
-        points.append({"mask_ratio": f.mask_ratio, "hit": hit, "computed_tokens": info.get("computed_tokens"),
+        points.append({"mask_ratio": f.mask_ratio, "tokens": f.tokens, "steps": steps, "hit": hit,
+                       "computed_tokens": info.get("computed_tokens"),
                        "denoise_s": info["denoise_s"], "observed_over_profile": ratio, "outside_s": outside[-1]})
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
             "outside_s": statistics.median(outside), "probes": len(probes), "points": points}
@@ -191,11 +193,14 @@ def saturation_throughput(done_s: list[float]) -> float:
     return (b - a) / (t[b] - t[a])
 
 
-def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy: str = "predicted", seed: int = 0,
+def run(loads=(0.7,), requests: int = 120, templates: int = 4, policies=("predicted",), seed: int = 0,
         burst: int = 48, out_dir: Path | None = None) -> dict:
+    """Measure ``policies`` one after another on one pair of instances (the router's policy is switched between
+    runs; each run gets fresh templates), every run bracketed by calibrations."""
     from loadgen import runner as lg
     from loadgen import workload
     from maskedit_client import EditClient
+    from maskedit_router.policies import make
 
     from .cluster import running_cluster
 
@@ -216,20 +221,23 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
         t = mask_tokens(assets.mask(r), res)
         return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex()}
     runs = []
+    probe = itertools.count(900)
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
-            running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, servers):
+            running_cluster(2, Path(out_dir or tmp), policy=policies[0], env=env) as (router, url, servers):
         with EditClient(url) as client, contextlib.ExitStack() as stack:
             direct = [stack.enter_context(EditClient(s.grpc_url)) for s in servers]
 
-            def calibrate(template: int) -> dict:
-                return {"store": _store_state(servers), **_calibrate(client, template, assets, est, res, steps),
+            def calibrate() -> dict:
+                template = next(probe)
+                return {"store": _store_state(servers), "loadavg": list(os.getloadavg()),
+                        **_calibrate(client, template, assets, est, res, steps),
                         **_interference(direct, template + 1000, assets, steps)}
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
                 return {"scale": router.est.scale, "error": router.est.error}
 
-            calib = calibrate(900)
+            calib = calibrate()
             # 3. capacity: a burst on warmed templates.
             sat = workload.synthesize(np.zeros(burst), workload="public", n_templates=templates, zipf_s=1.1,
                                       seed=seed + 99)
@@ -239,43 +247,50 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
             records, wall = lg.run(client, sat, assets, progress=True)
             capacity = saturation_throughput([r.done_s for r in records if r.error is None])
             saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
-                          "router_model": sat_model,
+                          "policy": policies[0], "router_model": sat_model,
                           "warmup": [{"template": w.template, **feats(w)} for w in warm],
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
                                         "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
                                        for r, rec in zip(sat, records)]}
             print(json.dumps({"saturation_throughput": round(capacity, 3)}), flush=True)
-            for li, load in enumerate(loads):
-                rate = round(load * capacity, 3)
-                reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
-                                        seed=seed + li)
-                reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
-                model_at_start = router_model()  # before the warm-up, which the simulator replays too
-                warm = _warm(client, assets, reqs)
-                # Right before the run, after the warm-up: the calibration sees the store as the run finds it
-                # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
-                run_calib = calibrate(900 + li + 1)
-                records, wall = lg.run(client, reqs, assets, progress=True)
-                runs.append({
-                    "load": load, "rate": rate, "wall_s": round(wall, 2), "calibration": run_calib,
-                    "router_model": model_at_start,
-                    "warmup": [{"template": w.template, **feats(w)} for w in warm],
-                    "requests": [{"t": r.t, "template": r.template, **feats(r),
-                                  "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
-                                  "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
-                                 for r, rec in zip(reqs, records)],
-                })
-                print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
-                    [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)
+            k = 0
+            for policy in policies:
+                router.policy = make(policy, router.est)  # the router's defaults, as ``--policy`` builds it
+                for li, load in enumerate(loads):
+                    k += 1
+                    rate = round(load * capacity, 3)
+                    reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
+                                            seed=seed + li)  # every policy gets the same arrivals and masks
+                    reqs = [replace(r, template=r.template + 100 * k) for r in reqs]  # fresh templates per run
+                    model_at_start = router_model()  # before the warm-up, which the simulator replays too
+                    warm = _warm(client, assets, reqs)
+                    # Right before the run, after the warm-up: the calibration sees the store as the run finds it
+                    # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
+                    run_calib = calibrate()
+                    records, wall = lg.run(client, reqs, assets, progress=True)
+                    runs.append({
+                        "policy": policy, "load": load, "rate": rate, "wall_s": round(wall, 2),
+                        "calibration": run_calib, "router_model": model_at_start,
+                        "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                        "requests": [{"t": r.t, "template": r.template, **feats(r),
+                                      "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
+                                      "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
+                                     for r, rec in zip(reqs, records)],
+                    })
+                    print(json.dumps({"policy": policy, "load": load, "rate": rate, "measured_p95": round(float(
+                        np.percentile([r.latency_s for r in records if r.latency_s is not None], 95)), 3)}),
+                        flush=True)
             # The host's speed drifts within a run as well: each run is bracketed by the calibration before it
             # and the next one, so the last run needs one after it.
-            final_calib = calibrate(900 + len(loads) + 1)
+            final_calib = calibrate()
             writes = _write_costs(servers)
             print(json.dumps({"writes": writes}), flush=True)
-    return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
-                     "host_cores": os.cpu_count(),
+    return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policies[0],
+                     "policies": list(policies), "host_cores": os.cpu_count(),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
                      "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
+                     # the profile the calibration's ratios are relative to: a replay uses this very profile
+                     "profile_doc": json.loads(profile.read_text()) if profile.exists() else None,
                      "load_basis": "measured saturation throughput", "saturation": saturation,
                      "writes": writes, "final_calibration": final_calib}, "runs": runs}
 
@@ -316,39 +331,78 @@ def _masks(run_: dict) -> list[np.ndarray] | None:
             for r in rs]
 
 
-def _router_estimator(cost: CostModel, run_: dict) -> Estimator:
-    """The simulated router's estimator, starting from the real router's online fit at the run's start."""
-    return replace(Estimator(cost), **run_.get("router_model", {}))
+def profile_scales(calib: dict, est: Estimator, tokens: int, steps: int) -> dict:
+    """``calib`` with its speed ratios (observed / profile-predicted denoise time, hits and template runs apart)
+    derived again from its probes' measured denoise times against ``est``'s profile. A ratio is relative to the
+    profile it was divided by: a measurement replayed with a profile recalibrated since (the bench profile was, on
+    a quieter host, after the saved run) must not multiply the new profile's times by the old profile's ratio.
+    ``profile_factor``: new ratio / saved ratio (hits), which converts the router's online fit the same way."""
+    hit, miss = [], []
+    for p in calib.get("points", []):
+        f = EditFeatures("calib", p["mask_ratio"], p.get("tokens", tokens), p.get("steps", steps))
+        (hit if p["hit"] else miss).append(p["denoise_s"] * 1000 / est.request_ms(f, p["hit"]))
+    if not hit or not miss:
+        return {**calib, "profile_factor": 1.0}
+    out = {**calib, "hit_scale": statistics.median(hit), "miss_scale": statistics.median(miss)}
+    out["profile_factor"] = out["hit_scale"] / calib["hit_scale"]
+    return out
+
+
+def _router_estimator(cost: CostModel, run_: dict, profile_factor: float = 1.0) -> Estimator:
+    """The simulated router's estimator, starting from the real router's online fit at the run's start (its scale
+    converted to the replay's profile)."""
+    model = dict(run_.get("router_model", {}))
+    if "scale" in model:
+        model["scale"] *= profile_factor
+    return replace(Estimator(cost), **model)
+
+
+def replay_cost(meta: dict) -> CostModel:
+    """The profile a replay simulates with: the one the measurement was taken against when it saved it, else the
+    current profile of that name (its calibrations' ratios are then derived again: ``profile_scales``)."""
+    if meta.get("profile_doc"):
+        return CostModel.from_json(meta["profile_doc"])
+    profile = load_settings().profiles / meta["profile"]
+    return CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
 
 
 def compare(measured: dict) -> list[dict]:
     """Replay the burst and each measured run in the simulator, each with the calibration measured just before
     it (older files: the one calibration); a row per variant."""
     meta = measured["meta"]
-    profile = load_settings().profiles / meta["profile"]
-    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
-    rows = []
-    base = {"policy": meta["policy"], "workers": meta["instances"], "validation": True}
+    cost = replay_cost(meta)
+    est = Estimator(cost)
+    runs = measured["runs"]
     sat = meta.get("saturation")
+    tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
+    scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
+    rows = []
+    base = {"workers": meta["instances"], "validation": True}
     if sat:
-        rows.append({**base, "load": "saturation", "simulated": False, "model": "measured",
+        policy = sat.get("policy", meta["policy"])
+        calib = scaled(sat["calibration"])
+        rows.append({**base, "policy": policy, "load": "saturation", "simulated": False, "model": "measured",
                      "throughput": sat["throughput"], "requests": len(sat["requests"])})
         n_warm = len(sat["warmup"])
-        for model, svc, host, _ in _variants(meta, sat["calibration"], cost):
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), _router_estimator(cost, sat),
-                         service=svc, host=host, masks=_masks(sat))["requests"][n_warm:]
+        for model, svc, host, _ in _variants(meta, calib, cost):
+            sim = replay(policy, meta["instances"], _arrivals(meta, sat),
+                         _router_estimator(cost, sat, calib["profile_factor"]), service=svc, host=host,
+                         masks=_masks(sat))["requests"][n_warm:]
             thr = saturation_throughput([q.done - q.arrival for q in sim])
-            rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
+            rows.append({**base, "policy": policy, "load": "saturation", "simulated": True, "model": model,
+                         "throughput": thr,
                          "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
-    runs = measured["runs"]
     for i, run_ in enumerate(runs):
+        policy = run_.get("policy", meta["policy"])
         ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
         lat = np.array([r["latency_s"] for r in ok])
-        b = {**base, "rate": run_["rate"], "load": run_["load"]}
+        b = {**base, "policy": policy, "rate": run_["rate"], "load": run_["load"]}
         m = {**b, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
              "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
              "errors": len(run_["requests"]) - len(ok),
              "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
+        if "loadavg" in run_.get("calibration", {}):
+            m["loadavg_before"] = round(run_["calibration"]["loadavg"][0], 2)
         hits = [r for r in ok if r["cache_hit"] and r.get("computed_tokens") is not None]
         if hits:  # tokens hits computed against their own masks' (> 1: the entry held invalid tokens); heals made
             m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
@@ -356,8 +410,9 @@ def compare(measured: dict) -> list[dict]:
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
         rows.append(m)
         n_warm = len(run_["warmup"])
-        before = run_.get("calibration", meta["calibration"])
+        before = scaled(run_.get("calibration", meta["calibration"]))
         after = runs[i + 1].get("calibration") if i + 1 < len(runs) else meta.get("final_calibration")
+        after = scaled(after) if after else None
         variants = _variants(meta, before, cost)
         if after:
             # The host's speed drifts within a run too (older files have no calibration after the last run): the
@@ -366,8 +421,9 @@ def compare(measured: dict) -> list[dict]:
                 variants += [(f"{m}_{suffix}", svc, host, out) for m, svc, host, out in _variants(meta, calib, cost)
                              if m == "shared_cpu"]
         for model, svc, host, outside_s in variants:
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
-                         service=svc, host=host, masks=_masks(run_))
+            sim = replay(policy, meta["instances"], _arrivals(meta, run_),
+                         _router_estimator(cost, run_, before["profile_factor"]), service=svc, host=host,
+                         masks=_masks(run_))
             done = sim["requests"][n_warm:]
             slat = np.array([q.done - q.arrival + outside_s for q in done])
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
@@ -380,21 +436,22 @@ def compare(measured: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.7, 0.85],
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.7],
                     help="offered load as a fraction of the measured saturation throughput")
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--policy", default="predicted")
+    ap.add_argument("--requests", type=int, default=120, help="requests per policy and load")
+    ap.add_argument("--policies", nargs="*", default=list(POLICIES), help="measured one after another on one pair "
+                    "of instances, each run bracketed by calibrations")
     ap.add_argument("--from", dest="source", type=Path,
                     help="re-simulate the measured runs saved in this file (no cluster)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_validation.json")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's servers are stopped on the way
     measured = json.loads(args.source.read_text()) if args.source else run(args.loads, args.requests,
-                                                                             policy=args.policy)
+                                                                             policies=args.policies)
     measured["rows"] = compare(measured)
     for r in measured["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                          if k in ("load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
+                          if k in ("policy", "load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
                                    "errors", "cache_hits", "throughput", "throughput_error", "computed_over_mask",
                                    "heals", "misses")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +462,37 @@ def main(argv=None) -> None:
         data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
         data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}
         router_json.write_text(json.dumps(data, indent=1))
-    print(f"wrote {args.out}")
+    plot(measured["rows"], args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Measured against simulated (bracketed) P95 per policy and load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["load"] != "saturation" and r["model"] == "measured"]
+    sim = {(r["policy"], r["load"]): r for r in rows if r["model"] == "shared_cpu_bracketed"}
+    labels = [f"{r['policy']}\n{r['load']}" for r in runs]
+    x = np.arange(len(runs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs)), 4.2))
+    ax.bar(x - 0.2, [r["p95_s"] for r in runs], 0.4, label="measured P95")
+    ax.bar(x + 0.2, [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], 0.4,
+           label="simulated P95 (shared CPU, bracketed calibration)")
+    for i, r in enumerate(runs):
+        err = sim.get((r["policy"], r["load"]), {}).get("p95_error")
+        if err is not None:
+            ax.text(i, max(r["p95_s"], sim[(r["policy"], r["load"])]["p95_s"]) * 1.02, f"{err:.0%}", ha="center",
+                    fontsize=8)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set(ylabel="P95 latency (s)", title="Router on 2 real Triton instances (bench-flux-fill, CPU float32): "
+           "measured vs simulated")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
