@@ -11,11 +11,13 @@ made explicit), in milliseconds:
   + tier_load(r, tier)                 bringing the activations in: 0 from the memory tier, the profile's measured disk
                                        read of an entry from the disk tier
   + model_load(r, b)                   the base checkpoint (and its LoRAs) r needs, when b does not hold it resident
-A request with a deadline and slack picks, among the backends predicted to meet it, the one where it costs the
-least work (its cache entry and checkpoint are there): the capacity it saves is the other requests' latency.
-The router keeps its own books: per backend the work it booked, a shadow of the backend's store (a memory tier and a
-disk tier of the templates it routed there, LRU at the store's capacities) and of its resident checkpoints.
-A hot-spot guard lets load win over affinity when the preferred backend is far busier than the least loaded.
+plus the extra work a placement costs the cluster (a template run or checkpoint load where a cached, resident
+placement existed), weighted by the requests in flight on the backend it would delay (``PredictedLatency``).
+A request with a deadline and slack picks, among the backends predicted to meet it (with a margin), the one where it
+costs the least work (its cache entry and checkpoint are there): the capacity it saves is the other requests'
+latency. The router keeps its own books: per backend the work it booked, a shadow of the backend's store (a memory
+tier and a disk tier of the templates it routed there, LRU at the store's capacities) and of its resident
+checkpoints.
 
 Baselines, each with its documented defaults and only the information a real deployment of it has:
 ``round_robin``, ``least_requests``, ``least_masked_tokens``; the affinity-aware ``chwbl`` (consistent hashing with
@@ -406,13 +408,29 @@ class WeightedScorers(Policy):
 
 class PredictedLatency(Policy):
     """Lowest predicted completion latency (module docstring), with tier and checkpoint residency, deadline slack and
-    a hot-spot guard."""
+    the extra work a placement costs the cluster.
+
+    Greedy per-request latency spends capacity: a request sent past its template's or checkpoint's backend to a
+    shorter queue finishes sooner itself, but computes the full model (or loads a checkpoint, evicting another)
+    where a cached run would have done, and that extra work delays the requests that share the backend with it. A
+    placement on backend ``b`` is scored ``latency + beta_b * (its work - the request's least work on any
+    backend)``, ``beta_b`` = ``congestion_weight`` x ``b``'s requests in flight (at least ``min_work_weight``): the
+    busier the backend, the more requests the extra work delays, while an idle backend's spare capacity costs
+    little. This replaces the former hot-spot guard (``abs_gate_ms`` / ``rel_gate``, off by default): load still
+    beats affinity once the affine backend's queue outgrows the extra work, and the guard, which overrode the score
+    whenever one backlog passed twice another, spread templates and checkpoints under load (more misses and loads:
+    capacity lost when it is shortest). A request with a deadline takes, among the backends predicted to meet it
+    with a margin (``deadline_margin`` x its deadline: the prediction leaves out the requests routed after it that
+    will share its batches), the one where it costs the least work; if none meets it, the rule above."""
 
     name = "predicted"
 
-    def __init__(self, estimator: Estimator, abs_gate_ms: float = 2000.0, rel_gate: float = 2.0,
-                 use_slack: bool = True):
+    def __init__(self, estimator: Estimator, abs_gate_ms: float | None = None, rel_gate: float = 2.0,
+                 use_slack: bool = True, congestion_weight: float = 2.0, min_work_weight: float = 1.0,
+                 deadline_margin: float = 0.6):
         self.est, self.abs_gate_ms, self.rel_gate, self.use_slack = estimator, abs_gate_ms, rel_gate, use_slack
+        self.congestion_weight, self.min_work_weight = congestion_weight, min_work_weight
+        self.deadline_margin = deadline_margin
 
     def score(self, b: BackendLoad, f: EditFeatures, now: float) -> float:
         """Predicted completion latency (ms) of ``f`` on ``b``."""
@@ -427,18 +445,24 @@ class PredictedLatency(Policy):
         for b in backends:
             own = self.est.cost_ms(f, b, now, hit, miss)
             backlog = b.backlog_at(now)
-            # on equal predictions the backend holding the template wins: its cache entry stays in use
+            # (latency, work: its own and the reload its checkpoint's eviction causes, not holding the template
+            # (on equal scores the backend holding it wins: its entry stays in use), requests, name, backlog)
             rows.append((backlog + own, own + self.est.eviction_ms(f, b), not b.holds(f.template_key, now),
                          b.inflight, b.name, backlog, b))
-        best = min(rows)
+        best = None
         if self.use_slack and f.deadline_s is not None:
-            meets = [r for r in rows if r[0] <= f.deadline_s * 1000.0]
+            meets = [r for r in rows if r[0] <= self.deadline_margin * f.deadline_s * 1000.0]
             if meets:  # slack: the cheapest placement that still meets the deadline saves capacity for the rest
                 best = min(meets, key=lambda r: (r[1], r[0], r[4]))
-        least = min(rows, key=lambda r: (r[5], r[3], r[4]))
-        if best is not least and best[5] - least[5] > self.abs_gate_ms and \
-                best[5] > self.rel_gate * max(least[5], 1.0):
-            return least[-1]  # affinity gives way to load on a hot spot
+        if best is None:
+            least_work = min(r[1] for r in rows)
+            best = min(rows, key=lambda r: (r[0] + max(self.min_work_weight, self.congestion_weight * r[3]) *
+                                            (r[1] - least_work),) + r[2:5])
+        if self.abs_gate_ms is not None:  # the former hot-spot guard, when asked for
+            least = min(rows, key=lambda r: (r[5], r[3], r[4]))
+            if best is not least and best[5] - least[5] > self.abs_gate_ms and \
+                    best[5] > self.rel_gate * max(least[5], 1.0):
+                return least[-1]
         return best[-1]
 
 
@@ -460,7 +484,9 @@ def parse_weights(text: str | None) -> dict:
 
 
 def make(name: str, estimator: Estimator, *, load_factor: float = 1.25, vnodes: int = 100,
-         weights: dict | None = None, seed: int | None = None, use_slack: bool = True) -> Policy:
+         weights: dict | None = None, seed: int | None = None, use_slack: bool = True,
+         predicted: dict | None = None) -> Policy:
+    """``predicted``: keyword settings of ``PredictedLatency`` (``congestion_weight``, ``deadline_margin``, ...)."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown {name!r}; known: {', '.join(POLICIES)}")
     return {"round_robin": RoundRobin, "least_requests": LeastRequests,
@@ -468,4 +494,4 @@ def make(name: str, estimator: Estimator, *, load_factor: float = 1.25, vnodes: 
             "chwbl": lambda: ConsistentHashBoundedLoads(load_factor, vnodes),
             "p2c": lambda: PowerOfTwoChoices(seed),
             "weighted": lambda: WeightedScorers(weights),
-            "predicted": lambda: PredictedLatency(estimator, use_slack=use_slack)}[name]()
+            "predicted": lambda: PredictedLatency(estimator, use_slack=use_slack, **(predicted or {}))}[name]()
