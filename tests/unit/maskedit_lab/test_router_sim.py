@@ -190,6 +190,42 @@ def test_validation_brackets_each_run_with_the_calibration_after_it():
     assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
 
 
+def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with():
+    """Speed ratios are relative to a profile: a replay with another profile derives them again from the probes'
+    measured denoise times (the bench profile was recalibrated after a saved run, whose x1.8 then made the
+    replay 4-5x slow), and a measurement that embeds its profile is replayed with that profile."""
+    from maskedit_lab.router_validate import profile_scales, replay_cost
+
+    est = Estimator(CostModel.fallback())
+    f = lambda r: EditFeatures("c", r, 1024, 8)  # noqa: E731
+    # probes that took 3x the fallback profile's prediction, saved with ratios against an older profile (x1.5)
+    points = [{"mask_ratio": 1.0, "hit": False, "denoise_s": 3 * est.request_ms(f(1.0), False) / 1000},
+              {"mask_ratio": 0.1, "hit": True, "denoise_s": 3 * est.request_ms(f(0.1), True) / 1000},
+              {"mask_ratio": 0.3, "hit": True, "denoise_s": 3 * est.request_ms(f(0.3), True) / 1000}]
+    calib = profile_scales({"hit_scale": 1.5, "miss_scale": 1.5, "points": points}, est, 1024, 8)
+    assert calib["hit_scale"] == pytest.approx(3.0) and calib["miss_scale"] == pytest.approx(3.0)
+    assert calib["profile_factor"] == pytest.approx(2.0)  # converts the router's online fit the same way
+    assert profile_scales({"hit_scale": 1.5, "miss_scale": 1.5}, est, 1024, 8)["hit_scale"] == 1.5  # no probes
+    doc = {"compute": {}, "load": {}, "meta": {"blocks": [["dual", 2, 64, 128]], "grid_tokens": 64}}
+    assert replay_cost({"profile": "missing.json", "profile_doc": doc}).meta["grid_tokens"] == 64
+
+
+def test_validation_replays_each_run_with_its_own_policy():
+    from maskedit_lab.router_validate import compare
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
+    req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
+                     "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    runs = [{"policy": p, "load": 0.7, "rate": 0.5, "warmup": warm, "calibration": calib,
+             "requests": [req(30.0 * i) for i in range(10)]} for p in ("chwbl", "p2c")]
+    meta = {"policy": "chwbl", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+            "profile": "missing-profile.json"}
+    rows = compare({"meta": meta, "runs": runs})
+    assert {(r["policy"], r["model"]) for r in rows if r["model"] in ("measured", "shared_cpu")} == \
+        {(p, m) for p in ("chwbl", "p2c") for m in ("measured", "shared_cpu")}
+
+
 def test_validation_reads_saved_token_masks():
     import numpy as np
 
