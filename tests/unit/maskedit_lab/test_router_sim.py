@@ -4,7 +4,7 @@ sharing with single-instance pre/post-processing queues."""
 import pytest
 
 from maskedit_common.cost_model import CostModel
-from maskedit_lab.router_sim import HostModel, replay
+from maskedit_lab.router_sim_cluster import HostModel, replay
 from maskedit_router.features import EditFeatures
 from maskedit_router.policies import Estimator
 
@@ -127,7 +127,7 @@ def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
 
 
 def test_saturation_throughput_leaves_out_fill_and_drain():
-    from maskedit_lab.router_validate import saturation_throughput
+    from maskedit_lab.router_validate_replay import saturation_throughput
 
     # 8 completions: a slow start, one per second in the middle, a long drain
     done = [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 30.0, 60.0]
@@ -135,7 +135,7 @@ def test_saturation_throughput_leaves_out_fill_and_drain():
 
 
 def test_validation_replays_burst_and_runs_with_their_own_calibration():
-    from maskedit_lab.router_validate import compare
+    from maskedit_lab.router_validate_replay import compare
 
     calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
     req = lambda t, tpl: {"t": t, "template": tpl, "mask_ratio": 0.2, "tokens": 1024}  # noqa: E731
@@ -162,7 +162,7 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
 
 
 def test_validation_brackets_each_run_with_the_calibration_after_it():
-    from maskedit_lab.router_validate import bracketed, compare
+    from maskedit_lab.router_validate_replay import bracketed, compare
 
     before = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "interference": 0.0, "points": []}
     after = {"hit_scale": 3.0, "miss_scale": 2.0, "outside_s": 0.3, "interference": 0.1, "points": []}
@@ -194,7 +194,7 @@ def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with()
     """Speed ratios are relative to a profile: a replay with another profile derives them again from the probes'
     measured denoise times (the bench profile was recalibrated after a saved run, whose x1.8 then made the
     replay 4-5x slow), and a measurement that embeds its profile is replayed with that profile."""
-    from maskedit_lab.router_validate import profile_scales, replay_cost
+    from maskedit_lab.router_validate_replay import profile_scales, replay_cost
 
     est = Estimator(CostModel.fallback())
     f = lambda r: EditFeatures("c", r, 1024, 8)  # noqa: E731
@@ -211,7 +211,7 @@ def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with()
 
 
 def test_validation_replays_each_run_with_its_own_policy():
-    from maskedit_lab.router_validate import compare
+    from maskedit_lab.router_validate_replay import compare
 
     calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
     req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
@@ -229,7 +229,7 @@ def test_validation_replays_each_run_with_its_own_policy():
 def test_validation_reads_saved_token_masks():
     import numpy as np
 
-    from maskedit_lab.router_validate import _masks
+    from maskedit_lab.router_validate_replay import _masks
 
     t = np.zeros(1024, bool)
     t[[0, 5, 1023]] = True
