@@ -102,19 +102,26 @@ def ideal_service_s(fs: list[EditFeatures], est: Estimator, step_fixed_ms: float
     return total / len(fs) / 1000.0
 
 
+# One change each: the hot-spot guard back on, deadlines tested without a margin, the extra work not charged (greedy)
+ABLATIONS = ({"abs_gate_ms": 2000.0}, {"deadline_margin": 1.0}, {"congestion_weight": 0.0, "min_work_weight": 0.0})
+
+
 def simulate_trace(policy_name: str, workers: int, load: float, wl: TraceWorkload, est: Estimator,
                    slo_scale: float = 2.0, cache_templates: int = 16, disk_templates: int = 64, model_slots: int = 2,
-                   max_batch: int = 4, step_fixed_ms: float = 2.0) -> dict:
-    """One cell: ``wl`` at ``load`` x the cluster's all-hit capacity on ``workers`` simulated workers."""
+                   max_batch: int = 4, step_fixed_ms: float = 2.0, predicted: dict | None = None) -> dict:
+    """One cell: ``wl`` at ``load`` x the cluster's all-hit capacity on ``workers`` simulated workers.
+    ``predicted``: settings of the ``predicted`` policy other than its defaults (an ablation)."""
     fs = wl.features(est, slo_scale)
     rate = load * workers / ideal_service_s(fs, est, step_fixed_ms)
     arrivals = list(zip(wl.arrivals(rate).tolist(), fs))
     out = replay(policy_name, workers, arrivals, est, max_batch=max_batch, step_fixed_ms=step_fixed_ms,
-                 cache_templates=cache_templates, disk_templates=disk_templates, model_slots=model_slots)
+                 cache_templates=cache_templates, disk_templates=disk_templates, model_slots=model_slots,
+                 policy_kw={"predicted": predicted} if predicted else None)
     lat = np.array([q.done - q.arrival for q in out["requests"]])
     ok = np.array([q.done - q.arrival <= q.f.deadline_s for q in out["requests"]])
     n = len(lat)
-    return {"policy": policy_name, "workers": workers, "load": load, "rate": round(rate, 3),
+    label = policy_name + ("[" + ",".join(f"{k}={v:g}" for k, v in predicted.items()) + "]" if predicted else "")
+    return {"policy": label, "workers": workers, "load": load, "rate": round(rate, 3),
             "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()),
             "p50_s": float(np.percentile(lat, 50)), "slo_attainment": float(ok.mean()),
             "decision_ms": out["decision_us_p50"] / 1000, "decision_ms_p99": out["decision_us_p99"] / 1000,
@@ -140,6 +147,8 @@ def main(argv=None) -> None:
                     "in full-model denoising steps at the profile's resolution (the load cost; see docs/router.md)")
     ap.add_argument("--lora-load-fraction", type=float, default=0.05, help="each LoRA's load, as a fraction of the "
                     "checkpoint's")
+    ap.add_argument("--ablations", action="store_true", help="also run the predicted policy with one of its rules "
+                    "changed back at loads 0.8 and 0.95 (rows of kind 'ablation')")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "perf_profiles" / "results" / "router.json")
     args = ap.parse_args(argv)
     profile = default_profile()
@@ -151,9 +160,9 @@ def main(argv=None) -> None:
     kw = dict(slo_scale=args.slo_scale, model_slots=args.model_slots)
     rows = []
 
-    def run(p, w, load, kind):
+    def run(p, w, load, kind, predicted=None):
         t0 = time.perf_counter()
-        row = dict(simulate_trace(p, w, load, wl, est, **kw), kind=kind)
+        row = dict(simulate_trace(p, w, load, wl, est, predicted=predicted, **kw), kind=kind)
         row["sim_wall_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
@@ -166,6 +175,10 @@ def main(argv=None) -> None:
             continue
         for p in args.policies:
             run(p, w, args.decision_load, "decision_time")
+    if args.ablations:  # the predicted policy with one of its rules changed back
+        for load in (0.8, 0.95):
+            for change in ABLATIONS:
+                run("predicted", args.workers, load, "ablation", change)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     meta = {"profile": str(profile.name), "requests": args.requests,
@@ -207,7 +220,7 @@ def plot(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if not r.get("validation")]
+    rows = [r for r in rows if not r.get("validation") and r.get("kind") != "ablation"]
     sweep = [r for r in rows if r.get("kind") == "load_sweep"]
     dec = [r for r in rows if r.get("kind") in ("load_sweep", "decision_time")]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
