@@ -204,8 +204,9 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.text(i, max(r["p95_s"], sim[(r["policy"], r["load"])]["p95_s"]) * 1.02, f"{err:.0%}", ha="center",
                     fontsize=8)
     ax.set_xticks(x, labels, fontsize=8)
-    ax.set(ylabel="P95 latency (s)", title="Router on 2 real Triton instances (bench-flux-fill, CPU float32): "
-           "measured vs simulated")
+    ax.set(ylabel="P95 latency (s)")
+    ax.set_title("Router on 2 Triton instances (bench-flux-fill, CPU float32):\nmeasured vs simulated P95 per policy",
+                 fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
