@@ -84,7 +84,7 @@ router-sim: $(STAMP)
 	$(VENV)/bin/maskedit-router-sim $(ARGS)
 
 router-validate: $(STAMP)
-	$(VENV)/bin/maskedit-router-validate
+	$(VENV)/bin/maskedit-router-validate $(ARGS)
 
 serve-cluster: model
 	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \

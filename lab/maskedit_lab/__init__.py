@@ -8,8 +8,9 @@ service, kept apart from the serving packages (it may import all of them; none o
 - ``stock``: what a user runs today — stock Diffusers ``FluxFillPipeline``, one request at a time — and its thin
   Triton model, the baseline of the serving benchmark; ``bench_serving``: the service against that baseline and
   its own scheduling baselines under open-loop load;
-- ``router_sim``: the routing policies on simulated workers (the engine's own heal rules, ``maskedit_common.heal``);
-  ``router_validate``: the simulator checked against real instances;
+- ``router_sim``: the routing policies on the production trace at scale, over ``router_sim_cluster``'s simulated
+  workers (the engine's own heal rules, ``maskedit_common.heal``); ``router_validate``: the simulator checked against
+  real instances, ``router_validate_replay`` its replay of a measured run;
 - ``cluster``: N local Triton instances (the backend's launcher) behind the router, ``make serve INSTANCES=N``;
   ``supervisor``: restarts an instance that dies. They start both sides, so they sit above both, here: the router
   package is only the service that is deployed, and imports nothing of the backend.

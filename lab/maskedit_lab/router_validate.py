@@ -10,9 +10,10 @@
 3. Measure the set-up's capacity: a burst of requests sent at once (templates warmed first); the throughput
    between the first and last quarter of completions is the saturation throughput. Offered loads are fractions
    of it, so "load 0.85" means 85 % busy on this machine, whatever its speed that day.
-4. Per load: warm every template with one request each, re-measure step 2 (the host's speed drifts over
-   minutes, and the warm-up may have filled the store's memory tier), then serve an open-loop Poisson workload
-   through the router with the project's load generator. After the last load, measure step 2 once more.
+4. Per policy (the router's policy switched between runs, every run on fresh templates) and load: warm every
+   template with one request each, re-measure step 2 (the host's speed drifts over minutes, and the warm-up may
+   have filled the store's memory tier), then serve an open-loop Poisson workload through the router with the
+   project's load generator. After the last run, measure step 2 once more.
 5. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
    model's token grid) in the simulator and compare P50/P95; replay the burst too and compare saturation
    throughput. Each run is bracketed by the calibration before it and the one after it (the next run's, or the
@@ -20,18 +21,14 @@
 
 Writes ``perf_profiles/results/router_validation.json`` (calibrations, every measured request, and the
 comparison rows) and adds the rows to ``router.json`` (``validation: true``). ``--from FILE`` re-runs only
-step 5 on a saved measurement. Simulator variants: as used for the scale-out table ("plain": workers only
-denoise, at the speed measured alone, and pre/post-processing adds its measured time), and "shared_cpu": both
-instances' denoise loops and their single pre-processing and decoding instances share this host's cores
-(processor sharing, ``router_sim.HostModel``, with the measured interference between busy cores and the measured
-CPU of each background entry write); both with the calibration before the run. "shared_cpu_bracketed" (the headline)
-takes the mean of the calibrations before and after the run, "shared_cpu_calibrated_after" the one after alone.
+step 5 on a saved measurement (``router_validate_replay``: the simulator variants).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -39,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,24 +45,17 @@ from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
 from maskedit_router.__main__ import default_profile
 from maskedit_router.features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
-from maskedit_router.policies import Estimator
+from maskedit_router.policies import POLICIES, Estimator
 
 from . import REPO_ROOT
-from .router_sim import HostModel, replay
+from .router_validate_replay import compare, plot, saturation_throughput
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
-WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
-
-
-@dataclass
-class ScaledEstimator(Estimator):
-    """Service times of this set-up: the profile's prediction times the measured speed ratio, per kind."""
-
-    hit_scale: float = 1.0
-    miss_scale: float = 1.0
-
-    def request_ms(self, f: EditFeatures, cached: bool) -> float:
-        return super().request_ms(f, cached) * (self.hit_scale if cached else self.miss_scale)
+# The health probe (an empty-mask edit) queues behind a burst in the instances' single pre-processing instance; on
+# this shared 2-core host that took over the router's default 5 s, the router took a working backend out of rotation
+# and re-routed its requests, and the burst measured a tenth of its capacity. This run measures routing, not fault
+# detection: a probe gets 30 s.
+PROBE_TIMEOUT_S = 30.0
 
 
 def _model_dir() -> Path:
@@ -102,7 +92,8 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
         ratio = info["denoise_s"] * 1000 / est.request_ms(f, hit)
         (hit_r if hit else miss_r).append(ratio)
         outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
-        points.append({"mask_ratio": f.mask_ratio, "hit": hit, "computed_tokens": info.get("computed_tokens"),
+        points.append({"mask_ratio": f.mask_ratio, "tokens": f.tokens, "steps": steps, "hit": hit,
+                       "computed_tokens": info.get("computed_tokens"),
                        "denoise_s": info["denoise_s"], "observed_over_profile": ratio, "outside_s": outside[-1]})
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
             "outside_s": statistics.median(outside), "probes": len(probes), "points": points}
@@ -181,21 +172,17 @@ def _warm(client, assets, reqs) -> list:
     for w in warm:
         client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
     return warm
-
-
-def saturation_throughput(done_s: list[float]) -> float:
-    """Completions per second between the first and the last quarter of a burst's completions (leaves out the
-    start, when the batches fill, and the drain, when one instance may already be idle)."""
-    t = sorted(done_s)
-    a, b = len(t) // 4, len(t) - 1 - len(t) // 4
-    return (b - a) / (t[b] - t[a])
-
-
-def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy: str = "predicted", seed: int = 0,
-        burst: int = 48, out_dir: Path | None = None) -> dict:
+def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predicted",), seed: int = 0,
+        burst: int = 48, out_dir: Path | None = None, max_wall_s: float | None = None) -> dict:
+    """Measure ``policies`` one after another on one pair of instances (the router's policy is switched between
+    runs; each run gets fresh templates), every run bracketed by calibrations. After ``max_wall_s`` no further
+    policy is started (the ones left are listed in ``meta.skipped``); the final calibration still runs."""
+    started = time.monotonic()
+    skipped = []
     from loadgen import runner as lg
     from loadgen import workload
     from maskedit_client import EditClient
+    from maskedit_router.policies import make
 
     from .cluster import running_cluster
 
@@ -216,20 +203,24 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
         t = mask_tokens(assets.mask(r), res)
         return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex()}
     runs = []
+    probe = itertools.count(900)
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
-            running_cluster(2, Path(out_dir or tmp), policy=policy, env=env) as (router, url, servers):
+            running_cluster(2, Path(out_dir or tmp), policy=policies[0], env=env,
+                            health={"probe_timeout_s": PROBE_TIMEOUT_S}) as (router, url, servers):
         with EditClient(url) as client, contextlib.ExitStack() as stack:
             direct = [stack.enter_context(EditClient(s.grpc_url)) for s in servers]
 
-            def calibrate(template: int) -> dict:
-                return {"store": _store_state(servers), **_calibrate(client, template, assets, est, res, steps),
+            def calibrate() -> dict:
+                template = next(probe)
+                return {"store": _store_state(servers), "loadavg": list(os.getloadavg()),
+                        **_calibrate(client, template, assets, est, res, steps),
                         **_interference(direct, template + 1000, assets, steps)}
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
                 return {"scale": router.est.scale, "error": router.est.error}
 
-            calib = calibrate(900)
+            calib = calibrate()
             # 3. capacity: a burst on warmed templates.
             sat = workload.synthesize(np.zeros(burst), workload="public", n_templates=templates, zipf_s=1.1,
                                       seed=seed + 99)
@@ -239,162 +230,78 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 300, templates: int = 4, policy:
             records, wall = lg.run(client, sat, assets, progress=True)
             capacity = saturation_throughput([r.done_s for r in records if r.error is None])
             saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
-                          "router_model": sat_model,
+                          "policy": policies[0], "router_model": sat_model,
                           "warmup": [{"template": w.template, **feats(w)} for w in warm],
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
                                         "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
                                        for r, rec in zip(sat, records)]}
             print(json.dumps({"saturation_throughput": round(capacity, 3)}), flush=True)
-            for li, load in enumerate(loads):
-                rate = round(load * capacity, 3)
-                reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
-                                        seed=seed + li)
-                reqs = [replace(r, template=r.template + 100 * (li + 1)) for r in reqs]  # fresh templates per load
-                model_at_start = router_model()  # before the warm-up, which the simulator replays too
-                warm = _warm(client, assets, reqs)
-                # Right before the run, after the warm-up: the calibration sees the store as the run finds it
-                # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
-                run_calib = calibrate(900 + li + 1)
-                records, wall = lg.run(client, reqs, assets, progress=True)
-                runs.append({
-                    "load": load, "rate": rate, "wall_s": round(wall, 2), "calibration": run_calib,
-                    "router_model": model_at_start,
-                    "warmup": [{"template": w.template, **feats(w)} for w in warm],
-                    "requests": [{"t": r.t, "template": r.template, **feats(r),
-                                  "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
-                                  "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
-                                 for r, rec in zip(reqs, records)],
-                })
-                print(json.dumps({"load": load, "rate": rate, "measured_p95": round(float(np.percentile(
-                    [r.latency_s for r in records if r.latency_s is not None], 95)), 3)}), flush=True)
+            k = 0
+            for policy in policies:
+                if max_wall_s is not None and time.monotonic() - started > max_wall_s:
+                    skipped.append(policy)
+                    continue
+                router.policy = make(policy, router.est)  # the router's defaults, as ``--policy`` builds it
+                for li, load in enumerate(loads):
+                    k += 1
+                    rate = round(load * capacity, 3)
+                    reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
+                                            seed=seed + li)  # every policy gets the same arrivals and masks
+                    reqs = [replace(r, template=r.template + 100 * k) for r in reqs]  # fresh templates per run
+                    model_at_start = router_model()  # before the warm-up, which the simulator replays too
+                    warm = _warm(client, assets, reqs)
+                    # Right before the run, after the warm-up: the calibration sees the store as the run finds it
+                    # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
+                    run_calib = calibrate()
+                    records, wall = lg.run(client, reqs, assets, progress=True)
+                    runs.append({
+                        "policy": policy, "load": load, "rate": rate, "wall_s": round(wall, 2),
+                        "calibration": run_calib, "router_model": model_at_start,
+                        "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                        "requests": [{"t": r.t, "template": r.template, **feats(r),
+                                      "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
+                                      "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
+                                     for r, rec in zip(reqs, records)],
+                    })
+                    print(json.dumps({"policy": policy, "load": load, "rate": rate, "measured_p95": round(float(
+                        np.percentile([r.latency_s for r in records if r.latency_s is not None], 95)), 3)}),
+                        flush=True)
             # The host's speed drifts within a run as well: each run is bracketed by the calibration before it
             # and the next one, so the last run needs one after it.
-            final_calib = calibrate(900 + len(loads) + 1)
+            final_calib = calibrate()
             writes = _write_costs(servers)
             print(json.dumps({"writes": writes}), flush=True)
-    return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policy,
-                     "host_cores": os.cpu_count(),
+    return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policies[0],
+                     "policies": [p for p in policies if p not in skipped], "skipped": skipped,
+                     "host_cores": os.cpu_count(), "loadavg_at_end": list(os.getloadavg()),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
                      "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
+                     # the profile the calibration's ratios are relative to: a replay uses this very profile
+                     "profile_doc": json.loads(profile.read_text()) if profile.exists() else None,
                      "load_basis": "measured saturation throughput", "saturation": saturation,
                      "writes": writes, "final_calibration": final_calib}, "runs": runs}
 
-
-def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
-    """(name, service estimator, host model, seconds added outside denoising) per simulator variant."""
-    service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
-    # Shared CPU: the time outside denoising is CPU work split evenly between the pre-processing and decoding
-    # instances, which share the host's cores with both denoise loops.
-    outside_ms = calib["outside_s"] * 1000
-    host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
-                     post_ms=outside_ms / 2, interference=calib.get("interference", 0.0),
-                     record_ms=meta.get("writes", {}).get("record_ms", 0.0),
-                     heal_ms=meta.get("writes", {}).get("heal_ms", 0.0))
-    return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
-
-
-def bracketed(before: dict, after: dict) -> dict:
-    """The host's speed over a run from the calibrations on either side of it: their mean (the speed at the run's
-    middle if it drifted steadily)."""
-    keys = ("hit_scale", "miss_scale", "outside_s", "interference")
-    return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
-
-
-def _arrivals(meta: dict, run_: dict) -> list[tuple]:
-    f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
-    warm = run_["warmup"]
-    return [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)] + \
-        [(r["t"], f(r)) for r in run_["requests"]]
-
-
-def _masks(run_: dict) -> list[np.ndarray] | None:
-    """Each arrival's edited tokens (warm-up first, as ``_arrivals``), if the measurement saved them."""
-    rs = run_["warmup"] + run_["requests"]
-    if not all("mask_bits" in r for r in rs):
-        return None
-    return [np.unpackbits(np.frombuffer(bytes.fromhex(r["mask_bits"]), np.uint8))[:r["tokens"]].astype(bool)
-            for r in rs]
-
-
-def _router_estimator(cost: CostModel, run_: dict) -> Estimator:
-    """The simulated router's estimator, starting from the real router's online fit at the run's start."""
-    return replace(Estimator(cost), **run_.get("router_model", {}))
-
-
-def compare(measured: dict) -> list[dict]:
-    """Replay the burst and each measured run in the simulator, each with the calibration measured just before
-    it (older files: the one calibration); a row per variant."""
-    meta = measured["meta"]
-    profile = load_settings().profiles / meta["profile"]
-    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
-    rows = []
-    base = {"policy": meta["policy"], "workers": meta["instances"], "validation": True}
-    sat = meta.get("saturation")
-    if sat:
-        rows.append({**base, "load": "saturation", "simulated": False, "model": "measured",
-                     "throughput": sat["throughput"], "requests": len(sat["requests"])})
-        n_warm = len(sat["warmup"])
-        for model, svc, host, _ in _variants(meta, sat["calibration"], cost):
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, sat), _router_estimator(cost, sat),
-                         service=svc, host=host, masks=_masks(sat))["requests"][n_warm:]
-            thr = saturation_throughput([q.done - q.arrival for q in sim])
-            rows.append({**base, "load": "saturation", "simulated": True, "model": model, "throughput": thr,
-                         "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
-    runs = measured["runs"]
-    for i, run_ in enumerate(runs):
-        ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
-        lat = np.array([r["latency_s"] for r in ok])
-        b = {**base, "rate": run_["rate"], "load": run_["load"]}
-        m = {**b, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
-             "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
-             "errors": len(run_["requests"]) - len(ok),
-             "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
-        hits = [r for r in ok if r["cache_hit"] and r.get("computed_tokens") is not None]
-        if hits:  # tokens hits computed against their own masks' (> 1: the entry held invalid tokens); heals made
-            m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
-                                            max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
-            m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
-        rows.append(m)
-        n_warm = len(run_["warmup"])
-        before = run_.get("calibration", meta["calibration"])
-        after = runs[i + 1].get("calibration") if i + 1 < len(runs) else meta.get("final_calibration")
-        variants = _variants(meta, before, cost)
-        if after:
-            # The host's speed drifts within a run too (older files have no calibration after the last run): the
-            # same model with the calibration measured right after the run, and with the two brackets' mean.
-            for suffix, calib in (("calibrated_after", after), ("bracketed", bracketed(before, after))):
-                variants += [(f"{m}_{suffix}", svc, host, out) for m, svc, host, out in _variants(meta, calib, cost)
-                             if m == "shared_cpu"]
-        for model, svc, host, outside_s in variants:
-            sim = replay(meta["policy"], meta["instances"], _arrivals(meta, run_), _router_estimator(cost, run_),
-                         service=svc, host=host, masks=_masks(run_))
-            done = sim["requests"][n_warm:]
-            slat = np.array([q.done - q.arrival + outside_s for q in done])
-            rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
-                         "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
-                         "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
-                         "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3),
-                         "misses": sum(q.records for q in done), "heals": sum(q.heals for q in done)})
-    return rows
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.7, 0.85],
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.7],
                     help="offered load as a fraction of the measured saturation throughput")
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--policy", default="predicted")
+    ap.add_argument("--requests", type=int, default=60, help="requests per policy and load")
+    ap.add_argument("--policies", nargs="*", default=list(POLICIES), help="measured one after another on one pair "
+                    "of instances, each run bracketed by calibrations")
+    ap.add_argument("--max-wall-s", type=float, help="start no further policy after this long (the rest are "
+                    "listed as skipped)")
     ap.add_argument("--from", dest="source", type=Path,
                     help="re-simulate the measured runs saved in this file (no cluster)")
     ap.add_argument("--out", type=Path, default=RESULTS / "router_validation.json")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's servers are stopped on the way
     measured = json.loads(args.source.read_text()) if args.source else run(args.loads, args.requests,
-                                                                             policy=args.policy)
+                                                                             policies=args.policies,
+                                                                             max_wall_s=args.max_wall_s)
     measured["rows"] = compare(measured)
     for r in measured["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                          if k in ("load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
+                          if k in ("policy", "load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
                                    "errors", "cache_hits", "throughput", "throughput_error", "computed_over_mask",
                                    "heals", "misses")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +312,8 @@ def main(argv=None) -> None:
         data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
         data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}
         router_json.write_text(json.dumps(data, indent=1))
-    print(f"wrote {args.out}")
+    plot(measured["rows"], args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

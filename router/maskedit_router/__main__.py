@@ -32,7 +32,8 @@ from .limits import HttpLimits, StreamLimits
 from .metrics import serve_http
 from .openai_api import OpenAIServer
 from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
-from .server import CHANNEL_OPTIONS, Router
+from .backend import CHANNEL_OPTIONS
+from .server import Router
 from .tenancy import FairQueue
 from .tls import TlsFiles
 

@@ -115,7 +115,7 @@ class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The aio face of ``server.Router`` (Triton's ``GRPCInferenceService``)."""
 
     def __init__(self, router, limits: StreamLimits, keyring: Keyring | None = None):
-        from .server import _StreamSession
+        from .stream_session import _StreamSession
 
         self.r, self.limits = router, limits
         self.keyring = keyring or Keyring()

@@ -17,7 +17,8 @@ import time
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .server import FINAL, Router, probe_edit_request
+from .backend import FINAL, probe_edit_request
+from .server import Router
 
 log = logging.getLogger("maskedit.router")
 

@@ -38,7 +38,8 @@ from .extproc_wire import metadata_context, streamed_body
 from .auth import Forbidden, Keyring, Unauthenticated
 from .limits import StreamLimits
 from .tenancy import OverLimit, retry_after_header
-from .server import NoBackend, Router, Ticket
+from .backend import NoBackend, Ticket
+from .server import Router
 
 log = logging.getLogger("maskedit.router.picker")
 DESTINATION = "x-gateway-destination-endpoint"

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .health import probe
-from .server import Backend
+from .backend import Backend
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from maskedit_common.cost_model import CostModel
-from maskedit_lab.router_sim import HostModel, replay
+from maskedit_lab.router_sim_cluster import HostModel, replay
 from maskedit_router.features import EditFeatures
 from maskedit_router.policies import Estimator
 
@@ -128,7 +128,7 @@ def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
 
 
 def test_saturation_throughput_leaves_out_fill_and_drain():
-    from maskedit_lab.router_validate import saturation_throughput
+    from maskedit_lab.router_validate_replay import saturation_throughput
 
     # 8 completions: a slow start, one per second in the middle, a long drain
     done = [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 30.0, 60.0]
@@ -136,7 +136,7 @@ def test_saturation_throughput_leaves_out_fill_and_drain():
 
 
 def test_validation_replays_burst_and_runs_with_their_own_calibration():
-    from maskedit_lab.router_validate import compare
+    from maskedit_lab.router_validate_replay import compare
 
     calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
     req = lambda t, tpl: {"t": t, "template": tpl, "mask_ratio": 0.2, "tokens": 1024}  # noqa: E731
@@ -163,7 +163,7 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
 
 
 def test_validation_brackets_each_run_with_the_calibration_after_it():
-    from maskedit_lab.router_validate import bracketed, compare
+    from maskedit_lab.router_validate_replay import bracketed, compare
 
     before = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "interference": 0.0, "points": []}
     after = {"hit_scale": 3.0, "miss_scale": 2.0, "outside_s": 0.3, "interference": 0.1, "points": []}
@@ -191,10 +191,46 @@ def test_validation_brackets_each_run_with_the_calibration_after_it():
     assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
 
 
+def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with():
+    """Speed ratios are relative to a profile: a replay with another profile derives them again from the probes'
+    measured denoise times (the bench profile was recalibrated after a saved run, whose x1.8 then made the
+    replay 4-5x slow), and a measurement that embeds its profile is replayed with that profile."""
+    from maskedit_lab.router_validate_replay import profile_scales, replay_cost
+
+    est = Estimator(CostModel.fallback())
+    f = lambda r: EditFeatures("c", r, 1024, 8)  # noqa: E731
+    # probes that took 3x the fallback profile's prediction, saved with ratios against an older profile (x1.5)
+    points = [{"mask_ratio": 1.0, "hit": False, "denoise_s": 3 * est.request_ms(f(1.0), False) / 1000},
+              {"mask_ratio": 0.1, "hit": True, "denoise_s": 3 * est.request_ms(f(0.1), True) / 1000},
+              {"mask_ratio": 0.3, "hit": True, "denoise_s": 3 * est.request_ms(f(0.3), True) / 1000}]
+    calib = profile_scales({"hit_scale": 1.5, "miss_scale": 1.5, "points": points}, est, 1024, 8)
+    assert calib["hit_scale"] == pytest.approx(3.0) and calib["miss_scale"] == pytest.approx(3.0)
+    assert calib["profile_factor"] == pytest.approx(2.0)  # converts the router's online fit the same way
+    assert profile_scales({"hit_scale": 1.5, "miss_scale": 1.5}, est, 1024, 8)["hit_scale"] == 1.5  # no probes
+    doc = {"compute": {}, "load": {}, "meta": {"blocks": [["dual", 2, 64, 128]], "grid_tokens": 64}}
+    assert replay_cost({"profile": "missing.json", "profile_doc": doc}).meta["grid_tokens"] == 64
+
+
+def test_validation_replays_each_run_with_its_own_policy():
+    from maskedit_lab.router_validate_replay import compare
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
+    req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
+                     "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    runs = [{"policy": p, "load": 0.7, "rate": 0.5, "warmup": warm, "calibration": calib,
+             "requests": [req(30.0 * i) for i in range(10)]} for p in ("chwbl", "p2c")]
+    meta = {"policy": "chwbl", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+            "profile": "missing-profile.json"}
+    rows = compare({"meta": meta, "runs": runs})
+    assert {(r["policy"], r["model"]) for r in rows if r["model"] in ("measured", "shared_cpu")} == \
+        {(p, m) for p in ("chwbl", "p2c") for m in ("measured", "shared_cpu")}
+
+
 def test_validation_reads_saved_token_masks():
     import numpy as np
 
-    from maskedit_lab.router_validate import _masks
+    from maskedit_lab.router_validate_replay import _masks
 
     t = np.zeros(1024, bool)
     t[[0, 5, 1023]] = True

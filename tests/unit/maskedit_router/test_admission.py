@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from maskedit.cache.cost_model import CostModel
 from maskedit_client import EditClient, EditError
-from maskedit_router import admission, server
+from maskedit_router import admission, server, stream_session
 from maskedit_router.admission import AdmissionGauge, AdmissionWatcher
 from maskedit_router.features import EditFeatures
 from maskedit_router.policies import Estimator, make
@@ -318,8 +318,8 @@ def _session(router, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(server, "_BackendStream", _Stream)
-    monkeypatch.setattr(server, "_features", lambda req, resolution: EDIT)
+    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(stream_session, "_features", lambda req, resolution: EDIT)
     ctx = SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True)
     return server._StreamSession(router, ctx), sent
 

@@ -284,10 +284,32 @@ def test_checkpoint_residency_and_deadline_slack():
     d.touch("t", 1e9)
     d.backlog_ms, d.drain_t = e.request_ms(_f("t"), False), 0.0  # d finishes it later (its backlog)
     late_but_cheap = _f("t", deadline_s=1e6)
-    assert PredictedLatency(e, use_slack=False).choose([c, d], _f("t"), 0.0) is c
-    slack = PredictedLatency(e, abs_gate_ms=1e9)  # (the hot-spot guard aside: d's backlog is well above c's)
+    greedy = dict(congestion_weight=0.0, min_work_weight=0.0)  # latency alone: the extra work not charged
+    assert PredictedLatency(e, use_slack=False, **greedy).choose([c, d], _f("t"), 0.0) is c
+    slack = PredictedLatency(e, **greedy)
     assert slack.choose([c, d], late_but_cheap, 0.0) is d
     assert slack.choose([c, d], _f("t", deadline_s=0.001), 0.0) is c  # no slack: the earliest completion
+    # the deadline counts with a margin: predicted to finish at 0.8 of it on d does not meet it at the default 0.6
+    tight = _f("t", deadline_s=(d.backlog_at(0.0) + e.request_ms(_f("t"), True)) / 0.8 / 1000)
+    assert PredictedLatency(e, deadline_margin=1.0, **greedy).choose([c, d], tight, 0.0) is d
+    assert PredictedLatency(e, **greedy).choose([c, d], tight, 0.0) is c
+
+
+def test_extra_work_is_charged_by_the_requests_it_delays():
+    """A template run where a cached run would do costs (miss - hit) of capacity; charged x 2 per request in flight
+    on the backend that would run it (at least x 1), so a busy backend keeps away and an idle one takes it."""
+    e = Estimator(CostModel.fallback())
+    hit, miss = e.request_ms(_f("t"), True), e.request_ms(_f("t"), False)
+    c, d = BackendLoad("c"), BackendLoad("d")
+    d.touch("t", 1e9)
+    d.backlog_ms, d.drain_t, d.inflight = 1.5 * (miss - hit), 0.0, 1  # d holds t, a little behind
+    p = PredictedLatency(e)
+    assert p.choose([c, d], _f("t"), 0.0) is d  # c idle: 2 * miss - hit > 1.5 * (miss - hit) + hit
+    assert PredictedLatency(e, min_work_weight=0.0, congestion_weight=0.0).choose([c, d], _f("t"), 0.0) is c
+    d.backlog_ms = 3 * (miss - hit)  # far enough behind: load beats affinity
+    assert p.choose([c, d], _f("t"), 0.0) is c
+    c.inflight = 2  # but c is busy too: its extra work would delay its 2 requests (x 4)
+    assert p.choose([c, d], _f("t"), 0.0) is d
 
 
 def test_backlog_drains_while_the_backend_works():

@@ -167,12 +167,12 @@ def test_an_endpoint_that_comes_back_within_the_deadline_serves_the_request():
 @pytest.fixture
 def session(monkeypatch):
     from maskedit_common.cost_model import CostModel
-    from maskedit_router import server
+    from maskedit_router import server, stream_session
     from maskedit_router.policies import Estimator, make
 
     from .test_server_faults import _Stream
 
-    monkeypatch.setattr(server, "_BackendStream", _Stream)
+    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     est = Estimator(CostModel.fallback())
     router = server.Router(["a:1"], make("round_robin", est), est, retry_budget_s=1.0)

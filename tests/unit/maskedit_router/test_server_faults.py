@@ -11,7 +11,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from maskedit_common.cost_model import CostModel
-from maskedit_router import server
+from maskedit_router import server, stream_session
 from maskedit_router.policies import Estimator, make
 
 # Triton 2.51's answer for a request to a model whose stub died (the integration test checks the real text)
@@ -39,7 +39,7 @@ class _Stream:
 
 @pytest.fixture
 def session(monkeypatch):
-    monkeypatch.setattr(server, "_BackendStream", _Stream)
+    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     est = Estimator(CostModel.fallback())
     router = server.Router(["a:1", "b:2"], make("round_robin", est), est, retry_budget_s=0)  # test_retry: > 0
