@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from loadgen import records, runner, workload
+from maskedit.repository import PASSTHROUGH, PREPARED
 from maskedit_client import EditClient, EditError
 
 
@@ -64,8 +65,7 @@ def _stage_inputs(server, template_img, box_mask, steps):
         ins.append(t)
     pre = g.infer("preprocess", ins)
     out = []
-    for n in ["LATENTS", "COND", "PROMPT_EMBEDS", "POOLED_EMBEDS", "TOKEN_MASK", "MODEL_SIZE", "STEPS_RESOLVED",
-              "GUIDANCE_RESOLVED", "TEMPLATE_RGB", "ALPHA", "REQUEST_INFO"]:
+    for n in [t.name for t in (*PREPARED, *PASSTHROUGH)]:  # what the ensemble hands masked_denoise
         a = pre.as_numpy(n)
         t = grpcclient.InferInput(n, list(a.shape), grpcclient.np_to_triton_dtype(a.dtype))
         t.set_data_from_numpy(a)

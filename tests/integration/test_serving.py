@@ -14,6 +14,7 @@ from diffusers import FluxFillPipeline
 from PIL import Image
 
 from maskedit import imaging, samples
+from maskedit.repository import PASSTHROUGH, PREPARED
 from tests.conftest import png
 
 
@@ -80,8 +81,7 @@ def test_served_latents_equal_stock_within_1e4(server, stock, settings, template
             t.set_data_from_numpy(np.array([value], dtype=np_t))
             ins.append(t)
         pre = g.infer("preprocess", ins)
-        names = ["LATENTS", "COND", "PROMPT_EMBEDS", "POOLED_EMBEDS", "TOKEN_MASK", "MODEL_SIZE", "STEPS_RESOLVED",
-                 "GUIDANCE_RESOLVED", "TEMPLATE_RGB", "ALPHA", "REQUEST_INFO"]
+        names = [t.name for t in (*PREPARED, *PASSTHROUGH)]  # what the ensemble hands masked_denoise
         den_in = []
         for n in names:
             a = pre.as_numpy(n)
