@@ -15,15 +15,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from ..errors import Unavailable
+from ..errors import EditError
 from .wire import pack_request, unpack_residuals
 
 PROVIDERS = ("inprocess", "triton")
 FIELD = "CONTROLS"
 
 
-class ControlNetFailed(Unavailable):
-    """The ``controlnet`` model failed (or timed out) for a job's controls; the others in the step go on.
+class ControlNetFailed(EditError):
+    """The ``controlnet`` model failed (or timed out) for a job's controls; the others in the step go on. INTERNAL,
+    not UNAVAILABLE: clients retry UNAVAILABLE, and a ControlNet that cannot load fails every time.
     ``failures``: (job, its error) for every job of the step whose call failed (the engine retires those)."""
 
     def __init__(self, message: str, failures: list | None = None):

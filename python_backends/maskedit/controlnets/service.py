@@ -10,6 +10,7 @@ from maskedit_common.controls import ControlSpec
 
 from ..components import family
 from ..device import torch_dtype
+from ..errors import EditError, InvalidInput
 from .job import ActiveControl
 from .library import ControlNetLibrary
 from .wire import pack_residuals, unpack_request
@@ -31,7 +32,14 @@ class ControlNetService:
         total = None
         for i, (name, scale, mode, image) in enumerate(controls):
             spec = ControlSpec(name, scale, mode=mode)
-            res = self.family.control_residuals(ActiveControl(spec, self.library.load(spec, i), image), inputs, scale)
+            try:
+                model = self.library.load(spec, i)
+            except InvalidInput:
+                raise
+            except Exception as e:  # unreadable weights and the like: say which, not where (no server paths)
+                raise EditError(f"control {i}: ControlNet {name!r} could not be loaded ({type(e).__name__})",
+                                "CONTROLS") from e
+            res = self.family.control_residuals(ActiveControl(spec, model, image), inputs, scale)
             total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
         if total is None:
             raise ValueError("CONTROLNETS: names no ControlNet")

@@ -135,6 +135,7 @@ def test_a_failing_controlnet_call_fails_only_its_request(model):
         ed.close()
     assert errors[0] is None
     np.testing.assert_array_equal(jobs[0].result(), alone[0].result())
-    assert isinstance(errors[1], ControlNetFailed) and errors[1].code == "UNAVAILABLE"
-    assert str(errors[1]).startswith("CONTROLS: the controlnet model failed for ControlNet 'broken'")
+    assert isinstance(errors[1], ControlNetFailed) and errors[1].code == "INTERNAL"
+    assert str(errors[1]) == ("CONTROLS: the controlnet model failed for ControlNet 'broken': CONTROLS: control 0: "
+                              "ControlNet 'broken' could not be loaded (OSError)")
     assert p.stats.snapshot()["failures"] == 1  # not retried: a timeout is not waited for twice
