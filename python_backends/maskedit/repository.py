@@ -58,7 +58,7 @@ CONTROLNET_IN = [
     T("ENCODER_HIDDEN_STATES", "FP32", (-1, -1, -1)), T("TEXT_EMBEDS", "FP32", (-1, -1), optional=True),
     T("TIME_IDS", "FP32", (-1, -1), optional=True),
 ]
-CONTROLNET_OUT = [T("RESIDUALS", "FP32", (-1,)), T("RESIDUAL_SHAPES", "INT64", (-1, -1))]
+CONTROLNET_OUT = [T("RESIDUALS", "FP32", (-1,)), T("RESIDUAL_SHAPES", "INT64", (-1, -1)), T("COMPUTE_S", "FP64", (1,))]
 DENOISED = [T("DENOISED", "FP32", (-1, -1)), T("MODEL_SIZE_OUT", "INT32", (2,))]
 RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 

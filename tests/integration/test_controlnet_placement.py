@@ -54,7 +54,7 @@ def test_bls_images_equal_the_in_process_path_for_one_and_two_controlnets(placed
         for n in (1, 2):
             r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=3, guidance=7.5, raw_output=True,
                             template_seed=11, controls=CONTROLS[:n], control_images=ctl[:n])
-            assert r.info["control_placement"] == "triton" and r.info["control_bls_s"] > 0
+            assert r.info["control_placement"] == "triton" and r.info["control_bls_s"] >= r.info["control_model_s"] > 0
             ref, _, _ = local.edit(png(template_img), png(box_mask), "a red hat", seed=11, steps=3, guidance=7.5,
                                    raw_output=True, template_seed=11, controls=CONTROLS[:n],
                                    control_images=[png(c) for c in ctl[:n]])

@@ -42,6 +42,7 @@ class Stats:
         self.calls = 0
         self.bls_s = 0.0  # BLS round trips (the ``exec`` call, not packing)
         self.failures = 0
+        self.model_s = 0.0  # the controlnet model's own time in those calls (``COMPUTE_S``)
 
     def add(self, **kw) -> None:
         with self.lock:
@@ -50,14 +51,14 @@ class Stats:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {k: getattr(self, k) for k in ("steps", "step_s", "calls", "bls_s", "failures")}
+            return {k: getattr(self, k) for k in ("steps", "step_s", "calls", "bls_s", "failures", "model_s")}
 
 
 class Pending:
     """One request's residuals at one step, computed or on their way."""
 
     def __init__(self, job, value=None, seconds: float = 0.0):
-        self.job, self._value, self.seconds, self.bls_s = job, value, seconds, 0.0
+        self.job, self._value, self.seconds, self.bls_s, self.model_s = job, value, seconds, 0.0, 0.0
 
     def result(self) -> list:
         return self._value
@@ -87,7 +88,7 @@ class _Remote(Pending):
     def result(self) -> list:
         p = self._p
         try:
-            out, self.seconds, self.bls_s = self._future.result(timeout=p.timeout_s + 5.0)  # the BLS timeout's backstop
+            out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=p.timeout_s + 5.0)  # the BLS timeout's backstop
             return unpack_residuals(out, p.device, p.dtype)
         except FutureTimeout:
             reason = f"timed out after {p.timeout_s:g} s (MASKEDIT_CONTROLNET_TIMEOUT_S)"
@@ -116,8 +117,9 @@ class TritonProvider:
         t0 = time.perf_counter()
         out = self.transport(arrays)
         t1 = time.perf_counter()
-        self.stats.add(calls=1, bls_s=t1 - t0)
-        return out, t1 - t0, t1 - t0
+        model_s = float(out["COMPUTE_S"].reshape(-1)[0]) if out.get("COMPUTE_S") is not None else 0.0
+        self.stats.add(calls=1, bls_s=t1 - t0, model_s=model_s)
+        return out, t1 - t0, t1 - t0, model_s
 
     def start(self, job, active: list, inputs: dict) -> Pending:
         arrays = pack_request([(c.spec.name, s, c.spec.mode, c.image) for c, s in active], inputs)

@@ -5,6 +5,9 @@ order as ``MultiControlNetModel`` sums them, exactly what the in-process path co
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 from maskedit_common.controls import ControlSpec
 
@@ -28,6 +31,7 @@ class ControlNetService:
     def run(self, arrays: dict) -> dict:
         """``wire.pack_request``'s arrays in, ``wire.pack_residuals``'s out. A bad name or ControlNet raises
         ``InvalidInput`` naming CONTROLS (the library's checks)."""
+        t0 = time.perf_counter()
         controls, inputs = unpack_request(arrays, self.device, self.dtype)
         total = None
         for i, (name, scale, mode, image) in enumerate(controls):
@@ -43,4 +47,6 @@ class ControlNetService:
             total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
         if total is None:
             raise ValueError("CONTROLNETS: names no ControlNet")
-        return pack_residuals(total)
+        out = pack_residuals(total)
+        out["COMPUTE_S"] = np.array([time.perf_counter() - t0], np.float64)  # the caller's round trip minus this:
+        return out  # the BLS overhead

@@ -14,6 +14,8 @@ _METRICS = {  # stats key: (metric name, description)
                "computing them; triton: from the first BLS call's start to the last result)"),
     "calls": ("maskedit_controlnet_bls_calls_total", "BLS calls to the controlnet model (one per request and step)"),
     "bls_s": ("maskedit_controlnet_bls_seconds_total", "seconds of those BLS round trips"),
+    "model_s": ("maskedit_controlnet_model_seconds_total", "of which the controlnet model's own work (the rest: BLS "
+                "transfer and queueing)"),
     "failures": ("maskedit_controlnet_failures_total", "ControlNet calls that failed or timed out (their requests "
                  "failed, naming CONTROLS)"),
 }

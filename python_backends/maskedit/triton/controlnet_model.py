@@ -5,7 +5,6 @@ answered alone: one bad or failing request never fails the others Triton hands o
 
 from __future__ import annotations
 
-import os
 
 from .. import logs
 from ..controlnets.wire import INPUTS
@@ -17,7 +16,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = load_settings()
         self.log = logs.setup("controlnet", self.settings.service.log_level)
-        io.limit_threads(args, self.settings.service, default=max(1, os.cpu_count() or 1))  # as the denoiser
+        io.limit_threads(args, self.settings.service, default=1)  # see docs/controlnet.md
         self._service = None  # loaded on first use: a server whose family runs no ControlNets pays nothing
 
     @property
@@ -34,7 +33,8 @@ class TritonPythonModel:
     def _one(self, request):
         try:
             arrays = {k: io.array(request, k) for k in INPUTS}
-            return io.response(self.service.run({k: v for k, v in arrays.items() if v is not None}))
+            out = self.service.run({k: v for k, v in arrays.items() if v is not None})
+            return io.response(out)
         except Exception as e:
             self.log.exception("controlnet call failed")
             return io.error_response(e, request.request_id())

@@ -96,6 +96,7 @@ def collect_residuals(provider, group: list, pending: list, t0: float):
         if p is not None:
             job.control_s += p.seconds
             job.control_bls_s += p.bls_s
+            job.control_model_s += p.model_s
     if any(p is not None for p in pending):
         provider.stats.add(steps=1, step_s=time.perf_counter() - t0)
     if failed:

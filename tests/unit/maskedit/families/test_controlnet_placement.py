@@ -117,6 +117,7 @@ def test_bls_provider_equals_in_process_in_a_mixed_batch(model):
     assert got[1].control_bls_s > 0 and got[0].control_bls_s == 0
     st = p.stats.snapshot()
     assert st["calls"] == 2 * STEPS and st["steps"] == STEPS and st["failures"] == 0  # one call per request and step
+    assert 0 < st["model_s"] <= st["bls_s"] and got[1].control_model_s > 0  # the model reports its own time
 
 
 def test_a_failing_controlnet_call_fails_only_its_request(model):
