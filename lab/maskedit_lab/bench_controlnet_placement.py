@@ -4,7 +4,8 @@ process, side by side in one run on one model: a tritonserver with placement ``t
 (in-process) in this process, the same edits alternating in each round after a warm-up. Per case it reports the
 ControlNet time per step on each side (EDIT_INFO ``control_s`` / the job's ``control_s``, over the steps), the BLS
 round trip and the controlnet model's own work in it (``control_model_s``), and the denoise time per step; the BLS
-overhead per step is the round trip minus the model's work. On a CPU the controlnet model's process competes with the denoiser for the same cores. Writes JSON and a
+overhead per step is the round trip minus the model's work. On a CPU the controlnet model's process competes with
+the denoiser for the same cores. Writes JSON and a
 plot under ``perf_profiles/results``."""
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def run(model_dir: Path, steps: int, reps: int, log: Path) -> list[dict]:
     server.start(timeout=600)
     client, ed = EditClient(server.grpc_url), LocalEditor(s)
     cases = {k: v for k, v in CASES.items() if v}
-    got = {case: {"inproc_control": [], "triton_control": [], "triton_bls": [], "triton_model": [], "inproc_denoise": [],
-                  "triton_denoise": []} for case in cases}
+    keys = ("inproc_control", "triton_control", "triton_bls", "triton_model", "inproc_denoise", "triton_denoise")
+    got = {case: {k: [] for k in keys} for case in cases}
     try:
         for i in range(reps + 1):  # round 0 warms up (loads the ControlNets on both sides)
             for case, controls in cases.items():
@@ -122,7 +123,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['case']}: ControlNets per step in-process {1e3 * r['inproc_control_step_s']:.1f} ms, via BLS "
               f"{1e3 * r['triton_control_step_s']:.1f} ms (of which the model's work "
-              f"{1e3 * r['triton_model_step_s']:.1f} ms): BLS overhead {r['bls_overhead_step_ms']} ms/step; whole step {1e3 * r['inproc_denoise_step_s']:.1f} vs "
+              f"{1e3 * r['triton_model_step_s']:.1f} ms): BLS overhead {r['bls_overhead_step_ms']} ms/step; "
+              f"whole step {1e3 * r['inproc_denoise_step_s']:.1f} vs "
               f"{1e3 * r['triton_denoise_step_s']:.1f} ms ({r['denoise_triton_over_inproc']}x)")
 
 

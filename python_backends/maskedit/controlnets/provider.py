@@ -88,7 +88,8 @@ class _Remote(Pending):
     def result(self) -> list:
         p = self._p
         try:
-            out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=p.timeout_s + 5.0)  # the BLS timeout's backstop
+            # BLS enforces the timeout itself; this is its backstop
+            out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=p.timeout_s + 5.0)
             return unpack_residuals(out, p.device, p.dtype)
         except FutureTimeout:
             reason = f"timed out after {p.timeout_s:g} s (MASKEDIT_CONTROLNET_TIMEOUT_S)"

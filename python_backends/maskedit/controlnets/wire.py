@@ -8,8 +8,8 @@ ControlNet call arguments for the request's rows: ``SAMPLE`` (R, 4, h, w), ``TIM
 ``ENCODER_HIDDEN_STATES`` (R, L, D), and for SDXL ``TEXT_EMBEDS`` (R, P) and ``TIME_IDS`` (R, T) (absent for SD 2).
 
 Response: one packed tensor ``RESIDUALS`` (n,) FP32, the down residuals then the mid residual flattened and
-concatenated, with ``RESIDUAL_SHAPES`` INT64 (count, 4) their shapes (and ``COMPUTE_S`` FP64 (1,), the model's own time, so the
-caller can tell the BLS overhead from the work) — one tensor whatever the UNet's depth, so the
+concatenated, with ``RESIDUAL_SHAPES`` INT64 (count, 4) their shapes (and ``COMPUTE_S`` FP64 (1,), the model's own
+time, so the caller can tell the BLS overhead from the work) — one tensor whatever the UNet's depth, so the
 config does not depend on the model. Tensors travel as float32 (Triton's numpy path has no bfloat16); the receiver
 casts them back to its dtype.
 """

@@ -89,7 +89,8 @@ class TritonPythonModel:
                 placement = self.settings.controlnet_placement
                 info.update(control_s=round(job.control_s, 6), control_placement=placement)
                 if placement == "triton":  # of which BLS round trips to the controlnet model
-                    info.update(control_bls_s=round(job.control_bls_s, 6), control_model_s=round(job.control_model_s, 6))
+                    info.update(control_bls_s=round(job.control_bls_s, 6),
+                                control_model_s=round(job.control_model_s, 6))
                 _quietly(self.control_metrics.sync)
             jc = job.cache
             if jc is not None:
