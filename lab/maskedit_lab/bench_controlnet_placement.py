@@ -5,8 +5,7 @@ process, side by side in one run on one model: a tritonserver with placement ``t
 ControlNet time per step on each side (EDIT_INFO ``control_s`` / the job's ``control_s``, over the steps), the BLS
 round trip and the controlnet model's own work in it (``control_model_s``), and the denoise time per step; the BLS
 overhead per step is the round trip minus the model's work. On a CPU the controlnet model's process competes with
-the denoiser for the same cores. Writes JSON and a
-plot under ``perf_profiles/results``."""
+the denoiser for the same cores. Writes JSON and a plot under ``perf_profiles/results``."""
 
 from __future__ import annotations
 
