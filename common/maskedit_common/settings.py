@@ -143,6 +143,8 @@ class Settings:
     controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
     max_controls: int = 2  # ControlNets per request
     max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
+    controlnet_placement: str = "inprocess"  # where ControlNets run: in the denoiser's process, or the `controlnet` model
+    controlnet_timeout_s: float = 30.0  # a BLS call to the `controlnet` model fails its requests after this
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -224,6 +226,7 @@ class Var:
     choices: tuple[str, ...] = ()
 
 
+CONTROLNET_PLACEMENTS = ("inprocess", "triton")  # maskedit.controlnets.provider.PROVIDERS
 CACHE_POLICIES = ("off", "planner", "planner_y")  # maskedit.cache.policy.POLICIES (a unit test keeps them equal)
 BATCHING_POLICIES = ("continuous", "static", "priority")  # maskedit.scheduler.BatchScheduler.POLICIES
 
@@ -274,6 +277,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_MAX_CONTROLS", "max_controls", int, "ControlNets one request may name in `CONTROLS`"),
     Var("MASKEDIT_MAX_CONTROL_SCALE", "max_control_scale", float, "largest conditioning scale accepted in "
         "`CONTROLS`"),
+    Var("MASKEDIT_CONTROLNET_PLACEMENT", "controlnet_placement", str, "where a step's ControlNet residuals are "
+        "computed: `inprocess` (the denoiser's process and device) or `triton` (the `controlnet` model, called "
+        "through BLS; its own instance group)", choices=CONTROLNET_PLACEMENTS),
+    Var("MASKEDIT_CONTROLNET_TIMEOUT_S", "controlnet_timeout_s", float, "seconds one BLS call to the `controlnet` "
+        "model may take before the requests it served fail (naming `CONTROLS`)"),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),

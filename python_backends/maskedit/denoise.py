@@ -78,6 +78,8 @@ class DenoiseJob:
     controls: tuple = ()  # ``controlnets.job.ActiveControl`` per control once loaded (``ModelRunner.load_controls``)
     controls_loaded: bool = False
     control_s: float = 0.0  # seconds its ControlNets took, over all its steps (EDIT_INFO ``control_s``)
+    control_bls_s: float = 0.0  # of which BLS round trips to the ``controlnet`` model (placement ``triton``)
+    control_model_s: float = 0.0  # of which the ``controlnet`` model's own work (the rest is BLS overhead)
 
     @property
     def steps(self) -> int:
@@ -112,6 +114,7 @@ class ModelRunner:
         self.cache = cache
         self._adapter_jobs = None  # maskedit.adapters.jobs.AdapterJobs, made on first use
         self._controlnets = None  # maskedit.controlnets.library.ControlNetLibrary, made on first use
+        self._control_provider = None  # maskedit.controlnets.provider: where residuals come from, made on first use
 
     @property
     def adapters(self):
@@ -173,6 +176,15 @@ class ModelRunner:
             self._controlnets = ControlNetLibrary(self.settings.controlnets, self.family, self.settings)
         return self._controlnets
 
+    @property
+    def control_provider(self):
+        """Where the family's step gets ControlNet residuals (``MASKEDIT_CONTROLNET_PLACEMENT``)."""
+        if self._control_provider is None:
+            from .controlnets.provider import make_provider
+
+            self._control_provider = make_provider(self)
+        return self._control_provider
+
     def load_controls(self, job: DenoiseJob) -> None:
         """Load (or find loaded) the job's ControlNets and put its control images on the device; called off the
         loop where the caller can, else at admission. A bad one fails this request only (naming CONTROLS)."""
@@ -180,8 +192,11 @@ class ModelRunner:
             return
         from .controlnets.job import ActiveControl
 
+        # Placed in the ``controlnet`` model, a ControlNet is checked here from its config and loaded there.
+        load = self.controlnets.check_remote if self.settings.controlnet_placement == "triton" else \
+            self.controlnets.load
         job.controls = tuple(
-            ActiveControl(c.spec, self.controlnets.load(c.spec, i, self.transformer),
+            ActiveControl(c.spec, load(c.spec, i, self.transformer),
                           torch.from_numpy(np.ascontiguousarray(c.image)).to(self.device, self.dtype))
             for i, c in enumerate(job.inputs.controls))
         job.controls_loaded = True

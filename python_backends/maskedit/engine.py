@@ -262,6 +262,11 @@ class DenoiseEngine:
         release_cached_memory(self.runner.device)
         ok = [j for j in batch if j.step_index > before[id(j)]]  # advanced before the failure
         failed = []
+        at_fault = getattr(first, "failures", None) or []  # (job, error): e.g. its ControlNet call failed; not
+        for job, error in at_fault:  # retried (a timeout would be waited for twice), the others retry
+            if any(job is j for j in batch) and job.step_index == before[id(job)]:
+                self._retire([job], error=error)
+        batch = [j for j in batch if not any(j is k for k, _ in at_fault)]
         for job in (j for j in batch if j.step_index == before[id(j)]):
             try:
                 self.runner.step([job])

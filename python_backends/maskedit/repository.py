@@ -50,6 +50,15 @@ PASSTHROUGH = [  # what vae_decode needs; it may only take inputs from masked_de
     T("ALPHA", "UINT8", (-1, -1)),
     T("REQUEST_INFO", "STRING", (1,)),
 ]
+# The ``controlnet`` model (``maskedit.controlnets.wire``): one request's ControlNets at one step, and their residuals
+# packed in one tensor with their shapes.
+CONTROLNET_IN = [
+    T("CONTROLNETS", "STRING", (-1,)), T("SCALES", "FP64", (-1,)), T("MODES", "STRING", (-1,)),
+    T("CONTROL_IMAGES", "FP32", (-1, -1, -1, -1)), T("SAMPLE", "FP32", (-1, -1, -1, -1)), T("TIMESTEP", "FP32", (-1,)),
+    T("ENCODER_HIDDEN_STATES", "FP32", (-1, -1, -1)), T("TEXT_EMBEDS", "FP32", (-1, -1), optional=True),
+    T("TIME_IDS", "FP32", (-1, -1), optional=True),
+]
+CONTROLNET_OUT = [T("RESIDUALS", "FP32", (-1,)), T("RESIDUAL_SHAPES", "INT64", (-1, -1)), T("COMPUTE_S", "FP64", (1,))]
 DENOISED = [T("DENOISED", "FP32", (-1, -1)), T("MODEL_SIZE_OUT", "INT32", (2,))]
 RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 
@@ -70,6 +79,7 @@ def models() -> list[Model]:
         Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
         Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
         Model("cancel", [T("REQUEST_IDS", "STRING", (-1,))], [T("CANCELLED", "INT32", (1,))]),
+        Model("controlnet", CONTROLNET_IN, CONTROLNET_OUT),  # called through BLS by masked_denoise, not the ensemble
     ]
 
 

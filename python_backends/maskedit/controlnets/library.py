@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 from maskedit_common.controls import FIELD, NAME, UNION_MODES, ControlSpec, library_names
 
@@ -67,6 +68,16 @@ class ControlNetLibrary:
                 fam.control_mode_index(spec.mode, cfg)
             except ValueError as e:
                 raise InvalidInput(f"control {i}: ControlNet {spec.name!r}: {e}", FIELD) from None
+
+    def check_remote(self, spec: ControlSpec, index: int = 0, denoiser=None) -> None:
+        """What ``load`` checks, from the config alone (the ``controlnet`` model loads the weights): None."""
+        cfg = self.config(spec.name, index)
+        self._check_config(spec, cfg, index)
+        if denoiser is not None:
+            try:
+                self.family.check_controlnet(SimpleNamespace(config=SimpleNamespace(**cfg)), denoiser)
+            except ValueError as e:
+                raise InvalidInput(f"control {index}: ControlNet {spec.name!r} {e}", FIELD) from None
 
     def load(self, spec: ControlSpec, index: int = 0, denoiser=None):
         """The loaded ControlNet of ``spec`` (cached), checked against the family and ``denoiser``."""

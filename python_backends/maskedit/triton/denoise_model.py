@@ -26,6 +26,7 @@ from ..settings import load_settings
 from . import io
 from .adapter_metrics import AdapterMetrics
 from .cache_setup import CacheMetrics, cache_runtime
+from .controlnet_metrics import ControlNetMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("maskedit.triton.denoise")
@@ -47,6 +48,7 @@ class TritonPythonModel:
         self._sweeper = self.cancels.sweep_every(s.service.cancel_sweep_s)
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
+        self.control_metrics = ControlNetMetrics(runner)
         self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
         rt = runner.adapters  # the adapter cache's device tier (host tier behind it) and its metrics
         self.adapter_metrics = AdapterMetrics(rt.stats, rt.host, rt)
@@ -90,7 +92,12 @@ class TritonPythonModel:
                         queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off",
                         instance=self.instance)
             if job.controls:  # the ControlNet calls' wall time (on a GPU: launch time, the calls are not synchronised)
-                info.update(control_s=round(job.control_s, 6))
+                placement = self.settings.controlnet_placement
+                info.update(control_s=round(job.control_s, 6), control_placement=placement)
+                if placement == "triton":  # of which BLS round trips to the controlnet model
+                    info.update(control_bls_s=round(job.control_bls_s, 6),
+                                control_model_s=round(job.control_model_s, 6))
+                _quietly(self.control_metrics.sync)
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
@@ -106,6 +113,7 @@ class TritonPythonModel:
             _quietly(self.metrics.outcome, getattr(e, "code", "INTERNAL"))
             _quietly(self.metrics.sync)
             _quietly(self.adapter_metrics.sync)
+            _quietly(self.control_metrics.sync)
             self.cancels.clear(rid)  # its marker (if it was cancelled) has done its work
             sender.send(io.error_response(e, rid), flags=FINAL)
 
@@ -134,6 +142,9 @@ class TritonPythonModel:
         self._metrics_sync.set()
         self._adapter_sync.set()
         self.engine.shutdown(timeout=self.settings.service.shutdown_grace_s)
+        provider = self.engine.runner._control_provider
+        if provider is not None and hasattr(provider, "close"):
+            provider.close()
         if self.engine.runner.cache is not None:
             self.engine.runner.cache.close()
 

@@ -69,27 +69,72 @@ def control_residuals(control, inputs: dict, scale: float) -> list[torch.Tensor]
     return [*down, mid]
 
 
-def group_residuals(family, group: list, steps_inputs: list[dict]):
-    """The UNet's ``down_block_additional_residuals`` and ``mid_block_additional_residual`` for ``group`` (one
-    per-request ``inputs`` each), or (None, None) when no request has an active control at this step."""
-    per_job = []
+def start_residuals(provider, group: list, steps_inputs: list[dict]) -> list:
+    """Start each request's ControlNet calls for this step (``provider``: ``controlnets.provider``; in-process it
+    computes them now, through Triton they are in flight on return): one ``Pending`` or None per request."""
+    pending = []
     for job, inputs in zip(group, steps_inputs):
-        total, t0 = None, time.perf_counter()
-        for control in job.controls:
-            scale = control.scale_at(job.step_index, job.steps)
-            if scale == 0:  # outside its start / end: the pipelines add its zeros
-                continue
-            res = family.control_residuals(control, inputs, scale)
-            total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
-        if job.controls:
-            job.control_s += time.perf_counter() - t0
-        per_job.append(total)
+        active = [(c, c.scale_at(job.step_index, job.steps)) for c in job.controls]
+        active = [(c, s) for c, s in active if s != 0]  # outside its start / end: the pipelines add its zeros
+        pending.append(provider.start(job, active, inputs) if active else None)
+    return pending
+
+
+def collect_residuals(provider, group: list, pending: list, t0: float):
+    """The UNet's ``down_block_additional_residuals`` and ``mid_block_additional_residual`` for ``group`` from
+    ``start_residuals``' calls, or (None, None) when no request has an active control at this step. Requests whose
+    call failed raise one ``ControlNetFailed`` naming them all (the engine fails those alone)."""
+    from ...controlnets.provider import ControlNetFailed
+
+    per_job, failed = [], []
+    for job, p in zip(group, pending):
+        try:
+            per_job.append(None if p is None else p.result())
+        except ControlNetFailed as e:
+            failed.append(e)
+            per_job.append(None)
+        if p is not None:
+            job.control_s += p.seconds
+            job.control_bls_s += p.bls_s
+            job.control_model_s += p.model_s
+    if any(p is not None for p in pending):
+        provider.stats.add(steps=1, step_s=time.perf_counter() - t0)
+    if failed:
+        raise ControlNetFailed(str(failed[0]).removeprefix("CONTROLS: "), [f for e in failed for f in e.failures])
     shapes = next((t for t in per_job if t is not None), None)
     if shapes is None:
         return None, None
     rows = [t if t is not None else [torch.zeros_like(x) for x in shapes] for t in per_job]
     summed = [torch.cat(parts) for parts in zip(*rows)]
     return summed[:-1], summed[-1]
+
+
+class LateResiduals:
+    """Residuals handed to the UNet before they exist, so its work that does not need them overlaps the ControlNet
+    calls: ``UNet2DConditionModel.forward`` reads ``down_block_additional_residuals`` only after its time embedding,
+    ``conv_in`` and every down block (it zips them with the down blocks' outputs), and the mid residual after its mid
+    block. ``down`` resolves the calls when first iterated and copies the mid residual into ``mid``, a placeholder
+    of the mid block's output shape (the last down block's: ``block_out_channels[-1]`` at 1 / 2^(blocks-1) size)."""
+
+    def __init__(self, resolve, unet, rows: int, h: int, w: int, device, dtype):
+        for _ in range(len(unet.config.block_out_channels) - 1):
+            h, w = (h + 1) // 2, (w + 1) // 2  # stride-2 convolutions with padding 1
+        self.mid = torch.zeros(rows, unet.config.block_out_channels[-1], h, w, device=device, dtype=dtype)
+        self._resolve, self._down = resolve, None
+        self.down = self
+
+    def __iter__(self):
+        if self._down is None:
+            down, mid = self._resolve()
+            self.mid.copy_(mid)
+            self._down = down
+        return iter(self._down)
+
+
+def group_residuals(provider, group: list, steps_inputs: list[dict]):
+    """``start_residuals`` then ``collect_residuals``: nothing done in between."""
+    t0 = time.perf_counter()
+    return collect_residuals(provider, group, start_residuals(provider, group, steps_inputs), t0)
 
 
 def build_controlnets(model_dir: Path, out: Path, seed: int = 0) -> list[Path]:

@@ -9,6 +9,7 @@ convolutions cannot pack different sizes into one batch).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 from ...errors import InvalidInput
 from .cache import UNetCacheHooks, per_unet_row
-from .controlnet import group_residuals
+from .controlnet import LateResiduals, collect_residuals, start_residuals
 from .prepare import cfg_rows, from_rows, make_unet_scheduler
 
 
@@ -84,7 +85,12 @@ def step_group(runner, group: list, ctx=None) -> None:
                     "added_cond_kwargs": None if added is None else
                     {k: v[i * r:(i + 1) * r] for k, v in added.items()}}
                    for i, (j, lat, t) in enumerate(zip(group, scaled, timesteps))]
-        down, mid = group_residuals(runner.family, group, per_job)
+        provider, t0 = runner.control_provider, time.perf_counter()
+        pending = start_residuals(provider, group, per_job)  # through Triton: in flight while the UNet starts
+        if any(p is not None for p in pending):
+            late = LateResiduals(lambda: collect_residuals(provider, group, pending, t0), unet, sample.shape[0], h, w,
+                                 sample.device, sample.dtype)
+            down, mid = late.down, late.mid
     forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
                            added_cond_kwargs=added, down_block_additional_residuals=down,
                            mid_block_additional_residual=mid, return_dict=False)[0]

@@ -1,0 +1,131 @@
+"""`python -m maskedit_lab.bench_controlnet_placement`: the per-step cost of placing ControlNets in their own Triton
+model (``MASKEDIT_CONTROLNET_PLACEMENT=triton``, residuals through BLS) against running them in the denoiser's
+process, side by side in one run on one model: a tritonserver with placement ``triton`` and a ``LocalEditor``
+(in-process) in this process, the same edits alternating in each round after a warm-up. Per case it reports the
+ControlNet time per step on each side (EDIT_INFO ``control_s`` / the job's ``control_s``, over the steps), the BLS
+round trip and the controlnet model's own work in it (``control_model_s``), and the denoise time per step; the BLS
+overhead per step is the round trip minus the model's work. On a CPU the controlnet model's process competes with
+the denoiser for the same cores. Writes JSON and a plot under ``perf_profiles/results``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from maskedit import samples
+from maskedit.families import family_for
+from maskedit.imaging import encode_png
+from maskedit.launcher import TritonServer
+from maskedit.local import LocalEditor
+from maskedit.settings import load_settings
+
+from .bench_controlnet import CASES, RESULTS
+
+
+def run(model_dir: Path, steps: int, reps: int, log: Path) -> list[dict]:
+    from maskedit_client import EditClient
+
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_DEVICE": "cpu"})
+    size = s.resolution
+    tpl, mask = samples.template(size, size, seed=1), samples.mask(size, size, 0.25, "box", seed=1)
+    ctl = [samples.template(size, size, seed=7), samples.template(size, size, seed=8)]
+    server = TritonServer(log_path=log, env={"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_DEVICE": "cpu",
+                                             "MASKEDIT_CONTROLNET_PLACEMENT": "triton", "MASKEDIT_CACHE": "off"})
+    server.start(timeout=600)
+    client, ed = EditClient(server.grpc_url), LocalEditor(s)
+    cases = {k: v for k, v in CASES.items() if v}
+    keys = ("inproc_control", "triton_control", "triton_bls", "triton_model", "inproc_denoise", "triton_denoise")
+    got = {case: {k: [] for k in keys} for case in cases}
+    try:
+        for i in range(reps + 1):  # round 0 warms up (loads the ControlNets on both sides)
+            for case, controls in cases.items():
+                imgs = [encode_png(np.asarray(c)) for c in ctl[:len(controls)]]
+                r = client.edit(tpl, mask, "a hat", seed=i, steps=steps, use_cache=False, controls=controls,
+                                control_images=ctl[:len(controls)])
+                _, _, job = ed.edit(encode_png(np.asarray(tpl)), encode_png(mask), "a hat", seed=i, steps=steps,
+                                    use_cache=False, controls=controls, control_images=imgs)
+                if i:
+                    g = got[case]
+                    g["triton_control"].append(r.info["control_s"] / steps)
+                    g["triton_bls"].append(r.info["control_bls_s"] / steps)
+                    g["triton_model"].append(r.info["control_model_s"] / steps)
+                    g["triton_denoise"].append(r.info["denoise_s"] / steps)
+                    g["inproc_control"].append(job.control_s / steps)
+                    g["inproc_denoise"].append((job.finished_at - job.started_at) / steps)
+    finally:
+        ed.close()
+        client.close()
+        server.stop()
+    rows = []
+    for case, g in got.items():
+        row = {"case": case, "controls": len(cases[case])}
+        for k, v in g.items():
+            row[f"{k}_step_s"] = round(statistics.median(v), 5)
+            row[f"{k}_runs"] = [round(x, 5) for x in v]
+        row["bls_overhead_step_ms"] = round(1e3 * statistics.median(  # the round trip beyond the model's own work
+            [b - m for b, m in zip(g["triton_bls"], g["triton_model"])]), 2)
+        row["control_triton_minus_inproc_step_ms"] = round(
+            1e3 * (row["triton_control_step_s"] - row["inproc_control_step_s"]), 2)
+        row["denoise_triton_over_inproc"] = round(row["triton_denoise_step_s"] / row["inproc_denoise_step_s"], 3)
+        rows.append(row)
+    return rows
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    x = np.arange(len(rows))
+    for dx, key, label in ((-0.3, "inproc_control_step_s", "ControlNets in-process"),
+                           (-0.1, "triton_control_step_s", "ControlNets via the controlnet model (BLS)"),
+                           (0.1, "inproc_denoise_step_s", "whole step, in-process"),
+                           (0.3, "triton_denoise_step_s", "whole step, BLS")):
+        ax.bar(x + dx, [1e3 * r[key] for r in rows], 0.2, label=label)
+    ax.set_xticks(x, [r["case"] for r in rows])
+    ax.set_ylabel("ms per denoise step (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="sdxl-tiny")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS / "controlnet_placement_sdxl.json")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        from maskedit.build_model import build
+
+        model_dir = build(Path(tmp) / "model", args.preset)
+        family_for(model_dir).build_controlnets(model_dir / "controlnets")
+        rows = run(Path(model_dir), args.steps, args.reps, Path(tmp) / "tritonserver.log")
+    meta = {"preset": args.preset, "steps": args.steps, "reps": args.reps, "device": "cpu", "dtype": "float32",
+            "machine": platform.machine(), "cores": os.cpu_count(),
+            "note": "the controlnet model's process and the denoiser share these cores"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    plot(rows, args.out.with_suffix(".png"), f"ControlNet placement, {args.preset}, {args.steps} steps, CPU float32, "
+                                            f"{meta['cores']} cores (shared)")
+    for r in rows:
+        print(f"{r['case']}: ControlNets per step in-process {1e3 * r['inproc_control_step_s']:.1f} ms, via BLS "
+              f"{1e3 * r['triton_control_step_s']:.1f} ms (of which the model's work "
+              f"{1e3 * r['triton_model_step_s']:.1f} ms): BLS overhead {r['bls_overhead_step_ms']} ms/step; "
+              f"whole step {1e3 * r['inproc_denoise_step_s']:.1f} vs "
+              f"{1e3 * r['triton_denoise_step_s']:.1f} ms ({r['denoise_triton_over_inproc']}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The ``controlnet`` Triton model's work, without Triton: one call (``wire``'s request) is one request's
+ControlNets at one step; it loads each named ControlNet from the library (the same ``MASKEDIT_CONTROLNET_DIR``,
+by name only, cached) and returns their summed residuals — the family's ``control_residuals`` for each, summed in
+order as ``MultiControlNetModel`` sums them, exactly what the in-process path computes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from maskedit_common.controls import ControlSpec
+
+from ..components import family
+from ..device import torch_dtype
+from ..errors import EditError, InvalidInput
+from .job import ActiveControl
+from .library import ControlNetLibrary
+from .wire import pack_residuals, unpack_request
+
+
+class ControlNetService:
+    def __init__(self, settings):
+        self.settings = settings
+        self.family = family(settings)
+        self.device = torch.device(settings.torch_device)
+        self.dtype = torch_dtype(settings)
+        self.library = ControlNetLibrary(settings.controlnets, self.family, settings)
+
+    @torch.no_grad()
+    def run(self, arrays: dict) -> dict:
+        """``wire.pack_request``'s arrays in, ``wire.pack_residuals``'s out. A bad name or ControlNet raises
+        ``InvalidInput`` naming CONTROLS (the library's checks)."""
+        t0 = time.perf_counter()
+        controls, inputs = unpack_request(arrays, self.device, self.dtype)
+        total = None
+        for i, (name, scale, mode, image) in enumerate(controls):
+            spec = ControlSpec(name, scale, mode=mode)
+            try:
+                model = self.library.load(spec, i)
+            except InvalidInput:
+                raise
+            except Exception as e:  # unreadable weights and the like: say which, not where (no server paths)
+                raise EditError(f"control {i}: ControlNet {name!r} could not be loaded ({type(e).__name__})",
+                                "CONTROLS") from e
+            res = self.family.control_residuals(ActiveControl(spec, model, image), inputs, scale)
+            total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
+        if total is None:
+            raise ValueError("CONTROLNETS: names no ControlNet")
+        out = pack_residuals(total)
+        out["COMPUTE_S"] = np.array([time.perf_counter() - t0], np.float64)  # the caller's round trip minus this:
+        return out  # the BLS overhead
