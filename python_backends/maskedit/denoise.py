@@ -115,6 +115,7 @@ class ModelRunner:
         self._adapter_jobs = None  # maskedit.adapters.jobs.AdapterJobs, made on first use
         self._controlnets = None  # maskedit.controlnets.library.ControlNetLibrary, made on first use
         self._control_provider = None  # maskedit.controlnets.provider: where residuals come from, made on first use
+        self.control_transport = None  # the BLS call to the controlnet model (set by the Triton shim)
 
     @property
     def adapters(self):
@@ -182,7 +183,7 @@ class ModelRunner:
         if self._control_provider is None:
             from .controlnets.provider import make_provider
 
-            self._control_provider = make_provider(self)
+            self._control_provider = make_provider(self, self.control_transport)
         return self._control_provider
 
     def load_controls(self, job: DenoiseJob) -> None:

@@ -130,12 +130,13 @@ class TritonProvider:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_provider(runner):
-    """The runner's provider for ``settings.controlnet_placement``."""
+def make_provider(runner, transport=None):
+    """The runner's provider for ``settings.controlnet_placement``. ``transport`` (``triton`` placement): the BLS
+    call, handed in by the Triton shim (``maskedit.triton.controlnet_bls``), so this layer needs no Triton import."""
     s = runner.settings
     if s.controlnet_placement == "triton":
-        from ..triton.controlnet_bls import transport  # needs the Triton Python backend (a BLS call)
-
-        return TritonProvider(transport(timeout_s=s.controlnet_timeout_s), runner.device, runner.dtype,
-                              s.controlnet_timeout_s)
+        if transport is None:
+            raise RuntimeError("MASKEDIT_CONTROLNET_PLACEMENT=triton needs the Triton server's controlnet model (BLS); "
+                               "this process has no transport to it")
+        return TritonProvider(transport, runner.device, runner.dtype, s.controlnet_timeout_s)
     return InProcessProvider(runner.family)

@@ -23,7 +23,7 @@ from ..engine import DenoiseEngine
 from ..fair_share import FairShare
 from ..scheduler import BatchScheduler
 from ..settings import load_settings
-from . import io
+from . import controlnet_bls, io
 from .adapter_metrics import AdapterMetrics
 from .cache_setup import CacheMetrics, cache_runtime
 from .controlnet_metrics import ControlNetMetrics
@@ -39,6 +39,8 @@ class TritonPythonModel:
         io.limit_threads(args, s.service, default=max(1, os.cpu_count() or 1))
         runner = ModelRunner(s)
         runner.cache = cache_runtime(runner.transformer, s, self.log)
+        if s.controlnet_placement == "triton":  # residuals from the controlnet model, by BLS
+            runner.control_transport = controlnet_bls.transport(timeout_s=s.controlnet_timeout_s)
         b = s.batching
         self.board = QueueBoard(board_path(s.service.admission_dir))  # pre-processing refuses early while it is full
         self.engine = DenoiseEngine(runner, max_queue=b.max_queue, scheduler=BatchScheduler(
