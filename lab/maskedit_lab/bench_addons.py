@@ -206,9 +206,10 @@ def naive_cases(model_dir: Path, lib_dir: Path, h: Harness, device, dtype):
     return base, naive
 
 
-def flux_width_cases(work: Path, device, dtype):
+def flux_width_cases(work: Path, device, dtype, only=None):
     """(name -> callable giving seconds) for the FLUX.1-width blocks: base, 2 adapters unmerged and merged (the
-    merged copies made once beforehand, as for a set that stays: their making is timed as ``merge_s``)."""
+    merged copies made once beforehand, as for a set that stays: their making is timed as ``merge_s``); ``only``:
+    those names."""
     blocks, runtime, adapters = addon_blocks.build(work, device=device, dtype=dtype)
     x = blocks.inputs(device=device, dtype=dtype)
     m = merge.Merger(budget_bytes=64 << 30, mode="always")
@@ -224,12 +225,15 @@ def flux_width_cases(work: Path, device, dtype):
             return since(t0)
         return fn
 
-    merge_s = call(merged)()[0]  # makes and keeps the merged copies
-    return {"base": call(None), "warm-2": call(unmerged), "warm-2-merged": call(merged)}, merge_s, m.resident_bytes
+    fns = {"base": call(None), "warm-2": call(unmerged), "warm-2-merged": call(merged)}
+    fns = {k: f for k, f in fns.items() if only is None or k in only}
+    merge_s = call(merged)()[0] if "warm-2-merged" in fns else 0.0  # makes and keeps the merged copies
+    return fns, merge_s, m.resident_bytes
 
 
 def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None, dtype: str | None = None,
-        flux_width: bool = True, steps: int | None = None) -> tuple[list[dict], dict]:
+        flux_width: bool = True, steps: int | None = None, only: set | None = None) -> tuple[list[dict], dict]:
+    """``only``: run those cases (``fw:<case>`` at FLUX.1 widths) and the baselines they are measured against."""
     h = Harness.create(model_dir, preset="bench", steps=steps, device=device, dtype=dtype)
     dev, tdtype = h.runner.device, h.runner.dtype
     work = Path(tempfile.mkdtemp(prefix="maskedit-addons-"))  # on disk, not /dev/shm: cold-disk reads a file
@@ -240,11 +244,16 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                       specs=specs)
         bench = BenchCases(h, work / "lib")
         cases = bench.cases()
-        stock_base, naive = naive_cases(h.settings.model_dir, work / "lib", h, dev, tdtype)
-        fw, merge_s, merged_bytes = flux_width_cases(work / "fw", dev, tdtype) if flux_width else ({}, 0.0, 0)
-        total = (reps + 1) * (len(cases) + 2 + len(fw))
+        only = None if only is None else _with_baselines(only)
+        cases = {c: v for c, v in cases.items() if only is None or c in only}
+        stock = {"stock-base", "naive"} if only is None else {"stock-base", "naive"} & only
+        stock_base, naive = naive_cases(h.settings.model_dir, work / "lib", h, dev, tdtype) if stock else (0, 0)
+        fw_only = None if only is None else {c[3:] for c in only if c.startswith("fw:")}
+        fw, merge_s, merged_bytes = (flux_width_cases(work / "fw", dev, tdtype, fw_only)
+                                     if flux_width and fw_only != set() else ({}, 0.0, 0))
+        total = (reps + 1) * (len(cases) + len(stock) + len(fw))
         bar = tqdm(total=total, desc="addons", unit="run")
-        times = {c: [] for c in [*cases, "stock-base", "naive", *(f"fw:{k}" for k in fw)]}
+        times = {c: [] for c in [*cases, *sorted(stock, reverse=True), *(f"fw:{k}" for k in fw)]}
         flops, stats, phases = {}, {}, {}
         paths = {c: _path(mode, None) for c, (_, mode, _) in cases.items()}
         paths.update({"naive": "fused (stock fuse_lora)", "fw:warm-2": "unmerged", "fw:warm-2-merged": "merged"})
@@ -255,7 +264,7 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                 stats[c] = st
                 paths[c] = _path(mode, st)
                 bar.update()
-            for c, fn in (("stock-base", stock_base), ("naive", naive)):
+            for c, fn in [(c, fn) for c, fn in (("stock-base", stock_base), ("naive", naive)) if c in stock]:
                 if rep == 0:
                     flops[c] = count_flops(fn)
                 else:
@@ -278,8 +287,39 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
             "flux_width_merged_bytes": merged_bytes, "merge_costs": _costs(bench.merger),
             "library": "temporary directory on the root disk (cold-disk: page cache dropped by posix_fadvise; a VM "
                        "disk may still be cached by its host)"}
-    meta["targets_met"] = targets(rows)
+    meta["targets_met"] = targets(rows) if only is None else {}
     return rows, meta
+
+
+def _with_baselines(only: set) -> set:
+    """The cases named and the ones their overheads are measured against."""
+    out = set(only)
+    for c in only:
+        fw = c.startswith("fw:")
+        out.add("fw:base" if fw else "stock-base" if c == "naive" else "base-batch" if "batch" in c else "base")
+    return out
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows with those of the cases in ``new`` replaced (a partial run, ``--cases``), then the ratios between
+    cases recomputed."""
+    key = lambda r: (r["case"], r["preset"])  # noqa: E731
+    fresh = {key(r): r for r in new}
+    rows = [fresh.pop(key(r), r) for r in old] + list(fresh.values())
+    _relate(rows)
+    return rows
+
+
+def _relate(rows: list[dict]) -> None:
+    """Ratios between cases: the mixed and merged batches' throughput over the same-set batch's."""
+    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
+    if "mixed-batch" in by and "same-batch" in by:
+        for c in ("mixed-batch", "same-batch-merged"):
+            if c not in by:
+                continue
+            for k in ("", "_cpu"):
+                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
+                                                              by["same-batch"][f"throughput_rps{k}"], 3)
 
 
 def _path(mode: str, st) -> str:
@@ -331,7 +371,7 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
                "requests": 4 if "batch" in c else 1}
         if "batch" in c:
             row["throughput_rps"], row["throughput_rps_cpu"] = round(4 / med[c], 3), round(4 / cpu[c], 3)
-        if not fw and c not in ("naive", "stock-base") and "batch" not in c:
+        if not fw and c not in ("naive", "stock-base") and "batch" not in c and "base" in med:
             row["e2e_overhead"] = round((med[c] - med["base"]) / (med["base"] + around_s), 4)
             row["e2e_overhead_cpu"] = round((cpu[c] - cpu["base"]) / (cpu["base"] + around_s), 4)
         st = stats.get(c)
@@ -341,12 +381,7 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
         if c in phases:
             row["phases_s"] = {k: round(statistics.median(p[k] for p in phases[c]), 4) for k in phases[c][0]}
         rows.append(row)
-    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
-    if "mixed-batch" in by and "same-batch" in by:
-        for c in ("mixed-batch", "same-batch-merged"):
-            for k in ("", "_cpu"):
-                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
-                                                              by["same-batch"][f"throughput_rps{k}"], 3)
+    _relate(rows)
     return rows
 
 
@@ -361,16 +396,27 @@ def main(argv=None) -> None:
                     "host shared with other work, where threads of one op wait on each other when descheduled")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's, 8)")
     ap.add_argument("--no-flux-width", action="store_true", help="skip the FLUX.1-width blocks")
+    ap.add_argument("--cases", default=None, help="comma-separated cases to run (`fw:<case>` at FLUX.1 widths; their "
+                    "baselines are added): their rows replace those in the existing --out file, the others stay")
     ap.add_argument("--out", type=Path, default=None, help="default: results/addons.json (addons_<gpu>.json on a GPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    rows, meta = run(args.reps, args.model_dir, args.device, args.dtype, not args.no_flux_width, args.steps)
+    only = None if args.cases is None else {c.strip() for c in args.cases.split(",") if c.strip()}
+    rows, meta = run(args.reps, args.model_dir, args.device, args.dtype, not args.no_flux_width, args.steps, only)
     hw = rows[0]["device"]
     out = args.out or RESULTS / ("addons.json" if hw == "cpu" else f"addons_{hw}.json")
     meta.update({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                  "seconds": round(time.time() - t0, 1), "device": hw, "dtype": rows[0]["dtype"]})
+    if only is not None and out.exists():  # a partial run: its rows replace the old ones, its meta is recorded
+        prev = json.loads(out.read_text())
+        rows = merge_rows(prev["rows"], rows)
+        part = {k: meta[k] for k in ("reps", "steps", "load_avg", "threads", "seconds", "merge_costs")}
+        part["cases"] = sorted(_with_baselines(only))
+        meta = prev["meta"]
+        meta.setdefault("partial_runs", []).append(part)
+        meta["targets_met"] = targets(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out.with_suffix(".png"), RANK, meta["steps"])

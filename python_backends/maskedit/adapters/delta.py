@@ -40,6 +40,7 @@ class BatchPlan:
         # order)
         self.groups = list(groups.values())
         self._rows: dict = {}
+        self._stacks: dict = {}
 
     def request_of(self, row: int, batch: int) -> int:
         """The request that batch row ``row`` of a ``batch``-row call belongs to."""
@@ -91,28 +92,42 @@ class BatchPlan:
             raise RuntimeError(f"LoRA delta at {name}: {rows} rows for a layout of {segments}")
         dtype = out.dtype
         owned = inplace or out._base is None
+        rowsets: dict = {}  # the groups of this layer by the rows they cover (in plan order)
         for g, (adapter, weight, _) in enumerate(self.groups):
             m = adapter.modules.get(name)
-            if m is None:
-                continue
-            idx = self._index(g, segments, x.device)
-            if idx is None:
-                continue
+            idx = self._index(g, segments, x.device) if m is not None else None
+            if idx is not None:
+                key = idx if isinstance(idx, str) else (idx.start, idx.stop) if isinstance(idx, slice) else id(idx)
+                rowsets.setdefault(key, (idx, []))[1].append((g, m, weight))
+        for idx, mods in rowsets.values():
             if not owned:  # one copy for the whole call, not one per group
                 out, owned = out.clone(), True
-            B = m.B if part is None else m.B[part]
-            xa = x if x.dtype == m.A.dtype else x.to(m.A.dtype)
+            xa = x if x.dtype == mods[0][1].A.dtype else x.to(mods[0][1].A.dtype)
             rows_x = xa if isinstance(idx, str) else xa[idx]  # a slice is a view; an index tensor gathers
-            # PEFT's own expression, B(A(x))·scaling, then the add: in place, the same values as out + d
-            d = F.linear(F.linear(rows_x, m.A), B).mul_(m.scaling(weight))
-            d = d if d.dtype == dtype else d.to(dtype)
-            if isinstance(idx, str):
-                out.add_(d)
-            elif isinstance(idx, slice):
-                out[idx].add_(d)
-            else:
-                out.index_add_(0, idx, d)
+            # PEFT's own expression per adapter, B(A(x))·scaling, added in its order (in place: the same values as
+            # out + d); several adapters on the same rows share one GEMM over their stacked A factors (x·[A1; A2]ᵀ)
+            h = F.linear(rows_x, mods[0][1].A if len(mods) == 1 else self._stacked_a(name, mods))
+            off = 0
+            for _, m, weight in mods:
+                r = m.A.shape[0]
+                d = F.linear(h if len(mods) == 1 else h[..., off:off + r], m.B if part is None else m.B[part])
+                d = d.mul_(m.scaling(weight))
+                d = d if d.dtype == dtype else d.to(dtype)
+                off += r
+                if isinstance(idx, str):
+                    out.add_(d)
+                elif isinstance(idx, slice):
+                    out[idx].add_(d)
+                else:
+                    out.index_add_(0, idx, d)
         return out
+
+    def _stacked_a(self, name: str, mods) -> torch.Tensor:
+        """``[A1; A2; …]`` of adapters on the same rows (made once per call and layer)."""
+        key = (name, tuple(g for g, _, _ in mods))
+        if key not in self._stacks:
+            self._stacks[key] = torch.cat([m.A for _, m, _ in mods])
+        return self._stacks[key]
 
 
 def _name(layer) -> str | None:
