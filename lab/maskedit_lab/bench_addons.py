@@ -101,6 +101,13 @@ def fresh_runtime(runner, library_dir: Path) -> AdapterRuntime:
     return AdapterRuntime(runner.family, runner.transformer, AdapterLibrary(library_dir))
 
 
+def use_runtime(runner, runtime: AdapterRuntime) -> None:
+    """The runner resolves (and loads) requests' adapters with ``runtime`` from now on."""
+    from maskedit.adapters.jobs import AdapterJobs
+
+    runner._adapter_jobs = AdapterJobs(runtime)
+
+
 def drop_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -115,7 +122,7 @@ class BenchCases:
     def __init__(self, h: Harness, lib_dir: Path):
         self.h, self.runner, self.lib_dir = h, h.runner, lib_dir
         self.warm = AdapterRuntime(self.runner.family, self.runner.transformer, AdapterLibrary(lib_dir))
-        self.runner._adapters = self.warm
+        use_runtime(self.runner, self.warm)
         self.merger = merge.merger_for(self.runner.transformer)
         self.x = h.inputs(h.mask(0.3, seed=1))
         lib = AdapterLibrary(lib_dir)
@@ -148,11 +155,11 @@ class BenchCases:
         t = self.runner.transformer
         self.merger.mode = mode
         self.merger.clear()  # merged cases pay their merge
-        self.runner._adapters = self.warm
+        use_runtime(self.runner, self.warm)
         if setup == "unhooked":
             delta.detach(t)
         elif setup.startswith("cold"):
-            self.runner._adapters = fresh_runtime(self.runner, self.lib_dir)
+            use_runtime(self.runner, fresh_runtime(self.runner, self.lib_dir))
             if setup == "cold-disk":
                 drop_page_cache(self.refs[NAMES[0]].path)
             else:
@@ -164,7 +171,7 @@ class BenchCases:
             if setup == "unhooked":
                 for a in self.loaded.values():
                     delta.attach(t, a)
-            self.runner._adapters = self.warm
+            use_runtime(self.runner, self.warm)
             self.merger.mode = "auto"
         return out, {k: self.merger.stats[k] - before[k] for k in before}
 
