@@ -127,7 +127,9 @@ class BenchCases:
         self.x = h.inputs(h.mask(0.3, seed=1))
         lib = AdapterLibrary(lib_dir)
         self.refs = {n: lib.file(n) for n in NAMES}
-        self.loaded = {n: self.warm.get(self._ref(n)) for n in NAMES}  # hooks go on here
+        self.loaded = {n: self.warm.get(self._ref(n)) for n in NAMES}
+        for a in self.loaded.values():  # hooks go on here (serving puts them on at admission)
+            delta.attach(self.runner.transformer, a)
         drive(self.runner, [self._with(NAMES[0])])  # warm-up; the merge cost model measures its constants here
 
     def _ref(self, name: str, scale: float = 0.8):
