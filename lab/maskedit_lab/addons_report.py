@@ -29,6 +29,37 @@ def targets(rows) -> dict:
     return out
 
 
+def with_baselines(only: set) -> set:
+    """The cases named and the ones their overheads are measured against."""
+    out = set(only)
+    for c in only:
+        fw = c.startswith("fw:")
+        out.add("fw:base" if fw else "stock-base" if c == "naive" else "base-batch" if "batch" in c else "base")
+    return out
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows with those of the cases in ``new`` replaced (a partial run, ``--cases``), then the ratios between
+    cases recomputed."""
+    key = lambda r: (r["case"], r["preset"])  # noqa: E731
+    fresh = {key(r): r for r in new}
+    rows = [fresh.pop(key(r), r) for r in old] + list(fresh.values())
+    relate(rows)
+    return rows
+
+
+def relate(rows: list[dict]) -> None:
+    """Ratios between cases: the mixed and merged batches' throughput over the same-set batch's."""
+    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
+    if "mixed-batch" in by and "same-batch" in by:
+        for c in ("mixed-batch", "same-batch-merged"):
+            if c not in by:
+                continue
+            for k in ("", "_cpu"):
+                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
+                                                              by["same-batch"][f"throughput_rps{k}"], 3)
+
+
 def plot(rows: list[dict], path: Path, rank: int = 16, steps: int = 8) -> None:
     import matplotlib
 

@@ -20,6 +20,7 @@ repetition (drift in a shared machine's speed hits all alike); medians of ``--re
 The cold cases go through ``AdapterRuntime`` (``fresh_runtime``): a host-memory adapter tier plugs in there.
 
     make bench-addons            # CPU float32 -> perf_profiles/results/addons.json / .png
+    make bench-addons ARGS="--cases warm-2,mixed-batch,fw:warm-2"   # those rows (and their baselines') replaced
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from maskedit.cache.cost_model import device_slug
 from maskedit.denoise import DenoiseJob
 
 from . import REPO_ROOT, addon_blocks
-from .addons_report import markdown_table, plot, targets
+from .addons_report import markdown_table, merge_rows, plot, relate, targets, with_baselines
 from .harness import Harness, png
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -253,7 +254,7 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                       specs=specs)
         bench = BenchCases(h, work / "lib")
         cases = bench.cases()
-        only = None if only is None else _with_baselines(only)
+        only = None if only is None else with_baselines(only)
         cases = {c: v for c, v in cases.items() if only is None or c in only}
         stock = {"stock-base", "naive"} if only is None else {"stock-base", "naive"} & only
         stock_base, naive = naive_cases(h.settings.model_dir, work / "lib", h, dev, tdtype) if stock else (0, 0)
@@ -298,37 +299,6 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                        "disk may still be cached by its host)"}
     meta["targets_met"] = targets(rows) if only is None else {}
     return rows, meta
-
-
-def _with_baselines(only: set) -> set:
-    """The cases named and the ones their overheads are measured against."""
-    out = set(only)
-    for c in only:
-        fw = c.startswith("fw:")
-        out.add("fw:base" if fw else "stock-base" if c == "naive" else "base-batch" if "batch" in c else "base")
-    return out
-
-
-def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` rows with those of the cases in ``new`` replaced (a partial run, ``--cases``), then the ratios between
-    cases recomputed."""
-    key = lambda r: (r["case"], r["preset"])  # noqa: E731
-    fresh = {key(r): r for r in new}
-    rows = [fresh.pop(key(r), r) for r in old] + list(fresh.values())
-    _relate(rows)
-    return rows
-
-
-def _relate(rows: list[dict]) -> None:
-    """Ratios between cases: the mixed and merged batches' throughput over the same-set batch's."""
-    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
-    if "mixed-batch" in by and "same-batch" in by:
-        for c in ("mixed-batch", "same-batch-merged"):
-            if c not in by:
-                continue
-            for k in ("", "_cpu"):
-                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
-                                                              by["same-batch"][f"throughput_rps{k}"], 3)
 
 
 def _path(mode: str, st) -> str:
@@ -390,7 +360,7 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
         if c in phases:
             row["phases_s"] = {k: round(statistics.median(p[k] for p in phases[c]), 4) for k in phases[c][0]}
         rows.append(row)
-    _relate(rows)
+    relate(rows)
     return rows
 
 
@@ -421,8 +391,9 @@ def main(argv=None) -> None:
     if only is not None and out.exists():  # a partial run: its rows replace the old ones, its meta is recorded
         prev = json.loads(out.read_text())
         rows = merge_rows(prev["rows"], rows)
-        part = {k: meta[k] for k in ("reps", "steps", "load_avg", "threads", "seconds", "merge_costs")}
-        part["cases"] = sorted(_with_baselines(only))
+        part = {k: meta[k] for k in ("reps", "steps", "load_avg", "threads", "seconds", "merge_costs",
+                                     "flux_width_merge_s")}
+        part["cases"] = sorted(with_baselines(only))
         meta = prev["meta"]
         meta.setdefault("partial_runs", []).append(part)
         meta["targets_met"] = targets(rows)

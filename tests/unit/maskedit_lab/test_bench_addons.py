@@ -35,9 +35,9 @@ def test_targets_read_from_the_rows():
 
 
 def test_a_partial_run_replaces_its_rows_and_keeps_the_others():
-    from maskedit_lab.bench_addons import _with_baselines, merge_rows
+    from maskedit_lab.addons_report import merge_rows, with_baselines
 
-    assert _with_baselines({"warm-2", "mixed-batch", "fw:warm-2", "naive"}) == {
+    assert with_baselines({"warm-2", "mixed-batch", "fw:warm-2", "naive"}) == {
         "warm-2", "base", "mixed-batch", "base-batch", "fw:warm-2", "fw:base", "naive", "stock-base"}
     old = [_row("base", 0.0, 0.0), _row("cold-host", 0.01, 0.001),
            _row("same-batch", 0.07, 0.04, throughput_rps=1.0, throughput_rps_cpu=1.0),
