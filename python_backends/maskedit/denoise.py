@@ -209,10 +209,12 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or job.inputs.controls):
-            # This family's cached (masked) block paths do not add adapter deltas, and none adds ControlNet residuals
-            # yet: such a request runs in full. Under early start its first steps may run without its adapters: never
-            # recorded under (or served from) its adapter set's key.
+                                       or (job.inputs.controls and (not self.family.controls_in_masked_path
+                                                                    or self.settings.controlnet_placement == "triton"))):
+            # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
+            # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
+            # Under early start its first steps may run without its adapters: never recorded under (or served from)
+            # its adapter set's key.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -274,7 +276,8 @@ class ModelRunner:
         attend and cannot be padded). Adapter sets do not split a call where the family's masked paths add their
         deltas (``maskedit.adapters.delta``); ControlNet residuals do (``_plain_split``)."""
         groups = group_by(jobs, self.family.group_key)
-        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path)]
+        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path,
+                                                             self.family.controls_in_masked_path)]
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -304,12 +307,13 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
-def _plain_split(group: list[DenoiseJob], adapters_masked: bool) -> list[list[DenoiseJob]]:
-    """A call carrying adapters (unless the family's masked path adds them) or ControlNet residuals runs every row
+def _plain_split(group: list[DenoiseJob], adapters_masked: bool, controls_masked: bool = False
+                 ) -> list[list[DenoiseJob]]:
+    """A call carrying adapters or ControlNet residuals (unless the family's masked path takes them) runs every row
     through the denoiser's own forward (where the delta hooks are, and which takes the residuals), so it holds only
     requests that compute every token (no cache hit, no recording) at one resolution (no packed rows); requests
     with and without adapters or controls share it. The others form their own call."""
-    if not any((j.adapters and not adapters_masked) or j.controls for j in group):
+    if not any((j.adapters and not adapters_masked) or (j.controls and not controls_masked) for j in group):
         return [group]
     plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
     return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))
