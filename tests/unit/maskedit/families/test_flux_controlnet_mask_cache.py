@@ -111,3 +111,29 @@ def test_other_mask_hit_with_controls_is_close_to_full_computation(env):
     assert torch.equal(hit[0, ~m], full[0, ~m])  # outside the mask both are the template (the blend)
     a, b = (np.asarray(family.decode(pipe, x, 256, 256)) for x in (hit, full))
     assert structural_similarity(a, b, channel_axis=2, data_range=255) >= 0.98
+
+
+def test_through_the_engine_a_request_with_controls_records_then_hits(tmp_path):
+    """Pre-processing keys the request by its controls, the runner no longer decides ``off`` for them."""
+    from maskedit.cache.flux import FluxCacheHooks
+    from maskedit.local import LocalEditor
+    from maskedit.settings import load_settings
+    from tests.conftest import png
+
+    d = build(tmp_path / "flux-cn-tiny", "flux-cn-tiny", seed=1)
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "cpu"})
+    store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
+    ed = LocalEditor(s, cache=lambda t: CacheRuntime(FluxCacheHooks.of(t), store), store=store)
+    try:
+        img, mask, a = png(template(seed=14)), png(box_mask()), png(edges(seed=6))
+        ask = lambda scale: ed.edit(img, mask, "a red hat", seed=3, steps=STEPS, raw_output=True,  # noqa: E731
+                                    controls=[{"name": "canny", "scale": scale}], control_images=[a])
+        _, p1, first = ask(0.8)
+        ed.runner.cache.flush()
+        _, p2, again = ask(0.8)
+        _, p3, other = ask(0.6)
+        assert first.cache.status == "record" and again.cache.status == "hit" and other.cache.status == "record"
+        assert p1.cache_key == p2.cache_key != p3.cache_key
+        np.testing.assert_allclose(again.result(), first.result(), atol=1e-5, rtol=0)
+    finally:
+        ed.close()
