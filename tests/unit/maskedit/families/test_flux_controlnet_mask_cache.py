@@ -137,3 +137,20 @@ def test_through_the_engine_a_request_with_controls_records_then_hits(tmp_path):
         np.testing.assert_allclose(again.result(), first.result(), atol=1e-5, rtol=0)
     finally:
         ed.close()
+
+
+def test_a_controlnet_hit_and_an_uncached_request_share_its_call(env):
+    """One ControlNet call over a hit's masked rows and another request's full rows: each equals its result alone."""
+    family, pipe, run_, _ = env
+    img, mask = template(seed=15), box_mask(box=(32, 32, 128, 160))
+    ctrl = [spec("canny", 0.8)], [edges(seed=7)]
+    cached(env, [make(env, img, EMPTY, *ctrl, register=True)])
+    (alone,), _ = cached(env, [make(env, img, mask, *ctrl, seed=3)])
+    other = lambda: make(env, template(seed=16), box_mask(), [spec("canny", 0.5)], [edges(seed=8)], seed=4)  # noqa
+    (other_alone,) = run(family, run_, [other()])
+    b = other()
+    b.inputs.cache_key = None  # uncached
+    (hit, with_control), (st, _) = cached(env, [make(env, img, mask, *ctrl, seed=3), b])
+    assert st[0][0] == "hit"
+    np.testing.assert_allclose(hit.numpy(), alone.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(with_control.numpy(), other_alone.numpy(), atol=1e-5, rtol=0)
