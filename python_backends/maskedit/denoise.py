@@ -209,8 +209,7 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or (job.inputs.controls and (not self.family.controls_in_masked_path
-                                                                    or self.settings.controlnet_placement == "triton"))):
+                                       or (job.inputs.controls and not self._controls_cached())):
             # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
             # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
             # Under early start its first steps may run without its adapters: never recorded under (or served from)
@@ -222,6 +221,10 @@ class ModelRunner:
         elif job.decision is None:
             job.decision = self.cache.decide(job.inputs)
             job.tokens = job.decision.tokens(n)
+
+    def _controls_cached(self) -> bool:
+        """Requests with controls are cached where the family's masked path takes ControlNets and they run here."""
+        return self.family.controls_in_masked_path and self.settings.controlnet_placement != "triton"
 
     def prepare(self, job: DenoiseJob) -> None:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
@@ -274,7 +277,8 @@ class ModelRunner:
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
         attend and cannot be padded). Adapter sets do not split a call where the family's masked paths add their
-        deltas (``maskedit.adapters.delta``); ControlNet residuals do (``_plain_split``)."""
+        deltas (``maskedit.adapters.delta``); ControlNet residuals do unless its masked path takes them
+        (``_plain_split``)."""
         groups = group_by(jobs, self.family.group_key)
         return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path,
                                                              self.family.controls_in_masked_path)]
