@@ -209,10 +209,11 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or job.inputs.controls):
-            # This family's cached (masked) block paths do not add adapter deltas, and none adds ControlNet residuals
-            # yet: such a request runs in full. Under early start its first steps may run without its adapters: never
-            # recorded under (or served from) its adapter set's key.
+                                       or (job.inputs.controls and not self._controls_cached())):
+            # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
+            # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
+            # Under early start its first steps may run without its adapters: never recorded under (or served from)
+            # its adapter set's key.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -220,6 +221,10 @@ class ModelRunner:
         elif job.decision is None:
             job.decision = self.cache.decide(job.inputs)
             job.tokens = job.decision.tokens(n)
+
+    def _controls_cached(self) -> bool:
+        """Requests with controls are cached where the family's masked path takes ControlNets and they run here."""
+        return self.family.controls_in_masked_path and self.settings.controlnet_placement != "triton"
 
     def prepare(self, job: DenoiseJob) -> None:
         """Admit a job: its tensors to the device, its own scheduler, its cache decision carried out."""
@@ -272,9 +277,11 @@ class ModelRunner:
     def groups(self, jobs: list[DenoiseJob]) -> list[list[DenoiseJob]]:
         """Jobs that share one denoiser call (the family says which: e.g. equal text length, since text tokens
         attend and cannot be padded). Adapter sets do not split a call where the family's masked paths add their
-        deltas (``maskedit.adapters.delta``); ControlNet residuals do (``_plain_split``)."""
+        deltas (``maskedit.adapters.delta``); ControlNet residuals do unless its masked path takes them
+        (``_plain_split``)."""
         groups = group_by(jobs, self.family.group_key)
-        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path)]
+        return [g for group in groups for g in _plain_split(group, self.family.adapters_in_masked_path,
+                                                             self.family.controls_in_masked_path)]
 
     @torch.no_grad()
     def step(self, jobs: list[DenoiseJob]) -> None:
@@ -304,12 +311,13 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
 
 
-def _plain_split(group: list[DenoiseJob], adapters_masked: bool) -> list[list[DenoiseJob]]:
-    """A call carrying adapters (unless the family's masked path adds them) or ControlNet residuals runs every row
+def _plain_split(group: list[DenoiseJob], adapters_masked: bool, controls_masked: bool = False
+                 ) -> list[list[DenoiseJob]]:
+    """A call carrying adapters or ControlNet residuals (unless the family's masked path takes them) runs every row
     through the denoiser's own forward (where the delta hooks are, and which takes the residuals), so it holds only
     requests that compute every token (no cache hit, no recording) at one resolution (no packed rows); requests
     with and without adapters or controls share it. The others form their own call."""
-    if not any((j.adapters and not adapters_masked) or j.controls for j in group):
+    if not any((j.adapters and not adapters_masked) or (j.controls and not controls_masked) for j in group):
         return [group]
     plain = lambda j: j.cache is None or j.cache.status in ("off", "full")  # noqa: E731
     return group_by(group, lambda j: ("plain", j.inputs.model_w, j.inputs.model_h) if plain(j) else ("cached",))

@@ -71,15 +71,18 @@ def binary() -> str:
 
 
 def command(url: str, report: Path, concurrency: str = "1:2", interval_ms: int = 4000,
-            input_file: Path = INPUT_FILE, model: str = "edit", request_count: int | None = None) -> list[str]:
+            input_file: Path = INPUT_FILE, model: str = "edit", request_count: int | None = None,
+            stability_pct: float = 50) -> list[str]:
     """``request_count``: measure windows of that many requests instead of time windows (steadier when the
-    machine is shared with other work, as in CI)."""
+    machine is shared with other work, as in CI). ``stability_pct``: how far a window's throughput and latency may
+    lie from the last windows' mean before perf_analyzer calls the measurement stable (it fails after
+    ``--max-trials`` unstable windows)."""
     window = (["--measurement-mode", "count_windows", "--measurement-request-count", str(request_count)]
               if request_count else ["--measurement-interval", str(interval_ms)])
     return [
         binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming", "--input-data", str(input_file),
         "--concurrency-range", concurrency, *window,
-        "--stability-percentage", "50", "--max-trials", "6", "-f", str(report), "--verbose-csv",
+        "--stability-percentage", str(stability_pct), "--max-trials", "6", "-f", str(report), "--verbose-csv",
     ]
 
 

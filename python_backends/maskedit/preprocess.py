@@ -18,7 +18,7 @@ from maskedit_common.controls import IMAGES, ControlSpecError, check_images
 
 from . import imaging
 from .adapters.library import AdapterLibrary
-from .cache.key import cache_key, model_fingerprint
+from .cache.key import cache_key, control_identity, dir_digest, image_digest, model_fingerprint
 from .components import family, load_pipeline
 from .controlnets import preprocessors
 from .controlnets.job import ControlInput
@@ -117,7 +117,8 @@ class Preprocessor:
         if params.use_cache:
             prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                            params.guidance, params.template_seed, self.scheduler_config, s.dtype,
-                                           adapters=[(r.name, r.scale, r.digest) for r in loras])
+                                           adapters=[(r.name, r.scale, r.digest) for r in loras],
+                                           controls=self._control_identities(controls))
             if loras:
                 prepared.base_cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                                     params.guidance, params.template_seed, self.scheduler_config,
@@ -138,6 +139,11 @@ class Preprocessor:
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
         return prepared
 
+
+    def _control_identities(self, controls) -> list:
+        """Each control's part of the cache key (``cache.key.control_identity``)."""
+        return [control_identity(spec, dir_digest(self.controlnets.path(spec.name, i)), image_digest(img))
+                for i, (spec, img) in enumerate(controls)]
 
     def _decode_controls(self, specs, images) -> list:
         """(spec, PIL image with its preprocessor applied) per control; bad input names CONTROLS / CONTROL_IMAGES

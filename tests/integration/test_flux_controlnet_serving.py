@@ -1,5 +1,5 @@
 """Flux ControlNet inpainting (the ``flux_controlnet`` family) served by a real tritonserver: two ControlNets over
-gRPC equal stock ``FluxControlNetInpaintPipeline``; requests without controls hit the activation cache; a bad control
+gRPC equal stock ``FluxControlNetInpaintPipeline``; requests with and without controls hit the activation cache; a bad control
 fails its request by name and the server keeps serving."""
 
 import numpy as np
@@ -57,9 +57,13 @@ def test_template_then_edits_without_controls_hit_the_cache(served):
         "record"
     info = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3).info
     assert info["cache_hit"] and 0 < info["computed_tokens"] < 16 * 16, info
-    ctrl = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3,
-                       controls=[("canny", 0.5)], control_images=[edges(seed=3)]).info
-    assert not ctrl["cache_hit"]  # with a ControlNet: uncached
+    ask = lambda scale, seed: client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3,  # noqa
+                                          seed=seed, controls=[("canny", scale)], control_images=[edges(seed=3)])
+    ctrl = ask(0.5, 3).info
+    assert not ctrl["cache_hit"] and ctrl["cache"] == "record"  # the control is in the key: a miss, recorded
+    again = ask(0.5, 4).info  # the same control, another seed: a hit (ControlNet and transformer on masked rows)
+    assert again["cache_hit"] and again["computed_tokens"] == info["computed_tokens"], again
+    assert not ask(0.4, 3).info["cache_hit"]  # another scale: another key
 
 
 def test_bad_control_is_refused_by_name_and_the_server_keeps_serving(served, template_img, box_mask):

@@ -50,6 +50,10 @@ class FluxCacheHooks(TokenRowHooks):
     """Attach / detach the masked-block hooks on a ``FluxTransformer2DModel`` and hold the step context."""
 
     HOOK_NAME = HOOK_NAME
+    # A block with no full rows writes its computed rows into its input tensor (the previous block's output, which
+    # the transformer's forward no longer reads). A ControlNet keeps every block's output (its block samples):
+    # its hooks allocate a fresh output instead (``FluxControlNetCacheHooks``).
+    reuse_input = True
 
     def __init__(self, transformer):
         self.n_dual = len(transformer.transformer_blocks)
@@ -60,6 +64,13 @@ class FluxCacheHooks(TokenRowHooks):
     def dim(self) -> int:
         return self.transformer.inner_dim if hasattr(self.transformer, "inner_dim") else \
             self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
+
+
+class FluxControlNetCacheHooks(FluxCacheHooks):
+    """The same hooks on a ``FluxControlNetModel``'s blocks (the base transformer's block classes): its block outputs
+    are kept as its samples, so no block writes into its input."""
+
+    reuse_input = False
 
 
 class MaskedBlockHook(ModelHook):
@@ -84,7 +95,7 @@ class MaskedBlockHook(ModelHook):
         out_txt = torch.empty_like(encoder_hidden_states)
         # With no full rows the block's input (the previous block's output, ours to reuse) becomes its output:
         # only the computed rows are scattered in, sparing a copy of every token per block.
-        out_img = torch.empty_like(hidden_states) if full_rows else hidden_states
+        out_img = torch.empty_like(hidden_states) if full_rows or not self.owner.reuse_input else hidden_states
         batch = hidden_states.shape[0]
         if full_rows:
             sel = _index(full_rows, hidden_states.device)

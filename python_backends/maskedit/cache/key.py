@@ -36,9 +36,10 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
-              template_seed: int, scheduler_config: dict, dtype: str, adapters=()) -> str:
+              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=()) -> str:
     """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
-    are never valid under another (none: the key of a plain request, unchanged)."""
+    are never valid under another (none: the key of a plain request, unchanged). ``controls``: its ControlNets in
+    order, ``control_identity`` each: the residuals change every block's input, so no two control sets share."""
     fields = {
         "model": fingerprint, "template": template_hash, "size": [model_w, model_h], "steps": steps,
         "guidance": round(float(guidance), 6), "template_seed": int(template_seed), "dtype": dtype,
@@ -46,4 +47,30 @@ def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, 
     }
     if adapters:
         fields["adapters"] = [[str(n), round(float(s), 6), str(d)] for n, s, d in adapters]
+    if controls:
+        fields["controls"] = [list(c) for c in controls]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:40]
+
+
+def dir_digest(path: Path) -> str:
+    """A model directory's identity: its configs' bytes and its weight files' names, sizes and mtimes (as
+    ``model_fingerprint``)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(path).iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(p.read_bytes() if p.suffix == ".json" else f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def image_digest(img) -> str:
+    """A control image's identity: its size and RGB bytes (a PIL image)."""
+    rgb = img.convert("RGB")
+    return hashlib.sha256(f"{rgb.size}".encode() + rgb.tobytes()).hexdigest()[:32]
+
+
+def control_identity(spec, weights_digest: str, image_digest: str) -> tuple:
+    """What a control's residuals depend on: its ControlNet (name, weights), its image (after any preprocessor),
+    its scale, [start, end] window and union mode."""
+    return (str(spec.name), str(weights_digest), str(image_digest), round(float(spec.scale), 6),
+            round(float(spec.start), 6), round(float(spec.end), 6), spec.mode or "")

@@ -11,7 +11,7 @@ family's hooks and the cache runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +23,7 @@ class StepContext:
     rows: list  # per batch row: a family's row view, or None (plain full compute)
     packed: bool = False  # rows of different resolutions padded to one length: every row takes the gathered path
     on_block: Callable[[int], None] | None = None  # told as each block starts (the loader's look-ahead window)
+    controls: Any = None  # the requests' cached ControlNets (``cache.controlnet.ControlNetCaches``), if any
 
 
 _INDEX: dict = {}

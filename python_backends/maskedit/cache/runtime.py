@@ -110,6 +110,16 @@ class CacheRuntime:
         self.heal_min_ratio = heal_min_ratio
         self.heals = HealsInProgress()
         self.lora_base_reuse = bool(lora_base_reuse)
+        self._controls = None  # the ControlNets' runtimes (``cache.controlnet``), made on first use
+
+    @property
+    def controls(self):
+        """Requests' Flux ControlNets cached beside this runtime's entries (``maskedit.cache.controlnet``)."""
+        if self._controls is None:
+            from .controlnet import ControlNetCaches
+
+            self._controls = ControlNetCaches(self)
+        return self._controls
 
     # -- before admission -----------------------------------------------------------------------------
     def decide(self, x, count: bool = True) -> CacheDecision:
@@ -138,6 +148,8 @@ class CacheRuntime:
         if not jc.modes:
             jc.modes = [FULL] * len(self.kinds)
         job.cache = jc
+        if getattr(job, "controls", ()):
+            self.controls.admit(job)
         return jc
 
     def _admit(self, job, d: CacheDecision) -> JobCache:
@@ -224,7 +236,7 @@ class CacheRuntime:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
-        return StepContext(views, on_block=self.loader.start_step(hits, self._needed))
+        return StepContext(views, on_block=self.loader.start_step(hits, self._needed), controls=self._controls)
 
     @staticmethod
     def _needed(jc: JobCache, b: int) -> list[str]:
@@ -234,6 +246,8 @@ class CacheRuntime:
         return kinds
 
     def after_step(self, jobs) -> None:
+        if self._controls is not None:
+            self._controls.after_step(jobs)
         for job in jobs:
             jc = job.cache
             if jc is not None and jc.recorder is not None:
@@ -246,6 +260,8 @@ class CacheRuntime:
         jc: JobCache | None = job.cache
         if jc is None:
             return
+        if self._controls is not None:
+            self._controls.finish(job, ok)
         self.loader.cancel(jc)
         if jc.status == "record":
             if ok and self.writer is not None:
@@ -271,8 +287,12 @@ class CacheRuntime:
         """Wait for pending writes (tests, shutdown)."""
         if self.writer is not None:
             self.writer.flush(timeout)
+        if self._controls is not None:
+            self._controls.flush(timeout)
 
     def close(self) -> None:
+        if self._controls is not None:
+            self._controls.close()
         if self.writer is not None:
             self.writer.close()
         self.loader.close()

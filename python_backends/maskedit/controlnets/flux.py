@@ -114,12 +114,14 @@ def merge(parts: list, shape: tuple[int | None, int | None]):
     return tuple(out)
 
 
-def compute(uses: dict, batch: int, latents, timestep, guidance, pooled, text, txt_ids, img_ids, shapes: list):
+def compute(uses: dict, batch: int, latents, timestep, guidance, pooled, text, txt_ids, img_ids, shapes: list,
+            run=None):
     """Each row's merged residuals (or None). ``uses``: ControlNet -> its ``Use``s; ``shapes``: each row's
-    structure."""
+    structure; ``run(net, uses, call)``: makes each ControlNet call (the activation cache's, for its hooks)."""
     parts: list[list] = [[] for _ in range(batch)]
     for net, net_uses in uses.items():
-        double, single = per_net(net, net_uses, latents, timestep, guidance, pooled, text, txt_ids, img_ids)
+        call = lambda: per_net(net, net_uses, latents, timestep, guidance, pooled, text, txt_ids, img_ids)  # noqa
+        double, single = call() if run is None else run(net, net_uses, call)
         for j, u in enumerate(net_uses):
             parts[u.row].append((u.order, ([d[j] for d in double] if double is not None else None,
                                            [s[j] for s in single] if single is not None else None)))
@@ -157,7 +159,7 @@ def stacked(rows: list, idx: list[int], like: torch.Tensor):
     return out[0], out[1]
 
 
-def step_residuals(group: list, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids):
+def step_residuals(group: list, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids, run=None):
     """The residuals of a step's ``group``: (rows, shapes) for ``calls`` / ``stacked``. ``controls_of(job)``: the
     job's ((ActiveControl, mode index or None, (1, N, C) control latents), ...) in control order."""
     uses: dict = {}  # ControlNet -> its uses this step (keyed by the loaded model: shared by name)
@@ -171,4 +173,4 @@ def step_residuals(group: list, controls_of, latents, timestep, guidance, pooled
         shapes.append(structure([a.model for a, _, _ in controls]))
     if not uses:
         return [None] * len(group), shapes
-    return compute(uses, len(group), latents, timestep, guidance, pooled, text, txt_ids, img_ids, shapes), shapes
+    return compute(uses, len(group), latents, timestep, guidance, pooled, text, txt_ids, img_ids, shapes, run), shapes

@@ -112,6 +112,10 @@ class ModelFamily(ABC):
     # each layer input row belongs to (``delta.owners``) and add the deltas of projections computed with stacked
     # weights (``delta.add_fused``). Until a family's hooks do, its adapter requests run uncached (``off``).
     adapters_in_masked_path: ClassVar[bool] = False
+    # Whether requests with ControlNets are cached: the ControlNet's blocks behind the cache's hooks (its rows
+    # recorded and reused, ``maskedit.cache.controlnet``) and its residuals taken by the masked path. Until a
+    # family's are, its requests with controls run uncached (``off``).
+    controls_in_masked_path: ClassVar[bool] = False
 
     def lora_prefix(self) -> str:
         """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""

@@ -17,12 +17,11 @@ Each ControlNet takes the noisy latents plus its control image's packed VAE late
 spread over the blocks by ``ceil(blocks / samples)``), scaled by the control's conditioning scale while the step is
 within its [start, end] fraction of the schedule.
 
-Caching: a request without controls is cached as Flux Fill's are (the same transformer class, so the same block
-hooks, ``maskedit.cache.flux``); the blend makes its unmasked tokens follow the template's trajectory exactly, as
-for FLUX.2 [klein]. A request with controls runs uncached (the runner decides ``off``): the residuals are added
-between the blocks, to every token, by the transformer's own forward, and the ControlNet computes every token.
-Caching them would key entries by control image, ControlNet and scale and put the ControlNet's blocks behind the
-same hooks (future work).
+Caching: requests are cached as Flux Fill's are (the same transformer class, so the same block hooks,
+``maskedit.cache.flux``); the blend makes its unmasked tokens follow the template's trajectory exactly, as for
+FLUX.2 [klein]. With controls the key covers them (``cache.key.control_identity``) and each ControlNet's blocks sit
+behind the same hooks, recorded in the template run and computing only masked rows on a hit
+(``maskedit.cache.controlnet``); the residuals are added per token between the blocks by the transformer's forward.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ class FluxControlNetFamily(ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controlnet_classes: ClassVar[tuple[str, ...]] = ("FluxControlNetModel",)
+    controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
 
     def pipeline_class(self):
         from diffusers import FluxControlNetInpaintPipeline

@@ -76,8 +76,11 @@ def step(runner, group: list, ctx) -> None:
     guidance = cat("guidance") if group[0].tensors.guidance is not None else None
     pooled, text = cat("pooled"), cat("prompt_embeds")
     jt = group[0].tensors
+    # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``)
+    run = None if ctx is None or ctx.controls is None else (
+        lambda net, uses, call: ctx.controls.run(net, group, uses, call))
     rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, cat("net_guidance"),
-                                    pooled, text, jt.txt_ids, jt.img_ids)
+                                    pooled, text, jt.txt_ids, jt.img_ids, run)
     pred = torch.empty_like(latents)
     for n, idx in enumerate(R.calls(rows, shapes)):
         sel = torch.tensor(idx, device=latents.device)
