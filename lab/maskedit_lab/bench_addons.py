@@ -397,6 +397,10 @@ def main(argv=None) -> None:
         meta = prev["meta"]
         meta.setdefault("partial_runs", []).append(part)
         meta["targets_met"] = targets(rows)
+    elif out.exists():  # a full run: other benchmarks' rows and meta in the file stay
+        prev = json.loads(out.read_text())
+        rows = rows + [r for r in prev["rows"] if "requests" not in r]
+        meta.update({k: v for k, v in prev["meta"].items() if k not in meta and k != "partial_runs"})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out.with_suffix(".png"), RANK, meta["steps"])
