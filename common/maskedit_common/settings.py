@@ -140,6 +140,8 @@ class Settings:
     lora_device_bytes: int = 1 << 30  # converted adapters one denoise process keeps on its device
     lora_load_threads: int = 2  # background adapter loads of one denoise process at a time
     lora_early_start: bool = False  # denoise before a request's adapters arrive, patch them in later (inexact)
+    lora_merge: str = "auto"  # same-set calls: merge adapters into the weights by the cost model, always, never
+    lora_merge_bytes: int = 1 << 30  # merged weight copies one denoiser keeps (per adapter set, LRU)
     controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
     max_controls: int = 2  # ControlNets per request
     max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
@@ -229,6 +231,7 @@ class Var:
 CONTROLNET_PLACEMENTS = ("inprocess", "triton")  # maskedit.controlnets.provider.PROVIDERS
 CACHE_POLICIES = ("off", "planner", "planner_y")  # maskedit.cache.policy.POLICIES (a unit test keeps them equal)
 BATCHING_POLICIES = ("continuous", "static", "priority")  # maskedit.scheduler.BatchScheduler.POLICIES
+LORA_MERGE_MODES = ("auto", "always", "never")  # maskedit.adapters.merge.MODES
 
 VARIABLES: tuple[Var, ...] = (
     # the model
@@ -265,6 +268,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_LORA_EARLY_START", "lora_early_start", _flag, "`1`: a request starts denoising before its "
         "adapters are loaded and they apply from the step after they arrive (faster, inexact; docs/lora.md)",
         "`0`"),
+    Var("MASKEDIT_LORA_MERGE", "lora_merge", str, "a denoiser call whose requests all carry one adapter set: "
+        "`auto` merges a projection's adapters into a copy of its weight where the cost model (measured on the "
+        "device) says it pays, `always` merges every projection, `never` adds the deltas per row (docs/lora.md)",
+        choices=LORA_MERGE_MODES),
+    Var("MASKEDIT_LORA_MERGE_BYTES", "lora_merge_bytes", _bytes, "bytes of merged weight copies one denoiser "
+        "keeps across calls (per adapter set, least recently used dropped first; a copy over it is made per call)",
+        "1 GiB"),
     Var("MASKEDIT_LORA_ROOTS", "lora_roots", _paths, "directories (`:`-separated) the router's "
         "`/v1/load_lora_adapter` accepts a `lora_path` in (symlinks resolved); it copies the adapter from there into "
         "the library; no other path is opened", "none (runtime loading off)"),

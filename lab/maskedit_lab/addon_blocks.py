@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from maskedit.adapters import delta
 from maskedit.adapters.build import write_library
 from maskedit.adapters.library import AdapterLibrary
 from maskedit.adapters.runtime import AdapterRuntime
@@ -62,6 +63,8 @@ def build(work_dir, names=("fw-a", "fw-b"), rank: int = 16, device="cpu", dtype=
     lib = AdapterLibrary(work_dir)
     runtime = AdapterRuntime(family, blocks, lib)
     adapters = runtime.resolve(lib.resolve(tuple(_ref(n) for n in names)))
+    for a, _ in adapters:  # hooks go on at admission in serving (``AdapterJobs.admit``), here by hand
+        delta.attach(blocks, a)
     return blocks, runtime, adapters
 
 

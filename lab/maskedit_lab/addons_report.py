@@ -29,12 +29,49 @@ def targets(rows) -> dict:
     return out
 
 
+def with_baselines(only: set) -> set:
+    """The cases named and the ones their overheads are measured against."""
+    out = set(only)
+    for c in only:
+        fw = c.startswith("fw:")
+        out.add("fw:base" if fw else "stock-base" if c == "naive" else "base-batch" if "batch" in c else "base")
+    return out
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows with those of the cases in ``new`` replaced (a partial run, ``--cases``), then the ratios between
+    cases recomputed."""
+    key = lambda r: (r["case"], r["preset"])  # noqa: E731
+    fresh = {key(r): r for r in new}
+    rows = [fresh.pop(key(r), r) for r in old] + list(fresh.values())
+    relate(rows)
+    return rows
+
+
+def relate(rows: list[dict]) -> None:
+    """Ratios between cases: the mixed and merged batches' throughput over the same-set batch's."""
+    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
+    if "mixed-batch" in by and "same-batch" in by:
+        for c in ("mixed-batch", "same-batch-merged"):
+            if c not in by:
+                continue
+            for k in ("", "_cpu"):
+                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
+                                                              by["same-batch"][f"throughput_rps{k}"], 3)
+
+
+def lora_rows(rows: list[dict]) -> list[dict]:
+    """This benchmark's rows (other benchmarks' rows share the file: ``bench_controlnet_mask``)."""
+    return [r for r in rows if "requests" in r]
+
+
 def plot(rows: list[dict], path: Path, rank: int = 16, steps: int = 8) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = lora_rows(rows)
     groups = [(f"bench preset: one request ({steps} steps)", [r for r in rows if r["preset"] == "bench"
                                                         and r["requests"] == 1]),
               ("bench preset: 4 requests in one step batch", [r for r in rows if r["requests"] == 4]),
@@ -60,14 +97,12 @@ def plot(rows: list[dict], path: Path, rank: int = 16, steps: int = 8) -> None:
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| preset | case | latency s | CPU s | baseline | overhead | overhead (CPU) | FLOP share | e2e overhead "
              "(CPU) | path |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in lora_rows(rows):
         e2e = f"{r['e2e_overhead']:+.1%} ({r['e2e_overhead_cpu']:+.1%})" if "e2e_overhead" in r else "–"
         lines.append(f"| {r['preset']} | {r['case']} | {r['latency_s']:.3f} | {r['cpu_s']:.3f} | {r['baseline']} | "
                      f"{r['overhead']:+.1%} | {r['overhead_cpu']:+.1%} | {r['flop_share']:+.1%} | {e2e} | "
                      f"{r.get('path', '–')} |")
     return "\n".join(lines)
-
-
 
 
 if __name__ == "__main__":

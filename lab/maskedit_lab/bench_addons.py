@@ -20,6 +20,7 @@ repetition (drift in a shared machine's speed hits all alike); medians of ``--re
 The cold cases go through ``AdapterRuntime`` (``fresh_runtime``): a host-memory adapter tier plugs in there.
 
     make bench-addons            # CPU float32 -> perf_profiles/results/addons.json / .png
+    make bench-addons ARGS="--cases warm-2,mixed-batch,fw:warm-2"   # those rows (and their baselines') replaced
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from maskedit.cache.cost_model import device_slug
 from maskedit.denoise import DenoiseJob
 
 from . import REPO_ROOT, addon_blocks
-from .addons_report import markdown_table, plot, targets
+from .addons_report import markdown_table, merge_rows, plot, relate, targets, with_baselines
 from .harness import Harness, png
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -101,6 +102,13 @@ def fresh_runtime(runner, library_dir: Path) -> AdapterRuntime:
     return AdapterRuntime(runner.family, runner.transformer, AdapterLibrary(library_dir))
 
 
+def use_runtime(runner, runtime: AdapterRuntime) -> None:
+    """The runner resolves (and loads) requests' adapters with ``runtime`` from now on."""
+    from maskedit.adapters.jobs import AdapterJobs
+
+    runner._adapter_jobs = AdapterJobs(runtime)
+
+
 def drop_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -115,12 +123,14 @@ class BenchCases:
     def __init__(self, h: Harness, lib_dir: Path):
         self.h, self.runner, self.lib_dir = h, h.runner, lib_dir
         self.warm = AdapterRuntime(self.runner.family, self.runner.transformer, AdapterLibrary(lib_dir))
-        self.runner._adapters = self.warm
+        use_runtime(self.runner, self.warm)
         self.merger = merge.merger_for(self.runner.transformer)
         self.x = h.inputs(h.mask(0.3, seed=1))
         lib = AdapterLibrary(lib_dir)
         self.refs = {n: lib.file(n) for n in NAMES}
-        self.loaded = {n: self.warm.get(self._ref(n)) for n in NAMES}  # hooks go on here
+        self.loaded = {n: self.warm.get(self._ref(n)) for n in NAMES}
+        for a in self.loaded.values():  # hooks go on here (serving puts them on at admission)
+            delta.attach(self.runner.transformer, a)
         drive(self.runner, [self._with(NAMES[0])])  # warm-up; the merge cost model measures its constants here
 
     def _ref(self, name: str, scale: float = 0.8):
@@ -148,11 +158,11 @@ class BenchCases:
         t = self.runner.transformer
         self.merger.mode = mode
         self.merger.clear()  # merged cases pay their merge
-        self.runner._adapters = self.warm
+        use_runtime(self.runner, self.warm)
         if setup == "unhooked":
             delta.detach(t)
         elif setup.startswith("cold"):
-            self.runner._adapters = fresh_runtime(self.runner, self.lib_dir)
+            use_runtime(self.runner, fresh_runtime(self.runner, self.lib_dir))
             if setup == "cold-disk":
                 drop_page_cache(self.refs[NAMES[0]].path)
             else:
@@ -164,7 +174,7 @@ class BenchCases:
             if setup == "unhooked":
                 for a in self.loaded.values():
                     delta.attach(t, a)
-            self.runner._adapters = self.warm
+            use_runtime(self.runner, self.warm)
             self.merger.mode = "auto"
         return out, {k: self.merger.stats[k] - before[k] for k in before}
 
@@ -206,9 +216,10 @@ def naive_cases(model_dir: Path, lib_dir: Path, h: Harness, device, dtype):
     return base, naive
 
 
-def flux_width_cases(work: Path, device, dtype):
+def flux_width_cases(work: Path, device, dtype, only=None):
     """(name -> callable giving seconds) for the FLUX.1-width blocks: base, 2 adapters unmerged and merged (the
-    merged copies made once beforehand, as for a set that stays: their making is timed as ``merge_s``)."""
+    merged copies made once beforehand, as for a set that stays: their making is timed as ``merge_s``); ``only``:
+    those names."""
     blocks, runtime, adapters = addon_blocks.build(work, device=device, dtype=dtype)
     x = blocks.inputs(device=device, dtype=dtype)
     m = merge.Merger(budget_bytes=64 << 30, mode="always")
@@ -224,12 +235,15 @@ def flux_width_cases(work: Path, device, dtype):
             return since(t0)
         return fn
 
-    merge_s = call(merged)()[0]  # makes and keeps the merged copies
-    return {"base": call(None), "warm-2": call(unmerged), "warm-2-merged": call(merged)}, merge_s, m.resident_bytes
+    fns = {"base": call(None), "warm-2": call(unmerged), "warm-2-merged": call(merged)}
+    fns = {k: f for k, f in fns.items() if only is None or k in only}
+    merge_s = call(merged)()[0] if "warm-2-merged" in fns else 0.0  # makes and keeps the merged copies
+    return fns, merge_s, m.resident_bytes
 
 
 def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None, dtype: str | None = None,
-        flux_width: bool = True, steps: int | None = None) -> tuple[list[dict], dict]:
+        flux_width: bool = True, steps: int | None = None, only: set | None = None) -> tuple[list[dict], dict]:
+    """``only``: run those cases (``fw:<case>`` at FLUX.1 widths) and the baselines they are measured against."""
     h = Harness.create(model_dir, preset="bench", steps=steps, device=device, dtype=dtype)
     dev, tdtype = h.runner.device, h.runner.dtype
     work = Path(tempfile.mkdtemp(prefix="maskedit-addons-"))  # on disk, not /dev/shm: cold-disk reads a file
@@ -240,11 +254,16 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                       specs=specs)
         bench = BenchCases(h, work / "lib")
         cases = bench.cases()
-        stock_base, naive = naive_cases(h.settings.model_dir, work / "lib", h, dev, tdtype)
-        fw, merge_s, merged_bytes = flux_width_cases(work / "fw", dev, tdtype) if flux_width else ({}, 0.0, 0)
-        total = (reps + 1) * (len(cases) + 2 + len(fw))
+        only = None if only is None else with_baselines(only)
+        cases = {c: v for c, v in cases.items() if only is None or c in only}
+        stock = {"stock-base", "naive"} if only is None else {"stock-base", "naive"} & only
+        stock_base, naive = naive_cases(h.settings.model_dir, work / "lib", h, dev, tdtype) if stock else (0, 0)
+        fw_only = None if only is None else {c[3:] for c in only if c.startswith("fw:")}
+        fw, merge_s, merged_bytes = (flux_width_cases(work / "fw", dev, tdtype, fw_only)
+                                     if flux_width and fw_only != set() else ({}, 0.0, 0))
+        total = (reps + 1) * (len(cases) + len(stock) + len(fw))
         bar = tqdm(total=total, desc="addons", unit="run")
-        times = {c: [] for c in [*cases, "stock-base", "naive", *(f"fw:{k}" for k in fw)]}
+        times = {c: [] for c in [*cases, *sorted(stock, reverse=True), *(f"fw:{k}" for k in fw)]}
         flops, stats, phases = {}, {}, {}
         paths = {c: _path(mode, None) for c, (_, mode, _) in cases.items()}
         paths.update({"naive": "fused (stock fuse_lora)", "fw:warm-2": "unmerged", "fw:warm-2-merged": "merged"})
@@ -255,7 +274,7 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
                 stats[c] = st
                 paths[c] = _path(mode, st)
                 bar.update()
-            for c, fn in (("stock-base", stock_base), ("naive", naive)):
+            for c, fn in [(c, fn) for c, fn in (("stock-base", stock_base), ("naive", naive)) if c in stock]:
                 if rep == 0:
                     flops[c] = count_flops(fn)
                 else:
@@ -278,7 +297,7 @@ def run(reps: int = 3, model_dir: Path | None = None, device: str | None = None,
             "flux_width_merged_bytes": merged_bytes, "merge_costs": _costs(bench.merger),
             "library": "temporary directory on the root disk (cold-disk: page cache dropped by posix_fadvise; a VM "
                        "disk may still be cached by its host)"}
-    meta["targets_met"] = targets(rows)
+    meta["targets_met"] = targets(rows) if only is None else {}
     return rows, meta
 
 
@@ -331,7 +350,7 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
                "requests": 4 if "batch" in c else 1}
         if "batch" in c:
             row["throughput_rps"], row["throughput_rps_cpu"] = round(4 / med[c], 3), round(4 / cpu[c], 3)
-        if not fw and c not in ("naive", "stock-base") and "batch" not in c:
+        if not fw and c not in ("naive", "stock-base") and "batch" not in c and "base" in med:
             row["e2e_overhead"] = round((med[c] - med["base"]) / (med["base"] + around_s), 4)
             row["e2e_overhead_cpu"] = round((cpu[c] - cpu["base"]) / (cpu["base"] + around_s), 4)
         st = stats.get(c)
@@ -341,12 +360,7 @@ def _rows(times, flops, stats, paths, phases, around_s, device, dtype) -> list[d
         if c in phases:
             row["phases_s"] = {k: round(statistics.median(p[k] for p in phases[c]), 4) for k in phases[c][0]}
         rows.append(row)
-    by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
-    if "mixed-batch" in by and "same-batch" in by:
-        for c in ("mixed-batch", "same-batch-merged"):
-            for k in ("", "_cpu"):
-                by[c][f"throughput_vs_same_batch{k}"] = round(by[c][f"throughput_rps{k}"] /
-                                                              by["same-batch"][f"throughput_rps{k}"], 3)
+    relate(rows)
     return rows
 
 
@@ -361,16 +375,32 @@ def main(argv=None) -> None:
                     "host shared with other work, where threads of one op wait on each other when descheduled")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's, 8)")
     ap.add_argument("--no-flux-width", action="store_true", help="skip the FLUX.1-width blocks")
+    ap.add_argument("--cases", default=None, help="comma-separated cases to run (`fw:<case>` at FLUX.1 widths; their "
+                    "baselines are added): their rows replace those in the existing --out file, the others stay")
     ap.add_argument("--out", type=Path, default=None, help="default: results/addons.json (addons_<gpu>.json on a GPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    rows, meta = run(args.reps, args.model_dir, args.device, args.dtype, not args.no_flux_width, args.steps)
+    only = None if args.cases is None else {c.strip() for c in args.cases.split(",") if c.strip()}
+    rows, meta = run(args.reps, args.model_dir, args.device, args.dtype, not args.no_flux_width, args.steps, only)
     hw = rows[0]["device"]
     out = args.out or RESULTS / ("addons.json" if hw == "cpu" else f"addons_{hw}.json")
     meta.update({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                  "seconds": round(time.time() - t0, 1), "device": hw, "dtype": rows[0]["dtype"]})
+    if only is not None and out.exists():  # a partial run: its rows replace the old ones, its meta is recorded
+        prev = json.loads(out.read_text())
+        rows = merge_rows(prev["rows"], rows)
+        part = {k: meta[k] for k in ("reps", "steps", "load_avg", "threads", "seconds", "merge_costs",
+                                     "flux_width_merge_s")}
+        part["cases"] = sorted(with_baselines(only))
+        meta = prev["meta"]
+        meta.setdefault("partial_runs", []).append(part)
+        meta["targets_met"] = targets(rows)
+    elif out.exists():  # a full run: other benchmarks' rows and meta in the file stay
+        prev = json.loads(out.read_text())
+        rows = rows + [r for r in prev["rows"] if "requests" not in r]
+        meta.update({k: v for k, v in prev["meta"].items() if k not in meta and k != "partial_runs"})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out.with_suffix(".png"), RANK, meta["steps"])

@@ -292,7 +292,7 @@ class ModelRunner:
 
         for group in self.groups(jobs):
             ctx = self.cache.context(group) if self.cache is not None else None
-            plan = merge.merger_for(self.transformer).plan([j.adapters for j in group], max(
+            plan = merge.merger_for(self.transformer, self.settings).plan([j.adapters for j in group], max(
                 j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):
                 self.family.step(self, group, ctx)

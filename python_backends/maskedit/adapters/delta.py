@@ -40,25 +40,35 @@ class BatchPlan:
         # order)
         self.groups = list(groups.values())
         self._rows: dict = {}
+        self._stacks: dict = {}
 
     def request_of(self, row: int, batch: int) -> int:
         """The request that batch row ``row`` of a ``batch``-row call belongs to."""
         return row // (batch // self.n)
 
     def _index(self, g: int, segments: tuple, device):
-        """Rows of group ``g`` among ``segments`` ((request, rows) runs along dim 0): None (none), "all", or an
-        index tensor; made once per call and layout."""
+        """Rows of group ``g`` among ``segments`` ((request, rows) runs along dim 0): None (none), "all", a
+        ``slice`` (one contiguous run: a view, no gather or scatter) or an index tensor; made once per call and
+        layout."""
         key = (g, segments, str(device))
         if key not in self._rows:
             jobs = self.groups[g][2]
             starts = np.cumsum([0] + [c for _, c in segments])
             mine = [(int(s), c) for (r, c), s in zip(segments, starts) if r in jobs and c]
-            if not mine:
+            runs: list[list[int]] = []
+            for s, c in mine:  # neighbouring runs of the group merge (a request's rows, CFG's doubled ones)
+                if runs and runs[-1][0] + runs[-1][1] == s:
+                    runs[-1][1] += c
+                else:
+                    runs.append([s, c])
+            if not runs:
                 idx = None
-            elif sum(c for _, c in mine) == int(starts[-1]):
+            elif runs[0][1] == int(starts[-1]):
                 idx = "all"
+            elif len(runs) == 1:
+                idx = slice(runs[0][0], runs[0][0] + runs[0][1])
             else:
-                idx = torch.from_numpy(np.concatenate([np.arange(s, s + c) for s, c in mine])).to(device)
+                idx = torch.from_numpy(np.concatenate([np.arange(s, s + c) for s, c in runs])).to(device)
             self._rows[key] = idx
         return self._rows[key]
 
@@ -69,7 +79,8 @@ class BatchPlan:
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor, part: slice | None = None,
               inplace: bool = False) -> torch.Tensor:
         """``out`` plus the deltas of layer ``name`` on input ``x`` (``part``: only those output features of the
-        layer, for a slice of a fused projection). ``inplace``: add into ``out`` (a view of a larger output)."""
+        layer, for a slice of a fused projection). ``inplace``: add into ``out`` (a view of a larger output);
+        otherwise ``out`` is added into only when it is no view (the layer's own fresh output), else copied once."""
         segments = getattr(_local, "owners", None)
         rows = x.shape[0]
         if segments is None:
@@ -80,22 +91,43 @@ class BatchPlan:
         elif sum(c for _, c in segments) != rows:
             raise RuntimeError(f"LoRA delta at {name}: {rows} rows for a layout of {segments}")
         dtype = out.dtype
+        owned = inplace or out._base is None
+        rowsets: dict = {}  # the groups of this layer by the rows they cover (in plan order)
         for g, (adapter, weight, _) in enumerate(self.groups):
             m = adapter.modules.get(name)
-            if m is None:
-                continue
-            idx = self._index(g, segments, x.device)
-            if idx is None:
-                continue
-            B = m.B if part is None else m.B[part]
-            xa = x.to(m.A.dtype)
-            if isinstance(idx, str):  # every row: no gather, PEFT's own expression
-                d = (F.linear(F.linear(xa, m.A), B) * m.scaling(weight)).to(dtype)
-                out = out.add_(d) if inplace else out + d
-                continue
-            d = (F.linear(F.linear(xa[idx], m.A), B) * m.scaling(weight)).to(dtype)
-            out = out.index_add_(0, idx, d) if inplace else out.index_add(0, idx, d)
-        return out if inplace else out.to(dtype)
+            idx = self._index(g, segments, x.device) if m is not None else None
+            if idx is not None:
+                key = idx if isinstance(idx, str) else (idx.start, idx.stop) if isinstance(idx, slice) else id(idx)
+                rowsets.setdefault(key, (idx, []))[1].append((g, m, weight))
+        for idx, mods in rowsets.values():
+            if not owned:  # one copy for the whole call, not one per group
+                out, owned = out.clone(), True
+            xa = x if x.dtype == mods[0][1].A.dtype else x.to(mods[0][1].A.dtype)
+            rows_x = xa if isinstance(idx, str) else xa[idx]  # a slice is a view; an index tensor gathers
+            # PEFT's own expression per adapter, B(A(x))·scaling, added in its order (in place: the same values as
+            # out + d); several adapters on the same rows share one GEMM over their stacked A factors (x·[A1; A2]ᵀ)
+            h = F.linear(rows_x, mods[0][1].A if len(mods) == 1 else self._stacked_a(name, mods))
+            off = 0
+            for _, m, weight in mods:
+                r = m.A.shape[0]
+                d = F.linear(h if len(mods) == 1 else h[..., off:off + r], m.B if part is None else m.B[part])
+                d = d.mul_(m.scaling(weight))
+                d = d if d.dtype == dtype else d.to(dtype)
+                off += r
+                if isinstance(idx, str):
+                    out.add_(d)
+                elif isinstance(idx, slice):
+                    out[idx].add_(d)
+                else:
+                    out.index_add_(0, idx, d)
+        return out
+
+    def _stacked_a(self, name: str, mods) -> torch.Tensor:
+        """``[A1; A2; …]`` of adapters on the same rows (made once per call and layer)."""
+        key = (name, tuple(g for g, _, _ in mods))
+        if key not in self._stacks:
+            self._stacks[key] = torch.cat([m.A for _, m, _ in mods])
+        return self._stacks[key]
 
 
 def _name(layer) -> str | None:

@@ -213,10 +213,12 @@ def _nbytes(weights: dict) -> int:
 _merger_lock = threading.Lock()
 
 
-def merger_for(denoiser) -> Merger:
-    """The denoiser's ``Merger`` (one per denoiser: the merged copies are of its weights)."""
+def merger_for(denoiser, settings=None) -> Merger:
+    """The denoiser's ``Merger`` (one per denoiser: the merged copies are of its weights), made with ``settings``'
+    ``lora_merge`` mode and ``lora_merge_bytes`` budget (``MASKEDIT_LORA_MERGE[_BYTES]``) by its first caller."""
     m = denoiser.__dict__.get("_maskedit_lora_merger")
     if m is None:
+        made = Merger() if settings is None else Merger(settings.lora_merge_bytes, settings.lora_merge)
         with _merger_lock:
-            m = denoiser.__dict__.setdefault("_maskedit_lora_merger", Merger())
+            m = denoiser.__dict__.setdefault("_maskedit_lora_merger", made)
     return m

@@ -29,6 +29,8 @@ NON_DEFAULT = {
     "MASKEDIT_LORA_DEVICE_BYTES": ("2048", "lora_device_bytes", 2048),
     "MASKEDIT_LORA_LOAD_THREADS": ("3", "lora_load_threads", 3),
     "MASKEDIT_LORA_EARLY_START": ("1", "lora_early_start", True),
+    "MASKEDIT_LORA_MERGE": ("never", "lora_merge", "never"),
+    "MASKEDIT_LORA_MERGE_BYTES": ("2e9", "lora_merge_bytes", 2000000000),
     "MASKEDIT_LORA_ROOTS": ("/in:/up", "lora_roots", (Path("/in"), Path("/up"))),
     "MASKEDIT_MAX_LORAS": ("2", "max_loras", 2),
     "MASKEDIT_MAX_LORA_SCALE": ("1.5", "max_lora_scale", 1.5),
@@ -111,15 +113,19 @@ def test_unknown_policies_are_refused_when_read():
         load_settings({"MASKEDIT_CACHE": "all_y"})  # a lab baseline, not a serving policy
     with pytest.raises(ValueError, match="MASKEDIT_BATCHING"):
         load_settings({"MASKEDIT_BATCHING": "fifo"})
+    with pytest.raises(ValueError, match="MASKEDIT_LORA_MERGE='sometimes'"):
+        load_settings({"MASKEDIT_LORA_MERGE": "sometimes"})
 
 
 def test_policy_choices_are_the_serving_components():
+    from maskedit.adapters.merge import MODES
     from maskedit.cache.policy import POLICIES
     from maskedit.cache.store import DISK_FREE_FRACTION
     from maskedit.scheduler import BatchScheduler
 
     assert S.CACHE_POLICIES == POLICIES
     assert S.BATCHING_POLICIES == BatchScheduler.POLICIES
+    assert S.LORA_MERGE_MODES == MODES
     assert S.CacheSettings().disk_free_fraction == DISK_FREE_FRACTION
 
 

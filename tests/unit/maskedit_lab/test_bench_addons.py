@@ -32,3 +32,22 @@ def test_targets_read_from_the_rows():
     assert t["warm-2@fw overhead <= 5%"]
     assert not t["cold-host e2e_overhead <= 10%"] and t["cold-host e2e_overhead_cpu <= 10%"]
     assert t["mixed-batch throughput >= 0.9 x same-batch"] and not t["mixed-batch throughput_cpu >= 0.9 x same-batch"]
+
+
+def test_a_partial_run_replaces_its_rows_and_keeps_the_others():
+    from maskedit_lab.addons_report import merge_rows, with_baselines
+
+    assert with_baselines({"warm-2", "mixed-batch", "fw:warm-2", "naive"}) == {
+        "warm-2", "base", "mixed-batch", "base-batch", "fw:warm-2", "fw:base", "naive", "stock-base"}
+    old = [_row("base", 0.0, 0.0), _row("cold-host", 0.01, 0.001),
+           _row("same-batch", 0.07, 0.04, throughput_rps=1.0, throughput_rps_cpu=1.0),
+           _row("same-batch-merged", 0.07, 0.0, throughput_rps=1.1, throughput_rps_cpu=1.2),
+           _row("mixed-batch", 0.2, 0.04, throughput_rps=0.8, throughput_rps_cpu=0.8)]
+    new = [_row("base", 0.0, 0.0, cpu_s=3.0), _row("same-batch", 0.05, 0.04, throughput_rps=0.5,
+                                                   throughput_rps_cpu=0.5),
+           _row("mixed-batch", 0.05, 0.04, throughput_rps=0.5, throughput_rps_cpu=0.49)]
+    rows = merge_rows(old, new)
+    assert [r["case"] for r in rows] == ["base", "cold-host", "same-batch", "same-batch-merged", "mixed-batch"]
+    assert rows[0]["cpu_s"] == 3.0 and rows[1] is old[1]
+    assert rows[4]["throughput_vs_same_batch"] == 1.0 and rows[4]["throughput_vs_same_batch_cpu"] == 0.98
+    assert rows[3]["throughput_vs_same_batch_cpu"] == 2.4  # the kept row's ratio against the new same-set batch

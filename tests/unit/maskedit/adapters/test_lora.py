@@ -198,3 +198,37 @@ def test_base_weights_are_never_touched(model):
     _edit(name, ed, tpl, mask, [("attn-mlp-r16", 1.0)])
     after = ed.runner.transformer.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_delta_layouts_add_each_rows_adapters_and_leave_views_alone():
+    """The plan's row layouts (every row, one contiguous run as a view, scattered runs by index) give each row its
+    request's deltas (the per-row expression's, within float rounding); an output that is a view is not written into."""
+    from maskedit.adapters import delta
+    from maskedit.adapters.convert import LoadedAdapter, LoraModule
+
+    g = torch.Generator().manual_seed(0)
+    mods = [LoraModule(torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g), 8.0, 4) for _ in range(3)]
+    a, b, c = (LoadedAdapter(n, n, "peft", {"p": m}) for n, m in zip("abc", mods))
+    per_request = [((a, 0.5), (c, 1.0)), ((b, 0.7), (c, 1.0)), ((a, 0.5), (c, 1.0))]  # a: rows 0, 2; b: 1; c: all
+    x = torch.randn(3, 5, 8, generator=g)
+    base = torch.randn(3, 5, 6, generator=g)
+    want = base.clone()
+    for r, sets in enumerate(per_request):
+        for ad, w in sets:
+            m = ad.modules["p"]
+            want[r] = want[r] + torch.nn.functional.linear(torch.nn.functional.linear(x[r], m.A), m.B) * m.scaling(w)
+    plan = delta.BatchPlan(per_request)
+    big = torch.cat([base, base], -1)
+    view = big[..., :6]
+    got = plan.apply("p", x, view)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-6) and torch.equal(view, base)  # the caller's view untouched
+    with delta.active(plan), delta.owners([(0, 2), (1, 1)]):  # rows 0-1 from request 0, row 2 from request 1
+        own = base.clone()
+        got = plan.apply("p", x, own)
+    assert got.data_ptr() == own.data_ptr()  # the layer's own output: added in place
+    ref = base.clone()
+    for r, req in enumerate((0, 0, 1)):
+        for ad, w in per_request[req]:
+            m = ad.modules["p"]
+            ref[r] = ref[r] + torch.nn.functional.linear(torch.nn.functional.linear(x[r], m.A), m.B) * m.scaling(w)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-6)

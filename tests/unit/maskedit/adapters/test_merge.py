@@ -172,3 +172,10 @@ def test_only_a_call_with_one_set_merges(editor):
 def test_measured_costs_are_positive():
     c = merge.Costs.measure(64, 64, 256, 8, "cpu", torch.float32, reps=2)
     assert c.delta_flops > 0 and c.merge_flops > 0 and c.layer_s >= 0
+
+
+def test_the_merger_takes_its_mode_and_budget_from_the_settings(tmp_path):
+    s = replace(load_settings({"MASKEDIT_MODEL_DIR": str(tmp_path), "MASKEDIT_LORA_MERGE": "never",
+                               "MASKEDIT_LORA_MERGE_BYTES": "12345"}))
+    m = merge.merger_for(torch.nn.Linear(2, 2), s)
+    assert (m.mode, m.budget) == ("never", 12345)
