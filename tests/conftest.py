@@ -19,7 +19,8 @@ from maskedit_client import encode_image
 # this run's, removed at its end, so tests never write into (or read from) the host's serving defaults under
 # /dev/shm/maskedit-$UID and ~/.cache/maskedit. Servers the tests start inherit it through the environment.
 _SCRATCH_VARS = {"MASKEDIT_CACHE_MEM_DIR": "activations", "MASKEDIT_CACHE_DISK_DIR": "disk",
-                 "MASKEDIT_CANCEL_DIR": "cancel", "MASKEDIT_ADMISSION_DIR": "admission"}
+                 "MASKEDIT_CANCEL_DIR": "cancel", "MASKEDIT_ADMISSION_DIR": "admission",
+                 "MASKEDIT_LORA_HOST_DIR": "adapters"}
 
 
 def pytest_configure(config):

@@ -37,7 +37,8 @@ def env(request, tmp_path_factory):
     base = load_settings()
     d = tmp_path_factory.mktemp(request.param) / "model"
     build(d, request.param)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device})
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
+                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
     fam = family_for(d)
     write_library(d, fam, fam.load_denoiser(s))
     sd = tmp_path_factory.mktemp("store")
@@ -188,7 +189,8 @@ def test_klein_hits_under_an_adapter_on_every_block_linear_are_exact(tmp_path):
     s0 = load_settings()
     d = tmp_path / "model"
     build(d, "klein-tiny")
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": s0.dtype, "MASKEDIT_DEVICE": s0.device})
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": s0.dtype, "MASKEDIT_DEVICE": s0.device,
+                       "MASKEDIT_LORA_HOST_DIR": str(tmp_path / "lora-host")})
     fam = family_for(d)
     sd = _every_block_linear(fam.load_denoiser(s), 8, 3)
     assert any("to_qkv_mlp_proj" in k for k in sd)

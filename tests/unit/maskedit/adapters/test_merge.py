@@ -29,7 +29,8 @@ def _editor(tmp_path_factory, preset):
     base = load_settings()
     d = tmp_path_factory.mktemp(preset) / "model"
     build(d, preset)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device})
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
+                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
     fam = family_for(d)
     write_library(d, fam, fam.load_denoiser(s))
     return LocalEditor(s)
