@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from . import json_field
 from .loras import NAME
 
 FIELD = "CONTROLS"
@@ -65,28 +66,11 @@ def _number(it: dict, key: str, default: float, i: int) -> float:
     return float(v)
 
 
-def _text(value):
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ControlSpecError("is not valid UTF-8 text") from None
-    return value
-
-
 def parse(value, max_controls: int = 2, max_scale: float = 4.0) -> tuple[ControlSpec, ...]:
     """``value``: JSON text (or the decoded list / object). Empty or absent: no controls."""
+    value = json_field.decode(value, ControlSpecError)
     if value is None:
         return ()
-    value = _text(value)
-    if isinstance(value, str):
-        if not value.strip():
-            return ()
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ControlSpecError(f'is not valid JSON ({e.msg} at character {e.pos}); expected '
-                                   f'[{{"name": "...", "scale": 0.8}}]') from None
     items = [value] if isinstance(value, (dict, str)) else value
     if isinstance(items, tuple):
         items = list(items)

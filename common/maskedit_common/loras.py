@@ -9,6 +9,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from . import json_field
+
 FIELD = "LORAS"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no separators, no leading dot: never a path
 
@@ -27,21 +29,9 @@ class LoraRef:
 
 def parse(value, max_loras: int = 4, max_scale: float = 4.0) -> tuple[LoraRef, ...]:
     """``value``: JSON text (or the decoded list / object). Empty or absent: no adapters."""
+    value = json_field.decode(value, LoraSpecError)
     if value is None:
         return ()
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise LoraSpecError("is not valid UTF-8 text") from None
-    if isinstance(value, str):
-        if not value.strip():
-            return ()
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise LoraSpecError(f'is not valid JSON ({e.msg} at character {e.pos}); expected '
-                                f'[{{"name": "...", "scale": 0.8}}]') from None
     items = [value] if isinstance(value, dict) else value
     if isinstance(items, tuple):
         items = list(items)
