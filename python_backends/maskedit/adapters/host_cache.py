@@ -16,7 +16,6 @@ an optimisation, the library file stays the source."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from safetensors.torch import save_file
 from .. import logs
 from ..cache import integrity
 from ..cache.entry_file import as_tensor, open_file
+from ..cache.file_lock import locked
 from ..cache.integrity import CorruptEntry
 from .convert import LoadedAdapter, LoraModule
 from .stats import AdapterStats
@@ -66,14 +66,8 @@ class AdapterHostCache:
             raise ValueError(f"bad adapter cache key {key!r}")
         return self.dir / f"{key}{SUFFIX}"
 
-    @contextlib.contextmanager
     def _lock(self):
-        with open(self.dir / ".lock", "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return locked(self.dir / ".lock")
 
     def _sweep_tmp(self) -> None:
         """Temporary files of writers that died mid-way (their pid is gone) or long ago, and their markers."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ from safetensors.torch import save_file
 from .. import logs
 from . import entry_file, integrity
 from .entry_file import Entry, MappedArrays, as_tensor, open_file
+from .file_lock import locked
 from .integrity import CorruptEntry
 from .tier_health import TierHealth
 
@@ -119,15 +119,9 @@ class ActivationStore:
             raise ValueError(f"bad cache key {key!r}")
         return tier_dir / f"{key}{SUFFIX}"
 
-    @contextlib.contextmanager
     def _lock(self):
         """Inter-process lock for eviction and promotion (flock on a file in the memory tier)."""
-        with open(self.mem_dir / ".lock", "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return locked(self.mem_dir / ".lock")
 
     def _sweep_tmp(self) -> None:
         now = time.time()
