@@ -14,12 +14,12 @@ Brought up to date when a request ends and every few seconds, as the activation-
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import triton_python_backend_utils as pb_utils
 
 from ..adapters.stats import EVENTS, SOURCES, TIERS
+from . import periodic
 
 BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -62,14 +62,4 @@ class AdapterMetrics:
                 self._bytes["host"].set(self.host.resident_bytes())
 
     def sync_every(self, interval_s: float = 5.0) -> threading.Event:
-        stop = threading.Event()
-
-        def loop():
-            while not stop.wait(interval_s):
-                try:
-                    self.sync()
-                except Exception:  # metrics must never take the model down
-                    logging.getLogger(__name__).exception("adapter metrics sync failed")
-
-        threading.Thread(target=loop, daemon=True, name="lora-metrics").start()
-        return stop
+        return periodic.every(self.sync, interval_s, "lora-metrics")

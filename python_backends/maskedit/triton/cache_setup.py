@@ -18,6 +18,7 @@ from ..cache.runtime import CacheRuntime
 from ..cache.store import from_settings
 from ..components import family
 from ..settings import Settings
+from . import periodic
 
 
 def cache_store(cache: CacheSettings, log: logging.Logger):
@@ -116,17 +117,7 @@ class CacheMetrics:
             self._sync()
 
     def sync_every(self, interval_s: float = 5.0) -> threading.Event:
-        stop = threading.Event()
-
-        def loop():
-            while not stop.wait(interval_s):
-                try:
-                    self.sync()
-                except Exception:  # metrics must never take the model down
-                    logging.getLogger(__name__).exception("cache metrics sync failed")
-
-        threading.Thread(target=loop, daemon=True, name="cache-metrics").start()
-        return stop
+        return periodic.every(self.sync, interval_s, "cache-metrics")
 
     def _sync(self) -> None:
         m = self.store.metrics()
