@@ -11,8 +11,8 @@ Two channels, one per path:
   into request parameters.
 
 A forwarded header arrives as a string parameter, after the request's own parameters; a request parameter of a
-header's name is the client's (the picker strips the header, never the body's copy), so a name given twice is
-refused by the backend, whichever copy comes first.
+header's name is the client's (the picker strips the header, never the body's copy), so a name given twice with
+two values is refused by the backend, whichever copy comes first.
 """
 
 TENANT_PARAM = "maskedit_tenant"

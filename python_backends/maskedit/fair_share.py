@@ -59,13 +59,15 @@ def tenant_of(parameters: str | dict | None) -> tuple[str, float]:
 
 def _parameters(parameters: str | dict | None) -> dict:
     """The parameters as a dict. Triton appends forwarded headers to the request's own parameters, so a header's
-    name given twice means the client sent it as a parameter too: refused, whichever copy comes first."""
+    name given twice with two values means the client sent it as a parameter too: refused, whichever copy comes
+    first. (Twice the same value is the picker's own twice: a generate body it wrote, should Triton ever forward
+    headers there as well.)"""
     if not isinstance(parameters, str):
         return parameters or {}
     pairs = json.loads(parameters, object_pairs_hook=lambda kv: kv)
     seen: dict = {}
     for k, v in pairs:
-        if k in seen and k in HEADERS:
+        if k in HEADERS and seen.get(k, v) != v:
             raise InvalidInput("is reserved for the gateway's header of that name; do not send it as a request "
                                "parameter", k)
         seen[k] = v

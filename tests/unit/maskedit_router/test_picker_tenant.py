@@ -110,8 +110,12 @@ def test_the_backend_reads_the_forwarded_headers_over_the_routers_names_and_refu
                    '{"x-maskedit-tenant":"acme","x-maskedit-tenant-weight":"2","x-maskedit-tenant-weight":"100"}'):
         with pytest.raises(InvalidInput, match="x-maskedit-tenant-weight: is reserved for the gateway's header"):
             tenant_of(params)
+    # the same value twice: the picker's body keys and its header, were Triton to forward headers to /generate too
+    assert tenant_of('{"x-maskedit-tenant":"acme","x-maskedit-tenant":"acme"}') == ("acme", 1.0)
     with pytest.raises(InvalidInput, match="x-maskedit-tenant-weight: must be a number from 0.01 to 100"):
         tenant_of('{"x-maskedit-tenant":"acme","x-maskedit-tenant-weight":"heavy"}')
+    with pytest.raises(InvalidInput, match="x-maskedit-tenant-weight: must be a number from 0.01 to 100"):
+        tenant_of('{"x-maskedit-tenant":"acme","x-maskedit-tenant-weight":"nan"}')
     with pytest.raises(InvalidInput, match="x-maskedit-tenant-weight: must be a number from 0.01 to 100"):
         tenant_of('{"x-maskedit-tenant":"acme","x-maskedit-tenant-weight":"1000"}')
     with pytest.raises(InvalidInput, match="x-maskedit-tenant: must be a tenant name"):
