@@ -362,13 +362,21 @@ def test_through_the_picker_a_generate_body_names_the_keys_tenant(pool, keyed):
                                         answers[0].request_headers.response.header_mutation))
     assert onward["content-length"] == str(len(answers[1]))
     http = next(s.http_url for s in pool["servers"] if s.grpc_url == endpoint)  # the pod's HTTP port
-    req = urllib.request.Request(f"http://{http}{path}", data=answers[1], method="POST",
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        info = json.loads(r.read())["EDIT_INFO"]
+
+    def generate(data: bytes, headers: dict):
+        req = urllib.request.Request(f"http://{http}{path}", data=data, method="POST",
+                                     headers={"content-type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            info = json.loads(r.read())["EDIT_INFO"]
+        info = json.loads(info) if isinstance(info, str) else info
+        return info["tenant"], info["tenant_weight"]
+
+    tenant_headers = {k: v for k, v in onward.items() if k.startswith("x-maskedit-tenant")}
+    assert generate(answers[1], tenant_headers) == ("acme", 2.5)
+    # control: the picker's headers alone, on the body as the client sent it, do not reach the backend (Triton
+    # forwards no headers to /generate): the client's key in the body would win, hence the rewrite
+    assert generate(doc, tenant_headers) == ("vip", 1.0)
     finish(p)
-    info = json.loads(info) if isinstance(info, str) else info
-    assert (info["tenant"], info["tenant_weight"]) == ("acme", 2.5)
 
 
 def test_the_router_command_serves_the_picker_with_dns_discovery(tmp_path):
