@@ -28,5 +28,9 @@ ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/common:/opt/
     MASKEDIT_MODEL_DIR=/opt/maskedit/models/tiny-flux-fill
 
 EXPOSE 8000 8001 8002
+# The header patterns: the endpoint picker's tenant headers reach fair share (maskedit_common.tenant_wire).
 CMD ["tritonserver", "--model-repository=/opt/maskedit/model_repository_gpu", "--strict-readiness=true", \
-     "--backend-config=python,shm-default-byte-size=16777216", "--backend-config=python,shm-growth-byte-size=16777216"]
+     "--backend-config=python,shm-default-byte-size=16777216", \
+     "--backend-config=python,shm-growth-byte-size=16777216", \
+     "--grpc-header-forward-pattern=^x-maskedit-tenant(-weight)?$", \
+     "--http-header-forward-pattern=^x-maskedit-tenant(-weight)?$"]

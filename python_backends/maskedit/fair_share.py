@@ -2,9 +2,12 @@
 the queue is full.
 
 The router authenticates a caller and sets two request parameters on what it forwards (``maskedit_tenant``, the
-tenant's name from the key file, and ``maskedit_tenant_weight``; never the key). A request without them (a direct
-client, the health probe) belongs to the unnamed tenant ``""`` with weight 1, so a flood that bypasses the router
-shares one tenant's place too.
+tenant's name from the key file, and ``maskedit_tenant_weight``; never the key). The endpoint picker, which never
+rewrites a gRPC body, sets headers instead (``x-maskedit-tenant``, ``x-maskedit-tenant-weight``) that Triton forwards
+as parameters of those names (``maskedit_common.tenant_wire``); when they are there they win over the router's
+names, which on that path only the client could have written. A request with neither (a direct client, the health
+probe) belongs to the unnamed tenant ``""`` with weight 1, so a flood that bypasses the router shares one tenant's
+place too.
 
 - **Order**: start-time fair queueing, as the router's own queue (``maskedit_router.tenancy.FairQueue``): each
   request of a tenant of weight w gets a virtual finish tag 1/w past the larger of the tenant's previous tag and the
@@ -23,24 +26,52 @@ import hashlib
 import json
 import re
 
+from maskedit_common.tenant_wire import HEADERS, TENANT_HEADER, TENANT_PARAM, WEIGHT_HEADER, WEIGHT_PARAM
+
 from .errors import InvalidInput, ResourceExhausted
 
-TENANT_PARAM = "maskedit_tenant"
-WEIGHT_PARAM = "maskedit_tenant_weight"
 _NAME = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
 
 
 def tenant_of(parameters: str | dict | None) -> tuple[str, float]:
-    """(tenant, weight) from a request's parameters (Triton gives the Python backend a JSON string)."""
-    p = json.loads(parameters) if isinstance(parameters, str) else (parameters or {})
-    name = p.get(TENANT_PARAM, "")
+    """(tenant, weight) from a request's parameters (Triton gives the Python backend a JSON string): the picker's
+    forwarded headers if present, else the router's parameters, else the unnamed tenant."""
+    p = _parameters(parameters)
+    if any(h in p for h in HEADERS):  # the picker's (a header is text: the weight is parsed here)
+        tenant_key, weight_key = TENANT_HEADER, WEIGHT_HEADER
+        weight = p.get(WEIGHT_HEADER, 1.0)
+        if isinstance(weight, str):
+            try:
+                weight = float(weight)
+            except ValueError:
+                raise InvalidInput(f"must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}", WEIGHT_HEADER) from None
+    else:
+        tenant_key, weight_key = TENANT_PARAM, WEIGHT_PARAM
+        weight = p.get(WEIGHT_PARAM, 1.0)
+    name = p.get(tenant_key, "")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidInput("must be a tenant name of at most 64 letters, digits or ._-", TENANT_PARAM)
-    weight = p.get(WEIGHT_PARAM, 1.0)
+        raise InvalidInput("must be a tenant name of at most 64 letters, digits or ._-", tenant_key)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
-        raise InvalidInput(f"must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}", WEIGHT_PARAM)
+        raise InvalidInput(f"must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}", weight_key)
     return name, float(weight)
+
+
+def _parameters(parameters: str | dict | None) -> dict:
+    """The parameters as a dict. Triton appends forwarded headers to the request's own parameters, so a header's
+    name given twice with two values means the client sent it as a parameter too: refused, whichever copy comes
+    first. (Twice the same value is the picker's own twice: a generate body it wrote, should Triton ever forward
+    headers there as well.)"""
+    if not isinstance(parameters, str):
+        return parameters or {}
+    pairs = json.loads(parameters, object_pairs_hook=lambda kv: kv)
+    seen: dict = {}
+    for k, v in pairs:
+        if k in HEADERS and seen.get(k, v) != v:
+            raise InvalidInput("is reserved for the gateway's header of that name; do not send it as a request "
+                               "parameter", k)
+        seen[k] = v
+    return seen
 
 
 def tenant_hash(name: str) -> int:

@@ -27,6 +27,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from maskedit_common.tenant_wire import TRITON_ARGS
+
 from . import admission
 from .repository import REPOSITORY
 from .settings import REPO_ROOT, Settings, load_settings
@@ -133,6 +135,7 @@ class TritonServer:
             "--backend-config=python,shm-growth-byte-size=16777216",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             "--log-verbose=0",
+            *TRITON_ARGS,  # the endpoint picker's tenant headers reach fair share as request parameters
             *self.extra_args,
         ]
 

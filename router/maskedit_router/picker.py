@@ -7,7 +7,11 @@ features from the body (``picker_body``), chooses a Triton pod with the router's
 
 - the request-headers response sets ``x-gateway-destination-endpoint: <ip:port>`` and the dynamic metadata
   ``envoy.lb / x-gateway-destination-endpoint`` to the same value (and clears the route cache);
-- the request body goes back unchanged as ``streamed_response`` chunks; later phases pass through;
+- with API keys it also names the key's tenant to the pod: it removes the client's ``authorization`` and any
+  ``x-maskedit-tenant[-weight]`` headers the client sent, and sets those two from the key (Triton forwards them
+  to the backend's fair share as request parameters: ``maskedit_common.tenant_wire``); a generate endpoint's JSON
+  body (where Triton forwards no headers) gets the same two as keys, and ``content-length`` follows;
+- the request body goes back otherwise unchanged as ``streamed_response`` chunks; later phases pass through;
 - only endpoints in the proxy's subset (``metadata_context`` ``envoy.lb.subset_hint`` /
   ``x-gateway-destination-endpoint-subset``) are eligible when it sends one; none eligible or none healthy: an
   immediate 503; the router's in-flight limits reached: 429; a body that cannot be read: 400 (gRPC requests get
@@ -32,6 +36,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+
+from maskedit_common.tenant_wire import HEADERS as TENANT_HEADERS, TENANT_HEADER, WEIGHT_HEADER, weight_text
 
 from . import grpc_health, picker_body
 from .extproc_wire import metadata_context, streamed_body
@@ -198,8 +204,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if features is None:
                 return  # not enough of the body yet: Envoy keeps streaming it to us
             self.choose(x, features)
-            yield self._headers_answer(x)
-            yield _body_answer(bytes(x.body), chunk.end_of_stream)
+            body = self._tagged_body(x) if chunk.end_of_stream else None
+            yield self._headers_answer(x, None if body is None else len(body))
+            yield _body_answer(bytes(x.body) if body is None else body, chunk.end_of_stream)
             x.body = bytearray()
         elif kind == "request_trailers":
             if x.endpoint is None:  # a body that never completed a message: decide on what we have
@@ -237,11 +244,26 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         except picker_body.BadBody as e:
             raise Refused(400, str(e)) from None
 
-    def _headers_answer(self, x: _Exchange) -> ep.ProcessingResponse:
-        value = x.endpoint.encode()
-        mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value))],
-            remove_headers=["authorization"] if self.keyring.enabled else [])  # keys stay at the gateway
+    def _tagged_body(self, x: _Exchange) -> bytes | None:
+        """A whole JSON body rewritten to name the key's tenant (generate endpoints); None: it goes on as it came."""
+        if not self.keyring.enabled or x.tenant is None or picker_body.is_grpc(x.headers):
+            return None
+        return picker_body.with_tenant(x.path, bytes(x.body), x.tenant.name, x.tenant.weight)
+
+    def _headers_answer(self, x: _Exchange, body_length: int | None = None) -> ep.ProcessingResponse:
+        """Where the request goes, and its headers: the key and the client's tenant headers removed, the key's tenant
+        set (keys on); ``body_length``: the body was rewritten to that length."""
+        sets = [(DESTINATION, x.endpoint)]
+        removes = list(TENANT_HEADERS)  # only the picker names a tenant; open mode: nobody does on this path
+        if self.keyring.enabled:
+            removes.append("authorization")  # keys stay at the gateway
+            if x.tenant is not None:
+                sets += [(TENANT_HEADER, x.tenant.name), (WEIGHT_HEADER, weight_text(x.tenant.weight))]
+        if body_length is not None:
+            sets.append(("content-length", str(body_length)))
+        mutation = ep.HeaderMutation(remove_headers=removes, set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD) for k, v in sets])
         dynamic = struct_pb2.Struct()
         dynamic.update({LB_NAMESPACE: {DESTINATION: x.endpoint}})
         return ep.ProcessingResponse(

@@ -7,7 +7,8 @@ Two kinds of body reach a Triton pool through a gateway:
 - JSON for Triton's generate endpoints (``/v2/models/<model>/generate[_stream]``): the inputs by name, images in
   base64, complete at the end of the body.
 Both become a ``ModelInferRequest`` for ``features.extract``, so the picker prices an edit exactly as the router
-does. A body that cannot be read raises ``BadBody``.
+does. A body that cannot be read raises ``BadBody``. ``with_tenant``: a generate body naming the caller's tenant
+(Triton does not forward headers to those endpoints; ``maskedit_common.tenant_wire``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import struct
 
 from tritonclient.grpc import service_pb2
 
+from maskedit_common.tenant_wire import HEADERS, TENANT_HEADER, WEIGHT_HEADER, weight_text
 from maskedit_common.wire import maybe_base64
 
 from .features import EditFeatures, extract
@@ -87,6 +89,21 @@ def json_features(path: str, body: bytes, resolution: int) -> EditFeatures:
             t = req.inputs.add(name=name, shape=[1])
             getattr(t.contents, kind).append(float(v) if kind == "fp32_contents" else int(v))
     return _edit_features(req, resolution)
+
+
+def with_tenant(path: str, body: bytes, tenant: str, weight: float) -> bytes | None:
+    """``body`` of a generate request with the tenant's name and weight as top-level keys (``/generate`` makes
+    every key that is no input a request parameter), over the client's own (top-level or under ``parameters``);
+    None for other paths (Triton forwards the headers there). ``body`` was read by ``json_features`` already."""
+    if not _GENERATE.match(path):
+        return None
+    doc = json.loads(body)
+    nested = doc.get("parameters")
+    if isinstance(nested, dict):
+        for name in HEADERS:
+            nested.pop(name, None)
+    doc[TENANT_HEADER], doc[WEIGHT_HEADER] = tenant, weight_text(weight)
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _edit_features(req, resolution: int) -> EditFeatures:

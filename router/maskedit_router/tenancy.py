@@ -11,7 +11,8 @@ a fair queue in front of the backends.
   everyone's. ``fair=False``: the same queue first-come first-served (the comparison). A request that waits
   ``max_wait_s`` is refused (RESOURCE_EXHAUSTED): an answer, never lost.
 - ``tag_request``: what the router forwards names the caller's tenant and weight (request parameters), so each
-  backend's denoise queue shares itself between tenants too (``maskedit.fair_share``).
+  backend's denoise queue shares itself between tenants too (``maskedit.fair_share``); the endpoint picker's path
+  carries the same in headers (``maskedit_common.tenant_wire``).
 """
 
 from __future__ import annotations
@@ -24,20 +25,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .auth import ANONYMOUS, Tenant
+from maskedit_common.tenant_wire import HEADERS, TENANT_PARAM, WEIGHT_PARAM
 
-# The request parameters a backend reads its caller's tenant from (``maskedit.fair_share``; the same names there).
-TENANT_PARAM = "maskedit_tenant"
-WEIGHT_PARAM = "maskedit_tenant_weight"
+from .auth import ANONYMOUS, Tenant
 
 
 def tag_request(req, tenant: Tenant) -> None:
     """Set ``req``'s (a ModelInferRequest the router forwards) tenant parameters from the caller's key: the
     tenant's name and weight, never the key. With keys on, whatever the client put there is overwritten: a tenant
-    is what its key says. Open mode (no key file, ``ANONYMOUS``): nothing is known of the caller, so the request
+    is what its key says; parameters named as the picker's headers are removed (the backend would read those
+    first). Open mode (no key file, ``ANONYMOUS``): nothing is known of the caller, so the request
     goes on as the client sent it (a client-named tenant, as a direct client's to a backend)."""
     if tenant is ANONYMOUS:
         return
+    for name in HEADERS:
+        if name in req.parameters:
+            del req.parameters[name]
     req.parameters[TENANT_PARAM].string_param = tenant.name
     req.parameters[WEIGHT_PARAM].double_param = float(tenant.weight)
 

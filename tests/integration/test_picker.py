@@ -1,5 +1,6 @@
 """The router as a GIE endpoint picker: the test plays the gateway's side of Envoy's ext_proc stream against the
-real picker (gRPC), in front of two real Triton instances, and sends each edit on to the pod it picked."""
+real picker (gRPC), in front of two real Triton instances, and sends each edit on to the pod it picked (with the
+picker's header mutations applied as Envoy applies them, where a test needs them)."""
 
 import base64
 import json
@@ -21,6 +22,7 @@ from maskedit_lab.cluster import running_cluster
 from maskedit_router.extproc_wire import read_streamed_body, with_metadata_context
 from maskedit_router.picker import EndpointPicker, serve_picker
 from tests.conftest import png
+from tests.envoy_headers import apply_header_mutation
 
 STREAM_PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -59,9 +61,9 @@ class Proxy:
         return list(self.answers)
 
 
-def headers(path, content_type="application/grpc", end_of_stream=False, offered=None, method="POST"):
+def headers(path, content_type="application/grpc", end_of_stream=False, offered=None, method="POST", extra=()):
     hs = ep.HttpHeaders(end_of_stream=end_of_stream)
-    for k, v in ((":path", path), (":method", method), ("content-type", content_type)):
+    for k, v in ((":path", path), (":method", method), ("content-type", content_type), *extra):
         hs.headers.headers.add(key=k, raw_value=v.encode())
     req = ep.ProcessingRequest(request_headers=hs)
     if offered is not None:
@@ -106,15 +108,21 @@ def finish(proxy: Proxy, status=200) -> None:
     assert proxy.close() == []
 
 
-def exchange(pool, data: bytes, offered=None, path=STREAM_PATH, content_type="application/grpc"):
-    """Headers and the body in two chunks; returns (proxy, endpoint) after checking the body came back whole."""
-    p = Proxy(pool["stub"])
-    p.send(headers(path, content_type, offered=offered))
+def exchange(pool, data: bytes, offered=None, path=STREAM_PATH, content_type="application/grpc", stub=None,
+             extra=(), answers=None):
+    """Headers and the body in two chunks; returns (proxy, endpoint) after checking the body came back whole.
+    ``answers``: a list that gets the headers answer and the body that came back (which then may differ)."""
+    p = Proxy(stub or pool["stub"])
+    p.send(headers(path, content_type, offered=offered, extra=extra))
     p.send(body(data[:7], False))  # not yet a whole message: the picker waits for more
     p.send(body(data[7:], True))
-    endpoint = picked(p.recv())
+    answer = p.recv()
+    endpoint = picked(answer)
     echoed = read_streamed_body(p.recv().request_body.response.body_mutation)
-    assert echoed == (data, True)
+    if answers is None:
+        assert echoed == (data, True)
+    else:
+        answers += [answer, echoed[0]]
     return p, endpoint
 
 
@@ -270,6 +278,105 @@ def test_a_pod_removed_mid_run_is_no_longer_picked(pool):
         assert immediate(p.close()).status.code == 503
     finally:
         router.set_backends(everyone)
+
+
+KEY = "sk-acme-0123456789abcdef"
+FORGED = (("x-maskedit-tenant", "vip"), ("x-maskedit-tenant-weight", "100"))
+
+
+@pytest.fixture(scope="module")
+def keyed(pool, tmp_path_factory):
+    """A second picker with API keys over the same router and pods (a picker is a gRPC service: no new Triton)."""
+    from maskedit_router.auth import Keyring
+
+    keys = tmp_path_factory.mktemp("picker-keys") / "keys.txt"
+    keys.write_text(f"{KEY} acme user weight=2.5\n")
+    server, port = serve_picker(EndpointPicker(pool["router"], keyring=Keyring(keys)), 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield ep_grpc.ExternalProcessorStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=1).wait(10)
+
+
+def _stream_edit(url, tpl, mask, headers, parameters=None):
+    """One edit over Triton's own gRPC stream with these headers (as the gateway sends it on): (EDIT_INFO, error)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in (("TEMPLATE", png(tpl)), ("MASK", png(mask)), ("PROMPT", b"a hat")):
+        t = grpcclient.InferInput(name, [1], "BYTES")
+        t.set_data_from_numpy(np.array([value], dtype=object))
+        inputs.append(t)
+    steps = grpcclient.InferInput("STEPS", [1], "INT32")
+    steps.set_data_from_numpy(np.array([1], np.int32))
+    got: queue.Queue = queue.Queue()
+    tc = grpcclient.InferenceServerClient(url)
+    try:
+        tc.start_stream(lambda result, error: got.put((result, error)), headers=dict(headers))
+        tc.async_stream_infer("edit", inputs + [steps], parameters=parameters)
+        result, error = got.get(timeout=120)
+        tc.stop_stream()
+    finally:
+        tc.close()
+    return (None if result is None else json.loads(result.as_numpy("EDIT_INFO").reshape(-1)[0])), error
+
+
+def test_through_the_picker_the_pod_learns_the_keys_tenant_never_the_clients(pool, keyed):
+    """The client sends its key and forged tenant headers (and the router's parameter names in the body); the
+    picker's mutation, applied as Envoy applies it, leaves the key's tenant, which Triton forwards to the backend's
+    fair share (EDIT_INFO reports what it queued the edit under). Controls: the same headers unmutated do reach the
+    backend (so the check is not vacuous), and a parameter named as the header is refused, naming it."""
+    tpl, mask = samples.template(256, 256, seed=80), samples.mask(256, 256, 0.2, "box", seed=5)
+    sent = (("authorization", f"Bearer {KEY}"), *FORGED)
+    claimed = {"maskedit_tenant": "vip", "maskedit_tenant_weight": 50.0}
+    answers: list = []
+    p, endpoint = exchange(pool, edit_message(tpl, mask), stub=keyed, extra=sent, answers=answers)
+    onward = apply_header_mutation([(":path", STREAM_PATH), *sent],
+                                   answers[0].request_headers.response.header_mutation)
+    onward = [(k, v) for k, v in onward if not k.startswith(":") and k != "x-gateway-destination-endpoint"]
+    assert sorted(onward) == [("x-maskedit-tenant", "acme"), ("x-maskedit-tenant-weight", "2.5")]
+    info, err = _stream_edit(endpoint, tpl, mask, onward, claimed)
+    finish(p)
+    assert err is None, err
+    assert (info["tenant"], info["tenant_weight"]) == ("acme", 2.5)
+    forged, err = _stream_edit(endpoint, tpl, mask, FORGED)  # had the gateway not applied the mutation
+    assert err is None and (forged["tenant"], forged["tenant_weight"]) == ("vip", 100.0), err
+    _, err = _stream_edit(endpoint, tpl, mask, onward, {"x-maskedit-tenant-weight": "100"})
+    assert "x-maskedit-tenant-weight: is reserved for the gateway's header" in str(err), err
+
+
+def test_through_the_picker_a_generate_body_names_the_keys_tenant(pool, keyed):
+    """Triton forwards no headers to ``/generate``: the picker writes the tenant into the JSON body instead."""
+    import urllib.request
+
+    tpl, mask = samples.template(256, 256, seed=81), samples.mask(256, 256, 0.1, "box", seed=6)
+    doc = json.dumps({"TEMPLATE": base64.b64encode(png(tpl)).decode(), "MASK": base64.b64encode(png(mask)).decode(),
+                      "PROMPT": "a hat", "STEPS": 1, "x-maskedit-tenant": "vip"}).encode()
+    answers: list = []
+    path = "/v2/models/edit/generate"
+    p, endpoint = exchange(pool, doc, path=path, content_type="application/json", stub=keyed,
+                           extra=(("authorization", f"Bearer {KEY}"),), answers=answers)
+    onward = dict(apply_header_mutation([("content-length", str(len(doc)))],
+                                        answers[0].request_headers.response.header_mutation))
+    assert onward["content-length"] == str(len(answers[1]))
+    http = next(s.http_url for s in pool["servers"] if s.grpc_url == endpoint)  # the pod's HTTP port
+
+    def generate(data: bytes, headers: dict):
+        req = urllib.request.Request(f"http://{http}{path}", data=data, method="POST",
+                                     headers={"content-type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            info = json.loads(r.read())["EDIT_INFO"]
+        info = json.loads(info) if isinstance(info, str) else info
+        return info["tenant"], info["tenant_weight"]
+
+    tenant_headers = {k: v for k, v in onward.items() if k.startswith("x-maskedit-tenant")}
+    assert generate(answers[1], tenant_headers) == ("acme", 2.5)
+    # control: the picker's headers alone, on the body as the client sent it, do not reach the backend (Triton
+    # forwards no headers to /generate): the client's key in the body would win, hence the rewrite
+    assert generate(doc, tenant_headers) == ("vip", 1.0)
+    finish(p)
 
 
 def test_the_router_command_serves_the_picker_with_dns_discovery(tmp_path):

@@ -15,7 +15,7 @@ from maskedit_router.__main__ import parser as router_parser
 from tests.conftest import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
-OVERLAYS = ["standalone", "gateway", "secured"]
+OVERLAYS = ["standalone", "gateway", "secured", "gateway-secured"]
 SCHEMAS = {}
 for path in (DEPLOY / "schemas").glob("*.json"):
     s = json.loads(path.read_text())
@@ -131,7 +131,8 @@ def _router_args(dep):
 def test_router_and_picker_find_the_triton_pods_and_expose_their_ports(objects):
     overlay, objs = objects
     deps, svcs = _by_kind(objs, "Deployment"), _by_kind(objs, "Service")
-    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker", "secured": "maskedit-router"}[overlay]
+    name = {"standalone": "maskedit-router", "gateway": "maskedit-picker", "secured": "maskedit-router",
+            "gateway-secured": "maskedit-picker"}[overlay]
     args = _router_args(deps[name])
     host, port = args.backends_dns.split(":")
     assert host in svcs and svcs[host]["spec"]["clusterIP"] == "None"
@@ -139,7 +140,7 @@ def test_router_and_picker_find_the_triton_pods_and_expose_their_ports(objects):
     assert args.host == "0.0.0.0"
     ports = {p["containerPort"] for p in _container(deps[name])["ports"]}
     assert {args.http_port, args.openai_port} <= ports
-    if overlay == "gateway":
+    if overlay.startswith("gateway"):
         assert args.ext_proc_port in ports
     svc_targets = {p["targetPort"] for p in svcs[name]["spec"]["ports"]}
     assert svc_targets <= {p["name"] for p in _container(deps[name])["ports"]}
@@ -194,3 +195,65 @@ def test_the_secured_overlay_mounts_the_key_file_and_certificate_from_secrets_wh
     assert all(m.get("readOnly") for m in c["volumeMounts"] if m["name"] in ("api-keys", "tls"))
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"  # /health stays open, over TLS
     assert not any(o["kind"] == "Secret" for o in objs)  # the secrets themselves are never in the repository
+
+
+def _allowed(policies, pod_labels: dict, port: str, namespace_labels=None) -> bool:
+    """Whether a pod with ``pod_labels`` (in the policies' namespace, or in another one when ``namespace_labels``)
+    may reach ``port`` of the pods the policies select: NetworkPolicy's rules, for the selectors used here."""
+    def matches(sel, labels):
+        ok = sel.get("matchLabels", {}).items() <= labels.items()
+        for e in sel.get("matchExpressions", []):
+            assert e["operator"] == "In", e
+            ok = ok and labels.get(e["key"]) in e["values"]
+        return ok
+
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                if "namespaceSelector" in peer:
+                    if not matches(peer["namespaceSelector"], namespace_labels or {}):
+                        continue
+                elif namespace_labels is not None:
+                    continue  # a podSelector alone: the policy's own namespace only
+                if matches(peer.get("podSelector", {}), pod_labels):
+                    return True
+    return False
+
+
+def test_only_the_router_picker_and_gateway_reach_the_triton_pods_model_ports(objects):
+    """A client that reached a pod could name its own tenant to the backends' fair share: the NetworkPolicies let
+    in only what sets the tenant from a key (router, picker, the gateway's proxies), and metrics from anywhere."""
+    overlay, objs = objects
+    deps = _by_kind(objs, "Deployment")
+    triton = deps["maskedit-triton"]["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in _by_kind(objs, "NetworkPolicy").values()
+                if p["spec"]["podSelector"]["matchLabels"].items() <= triton.items()]
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies) and policies
+    named = {p["name"] for p in _container(deps["maskedit-triton"])["ports"]}
+    assert all(p["port"] in named for pol in policies for r in pol["spec"]["ingress"] for p in r.get("ports", []))
+    front = "maskedit-picker" if overlay.startswith("gateway") else "maskedit-router"
+    front_labels = deps[front]["spec"]["template"]["metadata"]["labels"]
+    gateway_proxy = {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
+    for port in ("grpc", "http"):
+        assert _allowed(policies, front_labels, port)
+        assert not _allowed(policies, {"app": "someone-else"}, port)  # the negative control
+        assert not _allowed(policies, front_labels, port, namespace_labels={"x": "y"})  # elsewhere: not the front
+        assert _allowed(policies, gateway_proxy, port, {"kubernetes.io/metadata.name": "gw"}) == \
+            overlay.startswith("gateway")
+    assert _allowed(policies, {"app": "prometheus"}, "metrics", {"kubernetes.io/metadata.name": "monitoring"})
+
+
+def test_the_gateway_secured_overlay_gives_the_picker_the_key_file_from_its_secret():
+    objs = render("gateway-secured")
+    picker = _by_kind(objs, "Deployment")["maskedit-picker"]["spec"]["template"]["spec"]
+    c = picker["containers"][0]
+    path = _env(c)["MASKEDIT_API_KEYS_FILE"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    mount = mounts[path.rsplit("/", 1)[0]]
+    assert mount["readOnly"]
+    assert {v["name"]: v["secret"]["secretName"] for v in picker["volumes"]}[mount["name"]] == "maskedit-api-keys"
+    assert not any(o["kind"] == "Secret" for o in objs)

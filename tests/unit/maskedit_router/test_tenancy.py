@@ -196,8 +196,11 @@ def test_what_the_router_forwards_names_the_keys_tenant_and_weight_over_the_clie
     req = service_pb2.ModelInferRequest()
     req.parameters[TENANT_PARAM].string_param = "ops"  # a claim
     req.parameters[WEIGHT_PARAM].double_param = 99.0
+    req.parameters["x-maskedit-tenant"].string_param = "vip"  # the picker's header names, which the backend reads
+    req.parameters["x-maskedit-tenant-weight"].string_param = "100"  # first: a client's claim under them goes
     tag_request(req, acme)
     assert (req.parameters[TENANT_PARAM].string_param, req.parameters[WEIGHT_PARAM].double_param) == ("acme", 2.0)
+    assert sorted(req.parameters) == [TENANT_PARAM, WEIGHT_PARAM]
     assert USER_KEY not in str(req)  # never the key
     open_mode = service_pb2.ModelInferRequest()
     tag_request(open_mode, ANONYMOUS)  # no key file: nothing known of the caller, nothing added
