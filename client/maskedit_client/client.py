@@ -1,7 +1,8 @@
-"""gRPC streaming client for the ``edit`` ensemble.
+"""gRPC streaming client for the ``edit`` ensemble: the stream, matching responses to requests, retries, cancel.
 
 The ensemble contains a decoupled model, so Triton requires the bidirectional stream: one stream per
-client carries any number of concurrent requests, matched back to their callers by request id.
+client carries any number of concurrent requests, matched back to their callers by request id. The request tensors
+are built in ``inputs``, what a request ends in (``EditResult`` / ``EditError``) lives in ``results``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -23,83 +23,13 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from .controls import control_images_input, controls_json
+from .inputs import edit_inputs, encode_image, loras_json  # noqa: F401  (loras_json: importable from here too)
+from .results import CODES, EditError, EditResult
 from .retry import Backoff, Timer, retryable
 
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
-_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL",
-          "UNAUTHENTICATED", "PERMISSION_DENIED")
-_CODE = re.compile(r"\b(%s): " % "|".join(_CODES))
-_FIELD = re.compile(r"^([A-Z_]+): ")
-_TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing required input|unexpected inference input"
-                             r"|expected number of inputs|shape")
-_TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
 _REQUEST_ID = re.compile(r"request id: ([\w-]+)")
-_RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 log = logging.getLogger("maskedit.client")
-
-
-class EditError(Exception):
-    """A failed edit. ``code`` is the status name (INVALID_ARGUMENT, ...), ``field`` the input at fault."""
-
-    def __init__(self, message: str, code: str = "UNKNOWN", field: str | None = None):
-        super().__init__(message)
-        self.code, self.field = code, field
-        m = _RETRY_AFTER.search(message)
-        # a refusal's hint (the router's per-tenant limits): when to send again
-        self.retry_after_s = float(m.group(1)) if m else None
-
-    @classmethod
-    def from_server(cls, message: str) -> "EditError":
-        m = _CODE.search(message)
-        if not m:
-            # Triton itself rejected the request before our models saw it: missing tensor, wrong dtype or shape.
-            if _TRITON_INVALID.search(message):
-                f = _TRITON_FIELD.search(message)
-                return cls(message, "INVALID_ARGUMENT", f.group(1) if f else None)
-            return cls(message, "UNKNOWN")
-        rest = message[m.end():]
-        f = _FIELD.match(rest)
-        return cls(message[m.start():], m.group(1), f.group(1) if f else None)
-
-
-@dataclass
-class EditResult:
-    png: bytes
-    info: dict
-    latency_s: float = 0.0
-    progress: list = field(default_factory=list)
-
-    @property
-    def image(self) -> Image.Image:
-        return Image.open(io.BytesIO(self.png))
-
-
-def encode_image(image) -> bytes:
-    """Bytes of an encoded image from a path, bytes, PIL image or HxW(x3) uint8 array."""
-    if isinstance(image, (bytes, bytearray)):
-        return bytes(image)
-    if isinstance(image, (str, Path)):
-        return Path(image).read_bytes()
-    if isinstance(image, np.ndarray):
-        image = Image.fromarray(image)
-    if isinstance(image, Image.Image):
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        return buf.getvalue()
-    raise TypeError(f"cannot encode {type(image).__name__} as an image")
-
-
-def _bytes_input(name: str, value: bytes) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, [1], "BYTES")
-    t.set_data_from_numpy(np.array([value], dtype=np.object_))
-    return t
-
-
-def _scalar_input(name: str, value, dtype: str, np_dtype) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, [1], dtype)
-    t.set_data_from_numpy(np.array([value], dtype=np_dtype))
-    return t
 
 
 class EditClient:
@@ -229,7 +159,7 @@ class EditClient:
         # Triton 2.51's Python backend has no RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED: a full queue answers
         # "UNAVAILABLE: RESOURCE_EXHAUSTED: ..." (read with the inner name as the field). The inner name is meant:
         # a refusal is an answer, never retried.
-        code = error.field if error.field in _CODES else error.code
+        code = error.field if error.field in CODES else error.code
         if self.retry and "inputs" in state and retryable(code, state.get("responded", False)):
             delay = self.backoff.next(state["attempt"], state["deadline"], time.monotonic())
         if delay is None:
@@ -272,34 +202,11 @@ class EditClient:
         ``controls``: ControlNets from the server's library, ``[("name", scale[, start, end]), ...]`` or
         ``{"name", "scale", "start", "end", "mode", "preprocess"}`` objects (sent as ``CONTROLS``), with
         ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``)."""
-        inputs = [_bytes_input("TEMPLATE", encode_image(template)), _bytes_input("MASK", encode_image(mask)),
-                  _bytes_input("PROMPT", prompt.encode() if isinstance(prompt, str) else prompt)]
-        if negative_prompt is not None:
-            inputs.append(_bytes_input("NEGATIVE_PROMPT", negative_prompt.encode()))
-        if loras:
-            inputs.append(_bytes_input("LORAS", loras_json(loras).encode()))
-        if controls:
-            inputs.append(_bytes_input("CONTROLS", controls_json(controls).encode()))
-        if control_images:
-            inputs.append(control_images_input(control_images, encode_image, grpcclient.InferInput))
-        if seed is not None:
-            inputs.append(_scalar_input("SEED", seed, "INT64", np.int64))
-        if steps is not None:
-            inputs.append(_scalar_input("STEPS", steps, "INT32", np.int32))
-        if guidance is not None:
-            inputs.append(_scalar_input("GUIDANCE", guidance, "FP32", np.float32))
-        if raw_output:
-            inputs.append(_scalar_input("RAW_OUTPUT", True, "BOOL", np.bool_))
-        if template_seed is not None:
-            inputs.append(_scalar_input("TEMPLATE_SEED", template_seed, "INT64", np.int64))
-        if use_cache is not None:
-            inputs.append(_scalar_input("USE_CACHE", bool(use_cache), "BOOL", np.bool_))
-        if register:
-            inputs.append(_scalar_input("REGISTER", True, "BOOL", np.bool_))
-        if deadline_ms is not None:
-            inputs.append(_scalar_input("DEADLINE_MS", int(deadline_ms), "INT64", np.int64))
-        if on_progress is not None:
-            inputs.append(_scalar_input("PROGRESS", True, "BOOL", np.bool_))
+        inputs = edit_inputs(template, mask, prompt, seed=seed, steps=steps, guidance=guidance,
+                             raw_output=raw_output, template_seed=template_seed, use_cache=use_cache,
+                             register=register, deadline_ms=deadline_ms, progress=on_progress is not None,
+                             negative_prompt=negative_prompt, loras=loras, controls=controls,
+                             control_images=control_images)
         inputs += extra_inputs or []
         return self.submit_inputs(inputs, on_progress, None if deadline_ms is None else
                                   min(self.timeout_s, deadline_ms / 1000))
@@ -334,8 +241,6 @@ class EditClient:
 
     def edit(self, template, mask, prompt: str, timeout_s: float | None = None, **kw) -> EditResult:
         """Edit ``template`` where ``mask`` is white; returns the PNG and the server's EDIT_INFO."""
-        import time
-
         t0 = time.perf_counter()
         result = self.submit(template, mask, prompt, **kw).result(timeout=timeout_s or self.timeout_s)
         result.latency_s = time.perf_counter() - t0
@@ -347,11 +252,8 @@ class EditClient:
         """Warm the activation cache for ``template`` before traffic: runs the template once (no edit) and
         records its activations for the given steps/guidance/template seed. Later edits with the same
         settings compute only their masked tokens."""
-        import numpy as _np
-        from PIL import Image as _Image
-
-        img = _Image.open(io.BytesIO(encode_image(template)))
-        empty = _np.zeros((img.size[1], img.size[0]), _np.uint8)
+        img = Image.open(io.BytesIO(encode_image(template)))
+        empty = np.zeros((img.size[1], img.size[0]), np.uint8)
         fut = self.submit(template, empty, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
                           register=True)
         return fut.result(timeout=timeout_s or self.timeout_s)
@@ -400,16 +302,3 @@ class EditClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def loras_json(loras) -> str:
-    """The ``LORAS`` JSON text of ``loras`` (see ``EditClient.submit``)."""
-    import json
-
-    if isinstance(loras, (str, bytes)):
-        return loras.decode() if isinstance(loras, bytes) else loras
-    if isinstance(loras, dict) and "name" not in loras:
-        loras = list(loras.items())
-    if isinstance(loras, dict):
-        loras = [loras]
-    return json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": float(d[1]) if len(d) > 1 else 1.0}
-                       for d in loras])

@@ -1,8 +1,8 @@
 """`python -m maskedit_lab.bench_controlnet`: SDXL ControlNet inpainting in-process against stock Diffusers, side by
 side in one run on one model: the base edit, +1 and +2 ControlNets through the service's stages (``LocalEditor``:
 pre-processing, the denoise loop, decoding) and ``StableDiffusionXLControlNetInpaintPipeline`` with the same
-components one request at a time, run alternately (the fastest run of each is reported: on a shared machine the
-fastest is the least disturbed). Writes JSON and a plot under ``perf_profiles/results``.
+components one request at a time, run alternately (``side_by_side``: the fastest run of each is reported, on a shared
+machine the fastest is the least disturbed). Writes JSON and a plot under ``perf_profiles/results``.
 
 The model is a preset built in a temporary directory with its seeded ControlNets (``build_controlnets``), or
 ``--model-dir`` (with ``controlnets/``)."""
@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,8 @@ from maskedit.families import family_for
 from maskedit.imaging import encode_png
 from maskedit.local import LocalEditor
 from maskedit.settings import load_settings
+
+from . import side_by_side
 
 RESULTS = Path(__file__).resolve().parents[2] / "perf_profiles" / "results"
 CASES = {"base": [], "cn1": [{"name": "canny", "scale": 0.8}],
@@ -54,9 +54,8 @@ def run(model_dir: Path, steps: int, reps: int) -> list[dict]:
     tpl, mask = samples.template(size, size, seed=1), samples.mask(size, size, 0.25, "box", seed=1)
     ctl = [samples.template(size, size, seed=7), samples.template(size, size, seed=8)]
     ed = LocalEditor(s)
-    rows = []
     try:
-        setups = {}
+        cases = {}
         for case, controls in CASES.items():
             kw = dict(controls=controls or None, control_images=[encode_png(np.asarray(c)) for c in ctl[:len(controls)]])
             extra = {}
@@ -66,53 +65,18 @@ def run(model_dir: Path, steps: int, reps: int) -> list[dict]:
                              controlnet_conditioning_scale=controls[0]["scale"] if one else [c["scale"] for c in controls],
                              **({} if one else {"control_guidance_start": [c.get("start", 0.0) for c in controls],
                                                 "control_guidance_end": [c.get("end", 1.0) for c in controls]}))
-            setups[case] = (kw, _stock(model_dir, [c["name"] for c in controls]), extra)
-        times = {case: ([], []) for case in CASES}
-        # Every case and both sides alternate within each round, so all see the same load on a shared machine;
-        # round 0 warms up (and loads the ControlNets).
-        for i in range(reps + 1):
-            for case, (kw, pipe, extra) in setups.items():
-                t0 = time.perf_counter()
-                ed.edit(encode_png(np.asarray(tpl)), encode_png(np.asarray(mask)), "a hat", seed=i, steps=steps,
-                        use_cache=False, **kw)
-                t1 = time.perf_counter()
-                pipe(prompt="a hat", image=tpl, mask_image=Image.fromarray(mask), height=size, width=size,
-                     num_inference_steps=steps, guidance_scale=7.5, strength=1.0,
-                     generator=torch.Generator().manual_seed(i), **extra)
-                t2 = time.perf_counter()
-                if i:
-                    times[case][0].append(t1 - t0)
-                    times[case][1].append(t2 - t1)
-        for case, (served, stock) in times.items():
-            rows.append({"case": case, "controls": len(CASES[case]), "served_s": min(served), "stock_s": min(stock),
-                         "served_median_s": statistics.median(served), "stock_median_s": statistics.median(stock),
-                         "served_runs": served, "stock_runs": stock})
+            pipe = _stock(model_dir, [c["name"] for c in controls])
+            cases[case] = (
+                lambda i, kw=kw: ed.edit(encode_png(np.asarray(tpl)), encode_png(np.asarray(mask)), "a hat", seed=i,
+                                         steps=steps, use_cache=False, **kw),
+                lambda i, pipe=pipe, extra=extra: pipe(
+                    prompt="a hat", image=tpl, mask_image=Image.fromarray(mask), height=size, width=size,
+                    num_inference_steps=steps, guidance_scale=7.5, strength=1.0,
+                    generator=torch.Generator().manual_seed(i), **extra))
+        times = side_by_side.alternate(cases, reps)
     finally:
         ed.close()
-    base = rows[0]
-    for r in rows:
-        r["served_over_base"] = round(r["served_s"] / base["served_s"], 3)
-        r["stock_over_served"] = round(r["stock_s"] / r["served_s"], 3)
-        r["served_per_step_s"] = round(r["served_s"] / steps, 4)
-    return rows
-
-
-def plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["served_s"] for r in rows], 0.4, label="served in-process (LocalEditor)")
-    ax.bar(x + 0.2, [r["stock_s"] for r in rows], 0.4, label="stock Diffusers pipeline")
-    ax.set_xticks(x, [r["case"] for r in rows])
-    ax.set_ylabel("seconds per edit (fastest of the runs)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return side_by_side.rows(times, {case: len(c) for case, c in CASES.items()}, steps, headline="fastest")
 
 
 def main(argv=None) -> None:
@@ -136,8 +100,9 @@ def main(argv=None) -> None:
             "machine": platform.machine(), "cores": __import__("os").cpu_count()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"), f"SDXL ControlNet inpainting, {meta['preset']}, {args.steps} steps, "
-                                            f"CPU float32, {meta['cores']} cores")
+    side_by_side.plot(rows, args.out.with_suffix(".png"), f"SDXL ControlNet inpainting, {meta['preset']}, "
+                      f"{args.steps} steps, CPU float32, {meta['cores']} cores",
+                      "seconds per edit (fastest of the runs)")
     for r in rows:
         print(f"{r['case']}: served {r['served_s']:.3f} s ({r['served_over_base']}x base), stock {r['stock_s']:.3f} s "
               f"(stock/served {r['stock_over_served']})")

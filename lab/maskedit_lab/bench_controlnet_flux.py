@@ -2,7 +2,8 @@
 in-process against stock Diffusers, side by side in one run on one model: the base edit, +1 and +2 ControlNets
 through the service's stages (``LocalEditor``: pre-processing, the denoise loop, decoding) and
 ``FluxControlNetInpaintPipeline`` (``FluxInpaintPipeline`` for the base edit) with the same components, one request
-at a time. Writes JSON and a plot under ``perf_profiles/results``.
+at a time, every case and both sides alternating in each round after a warm-up (``side_by_side``); medians are
+reported. Writes JSON and a plot under ``perf_profiles/results``.
 
 The model is a preset (``flux-cn-bench`` by default) built in a temporary directory with its ControlNet library,
 or ``--model-dir`` (with ``controlnets/``)."""
@@ -13,9 +14,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,8 @@ from maskedit import samples
 from maskedit.imaging import encode_png
 from maskedit.local import LocalEditor
 from maskedit.settings import load_settings
+
+from . import side_by_side
 
 RESULTS = Path(__file__).resolve().parents[2] / "perf_profiles" / "results"
 CASES = {"base": [], "cn1": [{"name": "canny", "scale": 0.8}],
@@ -66,54 +67,23 @@ def run(model_dir: Path, steps: int, reps: int) -> list[dict]:
     ctl = [samples.template(size, size, seed=7), samples.template(size, size, seed=8)]
     png = lambda a: encode_png(np.asarray(a))  # noqa: E731
     ed = LocalEditor(s)
-    rows = []
     try:
+        cases = {}
         for case, controls in CASES.items():
             kw = dict(controls=controls or None, control_images=[png(c) for c in ctl[:len(controls)]])
-            ed.edit(png(tpl), png(mask), "a hat", steps=steps, guidance=GUIDANCE, use_cache=False, **kw)  # warm-up
-            served = []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                ed.edit(png(tpl), png(mask), "a hat", seed=i, steps=steps, guidance=GUIDANCE, use_cache=False, **kw)
-                served.append(time.perf_counter() - t0)
             pipe = _stock(model_dir, [c["name"] for c in controls])
-            stock = []
-            for i in range(reps + 1):
-                t0 = time.perf_counter()
-                pipe(prompt="a hat", image=tpl, mask_image=Image.fromarray(mask), height=size, width=size,
-                     num_inference_steps=steps, guidance_scale=GUIDANCE, strength=1.0,
-                     max_sequence_length=s.max_sequence_length, generator=torch.Generator().manual_seed(i),
-                     **_stock_kwargs(controls, ctl))
-                if i:  # the first call warms up
-                    stock.append(time.perf_counter() - t0)
-            rows.append({"case": case, "controls": len(controls), "served_s": statistics.median(served),
-                         "stock_s": statistics.median(stock), "served_runs": served, "stock_runs": stock})
+            cases[case] = (
+                lambda i, kw=kw: ed.edit(png(tpl), png(mask), "a hat", seed=i, steps=steps, guidance=GUIDANCE,
+                                         use_cache=False, **kw),
+                lambda i, pipe=pipe, controls=controls: pipe(
+                    prompt="a hat", image=tpl, mask_image=Image.fromarray(mask), height=size, width=size,
+                    num_inference_steps=steps, guidance_scale=GUIDANCE, strength=1.0,
+                    max_sequence_length=s.max_sequence_length, generator=torch.Generator().manual_seed(i),
+                    **_stock_kwargs(controls, ctl)))
+        times = side_by_side.alternate(cases, reps)
     finally:
         ed.close()
-    base = rows[0]
-    for r in rows:
-        r["served_over_base"] = round(r["served_s"] / base["served_s"], 3)
-        r["stock_over_served"] = round(r["stock_s"] / r["served_s"], 3)
-        r["served_per_step_s"] = round(r["served_s"] / steps, 4)
-    return rows
-
-
-def plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["served_s"] for r in rows], 0.4, label="served in-process (LocalEditor)")
-    ax.bar(x + 0.2, [r["stock_s"] for r in rows], 0.4, label="stock Diffusers pipeline")
-    ax.set_xticks(x, [r["case"] for r in rows])
-    ax.set_ylabel("seconds per edit (median)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return side_by_side.rows(times, {case: len(c) for case, c in CASES.items()}, steps, headline="median")
 
 
 def main(argv=None) -> None:
@@ -136,8 +106,8 @@ def main(argv=None) -> None:
             "machine": platform.machine(), "cores": os.cpu_count()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"), f"Flux ControlNet inpainting, {meta['preset']}, {args.steps} steps, "
-                                            f"CPU float32, {meta['cores']} cores")
+    side_by_side.plot(rows, args.out.with_suffix(".png"), f"Flux ControlNet inpainting, {meta['preset']}, "
+                      f"{args.steps} steps, CPU float32, {meta['cores']} cores", "seconds per edit (median)")
     for r in rows:
         print(f"{r['case']:5s} served {r['served_s']:.3f} s ({r['served_over_base']:.2f}x base)  stock "
               f"{r['stock_s']:.3f} s  stock/served {r['stock_over_served']:.2f}")

@@ -85,7 +85,7 @@ def test_the_backend_learns_the_tenant_from_the_key_never_from_the_client(secure
     client put there (stream and unary paths); the backend's queue shares itself by it (``maskedit.fair_share``).
     A direct client's malformed tenant parameter is refused naming it."""
     import tritonclient.grpc as grpcclient
-    from maskedit_client.client import _bytes_input, _scalar_input
+    from maskedit_client.inputs import bytes_input as _bytes_input, scalar_input as _scalar_input
 
     with EditClient(secured["url"], api_key=USER, ca_file=secured["cert"], timeout_s=120) as c:
         assert c.edit(template_img, box_mask, "a hat", seed=1, steps=1).info["tenant"] == "acme"

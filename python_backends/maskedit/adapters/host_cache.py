@@ -8,10 +8,11 @@ metadata carries an xxh3 checksum per array, ``integrity.table``), opened throug
 verified whole on every read; a corrupt entry is deleted and counted, and its adapter comes from the library file
 again. Writes go to a hidden temporary file renamed into place (an entry is visible complete or not at all); LRU
 order is the file's access time, set on every read; eviction runs under an inter-process ``flock`` and keeps the
-directory within its byte budget. One conversion per host: a process converting an adapter holds a marker file
-(``claim``); the others wait for its entry (``wait``, on loader threads) instead of converting it too. Keys are
-the adapter's name, its file's digest and the denoiser's fingerprint (``skeleton.fingerprint``). Storage errors (a full ``/dev/shm``) are logged and counted, never raised: this tier is
-an optimisation, the library file stays the source."""
+directory within its byte budget, on every write and when the tier is opened (a smaller budget applies at once). One
+conversion per host: a process converting an adapter holds a marker file (``claim``); the others wait for its entry
+(``wait``, on loader threads) instead of converting it too. Keys are the adapter's name, its file's digest and the
+denoiser's fingerprint (``skeleton.fingerprint``). Storage errors (a full ``/dev/shm``) are logged and counted, never
+raised: this tier is an optimisation, the library file stays the source."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ class AdapterHostCache:
         self.budget = int(budget_bytes)
         self.stats = stats or AdapterStats()
         self._sweep_tmp()
+        # Opened with a smaller budget than the directory holds (a restart with a lower MASKEDIT_LORA_HOST_BYTES):
+        # shrink now, not at the next write, which may never come for a host whose adapters are all cached.
+        try:
+            self.evict()
+        except OSError as e:  # storage errors are logged, never raised (see the module's doc)
+            self.stats.count("host", "error")
+            logs.event(log, "adapter host cache eviction failed", logging.WARNING, error=str(e)[:200])
 
     def _path(self, key: str) -> Path:
         if not key or "/" in key or key.startswith("."):

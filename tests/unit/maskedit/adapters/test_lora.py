@@ -7,7 +7,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from maskedit import samples
 from maskedit.adapters import merge
@@ -21,20 +20,13 @@ from maskedit.local import LocalEditor, denoise_inputs
 from maskedit.params import parse_params
 from maskedit.settings import load_settings
 from tests.conftest import atol, png
-
-STEPS = 3
-SIZE = 128
+from tests.unit.maskedit.adapters.lora_models import (SIZE, STEPS, model_with_library, served_edit,
+                                                      stock_latents, stock_pipeline)
 
 
 @pytest.fixture(scope="module", params=["tiny", "sdxl-tiny"])
 def model(request, tmp_path_factory):
-    base = load_settings()
-    d = tmp_path_factory.mktemp(request.param) / "model"
-    build(d, request.param)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
-                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
-    fam = family_for(d)
-    write_library(d, fam, fam.load_denoiser(s))
+    s = model_with_library(tmp_path_factory.mktemp(request.param), request.param)
     ed = LocalEditor(s)
     # PEFT's unmerged layers are the reference here: the unmerged path (the merged one is compared with the stock
     # pipeline's fuse_lora in test_merge.py)
@@ -43,46 +35,15 @@ def model(request, tmp_path_factory):
     ed.close()
 
 
-def _stock(s, adapters):
-    from diffusers import DiffusionPipeline
-
-    fam = family_for(s.model_dir)
-    pipe = DiffusionPipeline.from_pretrained(s.model_dir, dtype=torch.float32 if s.dtype == "float32" else
-                                             getattr(torch, s.dtype), **fam.pipeline_kwargs()).to(s.torch_device)
-    pipe.set_progress_bar_config(disable=True)
-    for name, _ in adapters:
-        pipe.load_lora_weights(str(s.adapters / name), weight_name="pytorch_lora_weights.safetensors",
-                               adapter_name=name)
-    if adapters:
-        pipe.set_adapters([n for n, _ in adapters], [w for _, w in adapters])
-    return pipe
-
-
-def _reference(name, s, pipe, tpl, mask, p, seed):
-    kw = dict(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), height=p.model_h, width=p.model_w,
-              num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent")
-    if name == "tiny":
-        out = pipe(guidance_scale=12.0, max_sequence_length=s.max_sequence_length, **kw).images[0]
-        return out.float().cpu().numpy()
-    out = pipe(guidance_scale=7.5, strength=1.0, **kw).images[0]
-    return out.permute(1, 2, 0).reshape(-1, out.shape[0]).float().cpu().numpy()
-
-
-def _edit(name, ed, tpl, mask, loras, seed=5):
-    g = 12.0 if name == "tiny" else 7.5
-    return ed.edit(png(tpl), png(mask), "a red hat", seed=seed, steps=STEPS, guidance=g, raw_output=True,
-                   template_seed=5, loras=loras)
-
-
 @pytest.mark.parametrize("adapters", [[("attn-r4", 1.0)], [("attn-mlp-r16", 0.8)],
                                       [("attn-mlp-r16", 0.7), ("attn-r64", -0.4)]])
 def test_equals_stock_diffusers_with_the_same_adapters(model, adapters):
     name, s, ed = model
     tpl, mask = samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.25, "box", seed=1)
-    _, p, job = _edit(name, ed, tpl, mask, adapters)
-    ref = _reference(name, s, _stock(s, adapters), tpl, mask, p, 5)
+    _, p, job = served_edit(name, ed, tpl, mask, adapters)
+    ref = stock_latents(name, s, stock_pipeline(s, adapters), tpl, mask, p, 5)
     np.testing.assert_allclose(job.result(), ref, atol=atol(s, 1e-5), rtol=0)
-    _, _, plain_job = _edit(name, ed, tpl, mask, None)
+    _, _, plain_job = served_edit(name, ed, tpl, mask, None)
     assert np.abs(plain_job.result() - job.result()).max() > 1e-3, "the adapter changed nothing"
 
 
@@ -129,8 +90,8 @@ def test_kohya_and_diffusers_files_of_one_adapter_agree(model):
     if name == "tiny":
         pytest.skip("Diffusers' kohya converter for Flux asserts FLUX.1's widths; compared at the weight level")
     tpl, mask = samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.3, "blob", seed=3)
-    a = _edit(name, ed, tpl, mask, [("attn-mlp-r16", 0.9)])[2].result()
-    b = _edit(name, ed, tpl, mask, [("attn-mlp-r16-kohya", 0.9)])[2].result()
+    a = served_edit(name, ed, tpl, mask, [("attn-mlp-r16", 0.9)])[2].result()
+    b = served_edit(name, ed, tpl, mask, [("attn-mlp-r16-kohya", 0.9)])[2].result()
     np.testing.assert_allclose(a, b, atol=atol(s, 1e-5), rtol=0)
 
 
@@ -183,7 +144,7 @@ def test_bad_adapters_are_refused_by_name(model, tmp_path):
         shutil.copytree(tmp_path / "olib" / "alien", lib / "alien")
         _refused(ed, s, '[{"name": "alien"}]', "'alien'")
         # the server keeps serving
-        _edit(name, ed, samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.25, "box", seed=1),
+        served_edit(name, ed, samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.25, "box", seed=1),
               [("attn-r4", 1.0)])
     finally:
         for p in ("broken.safetensors", "loha.safetensors"):
@@ -195,7 +156,7 @@ def test_base_weights_are_never_touched(model):
     name, s, ed = model
     before = {k: v.clone() for k, v in ed.runner.transformer.state_dict().items()}
     tpl, mask = samples.template(SIZE, SIZE, seed=1), samples.mask(SIZE, SIZE, 0.25, "box", seed=1)
-    _edit(name, ed, tpl, mask, [("attn-mlp-r16", 1.0)])
+    served_edit(name, ed, tpl, mask, [("attn-mlp-r16", 1.0)])
     after = ed.runner.transformer.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 

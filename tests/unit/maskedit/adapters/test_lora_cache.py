@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from maskedit import samples
-from maskedit.adapters.build import write_library
-from maskedit.build_model import build
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.denoise import DenoiseJob, ModelRunner
@@ -23,6 +21,7 @@ from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
 from maskedit_lab.baselines import cache_policy
 from tests.conftest import atol, plain, png
+from tests.unit.maskedit.adapters.lora_models import model_with_library
 
 STEPS = 3
 SIZE = 128
@@ -34,13 +33,7 @@ EMPTY = np.zeros((SIZE, SIZE), np.uint8)
 
 @pytest.fixture(scope="module", params=["tiny", "sdxl-tiny"])
 def env(request, tmp_path_factory):
-    base = load_settings()
-    d = tmp_path_factory.mktemp(request.param) / "model"
-    build(d, request.param)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
-                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
-    fam = family_for(d)
-    write_library(d, fam, fam.load_denoiser(s))
+    s = model_with_library(tmp_path_factory.mktemp(request.param), request.param)
     sd = tmp_path_factory.mktemp("store")
     store = ActivationStore(sd / "mem", sd / "disk", 1 << 30, 1 << 30)
     pre = Preprocessor(s, store=store)
@@ -186,11 +179,8 @@ def _every_block_linear(denoiser, rank: int, seed: int) -> dict:
 
 
 def test_klein_hits_under_an_adapter_on_every_block_linear_are_exact(tmp_path):
-    s0 = load_settings()
-    d = tmp_path / "model"
-    build(d, "klein-tiny")
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": s0.dtype, "MASKEDIT_DEVICE": s0.device,
-                       "MASKEDIT_LORA_HOST_DIR": str(tmp_path / "lora-host")})
+    s = model_with_library(tmp_path, "klein-tiny", library=False)
+    d = s.model_dir
     fam = family_for(d)
     sd = _every_block_linear(fam.load_denoiser(s), 8, 3)
     assert any("to_qkv_mlp_proj" in k for k in sd)

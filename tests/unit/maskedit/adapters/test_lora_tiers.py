@@ -138,6 +138,27 @@ def test_both_tiers_evict_least_recently_used_within_their_budgets(tiers):
     assert dev.cached(refs["a4"], count=False) is not None and dev.stats.get("device", "eviction") == 2
 
 
+def test_a_host_tier_opened_with_a_smaller_budget_shrinks_at_once(tiers, monkeypatch):
+    """A restart with a lower ``MASKEDIT_LORA_HOST_BYTES`` evicts (least recently used first) when the tier is
+    opened, not at its next write: a host whose adapters are all cached may never write again."""
+    first = tiers()
+    refs = {n: tiers.ref(n) for n in ("a4", "m8", "a16")}
+    for n in ("a4", "m8", "a16"):
+        first.get(refs[n])
+    first.host.get(entry_key("a4", refs["a4"].digest, first.fingerprint))  # a4 used last: m8 is the oldest
+    sizes = {p.name.split("--")[0]: s.st_size for p, s in first.host.entries()}
+    assert sizes.keys() == {"a4", "m8", "a16"}
+    same = tiers(host_bytes=sum(sizes.values()))  # a budget it fits in: nothing goes (the negative control)
+    assert same.host.resident_bytes() == sum(sizes.values()) and same.stats.get("host", "eviction") == 0
+    monkeypatch.setattr(convert, "load", lambda *a, **k: pytest.fail("converted: the survivors should be read"))
+    smaller = tiers(host_bytes=sizes["a4"] + sizes["a16"])  # opened, nothing written
+    assert {p.name.split("--")[0] for p, _ in smaller.host.entries()} == {"a4", "a16"}
+    assert smaller.host.resident_bytes() <= smaller.host.budget and smaller.stats.get("host", "eviction") == 1
+    for n in ("a4", "a16"):  # the survivors are intact and served from the host tier
+        _same(smaller.get(refs[n]), first.cached(refs[n], count=False))
+    assert smaller.stats.get("host", "hit") == 2
+
+
 def test_a_corrupt_host_entry_is_discarded_and_rebuilt_from_the_library(tiers):
     ref = tiers.ref("m8")
     good = tiers().get(ref)

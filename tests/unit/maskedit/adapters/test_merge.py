@@ -10,15 +10,14 @@ import torch
 
 from maskedit import samples
 from maskedit.adapters import merge
-from maskedit.adapters.build import write_library
 from maskedit.adapters.delta import BatchPlan
-from maskedit.build_model import build
 from maskedit.denoise import DenoiseJob
-from maskedit.families import family_for
 from maskedit.local import LocalEditor, denoise_inputs
 from maskedit.params import parse_params
 from maskedit.settings import load_settings
 from tests.conftest import atol, png
+from tests.unit.maskedit.adapters.lora_models import (SIZE as STOCK_SIZE, model_with_library, served_edit,
+                                                      stock_latents, stock_pipeline)
 
 STEPS = 2
 SIZE = 128
@@ -26,14 +25,7 @@ TWO = (("attn-mlp-r16", 0.7), ("attn-r64", -0.4))
 
 
 def _editor(tmp_path_factory, preset):
-    base = load_settings()
-    d = tmp_path_factory.mktemp(preset) / "model"
-    build(d, preset)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
-                       "MASKEDIT_LORA_HOST_DIR": str(d.parent / "lora-host")})  # the host tier: in its own tmp
-    fam = family_for(d)
-    write_library(d, fam, fam.load_denoiser(s))
-    return LocalEditor(s)
+    return LocalEditor(model_with_library(tmp_path_factory.mktemp(preset), preset))
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +53,19 @@ def test_merged_equals_stock_fuse_lora(preset, editor, request):
     """The merged path against the stock pipeline's own merge (``load_lora_weights``, ``set_adapters``,
     ``fuse_lora``): same components, inputs and seed, two adapters with different scales (test_lora compares the
     unmerged path with PEFT's unmerged layers)."""
-    from tests.unit.maskedit.adapters.test_lora import SIZE as LSIZE, _edit, _reference, _stock
-
     ed = editor if preset == "tiny" else request.getfixturevalue("sdxl_editor")
     m = merge.merger_for(ed.runner.transformer)
-    tpl, mask = samples.template(LSIZE, LSIZE, seed=1), samples.mask(LSIZE, LSIZE, 0.25, "box", seed=1)
+    tpl = samples.template(STOCK_SIZE, STOCK_SIZE, seed=1)
+    mask = samples.mask(STOCK_SIZE, STOCK_SIZE, 0.25, "box", seed=1)
     m.mode, before = "always", dict(m.stats)
     try:
-        _, p, job = _edit(preset, ed, tpl, mask, list(TWO))
+        _, p, job = served_edit(preset, ed, tpl, mask, list(TWO))
     finally:
         m.mode = "auto"
     assert m.stats["merged_calls"] > before["merged_calls"]
-    pipe = _stock(ed.settings, list(TWO))
+    pipe = stock_pipeline(ed.settings, list(TWO))
     pipe.fuse_lora(adapter_names=[n for n, _ in TWO])
-    ref = _reference(preset, ed.settings, pipe, tpl, mask, p, 5)
+    ref = stock_latents(preset, ed.settings, pipe, tpl, mask, p, 5)
     np.testing.assert_allclose(job.result(), ref, atol=atol(ed.settings, 1e-5), rtol=0)
 
 
