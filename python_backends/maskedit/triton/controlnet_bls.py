@@ -18,6 +18,7 @@ def transport(model: str = MODEL, timeout_s: float = 30.0):
         response = request.exec()
         if response.has_error():
             raise RuntimeError(response.error().message())
-        return {n: pb_utils.get_output_tensor_by_name(response, n).as_numpy() for n in OUTPUTS}
+        out = {n: pb_utils.get_output_tensor_by_name(response, n) for n in OUTPUTS}
+        return {n: t.as_numpy() for n, t in out.items() if t is not None}
 
     return call
