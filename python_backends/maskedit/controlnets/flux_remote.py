@@ -38,7 +38,16 @@ def config_of(runner, active, index: int):
 
 
 def placed(runner) -> bool:
-    return runner.settings.controlnet_placement == "triton"
+    """Are this runner's ControlNets in the ``controlnet`` model? (Test runners without settings: in-process.)"""
+    return getattr(getattr(runner, "settings", None), "controlnet_placement", "inprocess") == "triton"
+
+
+def charge(group: list, rows: list, seconds: float) -> None:
+    """In-process: the step's batched ControlNet calls took ``seconds``; each request that had residuals is charged
+    all of it (EDIT_INFO ``control_s``; one request alone: its own ControlNet time)."""
+    for job, r in zip(group, rows):
+        if r is not None:
+            job.control_s = getattr(job, "control_s", 0.0) + seconds  # (test jobs may lack the field)
 
 
 def start(provider, group: list, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids) -> list:

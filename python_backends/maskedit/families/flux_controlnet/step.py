@@ -95,8 +95,10 @@ def step(runner, group: list, ctx) -> None:
         # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``)
         run = None if ctx is None or ctx.controls is None else (
             lambda net, uses, call: ctx.controls.run(net, group, uses, call))
+        t0 = time.perf_counter()
         rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, cat("net_guidance"),
                                         pooled, text, jt.txt_ids, jt.img_ids, run)
+        flux_remote.charge(group, rows, time.perf_counter() - t0)
         splits = R.calls(rows, shapes)
     pred = torch.empty_like(latents)
     for n, idx in enumerate(splits):

@@ -114,8 +114,10 @@ def _with_controls(runner, group: list, latents, cond, timestep, guidance, poole
         late = flux_remote.LateRows(provider, group, pending, t0, latents, transformer.inner_dim)
         splits = late.calls()
     else:
+        t0 = time.perf_counter()
         rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, ts, guidance, pooled, text,
                                         jt.txt_ids, jt.img_ids)
+        flux_remote.charge(group, rows, time.perf_counter() - t0)
         splits = R.calls(rows, shapes)
     pred = torch.empty_like(latents)
     for idx in splits:
