@@ -90,7 +90,8 @@ class _Remote(Pending):
         p = self._p
         try:
             # The deadline counts from the call's start. BLS's own ``timeout`` does not end a call the controlnet
-            # model is already executing (measured: a 1 ms timeout let 2 s calls return), so this is what enforces it.
+            # model is already executing (tritonserver 2.51: a 1 ms timeout let far longer calls return their
+            # answers), so this is what enforces it.
             wait = max(0.0, p.timeout_s - (time.perf_counter() - self._sent))
             out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=wait)
             return unpack_residuals(out, p.device, p.dtype)

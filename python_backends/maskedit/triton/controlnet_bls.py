@@ -1,5 +1,6 @@
 """The denoise loop's side of the ``controlnet`` model: one BLS call (``wire`` arrays in and out). Triton's
-``exec`` blocks the calling thread (``TritonProvider`` runs it on its own pool) and honours ``timeout`` itself."""
+``exec`` blocks the calling thread (``TritonProvider`` runs it on its own pool). Its ``timeout`` is passed, but
+Triton does not end a call the controlnet model is already executing: ``TritonProvider`` enforces the deadline."""
 
 from __future__ import annotations
 
