@@ -42,6 +42,24 @@ def placed(runner) -> bool:
     return getattr(getattr(runner, "settings", None), "controlnet_placement", "inprocess") == "triton"
 
 
+def step_lists(runner, group: list, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids,
+               run=None):
+    """A step's transformer calls and their residual lists, from either placement: (calls, ``lists(idx)`` giving a
+    call's (double, single) lists). In-process the ControlNets run now (``flux.step_residuals``; ``run``: the
+    activation cache's wrapper of each ControlNet call); placed in the ``controlnet`` model the calls go out now and
+    the lists are collected at the transformer's first touch (``LateRows``)."""
+    if placed(runner) and any(controls_of(j) for j in group):
+        provider, t0 = runner.control_provider, time.perf_counter()
+        pending = start(provider, group, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids)
+        late = LateRows(provider, group, pending, t0, latents, runner.transformer.inner_dim)
+        return late.calls(), late.lists
+    t0 = time.perf_counter()
+    rows, shapes = R.step_residuals(group, controls_of, latents, timestep, guidance, pooled, text, txt_ids, img_ids,
+                                    run)
+    charge(group, rows, time.perf_counter() - t0)
+    return R.calls(rows, shapes), lambda idx: R.stacked(rows, idx, latents)
+
+
 def charge(group: list, rows: list, seconds: float) -> None:
     """In-process: the step's batched ControlNet calls took ``seconds``; each request that had residuals is charged
     all of it (EDIT_INFO ``control_s``; one request alone: its own ControlNet time)."""

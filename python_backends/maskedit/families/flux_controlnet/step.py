@@ -9,7 +9,6 @@ step the clean image latents), so the region outside the mask follows the templa
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,27 +82,16 @@ def step(runner, group: list, ctx) -> None:
     guidance = cat("guidance") if group[0].tensors.guidance is not None else None
     pooled, text = cat("pooled"), cat("prompt_embeds")
     jt = group[0].tensors
-    late = None
-    if flux_remote.placed(runner) and any(j.tensors.controls for j in group):
-        # In the ``controlnet`` model: the calls go out now, the transformer starts, its first touch collects them
-        provider, t0 = runner.control_provider, time.perf_counter()
-        pending = flux_remote.start(provider, group, lambda j: j.tensors.controls, latents, timestep,
-                                    cat("net_guidance"), pooled, text, jt.txt_ids, jt.img_ids)
-        late = flux_remote.LateRows(provider, group, pending, t0, latents, tr.inner_dim)
-        splits = late.calls()
-    else:
-        # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``)
-        run = None if ctx is None or ctx.controls is None else (
-            lambda net, uses, call: ctx.controls.run(net, group, uses, call))
-        t0 = time.perf_counter()
-        rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, cat("net_guidance"),
-                                        pooled, text, jt.txt_ids, jt.img_ids, run)
-        flux_remote.charge(group, rows, time.perf_counter() - t0)
-        splits = R.calls(rows, shapes)
+    # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``); placed in
+    # the ``controlnet`` model they are in flight while the transformer starts (``flux_remote``)
+    run = None if ctx is None or ctx.controls is None else (
+        lambda net, uses, call: ctx.controls.run(net, group, uses, call))
+    splits, lists = flux_remote.step_lists(runner, group, lambda j: j.tensors.controls, latents, timestep,
+                                           cat("net_guidance"), pooled, text, jt.txt_ids, jt.img_ids, run)
     pred = torch.empty_like(latents)
     for n, idx in enumerate(splits):
         sel = torch.tensor(idx, device=latents.device)
-        double, single = late.lists(idx) if late is not None else R.stacked(rows, idx, latents)
+        double, single = lists(idx)
         forward = lambda: tr(  # noqa: E731
             hidden_states=latents[sel], timestep=timestep[sel],
             guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],

@@ -7,7 +7,6 @@ own token count and rotary tables), so a running batch never splits into one tra
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,23 +105,12 @@ def _with_controls(runner, group: list, latents, cond, timestep, guidance, poole
     transformer = runner.transformer
     jt = group[0].tensors
     ts = timestep / 1000
-    late = None
-    if flux_remote.placed(runner):
-        provider, t0 = runner.control_provider, time.perf_counter()
-        pending = flux_remote.start(provider, group, lambda j: j.tensors.controls, latents, ts, guidance, pooled,
-                                    text, jt.txt_ids, jt.img_ids)
-        late = flux_remote.LateRows(provider, group, pending, t0, latents, transformer.inner_dim)
-        splits = late.calls()
-    else:
-        t0 = time.perf_counter()
-        rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, ts, guidance, pooled, text,
-                                        jt.txt_ids, jt.img_ids)
-        flux_remote.charge(group, rows, time.perf_counter() - t0)
-        splits = R.calls(rows, shapes)
+    splits, lists = flux_remote.step_lists(runner, group, lambda j: j.tensors.controls, latents, ts, guidance, pooled,
+                                           text, jt.txt_ids, jt.img_ids)
     pred = torch.empty_like(latents)
     for idx in splits:
         sel = torch.tensor(idx, device=latents.device)
-        double, single = late.lists(idx) if late is not None else R.stacked(rows, idx, latents)
+        double, single = lists(idx)
         pred[sel] = transformer(
             hidden_states=torch.cat((latents[sel], cond[sel]), dim=2), timestep=ts[sel],
             guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],
