@@ -1,7 +1,8 @@
 """Flux ControlNets placed in the ``controlnet`` Triton model (``MASKEDIT_CONTROLNET_PLACEMENT=triton``), for both
 Flux families (``flux_controlnet``; ``flux_fill``'s ControlNet extension).
 
-Denoiser side: per step, one BLS call per request with a control acting at that step (``start``: the provider's
+Both Flux steps get their transformer calls' residual lists from ``step_lists``, in-process or placed. Placed, the
+denoiser side: per step, one BLS call per request with a control acting at that step (``start``: the provider's
 calls are in flight together on return), carrying that request's rows and its acting controls' packed latents.
 The transformer is handed its residual lists before they exist (``LateSamples``): ``FluxTransformer2DModel.forward``
 embeds the latents, the text, the timestep and guidance, builds the rotary tables and runs its first double block
