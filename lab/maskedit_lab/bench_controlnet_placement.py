@@ -73,7 +73,8 @@ def run(model_dir: Path, steps: int, reps: int, log: Path) -> list[dict]:
     client, ed = EditClient(server.grpc_url), LocalEditor(s)
     flux = hasattr(ed.runner.transformer, "transformer_blocks")
     before = _BeforeResiduals(ed.runner.transformer) if flux else None
-    cases = {k: v for k, v in CASES.items() if v}
+    # Flux also runs the base edit (no control) on both sides: the server's step without ControlNets, for reference
+    cases = {k: v for k, v in CASES.items() if v or flux}
     keys = ("inproc_control", "triton_control", "triton_bls", "triton_model", "inproc_denoise", "triton_denoise") + \
         (("overlappable",) if flux else ())
     got = {case: {k: [] for k in keys} for case in cases}
@@ -81,19 +82,19 @@ def run(model_dir: Path, steps: int, reps: int, log: Path) -> list[dict]:
         for i in range(reps + 1):  # round 0 warms up (loads the ControlNets on both sides)
             for case, controls in cases.items():
                 imgs = [encode_png(np.asarray(c)) for c in ctl[:len(controls)]]
-                r = client.edit(tpl, mask, "a hat", seed=i, steps=steps, use_cache=False, controls=controls,
+                r = client.edit(tpl, mask, "a hat", seed=i, steps=steps, use_cache=False, controls=controls or None,
                                 control_images=ctl[:len(controls)])
                 if before is not None:
                     before.take()
                 _, _, job = ed.edit(encode_png(np.asarray(tpl)), encode_png(mask), "a hat", seed=i, steps=steps,
-                                    use_cache=False, controls=controls, control_images=imgs)
+                                    use_cache=False, controls=controls or None, control_images=imgs)
                 if i and before is not None:
                     got[case]["overlappable"].append(statistics.median(before.take()))
                 if i:
                     g = got[case]
-                    g["triton_control"].append(r.info["control_s"] / steps)
-                    g["triton_bls"].append(r.info["control_bls_s"] / steps)
-                    g["triton_model"].append(r.info["control_model_s"] / steps)
+                    g["triton_control"].append(r.info.get("control_s", 0.0) / steps)
+                    g["triton_bls"].append(r.info.get("control_bls_s", 0.0) / steps)
+                    g["triton_model"].append(r.info.get("control_model_s", 0.0) / steps)
                     g["triton_denoise"].append(r.info["denoise_s"] / steps)
                     g["inproc_control"].append(job.control_s / steps)
                     g["inproc_denoise"].append((job.finished_at - job.started_at) / steps)
