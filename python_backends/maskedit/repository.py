@@ -54,11 +54,18 @@ PASSTHROUGH = [  # what vae_decode needs; it may only take inputs from masked_de
 # packed in one tensor with their shapes.
 CONTROLNET_IN = [
     T("CONTROLNETS", "STRING", (-1,)), T("SCALES", "FP64", (-1,)), T("MODES", "STRING", (-1,)),
-    T("CONTROL_IMAGES", "FP32", (-1, -1, -1, -1)), T("SAMPLE", "FP32", (-1, -1, -1, -1)), T("TIMESTEP", "FP32", (-1,)),
-    T("ENCODER_HIDDEN_STATES", "FP32", (-1, -1, -1)), T("TEXT_EMBEDS", "FP32", (-1, -1), optional=True),
-    T("TIME_IDS", "FP32", (-1, -1), optional=True),
+    # the UNet families' ControlNet arguments
+    T("CONTROL_IMAGES", "FP32", (-1, -1, -1, -1), optional=True), T("SAMPLE", "FP32", (-1, -1, -1, -1), optional=True),
+    T("TIMESTEP", "FP32", (-1,)), T("ENCODER_HIDDEN_STATES", "FP32", (-1, -1, -1)),
+    T("TEXT_EMBEDS", "FP32", (-1, -1), optional=True), T("TIME_IDS", "FP32", (-1, -1), optional=True),
+    # the Flux families' (``maskedit.controlnets.flux_remote``)
+    T("LATENTS", "FP32", (-1, -1, -1), optional=True), T("CONTROL_LATENTS", "FP32", (-1, -1, -1), optional=True),
+    T("POOLED_PROJECTIONS", "FP32", (-1, -1), optional=True), T("GUIDANCE", "FP32", (-1,), optional=True),
+    T("TXT_IDS", "FP32", (-1, -1), optional=True), T("IMG_IDS", "FP32", (-1, -1), optional=True),
+    T("STRUCTURE", "INT64", (2,), optional=True),
 ]
-CONTROLNET_OUT = [T("RESIDUALS", "FP32", (-1,)), T("RESIDUAL_SHAPES", "INT64", (-1, -1)), T("COMPUTE_S", "FP64", (1,))]
+CONTROLNET_OUT = [T("RESIDUALS", "FP32", (-1,)), T("RESIDUAL_SHAPES", "INT64", (-1, -1)), T("COMPUTE_S", "FP64", (1,)),
+                  T("RESIDUAL_GROUPS", "INT64", (-1,))]
 DENOISED = [T("DENOISED", "FP32", (-1, -1)), T("MODEL_SIZE_OUT", "INT32", (2,))]
 RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 

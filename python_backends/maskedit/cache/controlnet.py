@@ -13,8 +13,14 @@ residuals on unmasked tokens and fresh ones on masked tokens. The base transform
 after each block (``interval_control``), which its masked path leaves in place: exact on both sets of rows under
 the cache's assumption (unmasked tokens follow the template).
 
-A control acting only in part of the schedule (start > 0, end < 1) or at scale 0 is not computed at some steps,
-so its recording would never complete: such a control runs its ControlNet in full (the base still caches).
+A control acting only in part of the schedule (start > 0, end < 1) is not computed outside its window: its key
+holds the window (``cache.key.control_identity``), so a hit skips the same steps as the template run, whose
+recorder marks those steps' slots as zeros (``Recorder.skip_step``) so its entry completes. A control at scale 0 is
+never computed: nothing to cache.
+
+Budget: the request's entries share the configured recording budget (``CacheSettings``: bytes of rows one template
+run may record), split between the transformer and its controls' ControlNets in proportion to their rows' bytes
+(``split_budget``), so a request with two controls records no more than one without.
 """
 
 from __future__ import annotations
@@ -26,6 +32,15 @@ from .flux import FluxControlNetCacheHooks
 from .modes import FULL
 
 
+def split_budget(total: int, weights: list[int]) -> list[int]:
+    """``total`` bytes split in proportion to ``weights`` (each part's rows' bytes if it recorded them all), rounded
+    down: the parts never add up to more than ``total``."""
+    whole = sum(weights)
+    if whole <= 0:
+        return [0 for _ in weights]
+    return [int(total * w // whole) for w in weights]
+
+
 def control_key(base_key: str, index: int) -> str:
     """The entry of control ``index`` of a request whose (base) key, which covers all its controls, is ``base_key``."""
     return hashlib.sha256(f"{base_key}:controlnet:{index}".encode()).hexdigest()[:40]
@@ -35,8 +50,9 @@ class _ControlRows:
     """One control of a job as the ControlNet's runtime sees it: the job's step and latents, its own inputs (the
     control's key) and cache state."""
 
-    def __init__(self, job, inputs, cache=None):
-        self.job, self.inputs, self.cache = job, inputs, cache
+    def __init__(self, job, inputs, cache=None, control=None, budget: int | None = None):
+        self.job, self.inputs, self.cache, self.control = job, inputs, cache, control
+        self.cache_budget = budget  # its share of the request's recording budget (``split_budget``)
 
     @property
     def latents(self):
@@ -76,20 +92,37 @@ class ControlNetCaches:
         if not controls or jc is None or jc.status not in ("record", "hit") or not jc.key:
             return
         rows = []
+        budgets = self.budgets(job)
         for k, active in enumerate(controls):
-            s = active.spec
-            if s.start > 0 or s.end < 1 or s.scale == 0 or active.model is None \
-                    or not hasattr(active.model, "transformer_blocks"):
+            if not self.cacheable(active):
                 rows.append(_ControlRows(job, job.inputs, JobCache("off")))
                 continue
             x = copy.copy(job.inputs)
             x.cache_key = control_key(jc.key, k)
-            p = _ControlRows(job, x)
+            p = _ControlRows(job, x, control=active, budget=budgets[k + 1])
             c = self.runtime(active.model).admit(p)
             if c.status == "hit":  # every cached-mode block writes its template rows: the residuals read them
                 c.needs_output = [m != FULL for m in c.modes]
             rows.append(p)
         self._jobs[id(job)] = (job, tuple(rows))
+
+    @staticmethod
+    def cacheable(active) -> bool:
+        """A control whose ControlNet runs here (loaded, a transformer) and is computed at some step."""
+        return active.spec.scale != 0 and active.model is not None and hasattr(active.model, "transformer_blocks")
+
+    def budgets(self, job) -> list[int]:
+        """The request's recording budget split between the transformer (first) and each control (0 for one not
+        cached)."""
+        x = job.inputs
+        weights = [sum(self.base.hooks.block_bytes(x, self.base.itemsize))]
+        for active in job.controls:
+            if self.cacheable(active):
+                rt = self.runtime(active.model)
+                weights.append(sum(rt.hooks.block_bytes(x, rt.itemsize)))
+            else:
+                weights.append(0)
+        return split_budget(self.base.budget_bytes, weights)
 
     def rows(self, job) -> tuple:
         got = self._jobs.get(id(job))
@@ -98,8 +131,12 @@ class ControlNetCaches:
     def after_step(self, jobs) -> None:
         for job in jobs:
             for p in self.rows(job):
-                if p.cache.status != "off":
-                    self._owner(p).after_step([p])
+                if p.cache.status == "off":
+                    continue
+                rec = p.cache.recorder
+                if rec is not None and p.control.scale_at(rec.step, job.steps) == 0:  # outside its window
+                    rec.skip_step()
+                self._owner(p).after_step([p])
 
     def finish(self, job, ok: bool) -> None:
         for p in self.rows(job):

@@ -201,7 +201,7 @@ class CacheRuntime:
             return JobCache("off", key=key)
         x = job.inputs
         per_y = self.hooks.block_bytes(x, self.itemsize)
-        budget = self.budget_bytes
+        budget = self._budget(job)
         y_blocks, kv_blocks = [], []
         for b in range(len(self.kinds)):
             if budget >= per_y[b]:
@@ -221,6 +221,18 @@ class CacheRuntime:
         if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
             return JobCache("off", key=key)
         return JobCache("record", key=key, entry=live, recorder=rec, valid=valid)
+
+    def _budget(self, job) -> int:
+        """The bytes this template run may record: the configured budget, or its share of it where the request's
+        ControlNets record beside it (``cache.controlnet.split_budget``; a control's rows carry their share)."""
+        from .controlnet import ControlNetCaches
+
+        share = getattr(job, "cache_budget", None)  # a control's rows (``cache.controlnet._ControlRows``)
+        if share is not None:
+            return share
+        if any(ControlNetCaches.cacheable(a) for a in getattr(job, "controls", ())):
+            return self.controls.budgets(job)[0]
+        return self.budget_bytes
 
     # -- per step -----------------------------------------------------------------------------------
     def context(self, jobs) -> StepContext:

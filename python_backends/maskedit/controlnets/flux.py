@@ -45,7 +45,7 @@ def check_fits(controlnet, denoiser, latent_channels: int) -> None:
     """``ValueError`` (a reason) unless ``controlnet`` takes ``latent_channels`` packed latents and has the
     transformer's text, pooled and inner widths (its residuals are added to the transformer's hidden states)."""
     c, t = controlnet.config, denoiser.config
-    if c.get("conditioning_embedding_channels") is not None:
+    if getattr(c, "conditioning_embedding_channels", None) is not None:  # (a config, or its namespace: ``check_remote``)
         raise ValueError("takes its control image in pixels (XLabs layout); Flux ControlNets here take it through "
                          "the VAE (InstantX layout)")
     inner = lambda x: x.num_attention_heads * x.attention_head_dim  # noqa: E731
@@ -68,9 +68,15 @@ class Use:
 
 def structure(nets: list) -> tuple[int | None, int | None]:
     """(double, single) lengths of the merged residual lists of a request using ``nets`` in order (None: none)."""
+    return structure_of([n.config for n in nets])
+
+
+def structure_of(configs: list) -> tuple[int | None, int | None]:
+    """``structure`` from the ControlNets' configs (``config.json`` dicts or loaded models' configs: placed in the
+    ``controlnet`` model, the denoiser loads no weights)."""
     out = []
-    for n_of in (lambda n: n.config.num_layers, lambda n: n.config.num_single_layers):
-        lengths = [n_of(n) for n in nets]
+    for key in ("num_layers", "num_single_layers"):
+        lengths = [int(c.get(key, 0) or 0) for c in configs]
         if not lengths or lengths[0] == 0:
             out.append(None)
         else:

@@ -84,12 +84,16 @@ class _Remote(Pending):
     def __init__(self, job, future, names, provider):
         super().__init__(job)
         self._future, self._names, self._p = future, names, provider
+        self._sent = time.perf_counter()
 
     def result(self) -> list:
         p = self._p
         try:
-            # BLS enforces the timeout itself; this is its backstop
-            out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=p.timeout_s + 5.0)
+            # The deadline counts from the call's start. BLS's own ``timeout`` does not end a call the controlnet
+            # model is already executing (tritonserver 2.51: a 1 ms timeout let far longer calls return their
+            # answers), so this is what enforces it.
+            wait = max(0.0, p.timeout_s - (time.perf_counter() - self._sent))
+            out, self.seconds, self.bls_s, self.model_s = self._future.result(timeout=wait)
             return unpack_residuals(out, p.device, p.dtype)
         except FutureTimeout:
             reason = f"timed out after {p.timeout_s:g} s (MASKEDIT_CONTROLNET_TIMEOUT_S)"

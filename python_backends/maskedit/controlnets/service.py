@@ -1,7 +1,9 @@
 """The ``controlnet`` Triton model's work, without Triton: one call (``wire``'s request) is one request's
 ControlNets at one step; it loads each named ControlNet from the library (the same ``MASKEDIT_CONTROLNET_DIR``,
-by name only, cached) and returns their summed residuals — the family's ``control_residuals`` for each, summed in
-order as ``MultiControlNetModel`` sums them, exactly what the in-process path computes."""
+by name only, cached) and returns their merged residuals — the family's ``remote_residuals``: for the UNet families
+each control's ``control_residuals`` summed in order as ``MultiControlNetModel`` sums them, for the Flux families
+``controlnets.flux_remote`` (merged as ``FluxMultiControlNetModel`` merges them) — what the in-process path
+computes."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class ControlNetService:
         ``InvalidInput`` naming CONTROLS (the library's checks)."""
         t0 = time.perf_counter()
         controls, inputs = unpack_request(arrays, self.device, self.dtype)
-        total = None
+        actives = []
         for i, (name, scale, mode, image) in enumerate(controls):
             spec = ControlSpec(name, scale, mode=mode)
             try:
@@ -43,10 +45,9 @@ class ControlNetService:
             except Exception as e:  # unreadable weights and the like: say which, not where (no server paths)
                 raise EditError(f"control {i}: ControlNet {name!r} could not be loaded ({type(e).__name__})",
                                 "CONTROLS") from e
-            res = self.family.control_residuals(ActiveControl(spec, model, image), inputs, scale)
-            total = res if total is None else [a + b for a, b in zip(total, res)]  # MultiControlNetModel's sum
-        if total is None:
+            actives.append((ActiveControl(spec, model, image), scale))
+        if not actives:
             raise ValueError("CONTROLNETS: names no ControlNet")
-        out = pack_residuals(total)
+        out = pack_residuals(*self.family.remote_residuals(actives, inputs))  # as its Multi-ControlNet merges them
         out["COMPUTE_S"] = np.array([time.perf_counter() - t0], np.float64)  # the caller's round trip minus this:
         return out  # the BLS overhead

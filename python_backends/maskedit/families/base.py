@@ -189,6 +189,17 @@ class ModelFamily(ABC):
         residuals as a flat list of tensors (the unit a BLS ``controlnet`` model returns), already scaled."""
         raise NotImplementedError(f"{self.name} runs no ControlNets")
 
+    def remote_residuals(self, actives: list, inputs: dict) -> tuple[list, list[int]]:
+        """The ``controlnet`` model's work for one job at one step (placement ``triton``): ``actives`` its
+        (ActiveControl, scale) acting at this step, in control order. Returns the residuals as one flat list and how
+        many belong to each of the family's lists (``wire.pack_residuals``' groups). Default: each control's
+        ``control_residuals`` summed in order as Diffusers' ``MultiControlNetModel`` sums them, one list."""
+        total = None
+        for control, scale in actives:
+            res = self.control_residuals(control, inputs, scale)
+            total = res if total is None else [a + b for a, b in zip(total, res)]
+        return total, [len(total)]
+
     def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
         """Seeded random ControlNets for this (tiny) model, the family's layout scaled to its denoiser, written to
         ``out/<name>/`` with ``save_pretrained`` (``maskedit-build-model``, ``make model``). None by default."""

@@ -1,5 +1,6 @@
 """The denoise loop's side of the ``controlnet`` model: one BLS call (``wire`` arrays in and out). Triton's
-``exec`` blocks the calling thread (``TritonProvider`` runs it on its own pool) and honours ``timeout`` itself."""
+``exec`` blocks the calling thread (``TritonProvider`` runs it on its own pool). Its ``timeout`` is passed, but
+Triton does not end a call the controlnet model is already executing: ``TritonProvider`` enforces the deadline."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def transport(model: str = MODEL, timeout_s: float = 30.0):
         response = request.exec()
         if response.has_error():
             raise RuntimeError(response.error().message())
-        return {n: pb_utils.get_output_tensor_by_name(response, n).as_numpy() for n in OUTPUTS}
+        out = {n: pb_utils.get_output_tensor_by_name(response, n) for n in OUTPUTS}
+        return {n: t.as_numpy() for n, t in out.items() if t is not None}
 
     return call

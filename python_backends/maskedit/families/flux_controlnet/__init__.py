@@ -87,6 +87,12 @@ class FluxControlNetFamily(ModelFamily):
 
         return mode_index(mode, config)
 
+    def remote_residuals(self, actives: list, inputs: dict) -> tuple[list, list[int]]:
+        """Placement ``triton``: the ``controlnet`` model's merged double / single samples for one request."""
+        from ...controlnets.flux_remote import remote_residuals
+
+        return remote_residuals(self, actives, inputs)
+
     def check_controlnet(self, controlnet, denoiser) -> None:
         from ...controlnets.flux import check_fits
 
@@ -135,8 +141,8 @@ class FluxControlNetFamily(ModelFamily):
 
         if not hasattr(self, "_vae_config"):
             self._vae_config = dict(AutoencoderKL.load_config(self.model_dir, subfolder="vae"))
-        mode = lambda spec, model: (  # noqa: E731
-            self.control_mode_index(spec.mode, model.config) if model.config.get("num_mode") is not None else None)
+        mode = lambda spec, config: (  # noqa: E731
+            self.control_mode_index(spec.mode, config) if config.get("num_mode") is not None else None)
         prepare_job(runner, job, runner.geometry.patch, self._vae_config, mode)
 
     def group_key(self, job):

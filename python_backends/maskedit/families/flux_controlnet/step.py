@@ -18,6 +18,8 @@ from diffusers import FluxControlNetInpaintPipeline
 from ...cache.flux import FluxCacheHooks
 from ...cache.modes import StepContext
 from ...controlnets import flux as R
+from ...controlnets import flux_remote
+from ...controlnets.flux_remote import config_of
 from ...errors import InvalidInput
 from ...schedule import make_scheduler
 from .prepare import control_latents, split_cond
@@ -35,11 +37,13 @@ class ControlTensors:
     txt_ids: torch.Tensor  # (txt, 3)
     guidance: torch.Tensor | None  # (1,) when the transformer embeds guidance
     net_guidance: torch.Tensor | None = None  # (1,) for ControlNets embedding guidance (as stock: always given)
+    structure: tuple = (None, None)  # its merged residual lists' (double, single) lengths (``flux.structure``)
 
 
 def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index) -> None:
-    """``job.controls``: its ``ActiveControl``s (loaded ControlNet, packed posterior on the device, spec);
-    ``mode_index(spec, model)``: a union control's mode index (None for the others)."""
+    """``job.controls``: its ``ActiveControl``s (loaded ControlNet, or None when placed in the ``controlnet`` model;
+    packed posterior on the device; spec); ``mode_index(spec, config)``: a union control's mode index (None for the
+    others)."""
     x = job.inputs
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(runner.device, runner.dtype).unsqueeze(0)  # noqa
     job.latents = t(x.latents)
@@ -50,8 +54,9 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
     if (0 if eps is None else eps.shape[-2]) != len(active):  # a request's own tensors disagree: refuse it alone
         raise InvalidInput(f"carries sample noise for {0 if eps is None else eps.shape[-2]} control images and the "
                            f"request has {len(active)} controls", "COND")
-    controls = tuple((a, mode_index(a.spec, a.model), control_latents(vae_config, a.image.unsqueeze(0), eps[..., k, :]))
-                     for k, a in enumerate(active))
+    configs = [config_of(runner, a, k) for k, a in enumerate(active)]
+    controls = tuple((a, mode_index(a.spec, cfg), control_latents(vae_config, a.image.unsqueeze(0), eps[..., k, :]))
+                     for k, (a, cfg) in enumerate(zip(active, configs)))
     grid_h, grid_w = x.model_h // pixels_per_token, x.model_w // pixels_per_token
     embeds_guidance = bool(runner.transformer.config.guidance_embeds)
     job.tensors = ControlTensors(
@@ -60,7 +65,8 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
                                                                          runner.dtype),
         txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
         guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None,
-        net_guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32))
+        net_guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32),
+        structure=R.structure_of(configs))
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
 
 
@@ -76,15 +82,16 @@ def step(runner, group: list, ctx) -> None:
     guidance = cat("guidance") if group[0].tensors.guidance is not None else None
     pooled, text = cat("pooled"), cat("prompt_embeds")
     jt = group[0].tensors
-    # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``)
+    # ControlNet calls through the activation cache (recording / masked rows: ``maskedit.cache.controlnet``); placed in
+    # the ``controlnet`` model they are in flight while the transformer starts (``flux_remote``)
     run = None if ctx is None or ctx.controls is None else (
         lambda net, uses, call: ctx.controls.run(net, group, uses, call))
-    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, timestep, cat("net_guidance"),
-                                    pooled, text, jt.txt_ids, jt.img_ids, run)
+    splits, lists = flux_remote.step_lists(runner, group, lambda j: j.tensors.controls, latents, timestep,
+                                           cat("net_guidance"), pooled, text, jt.txt_ids, jt.img_ids, run)
     pred = torch.empty_like(latents)
-    for n, idx in enumerate(R.calls(rows, shapes)):
+    for n, idx in enumerate(splits):
         sel = torch.tensor(idx, device=latents.device)
-        double, single = R.stacked(rows, idx, latents)
+        double, single = lists(idx)
         forward = lambda: tr(  # noqa: E731
             hidden_states=latents[sel], timestep=timestep[sel],
             guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],

@@ -62,6 +62,12 @@ class FluxFill(ModelFamily):
 
         return mode_index(mode, config)
 
+    def remote_residuals(self, actives: list, inputs: dict) -> tuple[list, list[int]]:
+        """Placement ``triton``: the ``controlnet`` model's merged double / single samples for one request."""
+        from ...controlnets.flux_remote import remote_residuals
+
+        return remote_residuals(self, actives, inputs)
+
     def check_controlnet(self, controlnet, denoiser) -> None:
         from ...controlnets.flux import check_fits
 

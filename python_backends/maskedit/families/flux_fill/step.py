@@ -17,6 +17,8 @@ from diffusers.pipelines.flux.pipeline_flux_fill import FluxFillPipeline
 from ...cache.modes import FULL, StepContext
 from ...cache.rows import RowView
 from ...controlnets import flux as R
+from ...controlnets import flux_remote
+from ...controlnets.flux_remote import config_of
 from ...schedule import make_scheduler
 from .cache import FluxCacheHooks
 
@@ -35,6 +37,7 @@ class FluxTensors:
     # ControlNets (our extension, docs/controlnet_flux.md): ((ActiveControl, mode index or None, (1, tokens, C)
     # control latents), ...) in control order
     controls: tuple = ()
+    structure: tuple = (None, None)  # its merged residual lists' (double, single) lengths (``flux.structure``)
 
 
 def prepare_job(runner, job, pixels_per_token: int) -> None:
@@ -44,13 +47,16 @@ def prepare_job(runner, job, pixels_per_token: int) -> None:
     # Token grid ids, as FluxFillPipeline._prepare_latent_image_ids builds them.
     grid_h, grid_w = x.model_h // pixels_per_token, x.model_w // pixels_per_token
     embeds_guidance = bool(runner.transformer.config.guidance_embeds)
+    active = tuple(getattr(job, "controls", ()))
+    configs = [config_of(runner, a, k) for k, a in enumerate(active)]  # placed in the controlnet model: no weights
     job.tensors = FluxTensors(
         cond=t(x.cond), prompt_embeds=t(x.prompt_embeds), pooled=t(x.pooled_embeds),
         img_ids=FluxFillPipeline._prepare_latent_image_ids(1, grid_h, grid_w, runner.device, runner.dtype),
         txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
         guidance=torch.full([1], x.guidance, device=runner.device, dtype=torch.float32) if embeds_guidance else None,
-        controls=tuple((a, R.mode_index(a.spec.mode, a.model.config) if R.is_union(a.model.config) else None,
-                        a.image.unsqueeze(0)) for a in getattr(job, "controls", ())))
+        controls=tuple((a, R.mode_index(a.spec.mode, cfg) if R.is_union(cfg) else None, a.image.unsqueeze(0))
+                       for a, cfg in zip(active, configs)),
+        structure=R.structure_of(configs))
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
 
 
@@ -80,7 +86,7 @@ def step(runner, group: list, ctx: StepContext | None) -> None:
         return_dict=False,
     )[0]
     if any(j.tensors.controls for j in group):  # one resolution, uncached rows (the runner's plain calls)
-        noise_pred = _with_controls(transformer, group, latents, cond, timestep, guidance, cat("pooled"),
+        noise_pred = _with_controls(runner, group, latents, cond, timestep, guidance, cat("pooled"),
                                     cat("prompt_embeds"))
     else:
         if packed:
@@ -91,18 +97,20 @@ def step(runner, group: list, ctx: StepContext | None) -> None:
         job.step_index += 1
 
 
-def _with_controls(transformer, group: list, latents, cond, timestep, guidance, pooled, text) -> torch.Tensor:
+def _with_controls(runner, group: list, latents, cond, timestep, guidance, pooled, text) -> torch.Tensor:
     """Our extension: ControlNet residuals (``maskedit.controlnets.flux``; the ControlNets see the noisy latents
     only) added to the Fill transformer's blocks through its ``controlnet_block_samples`` /
-    ``controlnet_single_block_samples``, as FLUX.1-dev takes them in ``FluxControlNetInpaintPipeline``."""
+    ``controlnet_single_block_samples``, as FLUX.1-dev takes them in ``FluxControlNetInpaintPipeline``. Placed in the
+    ``controlnet`` model (``controlnets.flux_remote``), the calls overlap the transformer's start."""
+    transformer = runner.transformer
     jt = group[0].tensors
     ts = timestep / 1000
-    rows, shapes = R.step_residuals(group, lambda j: j.tensors.controls, latents, ts, guidance, pooled, text,
-                                    jt.txt_ids, jt.img_ids)
+    splits, lists = flux_remote.step_lists(runner, group, lambda j: j.tensors.controls, latents, ts, guidance, pooled,
+                                           text, jt.txt_ids, jt.img_ids)
     pred = torch.empty_like(latents)
-    for idx in R.calls(rows, shapes):
+    for idx in splits:
         sel = torch.tensor(idx, device=latents.device)
-        double, single = R.stacked(rows, idx, latents)
+        double, single = lists(idx)
         pred[sel] = transformer(
             hidden_states=torch.cat((latents[sel], cond[sel]), dim=2), timestep=ts[sel],
             guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],

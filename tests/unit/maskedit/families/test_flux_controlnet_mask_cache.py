@@ -154,3 +154,72 @@ def test_a_controlnet_hit_and_an_uncached_request_share_its_call(env):
     assert st[0][0] == "hit"
     np.testing.assert_allclose(hit.numpy(), alone.numpy(), atol=1e-5, rtol=0)
     np.testing.assert_allclose(with_control.numpy(), other_alone.numpy(), atol=1e-5, rtol=0)
+
+
+def test_a_windowed_control_is_cached_and_its_hit_equals_the_uncached_run(env):
+    """A control acting on part of the schedule (here step 1 of 3): its ControlNet's rows are recorded at the steps
+    it acts (the others' slots zeros, so the entry completes) and a hit with the template's mask computes only the
+    masked rows at those steps, equal to the uncached run. Another window is another key."""
+    family, pipe, run_, runtime = env
+    img, mask = template(seed=17), box_mask()
+    ctrl = [spec("canny", 0.8, start=0.3, end=0.7)], [edges(seed=9)]
+    assert key(env, img, *ctrl) != key(env, img, [spec("canny", 0.8, start=0.3)], ctrl[1])
+    rec = make(env, img, mask, *ctrl)
+    family.prepare_job(run_, rec)
+    runtime.admit(rec)
+    (p,) = runtime.controls.rows(rec)
+    assert p.cache.status == "record"
+    with torch.no_grad():
+        while rec.step_index < rec.steps:
+            family.step(run_, [rec], runtime.context([rec]))
+            runtime.after_step([rec])
+    assert p.cache.recorder.complete and torch.count_nonzero(p.cache.recorder.y[0]) == 0  # step 0: not acting
+    assert torch.count_nonzero(p.cache.recorder.y[1]) > 0
+    runtime.finish(rec, True)
+    runtime.flush()
+    (plain,) = run(family, run_, [make(env, img, mask, *ctrl)])
+    assert torch.equal(rec.latents, plain)  # recording changes nothing
+    again = make(env, img, mask, *ctrl)
+    (hit,), ((st,),) = cached(env, [again])
+    n_masked = int(again.inputs.token_mask.sum())
+    assert again.cache.status == "hit" and st == ("hit", n_masked) and n_masked < again.latents.shape[1]
+    np.testing.assert_allclose(hit.numpy(), plain.numpy(), atol=1e-5, rtol=0)
+    unwindowed = make(env, img, mask, [spec("canny", 0.8)], ctrl[1])
+    (other,) = run(family, run_, [unwindowed])
+    assert np.abs(other.numpy() - plain.numpy()).max() > 1e-3  # negative control: the window matters
+
+
+def test_a_request_and_its_controlnets_share_the_recording_budget(env, tmp_path):
+    """The configured budget is split between the transformer and each cached control in proportion to their
+    rows' bytes: a template run with two controls records no more than the budget in all."""
+    from maskedit.cache.controlnet import split_budget
+
+    assert split_budget(100, [2, 1, 1]) == [50, 25, 25] and split_budget(10, [1, 1, 1]) == [3, 3, 3]
+    assert split_budget(100, [3, 0]) == [100, 0] and split_budget(5, [0, 0]) == [0, 0]
+    family, pipe, run_, _ = env
+    store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
+    hooks = family.cache_hooks(pipe.transformer)
+    img = template(seed=18)
+    ctrl = [spec("canny", 0.8), spec("depth", 0.5)], [edges(seed=10), edges(seed=11)]
+    j = make(env, img, box_mask(), *ctrl)
+    per_block = hooks.block_bytes(j.inputs, 4)[0]
+    budget = 3 * per_block  # the transformer alone could record 3 blocks' outputs
+    rt = CacheRuntime(hooks, store, policy=cache_policy("planner"), budget_bytes=budget)
+    try:
+        family.prepare_job(run_, j)
+        rt.admit(j)
+        recorders = [j.cache.recorder] + [p.cache.recorder for p in rt.controls.rows(j)]
+        assert j.cache.status == "record" and all(r is not None for r in recorders)
+        used = [r.nbytes for r in recorders]
+        assert sum(used) <= budget and used[0] < budget  # before: each took up to the whole budget
+        assert used == [len(r.y_slot) * per_block for r in recorders]  # y rows only at this budget
+        rt.finish(j, False)
+        wide = CacheRuntime(hooks, store, policy=cache_policy("planner"), budget_bytes=1 << 30)
+        k = make(env, img, box_mask(), *ctrl, seed=1)
+        family.prepare_job(run_, k)
+        wide.admit(k)
+        assert k.cache.recorder.nbytes > used[0]  # negative control: a large budget records more
+        wide.finish(k, False)
+        wide.close()
+    finally:
+        rt.close()
