@@ -4,8 +4,9 @@ gRPC equal stock ``FluxControlNetInpaintPipeline`` and the in-process path (``Lo
 controls hit the activation cache and requests with controls run uncached (the placement's fallback); a bad control
 fails its request by name, a ControlNet the controlnet model cannot run fails only its request, and the server keeps
 serving. A second server with a timeout smaller than any real ControlNet call shows the timeout failing only the
-requests that used the controlnet model (the in-process placement with controls cached is served by
-``LocalEditor`` in tests/unit/maskedit/families/test_flux_controlnet_mask_cache.py)."""
+requests that used the controlnet model. A third server runs the default placement (``inprocess``), where a
+request's ControlNets are cached with the transformer: it equals the stock pipeline too, and a repeated control is
+a hit that computes only masked rows."""
 
 import io
 import shutil
@@ -55,6 +56,23 @@ def served(model, tmp_path_factory):
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def in_process(model, tmp_path_factory):
+    """The default placement: the ControlNets run in the denoiser's process and are cached with the transformer."""
+    s = _server(tmp_path_factory.mktemp("flux-cn-inprocess"), model, MASKEDIT_CONTROLNET_PLACEMENT="inprocess")
+    s.start(timeout=300)
+    try:
+        with EditClient(s.grpc_url) as client:
+            yield model, client
+    finally:
+        s.stop()
+
+
+@pytest.fixture(params=["triton", "inprocess"])
+def each_placement(request):
+    return request.getfixturevalue({"triton": "served", "inprocess": "in_process"}[request.param]), request.param
+
+
 def _both(client, **kw):
     """Two requests sent together (threads): their results or errors, by key."""
     results = {}
@@ -72,14 +90,16 @@ def _both(client, **kw):
     return results
 
 
-def test_two_controlnets_served_equal_the_stock_pipeline(served, template_img, box_mask):
-    model, client = served
+def test_two_controlnets_served_equal_the_stock_pipeline(each_placement, template_img, box_mask):
+    (model, client), placement = each_placement
     a, b = edges(seed=1), edges(seed=2)
     r = client.edit(template_img, box_mask, "a red hat", seed=5, steps=3, guidance=3.5, raw_output=True,
                     template_seed=5, use_cache=False,
                     controls=[{"name": "canny", "scale": 0.8}, {"name": "union", "mode": "depth", "end": 0.6}],
                     control_images=[a, b])
-    assert r.info["control_placement"] == "triton" and r.info["control_bls_s"] >= r.info["control_model_s"] > 0
+    assert r.info["control_placement"] == placement
+    if placement == "triton":
+        assert r.info["control_bls_s"] >= r.info["control_model_s"] > 0
     nets = [FluxControlNetModel.from_pretrained(model / "controlnets" / n) for n in ("canny", "union")]
     stock = FluxControlNetInpaintPipeline.from_pretrained(model, controlnet=FluxMultiControlNetModel(nets))
     stock.set_progress_bar_config(disable=True)
@@ -171,3 +191,19 @@ def test_bad_control_is_refused_by_name_and_the_server_keeps_serving(served, tem
         client.edit(template_img, box_mask, "a hat", steps=2, controls=[("nope", 1.0)], control_images=[edges()])
     assert e.value.field == "CONTROLS" and "nope" in str(e.value)
     assert client.edit(template_img, box_mask, "a hat", steps=2).image.size == (256, 256)
+
+
+def test_in_process_controls_are_cached_with_the_transformer(in_process):
+    _, client = in_process
+    tpl = samples.template(256, 256, seed=43)
+    assert client.edit(tpl, np.zeros((256, 256), np.uint8), "a hat", steps=3, register=True).info["cache"] == \
+        "record"
+    plain = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3).info
+    assert plain["cache_hit"] and 0 < plain["computed_tokens"] < 16 * 16, plain
+    ask = lambda scale, seed: client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3,  # noqa
+                                          seed=seed, controls=[("canny", scale)], control_images=[edges(seed=3)])
+    ctrl = ask(0.5, 3).info
+    assert not ctrl["cache_hit"] and ctrl["cache"] == "record"  # the control is in the key: a miss, recorded
+    again = ask(0.5, 4).info  # the same control, another seed: a hit (ControlNet and transformer on masked rows)
+    assert again["cache_hit"] and again["computed_tokens"] == plain["computed_tokens"], again
+    assert not ask(0.4, 3).info["cache_hit"]  # another scale: another key
