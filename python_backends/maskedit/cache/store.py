@@ -15,8 +15,9 @@ recomputed in full.
 Crash safety: a writer fills a hidden temporary file and ``os.replace``-s it into place, so an entry is visible
 only when complete; a writer killed mid-way leaves only a temporary file, swept later. Two processes recording the
 same key each write a complete file and the last rename wins. LRU order is the file's access time (set on every
-open); eviction moves the oldest memory entries to disk under an inter-process lock; promotion copies a disk entry
-back (optionally in a thread while the request still queues).
+open); eviction moves the oldest memory entries to disk under an inter-process lock, on every write and when the
+store is opened (a restart with a smaller budget applies it at once); promotion copies a disk entry back (optionally
+in a thread while the request still queues).
 Storage faults (``TierHealth``): budgets hold whatever the filesystems do. Room is made before a write; an entry
 that cannot move to an unwritable or full disk tier is dropped instead of kept over budget; a memory tier that
 cannot make room refuses new entries; ``ENOSPC`` shrinks the memory tier's budget to what its filesystem held, and
@@ -99,6 +100,32 @@ class ActivationStore:
         self._mu = threading.Lock()
         self.mem_bytes = self._fit_to_filesystem(int(mem_bytes))
         self._sweep_tmp()
+        self._fit_on_open()
+
+    def _fit_on_open(self) -> None:
+        """Bring both tiers within their budgets now, as a write would: a restart with a smaller
+        MASKEDIT_CACHE_MEM_BYTES (or _DISK_BYTES) must not keep the old amount in /dev/shm until the next write, which
+        a host whose templates are all cached may not make (a sized /dev/shm: ENOSPC, or the pod OOM-killed). Under
+        the inter-process lock, so processes opening at once shrink the tiers once between them. Storage errors are
+        logged and counted, never raised (the store is an optimisation)."""
+        before = (self.stats.evictions, self.stats.dropped)
+        try:
+            with self._lock():
+                held = self.tier_bytes()
+                fits = self._evict_locked(0)
+                now = self.tier_bytes()
+        except OSError as e:
+            self.stats.errors += 1
+            logs.event(log, "activation store could not apply its budgets on open", logging.WARNING,
+                       error=type(e).__name__, detail=str(e)[:200], dir=str(self.mem_dir))
+            return
+        demoted, dropped = self.stats.evictions - before[0], self.stats.dropped - before[1]
+        if demoted or dropped or not fits:
+            logs.event(log, "activation store brought within its budgets on open",
+                       logging.INFO if fits else logging.WARNING, demoted=demoted, dropped=dropped,
+                       mem_bytes_before=held["mem"], mem_bytes=now["mem"], mem_budget=self.mem_bytes,
+                       disk_bytes_before=held["disk"], disk_bytes=now["disk"],
+                       disk_budget=self.disk_limit(now["disk"]), within_budget=fits)
 
     def _fit_to_filesystem(self, budget: int) -> int:
         """The memory tier's budget: the configured one, never above what its filesystem can hold (free space plus
@@ -127,7 +154,9 @@ class ActivationStore:
         now = time.time()
         for d in (self.mem_dir, self.disk_dir):
             for p in d.glob(".tmp-*"):
-                pid = p.name.split("-")[2] if p.name.count("-") >= 3 else ""
+                # ".tmp-<pid>-<uuid>-<name>": a live writer's file stays (another process opening the store, e.g. at
+                # once with this one, would otherwise delete the copy an eviction is making, and lose the entry)
+                pid = p.name.split("-")[1] if p.name.count("-") >= 3 else ""
                 alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
                 with contextlib.suppress(OSError):
                     if not alive or now - p.stat().st_mtime > _STALE_TMP_S:
@@ -316,20 +345,24 @@ class ActivationStore:
         spare; trim the disk tier. An entry the disk tier cannot take is dropped (its budget holds). False if the
         memory tier could not be brought within budget (an entry could not be deleted)."""
         with self._lock():
-            mem = sorted(self.entries("mem"), key=lambda e: e[1].st_atime_ns)
-            total = sum(s.st_size for _, s in mem)
-            for p, s in mem:
-                if total + room <= self.mem_bytes:
-                    break
-                if self._to_disk(p):
-                    self.stats.evictions += 1
-                else:
-                    self.stats.dropped += 1
-                if not self._remove(p, "mem"):
-                    continue
-                total -= s.st_size
-            self._trim_disk()
-            return total + room <= self.mem_bytes
+            return self._evict_locked(room)
+
+    def _evict_locked(self, room: int) -> bool:
+        """``evict`` with the inter-process lock held by the caller."""
+        mem = sorted(self.entries("mem"), key=lambda e: e[1].st_atime_ns)
+        total = sum(s.st_size for _, s in mem)
+        for p, s in mem:
+            if total + room <= self.mem_bytes:
+                break
+            if self._to_disk(p):
+                self.stats.evictions += 1
+            else:
+                self.stats.dropped += 1
+            if not self._remove(p, "mem"):
+                continue
+            total -= s.st_size
+        self._trim_disk()
+        return total + room <= self.mem_bytes
 
     def _remove(self, p: Path, tier: str) -> bool:
         """Delete an entry file of ``tier``; False (the failure counted, the tier shown degraded) if it stays."""
