@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import logs
-from ..cache import integrity
+from ..cache import integrity, tmp_files
 from ..cache.entry_file import as_tensor, open_file
 from ..cache.file_lock import locked
 from ..cache.integrity import CorruptEntry
@@ -38,7 +37,6 @@ from .stats import AdapterStats
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
-_STALE_TMP_S = 600.0
 
 
 def _copy(arrays, name: str, device, dtype) -> torch.Tensor:
@@ -84,11 +82,7 @@ class AdapterHostCache:
             if not self._live(p):
                 with contextlib.suppress(OSError):
                     p.unlink()
-        for p in self.dir.glob(".tmp-*"):
-            pid = p.name.split("-")[2] if p.name.count("-") >= 3 else ""
-            with contextlib.suppress(OSError):
-                if not (pid.isdigit() and Path(f"/proc/{pid}").exists()) or now - p.stat().st_mtime > _STALE_TMP_S:
-                    p.unlink()
+        tmp_files.sweep(self.dir, now)  # a live writer's copy stays
 
     def entries(self) -> list[tuple[Path, os.stat_result]]:
         out = []
@@ -181,7 +175,7 @@ class AdapterHostCache:
             return False
         if not pid:  # created a moment ago, its pid not written yet
             return age < 5.0
-        return pid.isdigit() and Path(f"/proc/{pid}").exists() and age < _STALE_TMP_S
+        return tmp_files.writer_alive(pid) and age < tmp_files.STALE_S
 
     def wait(self, key: str, timeout: float) -> bool:
         """Wait (up to ``timeout`` seconds; on a loader thread, never the loop) while another live process converts
@@ -210,7 +204,7 @@ class AdapterHostCache:
                        bytes=need, budget=self.budget)
             return False
         path = self._path(key)
-        tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{key}"
+        tmp = tmp_files.tmp_path(self.dir, key)
         try:
             self.evict(room=need)
             save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})

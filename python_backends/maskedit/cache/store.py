@@ -36,7 +36,6 @@ import re
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .. import logs
-from . import entry_file, integrity
+from . import entry_file, integrity, tmp_files
 from .entry_file import Entry, MappedArrays, as_tensor, open_file
 from .file_lock import locked
 from .integrity import CorruptEntry
@@ -56,7 +55,6 @@ __all__ = ["ActivationStore", "CorruptEntry", "Entry", "MappedArrays", "as_tenso
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
-_STALE_TMP_S = 600.0
 MAPPED_CAP = 64  # entries a process keeps mapped for reuse (requests in flight hold their own on top)
 # The disk tier never takes more than this share of the space its filesystem has (free plus what the tier holds):
 # a fixed cap alone would fill a small disk.
@@ -151,16 +149,10 @@ class ActivationStore:
         return locked(self.mem_dir / ".lock")
 
     def _sweep_tmp(self) -> None:
-        now = time.time()
+        # a live writer's file stays: another process opening the store (e.g. at once with this one) would
+        # otherwise delete the copy an eviction is making, and lose the entry
         for d in (self.mem_dir, self.disk_dir):
-            for p in d.glob(".tmp-*"):
-                # ".tmp-<pid>-<uuid>-<name>": a live writer's file stays (another process opening the store, e.g. at
-                # once with this one, would otherwise delete the copy an eviction is making, and lose the entry)
-                pid = p.name.split("-")[1] if p.name.count("-") >= 3 else ""
-                alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
-                with contextlib.suppress(OSError):
-                    if not alive or now - p.stat().st_mtime > _STALE_TMP_S:
-                        p.unlink()
+            tmp_files.sweep(d)
 
     # -- queries ------------------------------------------------------------------------------------
     def locate(self, key: str) -> str | None:
@@ -320,7 +312,7 @@ class ActivationStore:
         return path
 
     def _write(self, path: Path, arrays: dict, info: dict) -> None:
-        tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.stem}"
+        tmp = tmp_files.tmp_path(path.parent, path.stem)
         try:
             try:
                 save_file(arrays, str(tmp), metadata={"maskedit": json.dumps(info)})
@@ -407,7 +399,7 @@ class ActivationStore:
         return min(self.disk_bytes, int((free + held) * self.disk_free_fraction))
 
     def _copy_atomic(self, src: Path, dst: Path) -> None:
-        tmp = dst.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{dst.name}"
+        tmp = tmp_files.tmp_path(dst.parent, dst.name)
         try:
             shutil.copyfile(src, tmp)
             with open(tmp, "rb") as f:
