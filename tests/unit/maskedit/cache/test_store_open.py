@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from maskedit.cache import store as store_mod
+from maskedit.cache import tmp_files
 from maskedit.cache.file_lock import locked
 from maskedit.cache.store import ActivationStore, open_file
 
@@ -164,12 +165,14 @@ def test_two_stores_opened_at_once_end_within_budget_with_every_entry_intact(tmp
 
 def test_opening_keeps_a_live_writers_temporary_files(tmp_path):
     """Opening sweeps the temporary files of dead writers only: a live one's (an eviction's copy in another process
-    opening at the same time) stays, or its entry would be lost. The writer's pid is the name's second field."""
+    opening at the same time) stays, or its entry would be lost. The writer's pid is the name's first field after the prefix (maskedit.cache.tmp_files)."""
     dead = os.fork()
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)
-    names = {"live": f".tmp-{os.getpid()}-abcdef12-k0.safetensors", "dead": f".tmp-{dead}-abcdef12-k1.safetensors"}
+    host = tmp_files._HOST
+    names = {"live": f".tmp-{os.getpid()}-{host}-abcdef12-k0.safetensors",
+             "dead": f".tmp-{dead}-{host}-abcdef12-k1.safetensors"}
     for t in ("mem", "disk"):
         (tmp_path / t).mkdir(parents=True, exist_ok=True)
         for name in names.values():
