@@ -193,12 +193,9 @@ class UNetCacheHooks(BlockHooks):
         """The width signature an entry is checked against (``decision.fits``)."""
         return int(sum(self.dims))
 
-    # -- ControlNets cached beside this UNet (``maskedit.cache.controlnet``) ---------------------------------------
-    # A ControlNet's residuals are its down blocks' and mid block's outputs, which its ResNets and zero convolutions
-    # compute on every token: only the last block of each ``Transformer2DModel`` must write all its rows (as in the
-    # UNet). A windowed control's entry holds its active steps (``ControlNetCaches.admit``).
-    controlnet_reads_every_block = False
-    controlnet_windows = True
+    # -- ControlNets cached beside this UNet (``maskedit.cache.controlnet``): residuals from full-token convolutions
+    controlnet_reads_every_block = False  # as in the UNet, a Transformer2DModel's last block writes all its rows
+    controlnet_windows = True  # a windowed control's entry holds its active steps
 
     @staticmethod
     def caches_controlnet(model) -> bool:

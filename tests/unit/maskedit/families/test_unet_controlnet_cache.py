@@ -33,6 +33,7 @@ EMPTY = np.zeros((SIZE, SIZE), np.uint8)
 CANNY = [{"name": "canny", "scale": 0.8}]
 # two controls, the second acting at step 1 of 3 only (0.3 .. 0.9 of the schedule)
 WINDOWED = [{"name": "canny", "scale": 0.8}, {"name": "depth", "scale": 0.5, "start": 0.3, "end": 0.9}]
+UNION = [{"name": "union", "scale": 0.7, "mode": "pose"}]  # ControlNetUnionModel: the same down path and mid block
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +75,12 @@ def uncached(env, x):
     return run_job(env[2], replace(x, cache_key=None)).result()
 
 
-@pytest.mark.parametrize("spec", [CANNY, WINDOWED], ids=["one", "two-windowed"])
+@pytest.mark.parametrize("spec", [CANNY, WINDOWED, UNION], ids=["one", "two-windowed", "union"])
 def test_a_hit_with_controls_equals_the_uncached_controlnet_edit(env, spec):
     """The template's own mask: the hit computes the masked tokens in the UNet and in every ControlNet (the windowed
     one over its active step only) and reproduces the uncached edit."""
     s, ed, plain, store = env
-    tpl = samples.template(SIZE, SIZE, seed=31 + len(spec))
+    tpl = samples.template(SIZE, SIZE, seed=31 + len(spec) + 5 * (spec is UNION))
     mask = samples.mask(SIZE, SIZE, 0.2, "box", seed=3)
     x = inputs(env, tpl, mask, spec, controls_images(len(spec)))
     first = cached(env, x)
