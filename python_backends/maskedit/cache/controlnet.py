@@ -6,9 +6,9 @@ runtime's hooks say which hooks a ControlNet gets (``controlnet_hooks``: ``cache
 
 Each control of a request gets its own entry, keyed apart from the base's (``control_key``: the base key, which
 holds the request's controls, plus the control's index), recorded and read by a ``CacheRuntime`` over that
-ControlNet's blocks (the base hooks' ``controlnet_hooks``) that shares the base runtime's store, policy and budget. So the
-store's integrity checks, live runs (followers), heals and eviction are those of any entry. The request's cache
-status drives it: only a template run (``record``) or a hit (``hit``) of the base admits its controls.
+ControlNet's blocks (the base hooks' ``controlnet_hooks``) that shares the base runtime's store, policy and budget.
+So the store's integrity checks, live runs (followers), heals and eviction are those of any entry. The request's
+cache status drives it: only a template run (``record``) or a hit (``hit``) of the base admits its controls.
 
 On a hit the ControlNet computes its masked rows only; its unmasked rows are the template's. Flux: written into
 every block's output that is not computed in full (``needs_output``), so its ``controlnet_blocks`` give the

@@ -19,8 +19,8 @@ class UNetInpaint(ModelFamily):
     presets = tiny.UNET_PRESETS
     tiny_preset = "sdxl-tiny"
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
-    # Requests with ControlNets are cached: the ControlNets' blocks behind the same hooks (``maskedit.cache.controlnet``),
-    # their residuals (full-token convolutions) added by the UNet's own forward around its masked blocks.
+    # Requests with ControlNets are cached: the ControlNets' blocks behind the same hooks
+    # (``maskedit.cache.controlnet``), their residuals (full-token convolutions) added by the UNet's own forward.
     controls_in_masked_path = True
 
     @property

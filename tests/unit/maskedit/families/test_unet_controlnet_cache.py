@@ -122,7 +122,8 @@ def test_other_controls_are_a_miss_and_equal_their_own_run(env, other):
     tpl, mask = samples.template(SIZE, SIZE, seed=50), samples.mask(SIZE, SIZE, 0.2, "box", seed=4)
     reg = inputs(env, tpl, EMPTY, CANNY, controls_images(1), register=True)
     cached(env, reg)
-    spec, images = (CANNY, controls_images(1, seed=99)) if other == "image" else (other, controls_images(len(other or ())))
+    spec, images = ((CANNY, controls_images(1, seed=99)) if other == "image"
+                    else (other, controls_images(len(other or ()))))
     x = inputs(env, tpl, mask, spec, images)
     assert x.cache_key != reg.cache_key
     job = cached(env, x)
