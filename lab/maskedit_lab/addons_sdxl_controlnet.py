@@ -66,13 +66,14 @@ def quality(full: np.ndarray, hit: np.ndarray, m: np.ndarray) -> dict:
             "psnr_mask_db": round(q(peak_signal_noise_ratio, full[m], hit[m]), 2)}
 
 
-def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS) -> tuple[list[dict], dict]:
+def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS, cost=None) -> tuple[list[dict], dict]:
+    """``cost``: the planner's ``CostModel`` (the preset's calibrated profile, as a server loads it)."""
     s = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir), "MASKEDIT_DEVICE": "cpu"})
     size = s.resolution
     png = lambda a: encode_png(np.asarray(a))  # noqa: E731
     tpl, ctl = png(samples.template(size, size, seed=1)), [png(samples.template(size, size, seed=7))]
     store = ActivationStore(tmp / "mem", tmp / "disk", 4 << 30, 4 << 30)
-    ed = LocalEditor(s, cache=lambda t: CacheRuntime(UNetCacheHooks.of(t), store), store=store)
+    ed = LocalEditor(s, cache=lambda t: CacheRuntime(UNetCacheHooks.of(t), store, cost), store=store)
     loads, rows = [_load()], []
     controlled = dict(controls=CONTROLS, control_images=ctl)
     try:
@@ -130,18 +131,24 @@ def run(preset: str = "sdxl-bench", steps: int = 4, reps: int = 3, ratios=RATIOS
         model_dir: Path | None = None) -> tuple[list[dict], dict]:
     """The section's rows and its meta (for ``addons.json``'s ``meta[CASE]``)."""
     from maskedit.build_model import build
+    from maskedit.cache.cost_model import CostModel
     from maskedit.families import family_for
 
+    from . import REPO_ROOT
+
+    profile = REPO_ROOT / "perf_profiles" / f"cost_model_{preset}.json"  # calibrated on this host (docs/unet.md)
+    cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
             model_dir = Path(build(Path(tmp) / "model", preset))
         if not (Path(model_dir) / "controlnets" / "canny").is_dir():
             family_for(model_dir).build_controlnets(Path(model_dir) / "controlnets")
-        rows, load = measure(Path(model_dir), steps, reps, Path(tmp), ratios)
+        rows, load = measure(Path(model_dir), steps, reps, Path(tmp), ratios, cost)
     for r in rows:
         r["preset"] = preset
     meta = {"preset": preset, "steps": steps, "reps": reps, "device": "cpu", "dtype": "float32",
             "threads": torch.get_num_threads(), "cores": os.cpu_count(), "load_avg": load,
+            "cost_profile": profile.name if profile.exists() else "FLOP fallback",
             "speedup": "full_denoise_s / denoise_s (the step loop); e2e_speedup: whole edits",
             "controlnet_overhead": "full_denoise_s / base_denoise_s - 1 (uncached); _hit: on cache hits"}
     at = next((r for r in rows if r["mask_ratio"] == 0.2), None)
