@@ -160,8 +160,11 @@ def run(preset: str = "sdxl-bench", steps: int = 4, reps: int = 3, ratios=RATIOS
 
 
 def merge(addons: dict, rows: list[dict], meta: dict) -> dict:
-    """``addons.json`` with this section's rows replaced, every other row (LoRA, Flux ControlNet) kept."""
-    addons["rows"] = [r for r in addons.get("rows", []) if r.get("case") != CASE] + rows
+    """``addons.json`` with this run's rows replaced (same preset and mask ratio), every other row (LoRA, Flux
+    ControlNet, other ratios) kept."""
+    key = lambda r: (r.get("case"), r.get("preset"), r.get("mask_ratio"))  # noqa: E731
+    fresh = {key(r) for r in rows}
+    addons["rows"] = [r for r in addons.get("rows", []) if key(r) not in fresh] + rows
     addons.setdefault("meta", {})[CASE] = meta
     return addons
 
