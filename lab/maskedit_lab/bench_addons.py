@@ -426,22 +426,11 @@ def main(argv=None) -> None:
 
 
 def sdxl_controlnet(args, out: Path) -> None:
-    """The SDXL ControlNet section (``addons_sdxl_controlnet``): its rows merged into ``out``, its own JSON and plot
-    beside it."""
+    """The SDXL ControlNet section (``addons_sdxl_controlnet``): its rows merged into ``out``."""
     from . import addons_sdxl_controlnet as cn
 
-    ratios = tuple(float(r) for r in args.cn_ratios.split(",") if r.strip())
-    rows, meta = cn.run(args.cn_preset, args.cn_steps, args.reps, ratios)
-    addons = cn.merge(json.loads(out.read_text()) if out.exists() else {"meta": {}, "rows": []}, rows, meta)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(addons, indent=1) + "\n")
-    own = out.with_name("addons_sdxl_controlnet.json")
-    own.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    load = meta["load_avg"]
-    cn.plot(rows, own.with_suffix(".png"), f"Mask-aware SDXL ControlNet (canny 0.8), {args.cn_preset}, "
-            f"{args.cn_steps} steps, CPU float32, load {load['start']}-{load['max']}")
-    print(cn.markdown_table(rows))
-    print(f"merged {len(rows)} {cn.CASE} rows into {out}; wrote {own} and {own.with_suffix('.png')} (load {load})")
+    cn.section(out, args.cn_preset, args.cn_steps, args.reps,
+               tuple(float(r) for r in args.cn_ratios.split(",") if r.strip()))
 
 
 if __name__ == "__main__":
