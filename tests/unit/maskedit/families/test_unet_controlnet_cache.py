@@ -5,6 +5,7 @@ a step batch mixing hits, recordings and plain requests with other ControlNets e
 
 import json
 import threading
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -36,21 +37,28 @@ WINDOWED = [{"name": "canny", "scale": 0.8}, {"name": "depth", "scale": 0.5, "st
 UNION = [{"name": "union", "scale": 0.7, "mode": "pose"}]  # ControlNetUnionModel: the same down path and mid block
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, settings):
-    d = tmp_path_factory.mktemp("sdxl-cn-cache") / "model"
-    build_unet(d, "sdxl-tiny")
-    family_for(d).build_controlnets(d / "controlnets", seed=0)
-    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": settings.dtype,
+@contextmanager
+def editors(d, settings, preset):
+    """(settings, a cached ``LocalEditor``, an uncached engine on its UNet, the store) for ``preset`` in ``d``."""
+    build_unet(d / "model", preset)
+    family_for(d / "model").build_controlnets(d / "model" / "controlnets", seed=0)
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d / "model"), "MASKEDIT_DTYPE": settings.dtype,
                        "MASKEDIT_DEVICE": settings.device})
-    store_dir = tmp_path_factory.mktemp("cn-store")
-    store = ActivationStore(store_dir / "mem", store_dir / "disk", 1 << 30, 1 << 30)
+    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
     ed = LocalEditor(s, cache=lambda t: CacheRuntime(UNetCacheHooks.of(t), store, policy=cache_policy("planner")),
                      store=store)
     plain = DenoiseEngine(ModelRunner(s, transformer=ed.runner.transformer))  # no cache runtime: full compute
-    yield s, ed, plain, store
-    plain.shutdown()
-    ed.close()
+    try:
+        yield s, ed, plain, store
+    finally:
+        plain.shutdown()
+        ed.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, settings):
+    with editors(tmp_path_factory.mktemp("sdxl-cn-cache"), settings, "sdxl-tiny") as e:
+        yield e
 
 
 def controls_images(n, seed=7):
@@ -79,6 +87,16 @@ def uncached(env, x):
 def test_a_hit_with_controls_equals_the_uncached_controlnet_edit(env, spec):
     """The template's own mask: the hit computes the masked tokens in the UNet and in every ControlNet (the windowed
     one over its active step only) and reproduces the uncached edit."""
+    hit_equals_uncached(env, spec)
+
+
+def test_sd2_a_hit_with_controls_equals_the_uncached_controlnet_edit(tmp_path, settings):
+    """SD 2 (no SDXL conditioning, three transformer levels) through the same path."""
+    with editors(tmp_path, settings, "sd2-tiny") as env:
+        hit_equals_uncached(env, WINDOWED)
+
+
+def hit_equals_uncached(env, spec):
     s, ed, plain, store = env
     tpl = samples.template(SIZE, SIZE, seed=31 + len(spec) + 5 * (spec is UNION))
     mask = samples.mask(SIZE, SIZE, 0.2, "box", seed=3)
