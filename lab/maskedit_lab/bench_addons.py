@@ -19,8 +19,13 @@ by torch's FlopCounterMode on the run itself) stands beside its measured ``overh
 repetition (drift in a shared machine's speed hits all alike); medians of ``--reps``; the load average is recorded.
 The cold cases go through ``AdapterRuntime`` (``fresh_runtime``): a host-memory adapter tier plugs in there.
 
-    make bench-addons            # CPU float32 -> perf_profiles/results/addons.json / .png
+SDXL ControlNet section (``addons_sdxl_controlnet``: the mask-aware cached ControlNet on ``sdxl-bench`` against the
+full controlled path, and the ControlNet's overhead over the base edit): its rows (case ``sdxl-controlnet-mask``) go
+into the same file, replacing only its own; plot and table in ``addons_sdxl_controlnet.json`` / ``.png``.
+
+    make bench-addons            # CPU float32 -> perf_profiles/results/addons.json / .png (+ the SDXL section)
     make bench-addons ARGS="--cases warm-2,mixed-batch,fw:warm-2"   # those rows (and their baselines') replaced
+    make bench-addons ARGS="--sdxl-controlnet"   # the SDXL ControlNet section alone; every other row kept
 """
 
 from __future__ import annotations
@@ -378,9 +383,18 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default=None, help="comma-separated cases to run (`fw:<case>` at FLUX.1 widths; their "
                     "baselines are added): their rows replace those in the existing --out file, the others stay")
     ap.add_argument("--out", type=Path, default=None, help="default: results/addons.json (addons_<gpu>.json on a GPU)")
+    ap.add_argument("--sdxl-controlnet", action="store_true", help="run only the SDXL ControlNet section and merge its "
+                    "rows into --out (the LoRA and Flux ControlNet rows stay)")
+    ap.add_argument("--no-sdxl-controlnet", action="store_true", help="skip the SDXL ControlNet section")
+    ap.add_argument("--cn-preset", default="sdxl-bench", help="the SDXL ControlNet section's preset")
+    ap.add_argument("--cn-steps", type=int, default=4, help="the SDXL ControlNet section's steps")
+    ap.add_argument("--cn-ratios", default="0.1,0.2,0.5", help="the SDXL ControlNet section's mask ratios")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sdxl_controlnet:
+        sdxl_controlnet(args, args.out or RESULTS / "addons.json")
+        return
     t0 = time.time()
     only = None if args.cases is None else {c.strip() for c in args.cases.split(",") if c.strip()}
     rows, meta = run(args.reps, args.model_dir, args.device, args.dtype, not args.no_flux_width, args.steps, only)
@@ -407,6 +421,16 @@ def main(argv=None) -> None:
     print(markdown_table(rows))
     print(json.dumps(meta["targets_met"], indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')} in {meta['seconds']} s (load avg {meta['load_avg']})")
+    if not args.no_sdxl_controlnet and only is None:
+        sdxl_controlnet(args, out)
+
+
+def sdxl_controlnet(args, out: Path) -> None:
+    """The SDXL ControlNet section (``addons_sdxl_controlnet``): its rows merged into ``out``."""
+    from . import addons_sdxl_controlnet as cn
+
+    cn.section(out, args.cn_preset, args.cn_steps, args.reps,
+               tuple(float(r) for r in args.cn_ratios.split(",") if r.strip()))
 
 
 if __name__ == "__main__":

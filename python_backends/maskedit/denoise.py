@@ -80,6 +80,7 @@ class DenoiseJob:
     control_s: float = 0.0  # seconds its ControlNets took, over all its steps (EDIT_INFO ``control_s``)
     control_bls_s: float = 0.0  # of which BLS round trips to the ``controlnet`` model (placement ``triton``)
     control_model_s: float = 0.0  # of which the ``controlnet`` model's own work (the rest is BLS overhead)
+    control_cache: tuple = ()  # its controls' ``JobCache`` each, where cached beside it (``cache.controlnet``)
 
     @property
     def steps(self) -> int:

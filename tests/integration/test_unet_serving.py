@@ -88,7 +88,7 @@ def test_two_controlnets_served_over_grpc_equal_the_stock_controlnet_pipeline(sd
     ctl = [samples.template(256, 256, seed=41), samples.template(192, 320, seed=42)]
     r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=3, guidance=7.5, raw_output=True,
                     template_seed=11, controls=CONTROLS, control_images=ctl)
-    assert r.info["controls"][1]["name"] == "depth" and r.info["cache"] == "off"  # controls run uncached for now
+    assert r.info["controls"][1]["name"] == "depth" and r.info["cache"] == "record"  # recording changes nothing
     assert r.info["control_s"] > 0
     nets = MultiControlNetModel([ControlNetModel.from_pretrained(model / "controlnets" / n) for n in ("canny", "depth")])
     stock = StableDiffusionXLControlNetInpaintPipeline(**DiffusionPipeline.from_pretrained(model).components,
@@ -121,9 +121,23 @@ def test_controls_over_http_generate(sdxl_server, template_img, box_mask):
         out = json.loads(resp.read())
     over_http = np.asarray(Image.open(__import__("io").BytesIO(base64.b64decode(out["IMAGE"]))))
     over_grpc = client.edit(template_img, box_mask, "a red hat", seed=3, steps=2, controls=CONTROLS[:1],
-                            control_images=ctl)
+                            control_images=ctl, use_cache=False)  # the full computation, as the HTTP one recorded
     assert json.loads(out["EDIT_INFO"])["controls"][0]["name"] == "canny"
     np.testing.assert_array_equal(over_http, np.asarray(over_grpc.image))
+
+
+def test_a_repeated_controlled_edit_is_a_cache_hit_close_to_the_first(sdxl):
+    """Requests with controls are cached (docs/controlnet.md, Execution): the same edit with two ControlNets (one
+    windowed) again on its template is a hit in the UNet and in both ControlNets, within 1 grey level of the first."""
+    model, client = sdxl
+    tpl, mask = samples.template(256, 256, seed=51), samples.mask(256, 256, 0.2, "box", seed=5)
+    ctl = [samples.template(256, 256, seed=52), samples.template(256, 256, seed=53)]
+    first, again = (client.edit(tpl, mask, "a hat", seed=4, steps=3, controls=CONTROLS, control_images=ctl)
+                    for _ in range(2))
+    assert first.info["cache"] == "record" and first.info["control_cache"] == ["record", "record"]
+    assert again.info["cache"] == "hit" and again.info["control_cache"] == ["hit", "hit"]
+    assert 0 < again.info["computed_tokens"] < 32 * 32  # 256 px: 32 x 32 latents, the box's computed
+    assert np.abs(np.asarray(again.image).astype(int) - np.asarray(first.image).astype(int)).max() <= 1
 
 
 @pytest.mark.parametrize("controls, images, field, words", [

@@ -65,6 +65,17 @@ class FluxCacheHooks(TokenRowHooks):
         return self.transformer.inner_dim if hasattr(self.transformer, "inner_dim") else \
             self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
 
+    # -- ControlNets cached beside this model (``cache.controlnet``) --------------------------------------
+    controlnet_reads_every_block = True  # its residuals are its blocks' outputs: a hit writes every block's rows
+
+    @staticmethod
+    def caches_controlnet(model) -> bool:
+        return model is not None and hasattr(model, "transformer_blocks")  # a FluxControlNetModel loaded here
+
+    @staticmethod
+    def controlnet_hooks(model) -> "FluxControlNetCacheHooks":
+        return FluxControlNetCacheHooks.of(model)
+
 
 class FluxControlNetCacheHooks(FluxCacheHooks):
     """The same hooks on a ``FluxControlNetModel``'s blocks (the base transformer's block classes): its block outputs

@@ -108,14 +108,6 @@ class Recorder(RecordingStream):
         self._copy_out(self.v[self.step, slot], v.flatten(-2))
         self._written.add((self.step, "kv", block))
 
-    def skip_step(self) -> None:
-        """This step's blocks did not run (a ControlNet outside its start / end window): its slots hold zeros, never
-        read (a hit skips the same steps: the window is in the key), and count as written."""
-        for t in (self.y, self.k, self.v):
-            t[self.step].zero_()
-        self._written.update((self.step, "y", b) for b in self.y_slot)
-        self._written.update((self.step, "kv", b) for b in self.kv_slot)
-
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"y": self.y, "k": self.k, "v": self.v}
 

@@ -225,12 +225,10 @@ class CacheRuntime:
     def _budget(self, job) -> int:
         """The bytes this template run may record: the configured budget, or its share of it where the request's
         ControlNets record beside it (``cache.controlnet.split_budget``; a control's rows carry their share)."""
-        from .controlnet import ControlNetCaches
-
         share = getattr(job, "cache_budget", None)  # a control's rows (``cache.controlnet._ControlRows``)
         if share is not None:
             return share
-        if any(ControlNetCaches.cacheable(a) for a in getattr(job, "controls", ())):
+        if any(p is not None for p in self.controls.plans(job)):
             return self.controls.budgets(job)[0]
         return self.budget_bytes
 

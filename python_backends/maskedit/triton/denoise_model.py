@@ -95,7 +95,8 @@ class TritonPythonModel:
                         instance=self.instance)
             if job.controls:  # the ControlNet calls' wall time (on a GPU: launch time, the calls are not synchronised)
                 placement = self.settings.controlnet_placement
-                info.update(control_s=round(job.control_s, 6), control_placement=placement)
+                info.update(control_s=round(job.control_s, 6), control_placement=placement,
+                            control_cache=[c.status for c in job.control_cache] or None)  # cached ControlNets
                 if placement == "triton":  # of which BLS round trips to the controlnet model
                     info.update(control_bls_s=round(job.control_bls_s, 6),
                                 control_model_s=round(job.control_model_s, 6))

@@ -19,6 +19,9 @@ class UNetInpaint(ModelFamily):
     presets = tiny.UNET_PRESETS
     tiny_preset = "sdxl-tiny"
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
+    # Requests with ControlNets are cached: the ControlNets' blocks behind the same hooks
+    # (``maskedit.cache.controlnet``), their residuals (full-token convolutions) added by the UNet's own forward.
+    controls_in_masked_path = True
 
     @property
     def text_components(self) -> tuple[str, ...]:

@@ -17,6 +17,10 @@ What runs in full: the ResNets, down/up-sampling, GroupNorm and the in/out proje
 of every ``Transformer2DModel`` sees freshly computed input rows for every token (its ``y`` keys/values are exact
 for the current request), and every such model's last block writes all output rows (its ``proj_out`` reads them).
 
+A request's ControlNets (the UNet's down path and mid block) get the same hooks and their own entries beside the
+UNet's (``maskedit.cache.controlnet``): on a hit they compute their blocks' masked rows only, and their residuals,
+made by full-token convolutions, are added by the UNet on every token where its forward adds them.
+
 Tokens are latent pixels; a block at level ``l`` (the UNet halves the grid ``l`` times) works on the grid
 ``(h >> l, w >> l)``, and a token there is computed if any latent pixel under it is. A hit heals its entry's
 invalid pixels outside its own cells at the coarsest level (``heal_rows``): their tokens at every level are then
@@ -169,7 +173,9 @@ class UNetCacheHooks(BlockHooks):
         n = len(unet.down_blocks)
         groups = [(a, i) for i, blk in enumerate(unet.down_blocks) for a in getattr(blk, "attentions", None) or []]
         groups += [(a, n - 1) for a in getattr(unet.mid_block, "attentions", None) or []]
-        groups += [(a, n - 1 - j) for j, blk in enumerate(unet.up_blocks) for a in getattr(blk, "attentions", None) or []]
+        # A ControlNet (``ControlNetModel``, ``ControlNetUnionModel``: the UNet's down path and mid block) has none.
+        groups += [(a, n - 1 - j) for j, blk in enumerate(getattr(unet, "up_blocks", None) or [])
+                   for a in getattr(blk, "attentions", None) or []]
         for model, level in groups:  # execution order: down, mid, up; within a model its blocks in order
             for k, block in enumerate(model.transformer_blocks):
                 blocks.append(block)
@@ -186,6 +192,17 @@ class UNetCacheHooks(BlockHooks):
     def dim(self) -> int:
         """The width signature an entry is checked against (``decision.fits``)."""
         return int(sum(self.dims))
+
+    # -- ControlNets cached beside this UNet (``maskedit.cache.controlnet``): residuals from full-token convolutions
+    controlnet_reads_every_block = False  # as in the UNet, a Transformer2DModel's last block writes all its rows
+
+    @staticmethod
+    def caches_controlnet(model) -> bool:
+        return model is not None and hasattr(model, "down_blocks") and hasattr(model, "controlnet_down_blocks")
+
+    @staticmethod
+    def controlnet_hooks(model) -> "UNetCacheHooks":
+        return UNetCacheHooks.of(model)
 
     # -- geometry of one request ---------------------------------------------------------------------
     def shapes(self, grid: tuple[int, int]) -> dict[int, tuple[int, int]]:

@@ -9,6 +9,10 @@ Union ControlNets (``ControlNetUnionModel``) take the control image in their mod
 
 In a batched UNet call, requests without active controls get zero residual rows (the pipelines add zeros too when
 a control's scale is 0 outside its start / end), so their rows equal their run alone.
+
+Cached (``UNetInpaint.controls_in_masked_path``): a ControlNet is the UNet's down path and mid block, so its
+transformer blocks take the UNet's mask-aware hooks (``cache.UNetCacheHooks``) and each control its own entry
+(``maskedit.cache.controlnet``); ``control_residuals`` makes its call with the control's cache view.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ def prepare_control_image(pipe, image, w: int, h: int, device) -> torch.Tensor:
 
 def control_residuals(control, inputs: dict, scale: float) -> list[torch.Tensor]:
     """One ControlNet call for one request's rows; ``inputs``: ``sample`` (R, 4, h, w) scaled latents, ``timestep``
-    (R,), ``encoder_hidden_states`` (R, 77, D), ``added_cond_kwargs`` (SDXL) or None. Returns the down residuals
-    then the mid residual, scaled."""
+    (R,), ``encoder_hidden_states`` (R, 77, D), ``added_cond_kwargs`` (SDXL) or None, and where the request's
+    ControlNets are cached ``cached`` (``step.cached_controls``). Returns the down residuals then the mid residual,
+    scaled."""
     model, rows = control.model, inputs["sample"].shape[0]
     image = control.image.unsqueeze(0).expand(rows, -1, -1, -1)
     kw = dict(encoder_hidden_states=inputs["encoder_hidden_states"], conditioning_scale=scale, guess_mode=False,
@@ -65,7 +70,9 @@ def control_residuals(control, inputs: dict, scale: float) -> list[torch.Tensor]
             image.device, inputs["encoder_hidden_states"].dtype).repeat(rows, 1), control_type_idx=[mode])
     else:
         kw.update(controlnet_cond=image)
-    down, mid = model(inputs["sample"], inputs["timestep"], **kw)
+    call = lambda: model(inputs["sample"], inputs["timestep"], **kw)  # noqa: E731
+    cached = inputs.get("cached")  # its cache view: a template run's recording or a hit's masked rows
+    down, mid = cached(control, call) if cached is not None else call()
     return [*down, mid]
 
 

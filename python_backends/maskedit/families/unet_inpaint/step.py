@@ -55,6 +55,24 @@ def _time_ids_len(unet, row: int) -> int:
     return (unet.add_embedding.linear_1.in_features - row) // (time_dim - 1)
 
 
+def cached_controls(caches, job, r: int) -> dict:
+    """``{"cached": run}`` where ``job``'s ControlNets are cached (``maskedit.cache.controlnet``): ``run(control,
+    call)`` makes the ControlNet call with the control's cache view (a template run records its rows, a hit computes
+    its masked rows), one view per guidance row as for the UNet. Empty where they are not (nothing cached, or the
+    ``controlnet`` Triton model computes them: such requests run uncached)."""
+    if caches is None or not caches.rows(job):
+        return {}
+
+    def run(control, call):
+        got = caches.view(job, next(k for k, c in enumerate(job.controls) if c is control))
+        if got is None:
+            return call()
+        hooks, view = got
+        return hooks.run(per_unet_row(view, r), call)
+
+    return {"cached": run}
+
+
 @torch.no_grad()
 def step_group(runner, group: list, ctx=None) -> None:
     """Advance ``group`` (same resolution, same guidance rows, same text length) by one step."""
@@ -80,10 +98,12 @@ def step_group(runner, group: list, ctx=None) -> None:
         added = {"text_embeds": pooled[:, :-n_ids], "time_ids": pooled[:, -n_ids:]}
     down, mid = None, None
     if any(j.controls for j in group):  # the ControlNets see each request's latents before the mask channels
+        caches = ctx.controls if ctx is not None else None
         per_job = [{"sample": lat, "timestep": t.reshape(1).expand(r).to(runner.device),
                     "encoder_hidden_states": j.tensors.prompt_embeds,
                     "added_cond_kwargs": None if added is None else
-                    {k: v[i * r:(i + 1) * r] for k, v in added.items()}}
+                    {k: v[i * r:(i + 1) * r] for k, v in added.items()},
+                    **cached_controls(caches, j, r)}
                    for i, (j, lat, t) in enumerate(zip(group, scaled, timesteps))]
         provider, t0 = runner.control_provider, time.perf_counter()
         pending = start_residuals(provider, group, per_job)  # through Triton: in flight while the UNet starts
