@@ -1,6 +1,9 @@
 """SDXL inpainting through a real tritonserver (the same model repository, API and client as Flux Fill): parity
 with the stock pipeline, the activation cache, and errors."""
 
+import re
+import urllib.request
+
 import numpy as np
 import pytest
 import torch
@@ -126,10 +129,18 @@ def test_controls_over_http_generate(sdxl_server, template_img, box_mask):
     np.testing.assert_array_equal(over_http, np.asarray(over_grpc.image))
 
 
-def test_a_repeated_controlled_edit_is_a_cache_hit_close_to_the_first(sdxl):
+def _control_cache_counts(server) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    got = re.findall(r'maskedit_controlnet_cache_total\{placement="inprocess",status="(\w+)"\} (\d+)', text)
+    return {st: int(n) for st, n in got}
+
+
+def test_a_repeated_controlled_edit_is_a_cache_hit_close_to_the_first(sdxl_server):
     """Requests with controls are cached (docs/controlnet.md, Execution): the same edit with two ControlNets (one
-    windowed) again on its template is a hit in the UNet and in both ControlNets, within 1 grey level of the first."""
-    model, client = sdxl
+    windowed) again on its template is a hit in the UNet and in both ControlNets, within 1 grey level of the first;
+    the metrics port counts each control's cache status."""
+    model, client, server = sdxl_server
+    before = _control_cache_counts(server)
     tpl, mask = samples.template(256, 256, seed=51), samples.mask(256, 256, 0.2, "box", seed=5)
     ctl = [samples.template(256, 256, seed=52), samples.template(256, 256, seed=53)]
     first, again = (client.edit(tpl, mask, "a hat", seed=4, steps=3, controls=CONTROLS, control_images=ctl)
@@ -138,6 +149,8 @@ def test_a_repeated_controlled_edit_is_a_cache_hit_close_to_the_first(sdxl):
     assert again.info["cache"] == "hit" and again.info["control_cache"] == ["hit", "hit"]
     assert 0 < again.info["computed_tokens"] < 32 * 32  # 256 px: 32 x 32 latents, the box's computed
     assert np.abs(np.asarray(again.image).astype(int) - np.asarray(first.image).astype(int)).max() <= 1
+    after = _control_cache_counts(server)
+    assert after.get("record", 0) - before.get("record", 0) == 2 and after.get("hit", 0) - before.get("hit", 0) == 2
 
 
 @pytest.mark.parametrize("controls, images, field, words", [

@@ -1,6 +1,7 @@
 """The denoise model's ControlNet metrics (Prometheus, Triton's metrics port), from the residual provider's totals
 (``controlnets.provider.Stats``): steps that ran ControlNets and their wait, BLS calls to the ``controlnet`` model
-and their round trips, failed calls. Per-step time is ``seconds_total / steps_total``."""
+and their round trips, failed calls. Per-step time is ``seconds_total / steps_total``. And each finished request's
+controls by their cache status (``maskedit.cache.controlnet``: ``record``, ``hit``, ``off`` ...)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ class ControlNetMetrics:
         self.metrics = {k: f.Metric(labels={"placement": placement}) for k, f in self.families.items()}
         self._seen = {k: 0 for k in _METRICS}
         self._lock = threading.Lock()
+        self._cache_family = pb_utils.MetricFamily(
+            name="maskedit_controlnet_cache_total", kind=pb_utils.MetricFamily.COUNTER,
+            description="controls of finished requests by their ControlNet's cache status (hit: masked rows only; "
+                        "record: the template run; off: computed in full)")
+        self._cache = {}  # status -> metric, made on first sight
+        self._placement = placement
+
+    def observe_cache(self, statuses: list[str]) -> None:
+        with self._lock:
+            for st in statuses:
+                m = self._cache.get(st)
+                if m is None:
+                    m = self._cache[st] = self._cache_family.Metric(labels={"placement": self._placement,
+                                                                            "status": st})
+                m.increment(1)
 
     def sync(self) -> None:
         provider = self.runner._control_provider  # made on the first request with controls

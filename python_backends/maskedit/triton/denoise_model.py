@@ -101,6 +101,8 @@ class TritonPythonModel:
                     info.update(control_bls_s=round(job.control_bls_s, 6),
                                 control_model_s=round(job.control_model_s, 6))
                 _quietly(self.control_metrics.sync)
+                _quietly(self.control_metrics.observe_cache, [c.status for c in job.control_cache] or
+                         ["off"] * len(job.controls))
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
