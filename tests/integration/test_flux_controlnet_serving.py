@@ -8,6 +8,7 @@ requests that used the controlnet model. A third server runs the default placeme
 request's ControlNets are cached with the transformer: it equals the stock pipeline too, and a repeated control is
 a hit that computes only masked rows."""
 
+import contextlib
 import io
 import shutil
 import threading
@@ -39,33 +40,33 @@ def model(tmp_path_factory):
     return model
 
 
-def _server(d, model, **env):
-    return TritonServer(log_path=d / "tritonserver.log", env={
+@contextlib.contextmanager
+def _serving(d, model, **env):
+    """A started tritonserver on ``model`` (ControlNets placed in the controlnet model unless ``env`` says
+    otherwise) and a client of it; stopped on exit."""
+    s = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(model), "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"),
         "MASKEDIT_CACHE_DISK_DIR": str(d / "disk"), "MASKEDIT_CONTROLNET_PLACEMENT": "triton", **env})
+    s.start(timeout=300)
+    try:
+        with EditClient(s.grpc_url) as client:
+            yield client
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
 def served(model, tmp_path_factory):
-    s = _server(tmp_path_factory.mktemp("flux-cn"), model)
-    s.start(timeout=300)
-    try:
-        with EditClient(s.grpc_url) as client:
-            yield model, client
-    finally:
-        s.stop()
+    with _serving(tmp_path_factory.mktemp("flux-cn"), model) as client:
+        yield model, client
 
 
 @pytest.fixture(scope="module")
 def in_process(model, tmp_path_factory):
     """The default placement: the ControlNets run in the denoiser's process and are cached with the transformer."""
-    s = _server(tmp_path_factory.mktemp("flux-cn-inprocess"), model, MASKEDIT_CONTROLNET_PLACEMENT="inprocess")
-    s.start(timeout=300)
-    try:
-        with EditClient(s.grpc_url) as client:
-            yield model, client
-    finally:
-        s.stop()
+    with _serving(tmp_path_factory.mktemp("flux-cn-inprocess"), model,
+                  MASKEDIT_CONTROLNET_PLACEMENT="inprocess") as client:
+        yield model, client
 
 
 @pytest.fixture(params=["triton", "inprocess"])
@@ -163,13 +164,8 @@ def test_a_failing_controlnet_call_fails_only_its_request(served, template_img, 
 def timing_out(model, tmp_path_factory):
     """A server whose controlnet calls must answer within 1 ms: less than any real ControlNet call takes (the
     smallest here computes for milliseconds, and its first call loads Diffusers and the weights)."""
-    s = _server(tmp_path_factory.mktemp("flux-cn-timeout"), model, MASKEDIT_CONTROLNET_TIMEOUT_S="0.001")
-    s.start(timeout=300)
-    try:
-        with EditClient(s.grpc_url) as client:
-            yield client
-    finally:
-        s.stop()
+    with _serving(tmp_path_factory.mktemp("flux-cn-timeout"), model, MASKEDIT_CONTROLNET_TIMEOUT_S="0.001") as client:
+        yield client
 
 
 def test_a_controlnet_call_over_its_timeout_fails_only_its_requests(timing_out, template_img, box_mask):
