@@ -25,141 +25,29 @@ Tokens are latent pixels; a block at level ``l`` (the UNet halves the grid ``l``
 ``(h >> l, w >> l)``, and a token there is computed if any latent pixel under it is. A hit heals its entry's
 invalid pixels outside its own cells at the coarsest level (``heal_rows``): their tokens at every level are then
 template context, recorded by the hit block by block (``UNetRowView.patch``).
+
+Here: the hooks and what the cache runtime asks of them (``UNetCacheHooks``, ``MaskedUNetBlockHook``). A request's
+rows (``level_mask``, ``UNetRowView``, ``heal_rows``, ``UNetRecorder``) are in ``rows``, the masked block's math
+(``masked_unet_block``) in ``masked_block``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
 from ...adapters import delta
 from ...cache.decision import latent_grid
-from ...cache.hooks import BlockHooks, RecordingStream
-from ...cache.modes import FULL, KV, NOCTX, Y, StepContext
+from ...cache.hooks import BlockHooks
+from ...cache.modes import FULL, KV, NOCTX, Y
 from ...cache.modes import index as _index
-from ...device import host_empty
+from .masked_block import masked_unet_block
 from .prepare import cfg_rows
+# A request's rows (views, recorder) and the block math are modules of their own; their names stay importable here.
+from .rows import UNetRecorder, UNetRowView, heal_rows, level_mask, per_unet_row  # noqa: F401
 
 HOOK_NAME = "maskedit_masked_unet_block"
-
-
-def level_mask(computed: np.ndarray, grid: tuple[int, int], level: int) -> np.ndarray:
-    """Latent-pixel mask (h*w,) pooled to level ``level``: a token is set if any pixel under it is."""
-    h, w = grid
-    f = 1 << level
-    return computed.reshape(h // f, f, w // f, f).any(axis=(1, 3)).reshape(-1)
-
-
-@dataclass
-class UNetRowView:
-    """One UNet batch row of a request (``slot`` 0/1: the negative / positive prompt's row under guidance)."""
-
-    modes: list[str]
-    grid: tuple[int, int]  # the request's latent grid (h, w)
-    computed: np.ndarray | None = None  # (h*w,) bool: latent pixels this request computes (a hit)
-    slot: int = 0
-    rows: Callable[[int, str], torch.Tensor] | None = None  # (block, kind) -> the loaded (R, N_b, D_b) rows
-    needs_output: list[bool] = field(default_factory=list)
-    recorder: "UNetRecorder | None" = None
-    patch: "UNetRecorder | None" = None  # a hit healing its entry: rows of the heal's tokens (``heal_rows``)
-    heal_idx: dict | None = None  # level -> (positions among the computed tokens, token indices) of the heal
-    _memo: dict = field(default_factory=dict)  # level -> (computed, cached) token indices on the device
-
-    def tokens(self, level: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if level not in self._memo:
-            m = level_mask(self.computed, self.grid, level)
-            self._memo[level] = (torch.from_numpy(np.flatnonzero(m)).to(device),
-                                 torch.from_numpy(np.flatnonzero(~m)).to(device))
-        return self._memo[level]
-
-    @property
-    def all_full(self) -> bool:
-        return all(m == FULL for m in self.modes)
-
-
-def heal_rows(hooks: "UNetCacheHooks", heal: np.ndarray, computed: np.ndarray, grid: tuple[int, int],
-              device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per level, the tokens a heal of latent pixels ``heal`` rewrites: (their positions among the level's computed
-    tokens, their indices). ``heal`` lies outside the hit's own cells at the coarsest level (``heal_candidates``),
-    so at every level its tokens hold template context only, and all of them are computed (they are invalid)."""
-    out = {}
-    for lv in set(hooks.levels):
-        tok = np.flatnonzero(level_mask(heal, grid, lv))
-        comp = np.flatnonzero(level_mask(computed, grid, lv))
-        out[lv] = (torch.from_numpy(np.searchsorted(comp, tok)).to(device), torch.from_numpy(tok).to(device))
-    return out
-
-
-def per_unet_row(ctx: StepContext, r: int) -> StepContext:
-    """The runner's per-request context as one view per UNet row: ``r`` slots of each request share its loads."""
-    rows = []
-    for v in ctx.rows:
-        if v is None:
-            rows.extend([None] * r)
-            continue
-        if v.rows is not None:
-            v.rows = _shared(v.rows)
-        rows.extend([v] + [UNetRowView(**{**vars(v), "slot": s, "_memo": v._memo}) for s in range(1, r)])
-    return StepContext(rows, on_block=ctx.on_block)
-
-
-def _shared(get):
-    """A row getter whose loads are taken once and shared by the request's guidance rows."""
-    got: dict = {}
-
-    def once(b: int, kind: str) -> torch.Tensor:
-        if (b, kind) not in got:
-            got[(b, kind)] = get(b, kind)
-        return got[(b, kind)]
-
-    return once
-
-
-class UNetRecorder(RecordingStream):
-    """A template run's rows per block in the model's dtype, in host memory (pinned on a GPU): ``y.<b>`` of shape
-    (steps, R, N_b, D_b) for the recorded blocks' outputs, ``k.<b>`` / ``v.<b>`` for their self-attention keys and
-    values. Copies run on the recording stream as for Flux (``cache.rows.Recorder``)."""
-
-    def __init__(self, steps: int, r: int, shapes: dict[int, tuple[int, int]], y_blocks: list[int],
-                 kv_blocks: list[int], dtype: torch.dtype = torch.float32, device="cpu"):
-        self._start_recording(device)
-        self.r = r
-        self.y = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in y_blocks}
-        self.k = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
-        self.v = {b: host_empty((steps, r) + shapes[b], dtype, device) for b in kv_blocks}
-        self.steps = steps
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.y, self.k, self.v) for t in d.values())
-
-    @property
-    def complete(self) -> bool:
-        return self.writes == self.steps * self.r * (len(self.y) + len(self.k))
-
-    def put_y(self, block: int, slot: int, rows: torch.Tensor) -> None:
-        if block in self.y:
-            self._copy_out(self.y[block][self.step, slot], rows)
-            self._written.add((self.step, "y", block, slot))
-
-    def wants_kv(self, block: int) -> bool:
-        return block in self.k
-
-    def put_kv(self, block: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._copy_out(self.k[block][self.step, slot], k)
-        self._copy_out(self.v[block][self.step, slot], v)
-        self._written.add((self.step, "kv", block, slot))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"y.{b}": t for b, t in self.y.items()}
-        out.update({f"k.{b}": t for b, t in self.k.items()})
-        out.update({f"v.{b}": t for b, t in self.v.items()})
-        return out
 
 
 class UNetCacheHooks(BlockHooks):
@@ -307,104 +195,3 @@ def _record(block, b: int, rec: UNetRecorder, slot: int, out: torch.Tensor, inp:
     if rec.wants_kv(b):
         n1 = block.norm1(inp)
         rec.put_kv(b, slot, block.attn1.to_k(n1), block.attn1.to_v(n1))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The math. It mirrors BasicTransformerBlock.forward (norm_type "layer_norm", no positional embedding, self- then
-# cross-attention then feed-forward) and AttnProcessor2_0 in diffusers 0.37 on gathered tokens; tests check it
-# against the block's own forward.
-
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(G, c, inner) queries over (G, N, inner) keys/values -> (G, c, inner), as AttnProcessor2_0 (before
-    ``to_out``)."""
-    g, hd = q.shape[0], q.shape[-1] // attn.heads
-    split = lambda t: t.view(g, -1, attn.heads, hd).transpose(1, 2)  # noqa: E731
-    o = F.scaled_dot_product_attention(split(q), split(k), split(v), dropout_p=0.0, is_causal=False)
-    return o.transpose(1, 2).reshape(g, -1, attn.heads * hd).to(q.dtype)
-
-
-def _out(attn, x: torch.Tensor) -> torch.Tensor:
-    return attn.to_out[1](attn.to_out[0](x)) / attn.rescale_output_factor
-
-
-def _same_counts(counts: list[int]) -> list[list[int]]:
-    """Row positions grouped by computed-token count: a request's two guidance rows (and requests with masks of
-    one size) attend in one batched call instead of one call per row."""
-    groups: dict[int, list[int]] = {}
-    for j, c in enumerate(counts):
-        groups.setdefault(c, []).append(j)
-    return list(groups.values())
-
-
-def masked_unet_block(block, b: int, level: int, rows: list[int], views: list[UNetRowView], hidden, enc, out):
-    """Compute batch ``rows`` of the block in their cached modes and write ``out``."""
-    attn1 = block.attn1
-    dev = hidden.device
-    idx = [vw.tokens(level, dev) for vw in views]  # (computed, cached) per row
-    counts = [int(c.numel()) for c, _ in idx]
-    offs = np.cumsum([0] + counts)
-    part = lambda t, j: t[int(offs[j]):int(offs[j + 1])]  # noqa: E731  row j's computed tokens of ``t``
-    x = torch.cat([hidden[i, c] for i, (c, _) in zip(rows, idx)])  # computed tokens of every row
-    # Adapter deltas (``maskedit.adapters.delta``): the request each input row of a layer belongs to.
-    batch = hidden.shape[0]
-    per_token = delta.owners(delta.batch_rows(rows, batch, counts))
-    n1 = block.norm1(x)
-    with per_token:
-        q, k_c, v_c = attn1.to_q(n1), attn1.to_k(n1), attn1.to_v(n1)
-    # Keys/values of cached tokens projected from the block's input rows (y mode), for all such rows at once.
-    y_rows = [j for j, vw in enumerate(views) if vw.modes[b] == Y]
-    kv_u = {}
-    if y_rows:
-        nu = block.norm1(torch.cat([hidden[rows[j], idx[j][1]] for j in y_rows]))
-        sizes = [int(idx[j][1].numel()) for j in y_rows]
-        with delta.owners(delta.batch_rows([rows[j] for j in y_rows], batch, sizes)):
-            kv_u = dict(zip(y_rows, zip(attn1.to_k(nu).split(sizes), attn1.to_v(nu).split(sizes))))
-    keys, vals = [], []
-    for j, (i, vw) in enumerate(zip(rows, views)):
-        c, u = idx[j]
-        mode = vw.modes[b]
-        if mode == NOCTX:
-            keys.append(part(k_c, j))
-            vals.append(part(v_c, j))
-            continue
-        if mode == KV:  # the request's loaded (R, N, ...) rows: this row's slot, computed rows written in place
-            kj, vj = vw.rows(b, "kbuf")[vw.slot].flatten(-2), vw.rows(b, "vbuf")[vw.slot].flatten(-2)
-        else:
-            kj, vj = hidden.new_empty((hidden.shape[1], q.shape[1])), hidden.new_empty((hidden.shape[1], q.shape[1]))
-            kj[u], vj[u] = kv_u[j]
-        kj[c], vj[c] = part(k_c, j), part(v_c, j)
-        keys.append(kj)
-        vals.append(vj)
-    attn_out = [None] * len(rows)
-    for g in _same_counts(counts):
-        o = _attend(attn1, torch.stack([part(q, j) for j in g]), torch.stack([keys[j] for j in g]),
-                    torch.stack([vals[j] for j in g]))
-        for j, oj in zip(g, o):
-            attn_out[j] = oj
-    with per_token:
-        x = _out(attn1, torch.cat(attn_out)) + x
-    if block.attn2 is not None:
-        n2 = block.norm2(x)
-        cross = [None] * len(rows)
-        for g in _same_counts(counts):
-            with delta.owners(delta.batch_rows([rows[j] for j in g], batch)):
-                o = block.attn2(torch.stack([part(n2, j) for j in g]),
-                                encoder_hidden_states=enc[_index([rows[j] for j in g], dev)])
-            for j, oj in zip(g, o):
-                cross[j] = oj
-        x = torch.cat(cross) + x
-    with per_token:
-        x = block.ff(block.norm3(x)) + x
-    for j, vw in enumerate(views):  # a heal's tokens among the computed ones: template context, recorded
-        if vw.patch is not None:
-            pos = vw.heal_idx[level][0]
-            vw.patch.put_y(b, vw.slot, part(x, j)[pos])
-            if vw.patch.wants_kv(b) and vw.modes[b] in (Y, KV):
-                vw.patch.put_kv(b, vw.slot, part(k_c, j)[pos], part(v_c, j)[pos])
-    for j, (i, vw) in enumerate(zip(rows, views)):
-        c, _ = idx[j]
-        if vw.needs_output[b]:
-            out[i] = vw.rows(b, "y")[vw.slot]  # every row from the store; computed rows overwritten below
-        elif out is not hidden:
-            out[i] = hidden[i]
-        out[i, c] = part(x, j)
