@@ -13,19 +13,23 @@ TARGETS = {"warm_vs_flop_share": 1.5, "flux_width_warm_2": 0.05, "cold_host_e2e"
 
 
 def targets(rows) -> dict:
-    """Each target on wall-clock latency and on CPU time (``_cpu``)."""
+    """Each target on wall-clock latency and on CPU time (``_cpu``), for the cases the rows hold (a partial run into a
+    new file judges only what it measured)."""
     by = {r["case"] + ("@fw" if "flux" in r["preset"] else ""): r for r in rows}
     out = {}
     for k in ("", "_cpu"):
         for c in ("warm-1", "warm-2", "warm-1-merged", "warm-2-merged"):
-            out[f"{c} overhead{k} <= 1.5 x flop share"] = by[c][f"overhead{k}"] <= \
-                TARGETS["warm_vs_flop_share"] * max(by[c]["flop_share"], 0.0)
+            if c in by:
+                out[f"{c} overhead{k} <= 1.5 x flop share"] = by[c][f"overhead{k}"] <= \
+                    TARGETS["warm_vs_flop_share"] * max(by[c]["flop_share"], 0.0)
         for c in ("warm-2@fw", "warm-2-merged@fw"):
             if c in by:
                 out[f"{c} overhead{k} <= 5%"] = by[c][f"overhead{k}"] <= TARGETS["flux_width_warm_2"]
-        out[f"cold-host e2e_overhead{k} <= 10%"] = by["cold-host"][f"e2e_overhead{k}"] <= TARGETS["cold_host_e2e"]
-        out[f"mixed-batch throughput{k} >= 0.9 x same-batch"] = \
-            by["mixed-batch"][f"throughput_vs_same_batch{k}"] >= TARGETS["mixed_vs_same"]
+        if "cold-host" in by:
+            out[f"cold-host e2e_overhead{k} <= 10%"] = by["cold-host"][f"e2e_overhead{k}"] <= TARGETS["cold_host_e2e"]
+        if "mixed-batch" in by:
+            out[f"mixed-batch throughput{k} >= 0.9 x same-batch"] = \
+                by["mixed-batch"][f"throughput_vs_same_batch{k}"] >= TARGETS["mixed_vs_same"]
     return out
 
 
