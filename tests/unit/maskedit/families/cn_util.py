@@ -1,16 +1,23 @@
 """Shared helpers of the flux_controlnet tests: the tiny model and its ControlNet library, stand-ins for the
-engine's runner and jobs (as ``klein_util``), the stock pipelines to compare with."""
+engine's runner and jobs (as ``klein_util``), the step loops with and without a cache runtime, requests through the
+engine one by one and concurrently."""
 
+import json
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 from maskedit_common.controls import ControlSpec
+from diffusers import FluxControlNetInpaintPipeline
 from PIL import Image
 
 from maskedit import imaging
+from maskedit.cache.store import ActivationStore
 from maskedit.controlnets.job import ActiveControl
 from maskedit.controlnets.library import ControlNetLibrary
+from maskedit.families import family_for
+from maskedit.families.flux_controlnet.tiny import build
 
 MAX_SEQ = 64
 GUIDANCE = 3.5
@@ -68,32 +75,106 @@ def runner(family, pipe):
                                                      settings(family.model_dir)))
 
 
-def job(run_, prep, tokens, images, specs, w, h, steps):
+def tiny_model(path, seed):
+    """The seeded ``flux-cn-tiny`` model (with its ControlNet library) built at ``path``, loaded: the family, the stock
+    pipeline its stages use (no ControlNet: the family loads its own) and a runner over its transformer."""
+    d = build(path, "flux-cn-tiny", seed=seed)
+    family = family_for(d)
+    pipe = FluxControlNetInpaintPipeline.from_pretrained(d, controlnet=None)
+    pipe.set_progress_bar_config(disable=True)
+    return family, pipe, runner(family, pipe)
+
+
+def activation_store(d):
+    """An activation store under ``d`` large enough that nothing is evicted."""
+    return ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
+
+
+def job(run_, prep, tokens, images, specs, w, h, steps, key=None, register=False):
     """A denoise job as the runner admits it: its controls loaded from the library (``ModelRunner.load_controls``)."""
     np_ = lambda t: t.detach().numpy()  # noqa: E731
     inputs = SimpleNamespace(latents=np_(prep.latents), cond=np_(prep.cond), prompt_embeds=np_(prep.prompt_embeds),
                              pooled_embeds=np_(prep.pooled_embeds), token_mask=tokens, model_w=w, model_h=h,
-                             steps=steps, guidance=GUIDANCE, cache_key=None, register=False)
+                             steps=steps, guidance=GUIDANCE, cache_key=key, register=register)
     controls = tuple(ActiveControl(s, run_.library.load(s, i, run_.transformer), img)
                      for i, (s, img) in enumerate(zip(specs, images)))
     return SimpleNamespace(inputs=inputs, latents=None, tensors=None, scheduler=None, step_index=0, cache=None,
                            steps=steps, controls=controls)
 
 
-def edit(family, pipe, run_, img, mask, specs=(), control_images=(), seed=0, steps=3, prompt="a red hat"):
+def edit(family, pipe, run_, img, mask, specs=(), control_images=(), seed=0, steps=3, prompt="a red hat", key=None,
+         register=False):
+    """A job for the request; ``key`` and ``register`` as pre-processing sets them for the cache runtime."""
     p = params(prompt, seed=seed, steps=steps, controls=specs)
     prep, tokens, images = prepared(family, pipe, img, mask, p, control_images)
-    return job(run_, prep, tokens, images, specs, *img.size, steps)
+    return job(run_, prep, tokens, images, specs, *img.size, steps, key=key, register=register)
+
+
+def denoise(family, run_, jobs, runtime=None):
+    """Step ``jobs`` (one prepared group) to the end; with ``runtime`` deciding, loading and recording at each step as
+    the engine drives it."""
+    with torch.no_grad():
+        while jobs[0].step_index < jobs[0].steps:
+            family.step(run_, jobs, None if runtime is None else runtime.context(jobs))
+            if runtime is not None:
+                runtime.after_step(jobs)
 
 
 def run(family, run_, jobs):
     """Step ``jobs`` (one group) to the end."""
     for j in jobs:
         family.prepare_job(run_, j)
-    with torch.no_grad():
-        while jobs[0].step_index < jobs[0].steps:
-            family.step(run_, jobs, None)
+    denoise(family, run_, jobs)
     return [j.latents for j in jobs]
+
+
+def admit(family, run_, runtime, jobs):
+    """Prepare ``jobs`` and let ``runtime`` decide each one's cache status (hit, record, off)."""
+    for j in jobs:
+        family.prepare_job(run_, j)
+        runtime.admit(j)
+
+
+def finish(runtime, jobs):
+    """End ``jobs`` as succeeded and write what they recorded to the store."""
+    for j in jobs:
+        runtime.finish(j, True)
+    runtime.flush()
+
+
+def cached(family, run_, runtime, jobs):
+    """``jobs`` denoised together with ``runtime`` deciding, loading and recording, as the engine drives them."""
+    admit(family, run_, runtime, jobs)
+    denoise(family, run_, jobs, runtime)
+    finish(runtime, jobs)
+    return [j.latents for j in jobs]
+
+
+def engine_inputs(ed, img, mask, asks, seed, steps=3, prompt="a blue shirt"):
+    """``asks`` ((controls, control PNGs) per request, seeds from ``seed`` on) through ``ed``'s pre-processing."""
+    from maskedit.local import denoise_inputs
+    from maskedit.params import parse_params
+    from tests.conftest import png
+
+    out = []
+    for i, (controls, images) in enumerate(asks):
+        p = parse_params(ed.settings, prompt, seed=seed + i, steps=steps, controls=json.dumps(controls))
+        out.append(denoise_inputs(ed.pre(png(img), png(mask), p, images)))
+    return out
+
+
+def concurrently(engine, inputs):
+    """The results of ``inputs`` submitted to ``engine`` at once, one thread each (the engine batches them)."""
+    from maskedit.local import run_job
+
+    results = [None] * len(inputs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run_job(engine, inputs[i]).result()))
+               for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def spec(name, scale=1.0, start=0.0, end=1.0, mode=None):

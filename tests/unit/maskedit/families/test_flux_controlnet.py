@@ -11,9 +11,8 @@ from diffusers import FluxControlNetInpaintPipeline, FluxControlNetModel, FluxIn
 from PIL import Image
 
 from maskedit.families import family_for
-from maskedit.families.flux_controlnet.tiny import build
 
-from .cn_util import GUIDANCE, MAX_SEQ, box_mask, edges, edit, run, runner, spec, template
+from .cn_util import GUIDANCE, MAX_SEQ, box_mask, edges, edit, run, spec, template, tiny_model
 
 STEPS = 3
 ATOL = 1e-5  # the parity tolerance of float32 on the CPU (test_local_parity)
@@ -21,11 +20,7 @@ ATOL = 1e-5  # the parity tolerance of float32 on the CPU (test_local_parity)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    d = build(tmp_path_factory.mktemp("flux-cn") / "flux-cn-tiny", "flux-cn-tiny", seed=0)
-    family = family_for(d)
-    pipe = FluxControlNetInpaintPipeline.from_pretrained(d, controlnet=None)
-    pipe.set_progress_bar_config(disable=True)
-    return family, pipe, runner(family, pipe)
+    return tiny_model(tmp_path_factory.mktemp("flux-cn") / "flux-cn-tiny", seed=0)
 
 
 def net(family, name):

@@ -5,16 +5,13 @@ a step with a cache hit (tiny model, float32, CPU)."""
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxControlNetInpaintPipeline
 from skimage.metrics import structural_similarity
 
 from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
-from maskedit.families import family_for
-from maskedit.families.flux_controlnet.tiny import build
 from maskedit_lab.baselines import cache_policy
 
-from .cn_util import box_mask, edges, edit, run, runner, spec, template
+from . import cn_util
+from .cn_util import activation_store, box_mask, edges, edit, run, spec, template, tiny_model
 
 STEPS = 3
 
@@ -22,10 +19,8 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("flux-cn-cache")
-    model = build(d / "tiny", "flux-cn-tiny", seed=2)
-    family = family_for(model)
-    pipe = FluxControlNetInpaintPipeline.from_pretrained(model, controlnet=None)
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
+    family, pipe, run_ = tiny_model(d / "tiny", seed=2)
+    store = activation_store(d)
     runtimes = {}
 
     def rt(policy):
@@ -34,32 +29,18 @@ def env(tmp_path_factory):
                                             policy=cache_policy(policy))
         return runtimes[policy]
 
-    yield family, pipe, runner(family, pipe), rt
+    yield family, pipe, run_, rt
     for r in runtimes.values():
         r.close()
 
 
 def make(env, img, mask, key=None, register=False, seed=0, specs=(), images=()):
-    family, pipe, run_, _ = env
-    j = edit(family, pipe, run_, img, mask, specs, images, seed=seed, steps=STEPS)
-    j.inputs.cache_key, j.inputs.register = key, register
-    return j
+    return edit(*env[:3], img, mask, specs, images, seed=seed, steps=STEPS, key=key, register=register)
 
 
 def cached(env, runtime, jobs):
-    """``jobs`` denoised together with ``runtime`` deciding, loading and recording, as the engine drives them."""
     family, _, run_, _ = env
-    for j in jobs:
-        family.prepare_job(run_, j)
-        runtime.admit(j)
-    with torch.no_grad():
-        while jobs[0].step_index < jobs[0].steps:
-            family.step(run_, jobs, runtime.context(jobs))
-            runtime.after_step(jobs)
-    for j in jobs:
-        runtime.finish(j, True)
-    runtime.flush()
-    return [j.latents for j in jobs]
+    return cn_util.cached(family, run_, runtime, jobs)
 
 
 def test_template_run_then_same_mask_hit_is_exact(env):

@@ -5,17 +5,14 @@ controls (tiny model, float32, CPU)."""
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxControlNetInpaintPipeline
 from skimage.metrics import structural_similarity
 
 from maskedit.cache.key import cache_key, control_identity, dir_digest, image_digest
 from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
-from maskedit.families import family_for
 from maskedit.families.flux_controlnet.tiny import build
 from maskedit_lab.baselines import cache_policy
 
-from .cn_util import box_mask, edges, edit, run, runner, spec, template
+from .cn_util import activation_store, admit, box_mask, denoise, edges, edit, finish, run, spec, template, tiny_model
 
 STEPS = 3
 EMPTY = np.zeros((256, 256), np.uint8)
@@ -24,12 +21,9 @@ EMPTY = np.zeros((256, 256), np.uint8)
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("flux-cn-mask-cache")
-    model = build(d / "tiny", "flux-cn-tiny", seed=2)
-    family = family_for(model)
-    pipe = FluxControlNetInpaintPipeline.from_pretrained(model, controlnet=None)
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
-    rt = CacheRuntime(family.cache_hooks(pipe.transformer), store, policy=cache_policy("planner"))
-    yield family, pipe, runner(family, pipe), rt
+    family, pipe, run_ = tiny_model(d / "tiny", seed=2)
+    rt = CacheRuntime(family.cache_hooks(pipe.transformer), activation_store(d), policy=cache_policy("planner"))
+    yield family, pipe, run_, rt
     rt.close()
 
 
@@ -42,28 +36,21 @@ def key(env, img, specs, images):
 
 
 def make(env, img, mask, specs, images, seed=0, register=False):
-    family, pipe, run_, _ = env
-    j = edit(family, pipe, run_, img, mask, specs, images, seed=seed, steps=STEPS)
-    j.inputs.cache_key, j.inputs.register = key(env, img, specs, images), register
-    return j
+    return edit(*env[:3], img, mask, specs, images, seed=seed, steps=STEPS, key=key(env, img, specs, images),
+                register=register)
 
 
 def cached(env, jobs):
-    """``jobs`` denoised together through the runtime; returns (latents, per job its controls' cache states)."""
+    """``jobs`` denoised together through the runtime; returns (latents, per job its controls' cache states as
+    admitted)."""
     family, _, run_, runtime = env
     states = []
-    for j in jobs:
-        family.prepare_job(run_, j)
-        runtime.admit(j)
+    for j in jobs:  # each job's states read as it is admitted, before the next one
+        admit(family, run_, runtime, [j])
         states.append([(p.cache.status, None if p.cache.idx_c is None else int(p.cache.idx_c.numel()))
                        for p in runtime.controls.rows(j)])
-    with torch.no_grad():
-        while jobs[0].step_index < jobs[0].steps:
-            family.step(run_, jobs, runtime.context(jobs))
-            runtime.after_step(jobs)
-    for j in jobs:
-        runtime.finish(j, True)
-    runtime.flush()
+    denoise(family, run_, jobs, runtime)
+    finish(runtime, jobs)
     return [j.latents for j in jobs], states
 
 
@@ -122,7 +109,7 @@ def test_through_the_engine_a_request_with_controls_records_then_hits(tmp_path):
 
     d = build(tmp_path / "flux-cn-tiny", "flux-cn-tiny", seed=1)
     s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "cpu"})
-    store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
+    store = activation_store(tmp_path)
     ed = LocalEditor(s, cache=lambda t: CacheRuntime(FluxCacheHooks.of(t), store), store=store)
     try:
         img, mask, a = png(template(seed=14)), png(box_mask()), png(edges(seed=6))
@@ -165,18 +152,13 @@ def test_a_windowed_control_is_cached_and_its_hit_equals_the_uncached_run(env):
     ctrl = [spec("canny", 0.8, start=0.3, end=0.7)], [edges(seed=9)]
     assert key(env, img, *ctrl) != key(env, img, [spec("canny", 0.8, start=0.3)], ctrl[1])
     rec = make(env, img, mask, *ctrl)
-    family.prepare_job(run_, rec)
-    runtime.admit(rec)
+    admit(family, run_, runtime, [rec])
     (p,) = runtime.controls.rows(rec)
     assert p.cache.status == "record"
-    with torch.no_grad():
-        while rec.step_index < rec.steps:
-            family.step(run_, [rec], runtime.context([rec]))
-            runtime.after_step([rec])
+    denoise(family, run_, [rec], runtime)
     y = p.cache.recorder.y  # its entry holds the one step it acts on, every slot written
     assert p.cache.recorder.complete and y.shape[0] == 1 and torch.count_nonzero(y[0]) > 0
-    runtime.finish(rec, True)
-    runtime.flush()
+    finish(runtime, [rec])
     (plain,) = run(family, run_, [make(env, img, mask, *ctrl)])
     assert torch.equal(rec.latents, plain)  # recording changes nothing
     again = make(env, img, mask, *ctrl)
@@ -197,7 +179,7 @@ def test_a_request_and_its_controlnets_share_the_recording_budget(env, tmp_path)
     assert split_budget(100, [2, 1, 1]) == [50, 25, 25] and split_budget(10, [1, 1, 1]) == [3, 3, 3]
     assert split_budget(100, [3, 0]) == [100, 0] and split_budget(5, [0, 0]) == [0, 0]
     family, pipe, run_, _ = env
-    store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
+    store = activation_store(tmp_path)
     hooks = family.cache_hooks(pipe.transformer)
     img = template(seed=18)
     ctrl = [spec("canny", 0.8), spec("depth", 0.5)], [edges(seed=10), edges(seed=11)]

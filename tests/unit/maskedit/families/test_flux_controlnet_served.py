@@ -14,12 +14,11 @@ from PIL import Image
 
 from maskedit.errors import InvalidInput
 from maskedit.families.flux_controlnet.tiny import build
-from maskedit.local import LocalEditor, denoise_inputs, run_job
-from maskedit.params import parse_params
+from maskedit.local import LocalEditor, run_job
 from maskedit.settings import load_settings
 from tests.conftest import png
 
-from .cn_util import MAX_SEQ, box_mask, edges, template
+from .cn_util import MAX_SEQ, box_mask, concurrently, edges, engine_inputs, template
 
 STEPS = 3
 
@@ -56,20 +55,9 @@ def test_concurrent_requests_with_and_without_controls_through_the_engine_equal_
     img, mask, a = template(seed=4), box_mask(), edges(seed=5)
     asks = [([], []), ([{"name": "canny", "scale": 0.8}], [png(a)]),
             ([{"name": "union", "mode": "depth", "start": 0.3}], [png(a)])]
-    inputs = []
-    for i, (controls, images) in enumerate(asks):
-        p = parse_params(ed.settings, "a blue shirt", seed=10 + i, steps=STEPS, controls=json.dumps(controls))
-        inputs.append(denoise_inputs(ed.pre(png(img), png(mask), p, images)))
+    inputs = engine_inputs(ed, img, mask, asks, seed=10, steps=STEPS)
     alone = [run_job(ed.engine, x).result() for x in inputs]
-    import threading
-
-    results = [None] * len(inputs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run_job(ed.engine, inputs[i]).result()))
-               for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = concurrently(ed.engine, inputs)
     for x, y in zip(results, alone):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
     assert max(np.abs(alone[0] - alone[1]).max(), np.abs(alone[0] - alone[2]).max()) > 1e-2

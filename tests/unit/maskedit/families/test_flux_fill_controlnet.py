@@ -3,19 +3,16 @@
 for bit; a ControlNet changes the edit; requests with and without controls through the engine equal each alone; a
 ControlNet of other widths is refused by name."""
 
-import json
-
 import numpy as np
 import pytest
 
 from maskedit.errors import InvalidInput
 from maskedit.families.flux_controlnet.tiny import PRESETS, Net, controlnet
-from maskedit.local import LocalEditor, denoise_inputs, run_job
-from maskedit.params import parse_params
+from maskedit.local import LocalEditor, run_job
 from maskedit.settings import load_settings
 from tests.conftest import png
 
-from .cn_util import box_mask, edges, template
+from .cn_util import box_mask, concurrently, edges, engine_inputs, template
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +45,12 @@ def test_scale_zero_equals_the_plain_fill_edit_and_a_controlnet_changes_it(fill)
 
 
 def test_requests_with_and_without_controls_through_the_engine_equal_each_alone(fill):
-    import threading
-
     asks = [([], []), ([{"name": "canny", "scale": 0.7}], [png(edges(seed=4))]),
             ([{"name": "union", "mode": "canny", "end": 0.5}, {"name": "canny", "scale": 1.5}],
              [png(edges(seed=5)), png(edges(seed=6))])]
-    inputs = []
-    for i, (controls, images) in enumerate(asks):
-        p = parse_params(fill.settings, "a blue shirt", seed=20 + i, steps=3, controls=json.dumps(controls))
-        inputs.append(denoise_inputs(fill.pre(png(template(seed=2)), png(box_mask()), p, images)))
+    inputs = engine_inputs(fill, template(seed=2), box_mask(), asks, seed=20, steps=3)
     alone = [run_job(fill.engine, x).result() for x in inputs]
-    results = [None] * len(inputs)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run_job(fill.engine, inputs[i]).result()))
-               for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = concurrently(fill.engine, inputs)
     for x, y in zip(results, alone):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
 
