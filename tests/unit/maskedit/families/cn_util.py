@@ -179,3 +179,26 @@ def concurrently(engine, inputs):
 
 def spec(name, scale=1.0, start=0.0, end=1.0, mode=None):
     return ControlSpec(name, scale, start, end, mode)
+
+
+def one_batch(runner, inputs, timeout: float = 180.0):
+    """``inputs`` through one engine on ``runner`` as one batch; the jobs and each one's error (None if it ended)."""
+    from maskedit.denoise import DenoiseJob
+    from maskedit.engine import DenoiseEngine
+
+    eng = DenoiseEngine(runner, max_batch=len(inputs))
+    ended, errors, finished = [], {}, threading.Event()
+
+    def end(job, e=None):
+        errors[job.id] = e
+        ended.append(job)
+        if len(ended) == len(inputs):
+            finished.set()
+    jobs = [DenoiseJob(x, on_done=end, on_error=end) for x in inputs]
+    try:
+        for j in jobs:
+            eng.submit(j)
+        assert finished.wait(timeout)
+    finally:
+        eng.shutdown()
+    return jobs, [errors[j.id] for j in jobs]

@@ -5,7 +5,6 @@ The real BLS path through tritonserver is tests/integration/test_controlnet_plac
 
 import json
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -15,14 +14,15 @@ from maskedit import samples
 from maskedit.controlnets import wire
 from maskedit.controlnets.provider import ControlNetFailed, InProcessProvider, TritonProvider
 from maskedit.controlnets.service import ControlNetService
-from maskedit.denoise import DenoiseJob, ModelRunner
-from maskedit.engine import DenoiseEngine
+from maskedit.denoise import ModelRunner
 from maskedit.families import family_for
 from maskedit.families.unet_inpaint.tiny import build_unet
 from maskedit.local import LocalEditor, denoise_inputs
 from maskedit.params import parse_params
 from maskedit.settings import load_settings
 from tests.conftest import png
+
+from .cn_util import one_batch
 
 SIZE, STEPS = 64, 3
 
@@ -71,26 +71,6 @@ def _inputs(ed, s, specs):
     return out
 
 
-def _run(runner, inputs):
-    """One engine, the requests in one batch; returns the jobs and their errors."""
-    eng = DenoiseEngine(runner, max_batch=len(inputs))
-    ended, errors, finished = [], {}, threading.Event()
-
-    def end(job, e=None):
-        errors[job.id] = e
-        ended.append(job)
-        if len(ended) == len(inputs):
-            finished.set()
-    jobs = [DenoiseJob(x, on_done=end, on_error=end) for x in inputs]
-    try:
-        for j in jobs:
-            eng.submit(j)
-        assert finished.wait(120)
-    finally:
-        eng.shutdown()
-    return jobs, [errors[j.id] for j in jobs]
-
-
 def test_bls_provider_equals_in_process_in_a_mixed_batch(model):
     """A step with a request without controls, one with one ControlNet and one with two (one union): the residuals
     through the controlnet model's packing and logic (its calls in flight together, the UNet's down blocks running
@@ -103,10 +83,10 @@ def test_bls_provider_equals_in_process_in_a_mixed_batch(model):
         inputs = _inputs(ed, s, specs)
         local = ModelRunner(s, transformer=ed.runner.transformer)
         assert isinstance(local.control_provider, InProcessProvider)
-        ref, _ = _run(local, inputs)
+        ref, _ = one_batch(local, inputs)
         remote = ModelRunner(s_triton, transformer=ed.runner.transformer)
         remote._control_provider = p = TritonProvider(ControlNetService(s_triton).run, remote.device, remote.dtype)
-        got, errors = _run(remote, inputs)
+        got, errors = one_batch(remote, inputs)
         p.close()
     finally:
         ed.close()
@@ -127,10 +107,10 @@ def test_a_failing_controlnet_call_fails_only_its_request(model):
     ed = LocalEditor(s)
     try:
         inputs = _inputs(ed, s_triton, [None, [{"name": "broken"}]])
-        alone, _ = _run(ModelRunner(s, transformer=ed.runner.transformer), inputs[:1])
+        alone, _ = one_batch(ModelRunner(s, transformer=ed.runner.transformer), inputs[:1])
         runner = ModelRunner(s_triton, transformer=ed.runner.transformer)
         runner._control_provider = p = TritonProvider(ControlNetService(s_triton).run, runner.device, runner.dtype)
-        jobs, errors = _run(runner, inputs)
+        jobs, errors = one_batch(runner, inputs)
         p.close()
     finally:
         ed.close()

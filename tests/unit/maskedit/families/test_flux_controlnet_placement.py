@@ -6,7 +6,6 @@ The real BLS path through tritonserver is tests/integration/test_flux_controlnet
 
 import json
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -15,15 +14,14 @@ import torch
 from maskedit.controlnets import flux_remote, wire
 from maskedit.controlnets.provider import ControlNetFailed, TritonProvider
 from maskedit.controlnets.service import ControlNetService
-from maskedit.denoise import DenoiseJob, ModelRunner
-from maskedit.engine import DenoiseEngine
+from maskedit.denoise import ModelRunner
 from maskedit.families.flux_controlnet.tiny import PRESETS, Net, build, controlnet
 from maskedit.local import LocalEditor, denoise_inputs
 from maskedit.params import parse_params
 from maskedit.settings import load_settings
 from tests.conftest import png
 
-from .cn_util import box_mask, edges, template
+from .cn_util import box_mask, edges, one_batch, template
 
 STEPS = 3
 ATOL = 1e-5  # one request per ControlNet call there, several batched here: float32 rounding may differ
@@ -72,26 +70,6 @@ def _inputs(ed, s, specs):
     return out
 
 
-def _run(runner, inputs):
-    """One engine, the requests in one batch; returns the jobs and their errors."""
-    eng = DenoiseEngine(runner, max_batch=len(inputs))
-    ended, errors, finished = [], {}, threading.Event()
-
-    def end(job, e=None):
-        errors[job.id] = e
-        ended.append(job)
-        if len(ended) == len(inputs):
-            finished.set()
-    jobs = [DenoiseJob(x, on_done=end, on_error=end) for x in inputs]
-    try:
-        for j in jobs:
-            eng.submit(j)
-        assert finished.wait(180)
-    finally:
-        eng.shutdown()
-    return jobs, [errors[j.id] for j in jobs]
-
-
 def _placed(s_triton, transformer):
     runner = ModelRunner(s_triton, transformer=transformer)
     runner._control_provider = TritonProvider(ControlNetService(s_triton).run, runner.device, runner.dtype)
@@ -102,9 +80,9 @@ def _bls_equals_in_process(s, s_triton, specs):
     ed = LocalEditor(s)
     try:
         inputs = _inputs(ed, s, specs)
-        ref, ref_errors = _run(ModelRunner(s, transformer=ed.runner.transformer), inputs)
+        ref, ref_errors = one_batch(ModelRunner(s, transformer=ed.runner.transformer), inputs)
         runner = _placed(s_triton, ed.runner.transformer)
-        got, errors = _run(runner, inputs)
+        got, errors = one_batch(runner, inputs)
         runner.control_provider.close()
     finally:
         ed.close()
@@ -140,9 +118,10 @@ def test_a_failing_controlnet_call_fails_only_its_requests(which, request):
     try:
         inputs = _inputs(ed, s_triton, [None, [{"name": "broken"}], [{"name": "canny", "scale": 0.8}],
                                         [{"name": "canny", "scale": 0.5}, {"name": "broken", "start": 0.5}]])
-        alone = [_run(ModelRunner(s, transformer=ed.runner.transformer), [x])[0][0] for x in (inputs[0], inputs[2])]
+        plain = ModelRunner(s, transformer=ed.runner.transformer)
+        alone = [one_batch(plain, [x])[0][0] for x in (inputs[0], inputs[2])]
         runner = _placed(s_triton, ed.runner.transformer)
-        jobs, errors = _run(runner, inputs)
+        jobs, errors = one_batch(runner, inputs)
         runner.control_provider.close()
     finally:
         ed.close()
@@ -179,7 +158,7 @@ def test_the_first_block_runs_before_the_residuals_are_collected(flux_cn, monkey
         spy = _Spy(collected)
         handle = runner.transformer.transformer_blocks[0].register_forward_pre_hook(spy, with_kwargs=True)
         try:
-            _, errors = _run(runner, inputs)
+            _, errors = one_batch(runner, inputs)
         finally:
             handle.remove()
             runner.control_provider.close()
