@@ -114,15 +114,21 @@ def test_two_controlnets_served_equal_the_stock_pipeline(each_placement, templat
     assert np.abs(np.asarray(r.image).astype(int) - np.asarray(ref).astype(int)).max() <= 1
 
 
-def test_template_then_edits_without_controls_hit_the_cache(served):
-    _, client = served
-    tpl = samples.template(256, 256, seed=41)
+def _registered(client, seed):
+    """A template registered, then an edit on it without controls (a hit: its info); and ``ask(scale, seed)``, the
+    same edit with a canny control."""
+    tpl, mask = samples.template(256, 256, seed=seed), samples.mask(256, 256, 0.2, "blob", seed=3)
     assert client.edit(tpl, np.zeros((256, 256), np.uint8), "a hat", steps=3, register=True).info["cache"] == \
         "record"
-    info = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3).info
+    info = client.edit(tpl, mask, "a hat", steps=3, seed=3).info
     assert info["cache_hit"] and 0 < info["computed_tokens"] < 16 * 16, info
-    ask = lambda scale, seed: client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3,  # noqa
-                                          seed=seed, controls=[("canny", scale)], control_images=[edges(seed=3)])
+    return info, lambda scale, s: client.edit(tpl, mask, "a hat", steps=3, seed=s, controls=[("canny", scale)],
+                                              control_images=[edges(seed=3)])
+
+
+def test_template_then_edits_without_controls_hit_the_cache(served):
+    _, client = served
+    info, ask = _registered(client, 41)
     # The ControlNet's rows live in the controlnet model's process, out of the cache's reach: requests with controls
     # run uncached under this placement (``ModelRunner._controls_cached``), and their batch-mates still hit.
     ctrl = ask(0.5, 3).info
@@ -191,13 +197,7 @@ def test_bad_control_is_refused_by_name_and_the_server_keeps_serving(served, tem
 
 def test_in_process_controls_are_cached_with_the_transformer(in_process):
     _, client = in_process
-    tpl = samples.template(256, 256, seed=43)
-    assert client.edit(tpl, np.zeros((256, 256), np.uint8), "a hat", steps=3, register=True).info["cache"] == \
-        "record"
-    plain = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3).info
-    assert plain["cache_hit"] and 0 < plain["computed_tokens"] < 16 * 16, plain
-    ask = lambda scale, seed: client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3,  # noqa
-                                          seed=seed, controls=[("canny", scale)], control_images=[edges(seed=3)])
+    plain, ask = _registered(client, 43)
     ctrl = ask(0.5, 3).info
     assert not ctrl["cache_hit"] and ctrl["cache"] == "record"  # the control is in the key: a miss, recorded
     again = ask(0.5, 4).info  # the same control, another seed: a hit (ControlNet and transformer on masked rows)
