@@ -18,7 +18,6 @@ its image against ``full``'s (whole image and in the mask), the ControlNet's sha
 
 from __future__ import annotations
 
-import io
 import os
 import statistics
 import tempfile
@@ -27,8 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from maskedit import samples
 from maskedit.cache.runtime import CacheRuntime
@@ -38,32 +35,14 @@ from maskedit.imaging import encode_png
 from maskedit.local import LocalEditor
 from maskedit.settings import load_settings
 
+from .edit_quality import loadavg, quality, rgb
+
 CASE = "sdxl-controlnet-mask"
 CONTROLS = [{"name": "canny", "scale": 0.8}]
 RATIOS = (0.1, 0.2, 0.5)
 GUIDANCE = 7.5
 PROMPT = "a hat"
 ORDER = ("full", "hit", "base", "base-hit")
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def _rgb(png_bytes: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(png_bytes)).convert("RGB"))
-
-
-def quality(full: np.ndarray, hit: np.ndarray, m: np.ndarray) -> dict:
-    """SSIM / PSNR of the whole image, and over the mask's bounding box / pixels (outside the mask both are the
-    template, composited)."""
-    ys, xs = np.nonzero(m)
-    box = (slice(ys.min(), ys.max() + 1), slice(xs.min(), xs.max() + 1))
-    q = lambda f, a, b, **kw: round(float(f(a, b, data_range=255, **kw)), 4)  # noqa: E731
-    return {"ssim": q(structural_similarity, full, hit, channel_axis=2),
-            "psnr_db": round(q(peak_signal_noise_ratio, full, hit), 2),
-            "ssim_mask_box": q(structural_similarity, full[box], hit[box], channel_axis=2),
-            "psnr_mask_db": round(q(peak_signal_noise_ratio, full[m], hit[m]), 2)}
 
 
 def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS, cost=None) -> tuple[list[dict], dict]:
@@ -74,7 +53,7 @@ def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS, co
     tpl, ctl = png(samples.template(size, size, seed=1)), [png(samples.template(size, size, seed=7))]
     store = ActivationStore(tmp / "mem", tmp / "disk", 4 << 30, 4 << 30)
     ed = LocalEditor(s, cache=lambda t: CacheRuntime(UNetCacheHooks.of(t), store, cost), store=store)
-    loads, rows = [_load()], []
+    loads, rows = [loadavg()], []
     controlled = dict(controls=CONTROLS, control_images=ctl)
     try:
         empty = png(np.zeros((size, size), np.uint8))
@@ -99,7 +78,7 @@ def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS, co
                         computed = int(job.cache.idx_c.numel()) / job.inputs.latents.shape[0]
                     if i:
                         got[case].append((e2e, job.finished_at - job.started_at, job.control_s, out))
-                    loads.append(_load())
+                    loads.append(loadavg())
             med = {c: {k: statistics.median(x[j] for x in got[c]) for j, k in enumerate(("e2e", "denoise", "cn"))}
                    for c in got}
             full, hit, base, base_hit = (med[c] for c in ORDER)
@@ -112,7 +91,7 @@ def measure(model_dir: Path, steps: int, reps: int, tmp: Path, ratios=RATIOS, co
                 # per round (the two ran back to back): steadier than the ratio of medians on a shared host
                 "speedup_paired": round(statistics.median(f[1] / h[1] for f, h in zip(got["full"], got["hit"])), 3),
                 "e2e_speedup": round(full["e2e"] / hit["e2e"], 3),
-                **quality(_rgb(got["full"][0][3]), _rgb(got["hit"][0][3]), np.asarray(m) > 127),
+                **quality(rgb(got["full"][0][3]), rgb(got["hit"][0][3]), np.asarray(m) > 127),
                 # the ControlNet's part of the denoise loop (its calls' wall time) and its cost over the base edit
                 "controlnet_s": round(hit["cn"], 4), "full_controlnet_s": round(full["cn"], 4),
                 "controlnet_share": round(hit["cn"] / hit["denoise"], 3),

@@ -13,7 +13,6 @@ image against the full path's with the same seed. Rows go into ``perf_profiles/r
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -23,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from maskedit import samples
 from maskedit.cache.flux import FluxCacheHooks
@@ -34,25 +31,13 @@ from maskedit.imaging import encode_png
 from maskedit.local import LocalEditor
 from maskedit.settings import load_settings
 
+from .edit_quality import loadavg, quality, rgb
+
 RESULTS = Path(__file__).resolve().parents[2] / "perf_profiles" / "results"
 CONTROLS = [{"name": "canny", "scale": 0.8}]
 RATIOS = (0.1, 0.2, 0.5)
 GUIDANCE = 3.5
 CASE = "controlnet-mask"
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def _in_mask(full: np.ndarray, hit: np.ndarray, m: np.ndarray) -> dict:
-    """SSIM over the mask's bounding box and PSNR over its pixels: the whole image's figures also count the
-    template pixels composited outside the mask, equal in both."""
-    ys, xs = np.nonzero(m)
-    box = (slice(ys.min(), ys.max() + 1), slice(xs.min(), xs.max() + 1))
-    return {"ssim_mask_box": round(float(structural_similarity(full[box], hit[box], channel_axis=2,
-                                                                 data_range=255)), 4),
-            "psnr_mask_db": round(float(peak_signal_noise_ratio(full[m], hit[m], data_range=255)), 2)}
 
 
 def run(model_dir: Path, steps: int, reps: int, tmp: Path) -> tuple[list[dict], dict]:
@@ -62,7 +47,7 @@ def run(model_dir: Path, steps: int, reps: int, tmp: Path) -> tuple[list[dict], 
     tpl, ctl = png(samples.template(size, size, seed=1)), [png(samples.template(size, size, seed=7))]
     store = ActivationStore(tmp / "mem", tmp / "disk", 4 << 30, 4 << 30)
     ed = LocalEditor(s, cache=lambda t: CacheRuntime(FluxCacheHooks.of(t), store), store=store)
-    loads = [_load()]
+    loads = [loadavg()]
     rows = []
     try:
         kw = dict(steps=steps, guidance=GUIDANCE, controls=CONTROLS, control_images=ctl)
@@ -83,9 +68,8 @@ def run(model_dir: Path, steps: int, reps: int, tmp: Path) -> tuple[list[dict], 
                         computed = int(job.cache.idx_c.numel()) / job.inputs.latents.shape[0]
                     if i:
                         got[case].append((e2e, job.finished_at - job.started_at, out))
-                    loads.append(_load())
-            full_img = np.asarray(Image.open(io.BytesIO(got["full"][0][2])).convert("RGB"))
-            hit_img = np.asarray(Image.open(io.BytesIO(got["hit"][0][2])).convert("RGB"))
+                    loads.append(loadavg())
+            full_img, hit_img = rgb(got["full"][0][2]), rgb(got["hit"][0][2])
             med = {c: (statistics.median(x[0] for x in got[c]), statistics.median(x[1] for x in got[c]))
                    for c in got}
             rows.append({
@@ -95,9 +79,7 @@ def run(model_dir: Path, steps: int, reps: int, tmp: Path) -> tuple[list[dict], 
                 "denoise_s": round(med["hit"][1], 4), "full_denoise_s": round(med["full"][1], 4),
                 "speedup": round(med["full"][1] / med["hit"][1], 3),
                 "e2e_speedup": round(med["full"][0] / med["hit"][0], 3),
-                "ssim": round(float(structural_similarity(full_img, hit_img, channel_axis=2, data_range=255)), 4),
-                "psnr_db": round(float(peak_signal_noise_ratio(full_img, hit_img, data_range=255)), 2),
-                **_in_mask(full_img, hit_img, np.asarray(m) > 127),
+                **quality(full_img, hit_img, np.asarray(m) > 127),
                 "latencies_s": {c: [round(x[0], 4) for x in got[c]] for c in got},
                 "denoise_runs_s": {c: [round(x[1], 4) for x in got[c]] for c in got},
             })
