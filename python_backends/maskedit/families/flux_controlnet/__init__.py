@@ -32,9 +32,10 @@ from typing import ClassVar
 import numpy as np
 
 from ..base import Geometry, ModelFamily, Prepared
+from ..flux_controls import FluxControls
 from . import tiny
 
-class FluxControlNetFamily(ModelFamily):
+class FluxControlNetFamily(FluxControls, ModelFamily):
     name: ClassVar[str] = "flux_controlnet"
     # A FLUX.1-dev checkout (``FluxPipeline``) is served as it is: its components load into the ControlNet
     # inpainting pipeline.
@@ -43,7 +44,6 @@ class FluxControlNetFamily(ModelFamily):
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
-    controlnet_classes: ClassVar[tuple[str, ...]] = ("FluxControlNetModel",)
     controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
 
     def pipeline_class(self):
@@ -77,22 +77,6 @@ class FluxControlNetFamily(ModelFamily):
         return Geometry(vae_scale=scale, patch=2 * scale, multiple=2 * scale)
 
     # -- ControlNets ----------------------------------------------------------------------------------------
-    def controlnet_union(self, config: dict) -> bool:
-        from ...controlnets.flux import is_union
-
-        return is_union(config)
-
-    def control_mode_index(self, mode: str, config: dict) -> int:
-        from ...controlnets.flux import mode_index
-
-        return mode_index(mode, config)
-
-    def remote_residuals(self, actives: list, inputs: dict) -> tuple[list, list[int]]:
-        """Placement ``triton``: the ``controlnet`` model's merged double / single samples for one request."""
-        from ...controlnets.flux_remote import remote_residuals
-
-        return remote_residuals(self, actives, inputs)
-
     def check_controlnet(self, controlnet, denoiser) -> None:
         from ...controlnets.flux import check_fits
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..base import Geometry, ModelFamily
+from ..flux_controls import FluxControls
 from . import tiny
 
 
-class FluxFill(ModelFamily):
+class FluxFill(FluxControls, ModelFamily):
     name = "flux_fill"
     pipeline_classes = ("FluxFillPipeline",)
     denoiser = "transformer"
     text_components = ("text_encoder", "text_encoder_2")
     presets = tiny.PRESETS
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
-
-    controlnet_classes = ("FluxControlNetModel",)  # our extension: docs/controlnet_flux.md, "Flux Fill"
+    # ControlNets (``FluxControls``) are our extension: docs/controlnet_flux.md, "Flux Fill"
 
     def load_denoiser(self, settings):
         from diffusers import FluxTransformer2DModel
@@ -52,22 +52,6 @@ class FluxFill(ModelFamily):
 
     # -- ControlNets: our extension (no stock Fill + ControlNet pipeline); the residuals of Flux ControlNets
     # (``maskedit.controlnets.flux``) go to the Fill transformer's blocks, which take them as FLUX.1-dev's do.
-    def controlnet_union(self, config: dict) -> bool:
-        from ...controlnets.flux import is_union
-
-        return is_union(config)
-
-    def control_mode_index(self, mode: str, config: dict) -> int:
-        from ...controlnets.flux import mode_index
-
-        return mode_index(mode, config)
-
-    def remote_residuals(self, actives: list, inputs: dict) -> tuple[list, list[int]]:
-        """Placement ``triton``: the ``controlnet`` model's merged double / single samples for one request."""
-        from ...controlnets.flux_remote import remote_residuals
-
-        return remote_residuals(self, actives, inputs)
-
     def check_controlnet(self, controlnet, denoiser) -> None:
         from ...controlnets.flux import check_fits
 
