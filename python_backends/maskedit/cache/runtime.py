@@ -228,7 +228,7 @@ class CacheRuntime:
         share = getattr(job, "cache_budget", None)  # a control's rows (``cache.controlnet._ControlRows``)
         if share is not None:
             return share
-        if any(p is not None for p in self.controls.plans(job)):
+        if getattr(job, "controls", ()):  # the whole budget where none of them is cached (their weights are 0)
             return self.controls.budgets(job)[0]
         return self.budget_bytes
 

@@ -95,14 +95,14 @@ class TritonPythonModel:
                         instance=self.instance)
             if job.controls:  # the ControlNet calls' wall time (on a GPU: launch time, the calls are not synchronised)
                 placement = self.settings.controlnet_placement
+                cached = [c.status for c in job.control_cache]  # where they are cached beside the denoiser
                 info.update(control_s=round(job.control_s, 6), control_placement=placement,
-                            control_cache=[c.status for c in job.control_cache] or None)  # cached ControlNets
+                            control_cache=cached or None)
                 if placement == "triton":  # of which BLS round trips to the controlnet model
                     info.update(control_bls_s=round(job.control_bls_s, 6),
                                 control_model_s=round(job.control_model_s, 6))
                 _quietly(self.control_metrics.sync)
-                _quietly(self.control_metrics.observe_cache, [c.status for c in job.control_cache] or
-                         ["off"] * len(job.controls))
+                _quietly(self.control_metrics.observe_cache, cached or ["off"] * len(job.controls))
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
