@@ -42,14 +42,15 @@ class EditClient:
 
     ``api_key``: sent as ``authorization: Bearer <key>`` metadata on every call (a router with a key file);
     ``ca_file``: TLS to the endpoint, trusting the certificates in that PEM file (``tls=True`` without one: the
-    system's trusted roots)."""
+    system's trusted roots); ``headers``: more metadata for every call (e.g. a guarded backend's key, for tools that
+    call a backend directly: docs/security.md)."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
                  retry: bool = True, backoff: Backoff = Backoff(), api_key: str | None = None,
-                 ca_file: str | Path | None = None, tls: bool = False):
+                 ca_file: str | Path | None = None, tls: bool = False, headers: dict | None = None):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.retry, self.backoff = retry, backoff
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = {**(headers or {}), **({"authorization": f"Bearer {api_key}"} if api_key else {})} or None
         self._client = grpcclient.InferenceServerClient(url, ssl=bool(ca_file) or tls,
                                                         root_certificates=str(ca_file) if ca_file else None,
                                                         channel_args=[

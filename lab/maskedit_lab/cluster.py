@@ -125,7 +125,8 @@ def main(argv=None) -> None:
                              openai_port=args.openai_port or None) as (router, url, servers):
             print(json.dumps({"router_grpc": url, "router_http": args.http_port, "openai": args.openai_port or None,
                               "api_keys": "--api-keys-file" in router_security_args(),
-                              "backend_key": bool(router.backend_key), "backends": [s.grpc_url for s in servers]}),
+                              "backend_key": bool(router.backend_key), "backends": [s.grpc_url for s in servers],
+                              "backends_http": [s.http_url for s in servers]}),
                   flush=True)
             stop.wait()
     except ValueError as e:  # a bad key file, TLS file or backend key: named, never the key

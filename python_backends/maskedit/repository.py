@@ -71,6 +71,24 @@ RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's queue in front of a model: at most ``max_size`` requests wait (more are refused at once, "Exceeds
+    maximum queue size"), and one that waited ``timeout_s`` is refused ("Request timeout expired") when the model
+    next takes a request, instead of being run. Both refusals come before the model does any work."""
+
+    max_size: int
+    timeout_s: float
+
+
+# The ensemble's first step: a request that cannot be admitted is refused in front of pre-processing (image decoding,
+# the VAE and text encoders), never after it, and the refusal's time does not grow with a flood: the queue holds 16
+# (at ~0.1-0.6 s of pre-processing each, or a few ms for a request its early admission check refuses) and nobody
+# waits past 3 s for pre-processing to start. A request that passes then meets the denoise queue's own bound
+# (MASKEDIT_MAX_QUEUE) and the early admission check (``maskedit.admission``).
+PREPROCESS_QUEUE = QueuePolicy(max_size=16, timeout_s=3.0)
+
+
+@dataclass(frozen=True)
 class Model:
     name: str
     inputs: list[T]
@@ -78,11 +96,12 @@ class Model:
     decoupled: bool = False
     instances: int = 1
     parameters: dict = field(default_factory=dict)
+    queue: QueuePolicy | None = None  # None: Triton's default, an unbounded queue without timeout
 
 
 def models() -> list[Model]:
     return [
-        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1),
+        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1, queue=PREPROCESS_QUEUE),
         Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
         Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
         Model("cancel", [T("REQUEST_IDS", "STRING", (-1,))], [T("CANCELLED", "INT32", (1,))]),
@@ -108,6 +127,10 @@ def render_model(m: Model, kind: str) -> str:
         parts.append("model_transaction_policy {\n  decoupled: true\n}")
     parts += [_tensors("input", m.inputs), _tensors("output", m.outputs)]
     parts.append(f"instance_group [\n  {{\n    count: {m.instances}\n    kind: KIND_{kind.upper()}\n  }}\n]")
+    if m.queue is not None:  # a dynamic_batching block is where Triton keeps a queue policy (no batching: size 0)
+        parts.append("dynamic_batching {\n  default_queue_policy {\n    timeout_action: REJECT\n"
+                     f"    default_timeout_microseconds: {int(m.queue.timeout_s * 1e6)}\n"
+                     f"    max_queue_size: {m.queue.max_size}\n  }}\n}}")
     for k, v in m.parameters.items():
         parts.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}')
     return "\n".join(parts) + "\n"

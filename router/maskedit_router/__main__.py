@@ -37,7 +37,7 @@ from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
 from .backend import CHANNEL_OPTIONS
 from .server import Router
 from .tenancy import FairQueue
-from .tls import TlsFiles
+from .tls import TlsFiles, handshake_failed
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
 
@@ -304,7 +304,8 @@ def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
     openai = OpenAIServer(f"127.0.0.1:{server.loopback_port or port}", args.openai_port, args.host,
                           limits=http_limits, metrics=router.metrics, keyring=keyring,
-                          ssl_context=tls.ssl_context() if tls else None).start() if args.openai_port else None
+                          ssl_context=tls.ssl_context(lambda e: handshake_failed(router.metrics, "openai", e))
+                          if tls else None).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port, keyring)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host, picker_limits) if args.ext_proc_port else None
     return RunningRouter(args, router, keyring, port, server, httpd, checker, watcher, openai, ext_proc)

@@ -28,6 +28,7 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from maskedit_client.retry import Backoff, Timer
+from maskedit_common.triton_refusals import as_refusal
 
 from .admission import RefusalLog
 from .auth import ANONYMOUS
@@ -272,16 +273,18 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                details = as_refusal(e.details() or "")  # Triton's own queue refusals read as refusals
+                refused = "RESOURCE_EXHAUSTED" in details
+                if refused:
                     with self._lock:
                         t.backend.admission.backend_refused(time.monotonic())
-                fault = backend_fault(e.details())
+                fault = backend_fault(details)
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
-                    context.abort(e.code(), e.details())
+                    context.abort(e.code(), details)
                 # never reached a live model: try another backend
                 if fault:
-                    self.backend_broken(t.backend, e.details())
-                else:
+                    self.backend_broken(t.backend, details)
+                elif not refused:  # a full backend answered: not a failure of it
                     t.backend.failed()
                 tried.add(t.backend.addr)
             finally:
