@@ -207,6 +207,8 @@ def main(argv=None) -> None:
     ap.add_argument("--flood", type=int, default=160, help="requests of the flood straight at one server")
     ap.add_argument("--flood-spread-s", type=float, default=1.0, help="the flood's requests arrive within this")
     ap.add_argument("--flood-within-s", type=float, default=10.0, help="each must be answered or refused within this")
+    ap.add_argument("--flood-steps", type=int, default=None, help="denoising steps of the flood's requests (default: "
+                    "--steps)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -242,8 +244,9 @@ def main(argv=None) -> None:
             key = server.backend_key
             print(f"flood: {args.flood} requests within {args.flood_spread_s:g} s straight at {server.grpc_url}",
                   flush=True)
-            recs, result["flood"] = flood(server.grpc_url, args.flood, args.flood_spread_s, args.steps,
-                                          args.flood_within_s, headers=dict(backend_guard.grpc_metadata(key)))
+            recs, result["flood"] = flood(server.grpc_url, args.flood, args.flood_spread_s,
+                                          args.flood_steps or args.steps, args.flood_within_s,
+                                          headers=dict(backend_guard.grpc_metadata(key)))
             runs["flood"] = recs
             print(json.dumps(result["flood"]), flush=True)
         if args.ab_pairs:

@@ -72,20 +72,20 @@ RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 
 @dataclass(frozen=True)
 class QueuePolicy:
-    """Triton's queue in front of a model: at most ``max_size`` requests wait (more are refused at once, "Exceeds
-    maximum queue size"), and one that waited ``timeout_s`` is refused ("Request timeout expired") when the model
-    next takes a request, instead of being run. Both refusals come before the model does any work."""
+    """Triton's queue in front of a model: at most ``max_size`` requests wait; the next is refused at once by Triton
+    ("Exceeds maximum queue size", before the model does any work). No timeout: Triton's timeout refusal ("Request
+    timeout expired") names no request id, so a client with several requests on one stream could not tell whose it
+    is (tried: every one of them was lost to the client)."""
 
     max_size: int
-    timeout_s: float
 
 
 # The ensemble's first step: a request that cannot be admitted is refused in front of pre-processing (image decoding,
-# the VAE and text encoders), never after it, and the refusal's time does not grow with a flood: the queue holds 16
-# (at ~0.1-0.6 s of pre-processing each, or a few ms for a request its early admission check refuses) and nobody
-# waits past 3 s for pre-processing to start. A request that passes then meets the denoise queue's own bound
-# (MASKEDIT_MAX_QUEUE) and the early admission check (``maskedit.admission``).
-PREPROCESS_QUEUE = QueuePolicy(max_size=16, timeout_s=3.0)
+# the VAE and text encoders), never after it, and the refusal's time does not grow with a flood: 16 wait at most, so
+# the longest wait is 16 pre-processings (~0.1-0.6 s each here; a few ms each for requests its early admission check
+# refuses while the denoise queue is full, ``maskedit.admission``). One that passes then meets the denoise queue's
+# bound (MASKEDIT_MAX_QUEUE).
+PREPROCESS_QUEUE = QueuePolicy(max_size=16)
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,8 @@ def render_model(m: Model, kind: str) -> str:
     parts += [_tensors("input", m.inputs), _tensors("output", m.outputs)]
     parts.append(f"instance_group [\n  {{\n    count: {m.instances}\n    kind: KIND_{kind.upper()}\n  }}\n]")
     if m.queue is not None:  # a dynamic_batching block is where Triton keeps a queue policy (no batching: size 0)
-        parts.append("dynamic_batching {\n  default_queue_policy {\n    timeout_action: REJECT\n"
-                     f"    default_timeout_microseconds: {int(m.queue.timeout_s * 1e6)}\n"
-                     f"    max_queue_size: {m.queue.max_size}\n  }}\n}}")
+        parts.append(f"dynamic_batching {{\n  default_queue_policy {{\n    max_queue_size: {m.queue.max_size}\n"
+                     "  }\n}")
     for k, v in m.parameters.items():
         parts.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}')
     return "\n".join(parts) + "\n"
