@@ -97,8 +97,8 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     by: dict[str, list] = {}
     for r in recs:
         if r.error_code == "RESOURCE_EXHAUSTED":
-            by.setdefault("triton_queue" if "queue is full" in (r.error or "") else refusal_source(r.error),
-                          []).append(r.answered_after_s)
+            src = "triton_queue" if "Exceeds maximum queue size" in (r.error or "") else refusal_source(r.error)
+            by.setdefault(src, []).append(r.answered_after_s)
     out = {
         "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "ok": len(ok), "refused": len(refused),
         "other_errors": other, "late": late, "lost": s["lost"],

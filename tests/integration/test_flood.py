@@ -31,7 +31,7 @@ def test_a_flood_at_one_server_is_answered_or_refused_at_once_none_lost(server, 
                 outcomes.append(("LOST", None, None))
     codes = sorted({code for code, _, _ in outcomes})
     assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}, outcomes
-    at_queue = [s for code, m, s in outcomes if code == "RESOURCE_EXHAUSTED" and "queue is full" in m]
+    at_queue = [s for code, m, s in outcomes if code == "RESOURCE_EXHAUSTED" and "Exceeds maximum queue size" in m]
     assert at_queue, f"nothing was refused in front of pre-processing: {codes}"
     assert max(at_queue) < 5.0, at_queue  # at once, however long the work in front of it
     assert sum(code == "ok" for code, _, _ in outcomes) >= 1
