@@ -253,12 +253,13 @@ class RunningRouter:
 
 
 def _log_to_stderr() -> None:
-    """The router's JSON log lines on stderr, once per process."""
+    """The router's JSON log lines on stderr, once per process, unless the process set up its logging already (a
+    test runner, an embedding program): then its handlers get them."""
     root = logging.getLogger("maskedit")
-    if not any(getattr(h, "maskedit_router", False) for h in root.handlers):
+    configured = logging.getLogger().handlers or root.handlers
+    if not configured:
         handler = logging.StreamHandler()
         handler.setFormatter(JsonFormatter("router"))
-        handler.maskedit_router = True
         root.addHandler(handler)
     if root.level == logging.NOTSET or root.level > logging.INFO:
         root.setLevel(logging.INFO)

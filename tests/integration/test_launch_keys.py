@@ -4,7 +4,6 @@ the OpenAI API 401), a caller with the key edits, and the backends, guarded by t
 refuse a keyless caller that goes straight to them (gRPC and HTTP) while their health stays open. The control: the
 same direct call with the backend key is served, so the refusal is the key's, not a broken backend's."""
 
-import io
 import json
 import os
 import signal
@@ -16,12 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from maskedit.launcher import free_ports
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient, EditError
 from maskedit_common import backend_guard
+from tests.conftest import png
 
 KEY = "sk-launch-0123456789abcdef"
 
@@ -77,12 +76,6 @@ def _status(url: str, data: bytes | None = None, headers: dict | None = None) ->
         return e.code
 
 
-def _png(img) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(img).save(out, format="PNG")
-    return out.getvalue()
-
-
 def test_every_router_port_refuses_a_keyless_caller_and_the_key_edits(cluster, template_img, box_mask):
     assert cluster["api_keys"] and cluster["backend_key"] and len(cluster["backends"]) == 2
     with EditClient(cluster["grpc"], timeout_s=30, retry=False) as c:
@@ -94,7 +87,7 @@ def test_every_router_port_refuses_a_keyless_caller_and_the_key_edits(cluster, t
     boundary = "x0x0x0"
     form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\na red hat\r\n"
             f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"t.png\"\r\n"
-            f"Content-Type: image/png\r\n\r\n").encode() + _png(template_img) + f"\r\n--{boundary}--\r\n".encode()
+            f"Content-Type: image/png\r\n\r\n").encode() + png(template_img) + f"\r\n--{boundary}--\r\n".encode()
     assert _status(f"http://127.0.0.1:{cluster['openai']}/v1/images/edits", form,
                    {"Content-Type": f"multipart/form-data; boundary={boundary}"}) == 401
     # with the key, through the guarded backends (the router sends them the backend key)
