@@ -23,6 +23,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from . import reach
 from .inputs import edit_inputs, encode_image, loras_json  # noqa: F401  (loras_json: importable from here too)
 from .results import CODES, EditError, EditResult
 from .retry import Backoff, Timer, retryable
@@ -42,12 +43,19 @@ class EditClient:
 
     ``api_key``: sent as ``authorization: Bearer <key>`` metadata on every call (a router with a key file);
     ``ca_file``: TLS to the endpoint, trusting the certificates in that PEM file (``tls=True`` without one: the
-    system's trusted roots)."""
+    system's trusted roots).
+
+    ``connect_timeout_s``: how long the first request waits for a first connection; without one it fails then with
+    ``UNAVAILABLE`` saying the likely cause (nothing listening at ``url``, ...: ``reach``), instead of being retried
+    until its deadline. Once the endpoint has answered, its going away is retried as above."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
                  retry: bool = True, backoff: Backoff = Backoff(), api_key: str | None = None,
-                 ca_file: str | Path | None = None, tls: bool = False):
+                 ca_file: str | Path | None = None, tls: bool = False, connect_timeout_s: float = 5.0):
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.connect_timeout_s, self._tls = connect_timeout_s, bool(ca_file) or tls
+        self._reached = False  # a connection was made once: from then on a broken one is a restart, retried
+        self._reach_lock = threading.Lock()
         self.retry, self.backoff = retry, backoff
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = grpcclient.InferenceServerClient(url, ssl=bool(ca_file) or tls,
@@ -222,7 +230,24 @@ class EditClient:
         self._send(rid, fut, state)
         return fut
 
+    def _unreachable(self) -> EditError | None:
+        """None once a connection to the endpoint has been made (waiting up to ``connect_timeout_s`` for the
+        first), else the error saying why none was."""
+        with self._reach_lock:
+            if self._reached:
+                return None
+            # tritonclient keeps its channel private; waiting on it connects the channel every call then uses
+            if reach.connected(self._client._channel, self.connect_timeout_s):
+                self._reached = True
+                return None
+        why = reach.likely_cause(self.url, self.connect_timeout_s, self._tls)
+        return EditError(f"UNAVAILABLE: cannot reach {self.url}: {why}", "UNAVAILABLE")
+
     def _send(self, rid: str, fut: Future, state: dict) -> None:
+        unreachable = self._unreachable()
+        if unreachable is not None:  # never retried: nothing was ever there to come back
+            fut.set_exception(unreachable)
+            return
         try:
             self._ensure_stream()
             with self._lock:
