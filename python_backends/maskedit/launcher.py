@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +31,7 @@ from maskedit_common.tenant_wire import TRITON_ARGS
 
 from . import admission
 from .repository import REPOSITORY
+from .scratch import run_scratch
 from .settings import REPO_ROOT, Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -44,21 +45,21 @@ def pytriton_root() -> Path:
 
 
 def backend_dir(dest: Path | None = None) -> Path:
-    """A backend directory holding the Python backend and the stub for this interpreter's version."""
+    """A backend directory holding the Python backend and the stub for this interpreter's version: inside this
+    checkout (``build/``), so checkouts of different versions on one host never share a copy, and nothing is left
+    in /tmp."""
     src = pytriton_root() / "tritonserver"
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    dest = Path(dest or Path(tempfile.gettempdir()) / f"maskedit-backends-{ver}")
-    py = dest / "python"
-    stub = py / "triton_python_backend_stub"
-    if not stub.exists():
-        py.mkdir(parents=True, exist_ok=True)
-        for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
-            shutil.copy2(src / "backends" / "python" / f, py / f)
-        tmp = py / ".stub.partial"
-        shutil.copy2(src / "python_backend_stubs" / ver / "triton_python_backend_stub", tmp)
-        tmp.chmod(0o755)
-        tmp.rename(stub)
-    return dest
+    py = Path(dest or REPO_ROOT / "build" / f"backends-{ver}") / "python"
+    for name, source in (("libtriton_python.so", src / "backends" / "python" / "libtriton_python.so"),
+                         ("triton_python_backend_utils.py", src / "backends" / "python" / "triton_python_backend_utils.py"),
+                         ("triton_python_backend_stub", src / "python_backend_stubs" / ver / "triton_python_backend_stub")):
+        if not (py / name).exists():
+            py.mkdir(parents=True, exist_ok=True)
+            tmp = py / f".{name}.{os.getpid()}.partial"  # renamed into place: a server starting beside this one
+            shutil.copy2(source, tmp)                     # never loads a half-copied file
+            tmp.rename(py / name)
+    return py.parent
 
 
 def server_env(extra: dict | None = None) -> dict:
@@ -102,7 +103,8 @@ class TritonServer:
         self.http_port, self.grpc_port, self.metrics_port = (p or next(picked) for p in
                                                              (http_port, grpc_port, metrics_port))
         self.env = env or {}
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        # default: in the checkout's out/ (written from ``start``), never /tmp
+        self.log_path = Path(log_path or REPO_ROOT / "out" / "logs" / f"tritonserver-{self.http_port}.log")
         self.extra_args = extra_args or []
         # The Python backend's shared-memory regions are named after this prefix, so a server that had to be
         # killed (its stubs cannot unlink them then) can have them removed by ``stop``.
@@ -187,12 +189,15 @@ class TritonServer:
             return ""
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the server's process group, wait, then SIGKILL whatever is left (stubs included)."""
+        """SIGTERM the server, wait, then SIGKILL whatever is left of its process group (stubs included). The server
+        alone is signalled first: it unloads its models, which stops their stubs in order and removes the Python
+        backend's /tmp/python_env_* directory; stubs signalled beside it die under it, and the server then waits
+        out its exit timeout and exits without cleaning up."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group id is the server's pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -224,19 +229,20 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args.log.parent.mkdir(parents=True, exist_ok=True)
-    server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, log_path=args.log)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    server.start()
-    print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
-          f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
-    try:
-        while not stop["now"] and server.proc.poll() is None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches make and this process: stop, quietly
+        signal.signal(sig, lambda *_: stop.set())
+    with run_scratch():  # the run's host-memory directories, removed on the way out
+        server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, log_path=args.log)
+        try:
+            server.start()
+            print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
+                  f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
+            while not stop.is_set() and server.proc.poll() is None:
+                stop.wait(0.5)
+        finally:
+            server.stop()
+    print("server stopped", flush=True)
 
 
 if __name__ == "__main__":
