@@ -40,3 +40,16 @@ def adapters(settings):
 
         build_adapters(settings.model_dir)
     return settings.adapters
+
+
+@pytest.fixture(scope="session")
+def controlnets(settings):
+    """The model's ControlNet library (what the servers read by default, at request time): written as ``make
+    model`` writes it when the model directory has none."""
+    from maskedit_common.controls import library_names
+
+    if not library_names(settings.controlnets):
+        from maskedit.build_model import build_controlnets
+
+        build_controlnets(settings.model_dir)
+    return settings.controlnets
