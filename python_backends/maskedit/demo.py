@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from . import samples
 from .launcher import TritonServer
-from .scratch import run_scratch
+from .scratch import SCRATCH_VARS, run_scratch
 from .build_model import main as build_model
 from .settings import REPO_ROOT, load_settings
 
@@ -54,7 +54,9 @@ def main(argv=None) -> None:
 
     print("starting tritonserver ...", flush=True)
     t0 = time.perf_counter()
-    with run_scratch(), TritonServer(log_path=args.out / "tritonserver.log") as server:  # nothing left in /dev/shm
+    # Its store (both tiers), cancel markers, admission board and adapter cache in one directory removed at the end:
+    # the demo leaves nothing behind but out/.
+    with run_scratch(SCRATCH_VARS), TritonServer(log_path=args.out / "tritonserver.log") as server:
         print(f"ready in {time.perf_counter() - t0:.1f}s: gRPC {server.grpc_url}, HTTP {server.http_url}")
         rows, lines = [], []
         with EditClient(server.grpc_url) as client:

@@ -36,6 +36,9 @@ from .settings import REPO_ROOT, Settings, load_settings
 
 log = logging.getLogger(__name__)
 MODELS = ("preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
+# A start takes minutes on a 2-core host beside other CPU-bound work; a server that exits is seen at once (its exit
+# status), so only a hung start waits this long.
+START_TIMEOUT_S = 600.0
 
 
 def pytriton_root() -> Path:
@@ -141,7 +144,7 @@ class TritonServer:
             *self.extra_args,
         ]
 
-    def start(self, timeout: float = 300.0) -> "TritonServer":
+    def start(self, timeout: float = START_TIMEOUT_S) -> "TritonServer":
         if self.proc is not None and self.proc.poll() is None:
             return self  # already running (``with TritonServer(...).start()`` must not start a second, orphaned one)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,19 +233,28 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args.log.parent.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches make and this process: stop, quietly
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM ends the start as Ctrl-C does
     with run_scratch():  # the run's host-memory directories, removed on the way out
         server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, log_path=args.log)
         try:
-            server.start()
-            print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
-                  f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
+            server.start()  # interrupted: it stops what it started
+        except KeyboardInterrupt:
+            print("stopped before the server was ready", flush=True)
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches make and this process: stop, quietly
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
+              f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
+        try:
             while not stop.is_set() and server.proc.poll() is None:
                 stop.wait(0.5)
         finally:
             server.stop()
     print("server stopped", flush=True)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

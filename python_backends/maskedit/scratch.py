@@ -16,7 +16,8 @@ from pathlib import Path
 SCRATCH_VARS = {"MASKEDIT_CACHE_MEM_DIR": "activations", "MASKEDIT_CACHE_DISK_DIR": "disk",
                 "MASKEDIT_CANCEL_DIR": "cancel", "MASKEDIT_ADMISSION_DIR": "admission",
                 "MASKEDIT_LORA_HOST_DIR": "adapters"}
-# a serving run keeps the disk tier where the settings put it (~/.cache/maskedit): a cache meant to outlive it
+# `make serve` keeps the disk tier where the settings put it (~/.cache/maskedit): a cache meant to outlive the run
+# (the demo and the tests put it in their directory too)
 RUN_VARS = {k: v for k, v in SCRATCH_VARS.items() if k != "MASKEDIT_CACHE_DISK_DIR"}
 
 

@@ -17,7 +17,7 @@ def server(settings, tmp_path_factory):
     s = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(settings.model_dir),
         "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(d / "disk")})
-    s.start(timeout=300)
+    s.start()
     yield s
     s.stop()
 

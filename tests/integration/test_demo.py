@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from maskedit.scratch import RUN_VARS
+from maskedit.scratch import SCRATCH_VARS
 
 
 def _run_dirs() -> set[str]:
@@ -18,7 +18,7 @@ def _run_dirs() -> set[str]:
 
 
 def test_demo_writes_results_and_contact_sheet_and_leaves_nothing(settings, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in RUN_VARS}  # the demo's own defaults, as `make demo`
+    env = {k: v for k, v in os.environ.items() if k not in SCRATCH_VARS}  # the demo's own defaults, as `make demo`
     before = _run_dirs()
     proc = subprocess.run([sys.executable, "-m", "maskedit.demo", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, env=env)
