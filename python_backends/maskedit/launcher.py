@@ -39,6 +39,9 @@ MODELS = ("preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
 # A start takes minutes on a 2-core host beside other CPU-bound work; a server that exits is seen at once (its exit
 # status), so only a hung start waits this long.
 START_TIMEOUT_S = 600.0
+# How long a stopping server waits for its models to unload (then exits without cleaning up): a few seconds on a
+# quiet host, more than 10 for three stubs beside other CPU-bound work.
+EXIT_TIMEOUT_S = 20
 
 
 def pytriton_root() -> Path:
@@ -135,7 +138,7 @@ class TritonServer:
             f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
             "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             "--backend-config=python,shm-default-byte-size=16777216",
             "--backend-config=python,shm-growth-byte-size=16777216",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
@@ -191,7 +194,7 @@ class TritonServer:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = EXIT_TIMEOUT_S + 10) -> None:
         """SIGTERM the server, wait, then SIGKILL whatever is left of its process group (stubs included). The server
         alone is signalled first: it unloads its models, which stops their stubs in order and removes the Python
         backend's /tmp/python_env_* directory; stubs signalled beside it die under it, and the server then waits
