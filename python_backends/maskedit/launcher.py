@@ -42,6 +42,9 @@ START_TIMEOUT_S = 600.0
 # How long a stopping server waits for its models to unload (then exits without cleaning up): a few seconds on a
 # quiet host, more than 10 for three stubs beside other CPU-bound work.
 EXIT_TIMEOUT_S = 20
+# The Python backend makes one (empty, for models without EXECUTION_ENV_PATH) directory here per server and removes
+# it on a clean exit only.
+PYTHON_ENV_DIRS = Path("/tmp/python_env_*")
 
 
 def pytriton_root() -> Path:
@@ -116,6 +119,7 @@ class TritonServer:
         # killed (its stubs cannot unlink them then) can have them removed by ``stop``.
         self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"
         self.proc: subprocess.Popen | None = None
+        self.python_env_dir: Path | None = None
 
     @property
     def settings(self) -> Settings:
@@ -153,6 +157,7 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.shm_prefix = f"maskedit_tpb_{uuid.uuid4().hex[:12]}"  # per start: a restart's regions are told apart
         logf = open(self.log_path, "ab")
+        envs = set(PYTHON_ENV_DIRS.parent.glob(PYTHON_ENV_DIRS.name))
         self.proc = subprocess.Popen(self.command(), env=server_env(self.env), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         logf.close()
@@ -161,6 +166,9 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        # Its Python backend's directory, if it is the only one made meanwhile (other servers may start beside it)
+        new = set(PYTHON_ENV_DIRS.parent.glob(PYTHON_ENV_DIRS.name)) - envs
+        self.python_env_dir = new.pop() if len(new) == 1 else None
         log.info("tritonserver pid %s ready: grpc %s http %s", self.proc.pid, self.grpc_url, self.http_url)
         return self
 
@@ -215,6 +223,10 @@ class TritonServer:
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind by a killed server
             with contextlib.suppress(OSError):
                 region.unlink()
+        if self.python_env_dir is not None:  # left behind by a server that had to exit without cleaning up
+            with contextlib.suppress(OSError):
+                self.python_env_dir.rmdir()  # only if empty: it holds nothing unless EXECUTION_ENV_PATH is used
+            self.python_env_dir = None
         admission.remove(self.settings.service.admission_dir, pgid)  # its denoise queue board
         self.proc = None
 
