@@ -46,11 +46,14 @@ def _outside(mask: np.ndarray) -> np.ndarray:
 
 
 def test_models_lists_the_edit_model(api, settings):
+    from maskedit_common.controls import library_names as controlnet_names
     from maskedit_common.loras import library_names
 
     models = api["client"].models.list().data
-    assert models[0].id == "edit"  # then the adapter library's, each with the base model as its parent
-    assert sorted(m.id for m in models[1:]) == sorted(library_names(settings.adapters))
+    assert models[0].id == "edit"  # then the adapter and ControlNet libraries', each with the base model as parent
+    assert {m.id: m.model_extra.get("type") for m in models[1:]} == {
+        **{n: "lora" for n in library_names(settings.adapters)},
+        **{n: "controlnet" for n in controlnet_names(settings.controlnets)}}
     with pytest.raises(openai.NotFoundError) as e:
         api["client"].models.retrieve("dall-e-2")
     assert e.value.body["param"] == "model"
