@@ -80,6 +80,11 @@ class QwenImageEditFamily(ModelFamily):
         """``prompt_embeds`` holds the prompt's rows, then the negative prompt's where classifier-free guidance is
         on (GUIDANCE > 1 and a NEGATIVE_PROMPT, as ``true_cfg_scale`` and ``negative_prompt`` turn it on);
         ``pooled_embeds`` their two row counts."""
+        if params.steps < 2 and scheduler_config.get("shift_terminal"):
+            from ...errors import InvalidInput
+
+            raise InvalidInput("must be at least 2: the scheduler stretches its sigmas to shift_terminal, which "
+                               "divides by zero for one step (the stock pipeline returns NaN)", "STEPS")
         img = P.prompt_image(pipe, image)
         cache = self.encoded_prompts(settings)
 

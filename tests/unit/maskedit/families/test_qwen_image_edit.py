@@ -140,3 +140,11 @@ def test_bad_text_row_counts_are_refused_by_name():
         text_lengths(np.array([10.0, 3.0], np.float32), 12)
     assert e.value.field == "POOLED_EMBEDS"
     assert text_lengths(np.array([9.0, 3.0], np.float32), 12) == (9, 3)
+
+
+def test_one_step_is_refused_by_name(model):
+    """The scheduler's terminal stretch divides by zero for one step (stock returns NaN): refused, naming STEPS."""
+    family, pipe = model
+    with pytest.raises(InvalidInput) as e:
+        prepared(family, pipe, template(), box_mask(), params(steps=1))
+    assert e.value.field == "STEPS"
