@@ -148,3 +148,28 @@ def test_one_step_is_refused_by_name(model):
     with pytest.raises(InvalidInput) as e:
         prepared(family, pipe, template(), box_mask(), params(steps=1))
     assert e.value.field == "STEPS"
+
+
+def test_real_size_preset_is_qwen_image_edit_sized(tmp_path):
+    """The transformer's exact configuration, generated on the serving device (here: meta) in the serving dtype;
+    the stand-in encoder and VAE load with stock Diffusers at the real interface widths."""
+    import json
+
+    from maskedit.components import load_pipeline, load_transformer
+    from maskedit.settings import load_settings
+    from maskedit.build_model import build
+
+    d = build(tmp_path / "qwen-image-edit", "qwen-image-edit")
+    cfg = json.loads((d / "transformer" / "config.json").read_text())
+    assert {k: cfg[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels",
+                                "out_channels", "joint_attention_dim", "axes_dims_rope", "guidance_embeds")} == {
+        "num_layers": 60, "num_attention_heads": 24, "attention_head_dim": 128, "in_channels": 64,
+        "out_channels": 16, "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False}
+    assert not list((d / "transformer").glob("*.safetensors"))  # nothing generated is written
+    s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "meta", "MASKEDIT_DTYPE": "bfloat16"})
+    assert (s.resolution, s.steps, s.guidance) == (1024, 50, 4.0)
+    model = load_transformer(s)
+    assert 20.3e9 < sum(p.numel() for p in model.parameters()) < 20.5e9
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "meta" for p in model.parameters())
+    pipe = load_pipeline(load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "cpu"}))
+    assert pipe.text_encoder.config.text_config.hidden_size == 3584 and pipe.vae_scale_factor == 8
