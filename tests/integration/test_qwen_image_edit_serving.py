@@ -3,6 +3,8 @@ client, the OpenAI endpoint; parity with stock Diffusers, the cache, guidance, e
 
 import base64
 import io
+import re
+import urllib.request
 
 import numpy as np
 import openai
@@ -34,7 +36,7 @@ def qwen(tmp_path_factory):
     health = {"probe_timeout_s": 60.0}
     with running_cluster(1, d / "cluster", openai_port=port, env=env, health=health) as (router, url, servers):
         with EditClient(url) as client:
-            yield model, client, port
+            yield model, client, port, servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def _close(served: Image.Image, ref: Image.Image) -> None:
 
 
 def test_served_through_the_router_equals_stock_qwen_image_edit(qwen, stock):
-    _, client, _ = qwen
+    _, client, _, _ = qwen
     tpl, mask = samples.template(SIZE, SIZE, seed=3), _mask()
     r = client.edit(tpl, mask, "a red hat", seed=11, steps=3, raw_output=True, template_seed=11, use_cache=False)
     ref = stock(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), num_inference_steps=3, strength=1.0,
@@ -69,7 +71,7 @@ def test_served_through_the_router_equals_stock_qwen_image_edit(qwen, stock):
 
 def test_guided_edit_equals_stock_and_runs_uncached(qwen, stock):
     """GUIDANCE (true_cfg_scale) with a NEGATIVE_PROMPT: the pipeline's second call per step; never cached."""
-    _, client, _ = qwen
+    _, client, _, _ = qwen
     tpl, mask = samples.template(SIZE, SIZE, seed=4), _mask((128, 128, 512, 512))
     r = client.edit(tpl, mask, "a red hat", seed=5, steps=2, raw_output=True, template_seed=5, guidance=4.0,
                     negative_prompt="blurry")
@@ -81,7 +83,10 @@ def test_guided_edit_equals_stock_and_runs_uncached(qwen, stock):
 
 
 def test_template_then_edits_hit_the_cache(qwen):
-    _, client, _ = qwen
+    """The activation cache (recorded, then two hits in one batch) and the prompt cache (one template, one prompt:
+    encoded once, then taken from pre-processing's cache)."""
+    _, client, _, server = qwen
+    hits_before = _prompt_cache_hits(server)
     tpl = samples.template(SIZE, SIZE, seed=41)
     reg = client.edit(tpl, np.zeros((SIZE, SIZE), np.uint8), "a hat", steps=3, register=True)
     assert reg.info["cache"] == "record"
@@ -91,10 +96,18 @@ def test_template_then_edits_hit_the_cache(qwen):
         info = f.result(600).info
         assert info["cache_hit"] and set(info["block_modes"]) - {"F"}, info
         assert 0 < info["computed_tokens"] < 16 * 16
+    assert _prompt_cache_hits(server) >= hits_before + 2
+
+
+def _prompt_cache_hits(server) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    found = re.search(r'maskedit_prompt_cache_total\{event="hit"\} (\d+)', text)
+    assert found, "no prompt cache metric"
+    return int(found.group(1))
 
 
 def test_openai_edit_and_errors_by_name(qwen):
-    _, client, port = qwen
+    _, client, port, _ = qwen
     tpl, mask = samples.template(512, 384, seed=2), samples.mask(512, 384, 0.2, "box", seed=2)
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
     try:

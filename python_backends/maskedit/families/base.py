@@ -81,6 +81,11 @@ class ModelFamily(ABC):
     def count_prompt_tokens(self, pipe, prompt: str) -> int:
         """Tokens of ``prompt`` in the encoder whose length is limited (checked against max_sequence_length)."""
 
+    def prompt_cache(self, settings):
+        """Pre-processing's cache of encoded prompts where the family keeps one (``hits``, ``misses``, ``nbytes``;
+        the ``preprocess`` model exports them as ``maskedit_prompt_cache_*`` metrics), else None."""
+        return None
+
     @abstractmethod
     def prepare(self, pipe, scheduler_config: dict, image, mask, token_mask, w: int, h: int, params,
                 settings) -> Prepared:

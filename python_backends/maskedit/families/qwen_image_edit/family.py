@@ -67,8 +67,8 @@ class QwenImageEditFamily(ModelFamily):
         """The prompt's own tokens (the encoder's sequence adds the template and the image's tokens)."""
         return len(pipe.tokenizer(prompt).input_ids)
 
-    def encoded_prompts(self, settings):
-        """This process's cache of encoded prompts (``prompt_cache``)."""
+    def prompt_cache(self, settings):
+        """This process's cache of encoded prompts per (prompt, template) (``prompt_cache.EncodedPrompts``)."""
         if self._prompts is None:
             from .prompt_cache import EncodedPrompts
 
@@ -86,7 +86,7 @@ class QwenImageEditFamily(ModelFamily):
             raise InvalidInput("must be at least 2: the scheduler stretches its sigmas to shift_terminal, which "
                                "divides by zero for one step (the stock pipeline returns NaN)", "STEPS")
         img = P.prompt_image(pipe, image)
-        cache = self.encoded_prompts(settings)
+        cache = self.prompt_cache(settings)
 
         def encode(text: str) -> torch.Tensor:
             return cache.get(text, img, lambda: pipe.encode_prompt(

@@ -107,7 +107,7 @@ def test_the_encoders_image_round_trips_exactly(model):
 def test_encoded_prompts_are_cached_per_prompt_and_template(model):
     family, pipe = model
     s = settings()
-    cache = family.encoded_prompts(s)
+    cache = family.prompt_cache(s)
     img, other = template(seed=5), template(seed=6)
     first, _, _ = prepared(family, pipe, img, box_mask(), params("a red cap", seed=1), s)
     hits, misses = cache.hits, cache.misses
