@@ -34,7 +34,8 @@ class QwenTensors:
 
 def text_lengths(pooled: np.ndarray, rows: int) -> tuple[int, int]:
     """(prompt rows, negative rows) of a request's PROMPT_EMBEDS, as ``POOLED_EMBEDS`` carries them."""
-    if pooled.shape != (2,) or int(pooled[0]) + int(pooled[1]) != rows or pooled[0] < 1 or pooled[1] < 0:
+    if pooled.shape != (2,) or not np.isfinite(pooled).all() or int(pooled[0]) + int(pooled[1]) != rows \
+            or pooled[0] < 1 or pooled[1] < 0:
         raise InvalidInput(f"must hold the prompt's and the negative prompt's row counts of PROMPT_EMBEDS ({rows} "
                            "rows)", "POOLED_EMBEDS")
     return int(pooled[0]), int(pooled[1])

@@ -139,6 +139,9 @@ def test_bad_text_row_counts_are_refused_by_name():
     with pytest.raises(InvalidInput) as e:
         text_lengths(np.array([10.0, 3.0], np.float32), 12)
     assert e.value.field == "POOLED_EMBEDS"
+    for bad in (np.array([np.nan, 3.0], np.float32), np.zeros(3, np.float32)):
+        with pytest.raises(InvalidInput):
+            text_lengths(bad, 12)
     assert text_lengths(np.array([9.0, 3.0], np.float32), 12) == (9, 3)
 
 
