@@ -87,6 +87,7 @@ class TritonPythonModel:
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
+            temporal=info.get("temporal"),
         )
 
         def done(job: DenoiseJob):
@@ -106,6 +107,8 @@ class TritonPythonModel:
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
+            if job.temporal is not None:  # which steps reused their middle blocks (``maskedit.temporal``)
+                info.update(job.temporal.info())
             if job.adapters_from_step:  # early start: the step its adapters applied from
                 info.update(adapters_from_step=job.adapters_from_step)
             _quietly(self.metrics.observe, info)  # a metrics failure must never keep the answer from its caller
