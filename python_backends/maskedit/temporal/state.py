@@ -55,10 +55,10 @@ class TemporalState:
     # -- deciding -----------------------------------------------------------------------------------
     def static_decision(self, step: int) -> bool | None:
         """Reuse at ``step`` (a step mask decides before the step), or None (the first blocks' residual decides)."""
-        if not self.active or self.residual is None:
+        if not self.active:
             return False
         computes = self.spec.computes(step)
-        return None if computes is None else not computes
+        return None if computes is None else (not computes and self.residual is not None)
 
     def can_reuse(self, step: int, fn_residual: torch.Tensor) -> tuple[bool, float | None]:
         """cache-dit's ``can_cache`` for a threshold policy: warm-up, cached-step limits, then the relative L1
@@ -92,7 +92,7 @@ class TemporalState:
             return self.residual
         out = []
         for st in self.taylor:
-            st.current_step = step
+            st.current_step = _taylor_step(step)
             out.append(st.approximate())
         return tuple(out)
 
@@ -108,7 +108,7 @@ class TemporalState:
             self.residual = staged.residual
             if self.taylor is not None:
                 for st, y in zip(self.taylor, staged.residual):
-                    st.current_step = step  # cache-dit counts steps with ``mark_step_begin``; ours are explicit
+                    st.current_step = _taylor_step(step)
                     st.update(y)
 
     # -- reporting ----------------------------------------------------------------------------------
@@ -154,6 +154,14 @@ def admit(runner, job) -> None:
 
         st.taylor = (TaylorSeerState(n_derivatives=spec.order), TaylorSeerState(n_derivatives=spec.order))
     job.temporal = st
+
+
+def _taylor_step(step: int) -> int:
+    """The step number cache-dit's ``TaylorSeerState`` would hold at ``step``. Its calibrator advances every state
+    with ``mark_step_begin`` at each step, but creates a state at its first ``update``, after that step's
+    advance: its count runs one behind the step index (which matters where it starts derivatives, ``> 1``). Ours
+    is set explicitly (a retried step must not advance it twice), numbered as cache-dit's so results equal it."""
+    return step - 1
 
 
 def _parse(raw, steps: int) -> TemporalSpec:
