@@ -1,0 +1,62 @@
+"""Temporal reuse on FLUX.2 [klein] (``maskedit.temporal`` through the family's block hooks, whose single-stream
+blocks take text and image as one sequence): no reuse equals the plain path bit for bit, a step mask skips the
+middle blocks, and a plain request and a reusing one in one call equal each alone. (Diffusers' FirstBlockCache
+hook cannot run this model: its single-stream blocks return one joined tensor, which the hook's tail residual
+does not expect; the Flux Fill tests hold the mechanism to the libraries.)"""
+
+import pytest
+import torch
+
+from maskedit import temporal
+from maskedit.families.flux2_klein import Flux2KleinFamily
+from maskedit.families.flux2_klein.tiny import build
+
+from .klein_util import box_mask, job, load, params, prepared, runner, template
+
+STEPS = 6
+MASK = {"policy": "steps", "steps": [0, 1, 3]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = build(tmp_path_factory.mktemp("klein-temporal") / "tiny", "klein-tiny", seed=0)
+    family, pipe = Flux2KleinFamily(d), load(d)
+    prep, tokens = prepared(family, pipe, template(seed=1), box_mask(), params(seed=3, steps=STEPS))
+    return family, pipe, prep, tokens
+
+
+def run(model, policies):
+    """One call per step for requests with ``policies`` (None: no reuse), as the runner drives them."""
+    family, pipe, prep, tokens = model
+    r = runner(pipe)
+    r.family = family
+    jobs = []
+    for t in policies:
+        j = job(prep, tokens, 256, 256, STEPS)
+        j.inputs.temporal, j.temporal = t, None
+        family.prepare_job(r, j)
+        temporal.admit(r, j)
+        jobs.append(j)
+    with torch.no_grad():
+        while jobs[0].step_index < STEPS:
+            ctx = temporal.attach(None, jobs, lambda: family.cache_hooks(pipe.transformer))
+            family.step(r, jobs, ctx)
+            temporal.commit(ctx, jobs)
+    return jobs
+
+
+def test_no_reuse_equals_the_plain_path_bit_for_bit(model):
+    (plain,) = run(model, [None])
+    (zero,) = run(model, [{"policy": "fbcache", "threshold": 0}])
+    assert zero.temporal.info()["temporal_steps"] == "C" * STEPS
+    assert torch.equal(zero.latents, plain.latents)
+
+
+def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
+    (plain,) = run(model, [None])
+    (alone,) = run(model, [MASK])
+    assert alone.temporal.info()["temporal_steps"] == "CCRCRR"
+    assert not torch.equal(alone.latents, plain.latents)
+    both = run(model, [None, MASK])
+    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)
