@@ -297,7 +297,7 @@ class ModelRunner:
 
         for group in self.groups(jobs):
             ctx = self.cache.context(group) if self.cache is not None else None
-            ctx = temporal.attach(ctx, group, lambda: self.family.cache_hooks(self.transformer))
+            ctx = temporal.attach(ctx, group, lambda: self.family.temporal_hooks(self.transformer))
             plan = merge.merger_for(self.transformer, self.settings).plan([j.adapters for j in group], max(
                 j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):

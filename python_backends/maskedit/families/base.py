@@ -121,6 +121,11 @@ class ModelFamily(ABC):
     # tokens a hit computes (``temporal_cols``). Until they do, requests with a TEMPORAL policy are refused.
     temporal_reuse: ClassVar[bool] = False
 
+    def temporal_hooks(self, denoiser):
+        """The hooks that carry temporal reuse out (their ``blocks`` are what ``fn`` / ``bn`` count): the mask-aware
+        block hooks by default."""
+        return self.cache_hooks(denoiser)
+
     def lora_prefix(self) -> str:
         """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""
         return self.denoiser

@@ -38,7 +38,9 @@ class TemporalCall:
     """The temporal side of one denoiser call over ``jobs`` (batch rows in order); rows without reuse are None."""
 
     def __init__(self, jobs: list, hooks):
-        self.rows = [_Row(j) if j.temporal is not None and j.temporal.active else None for j in jobs]
+        per_job = getattr(hooks, "temporal_rows", lambda job: 1)  # batch rows of a job (a UNet's guidance rows)
+        self.rows = [row for j in jobs for row in
+                     [_Row(j) if j.temporal is not None and j.temporal.active else None] * per_job(j)]
         self.hooks = hooks  # the family's block hooks (``temporal_cols``)
         self._cols: dict = {}
 
@@ -136,6 +138,40 @@ class TemporalCall:
                                      (txt[i] - h_txt) if txt is not None else img.new_zeros(()))
             r.h_in = None
 
+    # -- blocks that change the tensor's shape (a UNet's): the middle blocks' output itself is reused -----------
+    def _groups(self) -> list:
+        """(row, its batch rows) per reusing request."""
+        out: dict = {}
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                out.setdefault(id(r), (r, []))[1].append(i)
+        return list(out.values())
+
+    def exit_features(self, b: int, out: torch.Tensor) -> None:
+        """After block ``b`` of a model whose blocks change shape: a threshold row decides from the first blocks'
+        output (cache-dit's hidden-states L1 mode; a residual across them is undefined), and the last middle block's
+        output is recorded on a computed step and replaced by the recorded one on a reused step (DeepCache)."""
+        for r, idx in self._groups():
+            st = r.state
+            if b == st.first - 1 and r.reuse is None:
+                h = out[idx]
+                r.reuse, r.staged.diff = st.can_reuse(r.step, h)
+                if not r.reuse:
+                    r.staged.fn_residual = h.clone()
+            if b == st.first - 1 and r.reuse:
+                r.residual = st.forecast(r.step, None)
+                if r.residual is None:
+                    r.reuse = False
+                else:  # a hit's cached rows for the skipped blocks' transformer blocks are not needed
+                    self._cancel_loads(r, *self.hooks.inner_blocks(st.first, st.tail))
+            if b != st.tail:
+                continue
+            if r.reuse:
+                r.staged.outcome = REUSED
+                out[idx] = r.residual[0]
+            else:
+                r.staged.residual = (out[idx].clone(), out.new_zeros(()))
+
     # -- helpers ---------------------------------------------------------------------------------------
     def _capture(self, ctx, r: _Row, i: int, img, txt) -> None:
         cols = self._columns(ctx, i, img.shape[1])
@@ -150,15 +186,18 @@ class TemporalCall:
         rows = view.rows(b, "y")
         img[i, view.idx_u] = rows[view.idx_u]
 
-    @staticmethod
-    def _cancel_loads(r: _Row, first: int, tail: int) -> None:
+    @property
+    def hooks_features(self) -> bool:
+        return getattr(self.hooks, "features", False)
+
+    def _cancel_loads(self, r: _Row, first: int, tail: int) -> None:
         """A hit skipping its middle blocks needs none of their cached rows but the last one's output: drop the
         loads queued for them (the loader skips those not started)."""
         jc = getattr(r.job, "cache", None)
         if jc is None or not jc.futures:
             return
         for key in [k for k in jc.futures if k[0] == r.step and first <= k[1] <= tail and
-                    not (k[1] == tail and k[2] == "y")]:
+                    not (k[1] == tail and k[2] == "y" and not self.hooks_features)]:
             jc.futures.pop(key).cancel()
 
 

@@ -85,8 +85,8 @@ class TemporalState:
 
     def forecast(self, step: int, shape_of) -> tuple | None:
         """The middle residual a reused ``step`` adds: the last computed one, or its TaylorSeer forecast; None
-        when it does not fit the rows computed now (``shape_of``: (image, text) shapes)."""
-        if self.residual is None or tuple(t.shape for t in self.residual) != shape_of:
+        when it does not fit the rows computed now (``shape_of``: (image, text) shapes; None: not checked)."""
+        if self.residual is None or (shape_of is not None and tuple(t.shape for t in self.residual) != shape_of):
             return None
         if self.taylor is None:
             return self.residual
@@ -138,16 +138,21 @@ def admit(runner, job) -> None:
     if not getattr(family, "temporal_reuse", False):
         raise InvalidInput(f"{family.pipeline_class_name} models do not serve temporal reuse yet; leave TEMPORAL "
                            "out (docs/caching.md, Temporal reuse)", "TEMPORAL")
-    n_blocks = len(family.cache_hooks(runner.transformer).blocks)
+    hooks = family.temporal_hooks(runner.transformer)
+    n_blocks = len(hooks.blocks)
     try:
         check_blocks(spec, n_blocks)
     except ValueError as e:
         raise InvalidInput(str(e), "TEMPORAL") from None
+    why = hooks.check(spec) if hasattr(hooks, "check") else None
+    if why:
+        raise InvalidInput(why, "TEMPORAL")
     st = TemporalState(spec, n_blocks)
     jc = job.cache
     if jc is not None and jc.status == "record":
         st.active, st.note = False, "a template run records every block"
-    elif jc is not None and jc.status == "hit" and any(m not in (Y, KV) for m in jc.modes[st.first:st.tail + 1]):
+    elif jc is not None and jc.status == "hit" and not getattr(hooks, "features", False) and \
+            any(m not in (Y, KV) for m in jc.modes[st.first:st.tail + 1]):
         st.active, st.note = False, "the hit's plan runs a middle block in full"
     if spec.order:
         from cache_dit.caching.cache_contexts.calibrators.taylorseer import TaylorSeerState  # imported when used
