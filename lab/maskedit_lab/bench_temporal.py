@@ -49,11 +49,14 @@ COMPOUND_TARGET = 0.9  # both >= 0.9 x (mask-only x temporal-only)
 FLUX_FILL_BENCH_TARGET = 3.5  # both >= 3.5x over full on flux_fill's bench preset
 
 
-def policies(steps: int, fraction: float, threshold: float) -> dict:
-    """Name -> TEMPORAL spec (dict) of the policies measured."""
-    return {"step_mask": {"policy": "steps", "steps": step_mask(steps, fraction)},
-            "fbcache": {"policy": "fbcache", "threshold": threshold},
-            "taylorseer": {"policy": "taylorseer", "order": 2, "threshold": threshold}}
+def policies(steps: int, fraction: float, threshold: float, unet: bool = False) -> dict:
+    """Name -> TEMPORAL spec (dict) of the policies measured. On a UNet (DeepCache-style) the first down block and
+    the last up block run (``fn = bn = 1``, DeepCache's shallowest branch); First Block Cache is then DBCache."""
+    blocks = {"fn": 1, "bn": 1} if unet else {}
+    first = {"policy": "dbcache", "threshold": threshold, **blocks} if unet else \
+        {"policy": "fbcache", "threshold": threshold}
+    return {"step_mask": {"policy": "steps", "steps": step_mask(steps, fraction), **blocks},
+            "fbcache": first, "taylorseer": {"policy": "taylorseer", "order": 2, "threshold": threshold, **blocks}}
 
 
 def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, threshold: float,
@@ -65,7 +68,7 @@ def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, thre
     decoder = Decoder(h.settings)
     off, _ = h.engine("off")
     hit, rt = h.engine("planner")
-    specs = policies(h.steps, fraction, threshold)
+    specs = policies(h.steps, fraction, threshold, unet=h.hooks.layout == "per_block")
     family = h.runner.family.name
     rows = []
     try:
