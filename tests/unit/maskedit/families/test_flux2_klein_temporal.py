@@ -7,11 +7,11 @@ does not expect; the Flux Fill tests hold the mechanism to the libraries.)"""
 import pytest
 import torch
 
-from maskedit import temporal
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.tiny import build
 
 from .klein_util import box_mask, job, load, params, prepared, runner, template
+from .temporal_util import denoise_with_reuse
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -28,21 +28,8 @@ def model(tmp_path_factory):
 def run(model, policies):
     """One call per step for requests with ``policies`` (None: no reuse), as the runner drives them."""
     family, pipe, prep, tokens = model
-    r = runner(pipe)
-    r.family = family
-    jobs = []
-    for t in policies:
-        j = job(prep, tokens, 256, 256, STEPS)
-        j.inputs.temporal, j.temporal = t, None
-        family.prepare_job(r, j)
-        temporal.admit(r, j)
-        jobs.append(j)
-    with torch.no_grad():
-        while jobs[0].step_index < STEPS:
-            ctx = temporal.attach(None, jobs, lambda: family.cache_hooks(pipe.transformer))
-            family.step(r, jobs, ctx)
-            temporal.commit(ctx, jobs)
-    return jobs
+    return denoise_with_reuse(family, runner(pipe), [job(prep, tokens, 256, 256, STEPS) for _ in policies],
+                              policies)
 
 
 def test_no_reuse_equals_the_plain_path_bit_for_bit(model):

@@ -7,9 +7,8 @@ reuse in one call equal each alone."""
 import pytest
 import torch
 
-from maskedit import temporal
-
 from .cn_util import box_mask, edges, edit, spec, template, tiny_model
+from .temporal_util import denoise_with_reuse
 
 STEPS = 5
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -17,27 +16,15 @@ MASK = {"policy": "steps", "steps": [0, 1, 3]}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    family, pipe, run_ = tiny_model(tmp_path_factory.mktemp("flux-cn-temporal") / "flux-cn-tiny", seed=0)
-    run_.family = family
-    return family, pipe, run_
+    return tiny_model(tmp_path_factory.mktemp("flux-cn-temporal") / "flux-cn-tiny", seed=0)
 
 
 def run(model, requests):
     """``requests``: (controls, control images, seed, policy) each, stepped together as one group."""
     family, pipe, run_ = model
-    jobs = []
-    for specs, images, seed, policy in requests:
-        j = edit(family, pipe, run_, template(seed=9), box_mask(), specs, images, seed=seed, steps=STEPS)
-        j.inputs.temporal, j.temporal = policy, None
-        family.prepare_job(run_, j)
-        temporal.admit(run_, j)
-        jobs.append(j)
-    with torch.no_grad():
-        while jobs[0].step_index < STEPS:
-            ctx = temporal.attach(None, jobs, lambda: family.cache_hooks(pipe.transformer))
-            family.step(run_, jobs, ctx)
-            temporal.commit(ctx, jobs)
-    return jobs
+    jobs = [edit(family, pipe, run_, template(seed=9), box_mask(), specs, images, seed=seed, steps=STEPS)
+            for specs, images, seed, _ in requests]
+    return denoise_with_reuse(family, run_, jobs, [r[3] for r in requests])
 
 
 def test_no_reuse_with_controls_equals_the_plain_path_bit_for_bit(model):
