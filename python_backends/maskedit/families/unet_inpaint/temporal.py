@@ -22,7 +22,7 @@ from diffusers.hooks import ModelHook
 
 from ...adapters import delta
 from ...cache.hooks import BlockHooks
-from ...cache.modes import StepContext
+from ...cache.modes import StepContext, index
 from .cache import UNetCacheHooks
 from .prepare import cfg_rows
 
@@ -90,7 +90,7 @@ class UNetTemporalHook(ModelHook):
         """The block on batch rows ``keep`` only; zeros of its output's shapes for the others."""
         if not keep:
             return _zeros(self._shapes[key], batch, args, kwargs)
-        sel = torch.tensor(keep, device=_device(args, kwargs))
+        sel = index(keep, _device(args, kwargs))  # made once per rows and device (no copy per block)
         pick = lambda v: _take(v, sel, batch)  # noqa: E731
         inner = getattr(self.owner.transformer, UNetCacheHooks._ATTR, None)  # the mask-aware block hooks, if on
         ctx = inner.context if inner is not None else None
