@@ -296,8 +296,11 @@ class ModelRunner:
         from .adapters import delta, merge
 
         for group in self.groups(jobs):
-            ctx = self.cache.context(group) if self.cache is not None else None
-            ctx = temporal.attach(ctx, group, lambda: self.family.temporal_hooks(self.transformer))
+            hooks = lambda: self.family.temporal_hooks(self.transformer)  # noqa: E731
+            reusing = any(j.temporal is not None for j in group)  # temporal reuse: rows a hit will not read
+            ctx = None if self.cache is None else self.cache.context(group, temporal.loads(group, hooks()) if reusing
+                                                                        else None)
+            ctx = temporal.attach(ctx, group, hooks)
             plan = merge.merger_for(self.transformer, self.settings).plan([j.adapters for j in group], max(
                 j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):

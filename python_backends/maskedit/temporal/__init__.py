@@ -20,7 +20,7 @@ Tests check a request alone against the stock pipeline with Diffusers' / cache-d
 reuse bit for bit, mixed batches against each request alone (``tests/unit/maskedit/test_temporal.py``).
 """
 
-from .call import TemporalCall, attach, commit
+from .call import TemporalCall, attach, commit, loads
 from .state import TemporalState, admit
 
-__all__ = ["TemporalCall", "TemporalState", "admit", "attach", "commit"]
+__all__ = ["TemporalCall", "TemporalState", "admit", "attach", "commit", "loads"]

@@ -225,3 +225,27 @@ def commit(ctx: StepContext | None, jobs: list) -> None:
         r = rows.get(id(job))
         step = job.step_index - 1  # the family's step advanced it
         st.commit(step, r.staged if r is not None else Staged(COMPUTED))
+
+
+def loads(jobs: list, hooks):
+    """For the cache's loader (``CacheRuntime.context``): the cached rows a hit will not read this step because its
+    step mask reuses its middle blocks (the last one's output rows stay, on token-row families); None when no hit
+    of ``jobs`` skips. A decision undone later (its rows changed) loads what it needs in the block."""
+    skips = {}
+    for j in jobs:
+        st, jc = j.temporal, getattr(j, "cache", None)
+        if st is None or jc is None or jc.status != "hit" or not st.static_decision(j.step_index):
+            continue
+        features = getattr(hooks, "features", False)
+        lo, hi = hooks.inner_blocks(st.first, st.tail) if features else (st.first, st.tail)
+        skips[id(jc)] = (lo, hi, not features)
+    if not skips:
+        return None
+
+    def keep(jc, b: int, kinds: list) -> list:
+        s = skips.get(id(jc))
+        if s is None or not s[0] <= b <= s[1]:
+            return kinds
+        return [k for k in kinds if s[2] and b == s[1] and k == "y"]
+
+    return keep

@@ -240,6 +240,31 @@ def test_a_cache_hit_reuses_on_its_masked_rows_only(cached, settings):
         np.testing.assert_allclose(job.result(), alone.result(), atol=atol(settings, 1e-5), rtol=0)
 
 
+def test_a_hit_on_a_reused_step_loads_no_rows_of_its_skipped_blocks(cached, settings, monkeypatch):
+    """The loader is not asked for the skipped blocks' cached rows (the last middle block's output rows excepted:
+    the next reader takes the unmasked ones from them)."""
+    pre, eng, rt = cached
+    tpl, mask = samples.template(256, 256, seed=32), samples.mask(256, 256, 0.2, "box", seed=32)
+
+    def x(temporal=None, **kw):
+        return denoise_inputs(pre(png(tpl), png(mask), parse_params(settings, "a hat", steps=STEPS,
+                                                                     temporal=temporal, **kw)))
+
+    run_job(eng, x(register=True))
+    rt.flush()
+    loaded = []
+    load = rt.loader.load
+    monkeypatch.setattr(rt.loader, "load", lambda jc, step, b, kind: (loaded.append((step, b, kind)),
+                                                                      load(jc, step, b, kind))[1])
+    job = run_job(eng, x('{"policy": "steps", "steps": [0, 1, 2, 4, 6]}'))
+    assert job.cache.status == "hit" and job.temporal.info()["temporal_steps"] == "CCCRCRCR"
+    tail = len(job.cache.modes) - 1
+    for step in (3, 5, 7):
+        got = {(b, kind) for s, b, kind in loaded if s == step}
+        assert {b for b, _ in got} <= {0, tail} and (tail, "y") in got, got
+    assert {b for s, b, _ in loaded if s == 2} == set(range(tail + 1))
+
+
 @pytest.mark.parametrize("text,words", [
     ('{"policy": "nope"}', '"policy" must be one of'),
     ('{"policy": "fbcache", "threshold": NaN}', '"threshold" must be a number from 0 to 1'),
