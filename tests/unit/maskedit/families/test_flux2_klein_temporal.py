@@ -1,9 +1,8 @@
 """Temporal reuse on FLUX.2 [klein] (``maskedit.temporal`` through the family's block hooks, whose single-stream
 blocks take text and image as one sequence): no reuse equals the plain path bit for bit, a step mask skips the
 middle blocks, a plain request and a reusing one in one call equal each alone, and a cache hit reuses on its
-computed rows. (Diffusers' FirstBlockCache
-hook cannot run this model: its single-stream blocks return one joined tensor, which the hook's tail residual
-does not expect; the Flux Fill tests hold the mechanism to the libraries.)"""
+computed rows. (Diffusers' FirstBlockCache hook cannot run this model: its single-stream blocks return one joined
+tensor, which the hook's tail residual does not expect; the Flux Fill tests hold the mechanism to the libraries.)"""
 
 import pytest
 import torch
