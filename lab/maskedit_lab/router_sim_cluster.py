@@ -324,6 +324,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         finished.append(q)
         q.booking.remove(w.load, now)
         q.booking.observed(est, (now - q.arrival) * 1000.0)
+        if q.f.temporal is not None:  # the router learns what its policy computed (the EDIT_INFO it would read)
+            est.observe_temporal(q.f.temporal, service.computed_fraction(q.f))
 
     def arrive(q: SimRequest, now: float) -> None:
         t0 = time.perf_counter()
@@ -341,6 +343,6 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     while events:
         now, _, fn = heapq.heappop(events)
         fn(now)
-    return {"requests": sorted(finished, key=lambda q: q.rid),
+    return {"requests": sorted(finished, key=lambda q: q.rid), "estimator": est,
             "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0,
             "decision_us_p99": float(np.percentile(decision_s, 99) * 1e6) if decision_s else 0.0, **cold}
