@@ -345,6 +345,7 @@ def main(argv=None) -> None:
                     "every policy and load (run), or one per policy shared by its loads (policy: fewer, cheaper)")
     ap.add_argument("--policies", nargs="*", default=list(POLICIES), help="measured one after another on one pair "
                     "of instances, each run bracketed by calibrations")
+    ap.add_argument("--burst", type=int, default=48, help="requests of the capacity burst (fewer: a smoke test)")
     ap.add_argument("--max-wall-s", type=float, help="start no further policy after this long (the rest are "
                     "listed as skipped)")
     ap.add_argument("--from", dest="source", type=Path,
@@ -354,7 +355,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's servers are stopped on the way
     measured = json.loads(args.source.read_text()) if args.source else run(
         args.loads, args.requests, policies=args.policies, max_wall_s=args.max_wall_s, steps=args.steps,
-        calibrate_every=args.calibrate_every)
+        calibrate_every=args.calibrate_every, burst=args.burst)
     measured["rows"] = compare(measured)
     measured["ranking"] = ranking(measured["rows"])
     for r in measured["ranking"]:
