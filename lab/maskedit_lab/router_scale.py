@@ -144,6 +144,20 @@ def decision_buckets(http_port: int, policy: str) -> dict[float, float]:
     return out
 
 
+def router_fit(http_port: int) -> dict:
+    """The router's online fit of the cost model (``predicted``): its scale (1: the profile holds) and whether it
+    has fallen back to least masked tokens (stale)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale"):
+            out[fam.name.removeprefix("maskedit_router_model_")] = round(fam.samples[0].value, 3)
+    return out
+
+
 def histogram_quantile(before: dict, after: dict, q: float) -> float | None:
     """Quantile ``q`` of the observations between two cumulative histograms, linear within a bucket (as
     Prometheus's ``histogram_quantile``)."""
@@ -335,7 +349,7 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
                    "router_idle_cpu_per_s": _round(idle_cpu_per_s, 4),
                    "router_cpu_cores": _round(cpu / wall, 3),
                    "emulator_cpu_cores": _round(emu_cpu / wall, 3),
-                   "send_late_ms_p99": _round(_pct(late, 99)), "loadavg_1m": round(os.getloadavg()[0], 2)}
+                   "send_late_ms_p99": _round(_pct(late, 99)), "router_fit_at_end": fit, "loadavg_1m": round(os.getloadavg()[0], 2)}
             row["within_target"] = bool(row["added_ms_p99"] is not None and row["added_ms_p99"] <= added_p99_ms
                                         and row["errors"] == 0)
             row["generator_kept_up"] = bool(row["send_late_ms_p99"] is not None and row["send_late_ms_p99"] <= 5.0)
@@ -393,13 +407,17 @@ def compare(workers: int, loads: list[float], policies: list[str], n: int, out: 
             with running_emulator(workers, profile, time_scale, out, LORA_LOAD_MS) as (emu, addrs):
                 sim = replay(policy, workers, list(zip(t.tolist(), fs)), est, names=addrs, policy_kw={"seed": 0})
                 slat = np.array([q.done - q.arrival for q in sim["requests"]])
-                with running_router(addrs, scaled, out, policy, router_args) as (router, url, _):
+                with running_router(addrs, scaled, out, policy, router_args) as (router, url, http_port):
                     items = [Sent(float(t[i]) * time_scale, reqs[i]) for i in range(n)]
                     c0, e0 = cpu_seconds(router.pid), cpu_seconds(emu.pid)
                     wall = asyncio.run(drive(url, items, streams, wait_s=600 * time_scale + 60))
                     cpu, emu_cpu = cpu_seconds(router.pid) - c0, cpu_seconds(emu.pid) - e0
+                    fit = router_fit(http_port)
             ok = [s for s in items if s.error is None]
             lat = np.array([(s.done - s.sent) / time_scale for s in ok])
+            # what the router and the wire added in this run (wall ms; x 1/time_scale in the trace's time)
+            added = [(s.done - s.sent - s.service_s) * 1000 for s in ok if s.service_s is not None]
+            late = [(s.sent - s.at) * 1000 for s in items if s.sent is not None]
             row = {"kind": "policy", "emulated_instances": True, "instances": workers, "policy": policy,
                    "load": load, "rate": round(rate, 3), "requests": n, "ok": len(ok), "errors": n - len(ok),
                    "error_kinds": _kinds(items), "time_scale": time_scale,
@@ -408,6 +426,8 @@ def compare(workers: int, loads: list[float], policies: list[str], n: int, out: 
                    "sim_p95_s": _round(np.percentile(slat, 95)), "sim_mean_s": _round(slat.mean()),
                    "sim_p50_s": _round(np.percentile(slat, 50)),
                    "misses": sum(not (s.cache_hit) for s in ok), "sim_misses": sim["misses"],
+                   "added_ms_p50": _round(_pct(added, 50)), "added_ms_p99": _round(_pct(added, 99)),
+                   "send_late_ms_p99": _round(_pct(late, 99)), "router_fit_at_end": fit,
                    "router_cpu_cores": _round(cpu / wall, 3), "emulator_cpu_cores": _round(emu_cpu / wall, 3),
                    "wall_s": round(wall, 1), "loadavg_1m": round(os.getloadavg()[0], 2)}
             if row["p95_s"]:
