@@ -175,8 +175,8 @@ def _warm(client, assets, reqs) -> list[tuple]:
     """One request per template, one at a time, so every later request on it can hit; (request, the instance that
     served it) each."""
     warm = [replace(reqs[[r.template for r in reqs].index(t)], t=0.0) for t in sorted({r.template for r in reqs})]
-    return [(w, client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
-             .info.get("instance")) for w in warm]
+    return [(w, client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed, steps=w.steps)
+             .result(600).info.get("instance")) for w in warm]
 
 
 def template_key(assets, r, res: int) -> str:
