@@ -46,10 +46,11 @@ from maskedit_router.estimator import LORA_LOAD_MS
 
 from . import REPO_ROOT
 from .router_sim import TraceWorkload, ideal_service_s
-from .triton_emulator import scaled_profile
+from .triton_emulator import EmulatorConfig, scaled_profile
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 COMPARED = ("predicted", "chwbl", "p2c", "weighted")
+EMULATED = EmulatorConfig(Path())  # the emulated instances' serving settings (the emulator's defaults)
 
 
 # -- the processes ------------------------------------------------------------------------------------------
@@ -405,7 +406,9 @@ def compare(workers: int, loads: list[float], policies: list[str], n: int, out: 
         for policy in policies:
             # fresh instances for every run (empty stores, as the simulator's workers start)
             with running_emulator(workers, profile, time_scale, out, LORA_LOAD_MS) as (emu, addrs):
-                sim = replay(policy, workers, list(zip(t.tolist(), fs)), est, names=addrs, policy_kw={"seed": 0})
+                sim = replay(policy, workers, list(zip(t.tolist(), fs)), est, names=addrs, policy_kw={"seed": 0},
+                             cache_templates=EMULATED.mem_templates, disk_templates=EMULATED.disk_templates,
+                             max_batch=EMULATED.max_batch, step_fixed_ms=EMULATED.step_fixed_ms)
                 slat = np.array([q.done - q.arrival for q in sim["requests"]])
                 with running_router(addrs, scaled, out, policy, router_args) as (router, url, http_port):
                     items = [Sent(float(t[i]) * time_scale, reqs[i]) for i in range(n)]
