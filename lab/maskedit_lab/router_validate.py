@@ -368,7 +368,9 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"
-    if router_json.exists():  # keep the simulation table and the validation rows in one file
+    # keep the simulation table and the validation rows in one file (a result written elsewhere, a smoke run or an
+    # offline replay, leaves the committed table alone)
+    if router_json.exists() and args.out.resolve().parent == RESULTS.resolve():
         data = json.loads(router_json.read_text())
         data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
         data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}
