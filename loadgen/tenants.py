@@ -228,6 +228,8 @@ def main(argv=None) -> None:
         _, s = capacity.run_at(topo.url, args.probe_rate, args.probe_s, steps=args.steps, seed=1,
                                api_key=keys[FLOOD])
         cap = result["capacity_rps"] = round(capacity.capacity([s]), 3)
+        if cap <= 0:
+            raise SystemExit(f"the capacity probe completed no request ({s['errors']}); see {args.out}")
         duration = args.duration or args.light_requests / (LIGHT_SHARE * cap)
         result["duration_s"] = round(duration, 1)
         # four phases of sending, each drained (up to a minute), and the second topology's start
