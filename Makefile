@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate serve-cluster chaos faults overload soak bench-tenants clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants clean
 
 setup: $(STAMP)
 
@@ -90,6 +90,10 @@ router-sim: $(STAMP)
 
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate $(ARGS)
+
+# The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.triton_emulator, docs/router.md).
+router-scale: $(STAMP)
+	$(PY) -m maskedit_lab.router_scale $(ARGS)
 
 serve-cluster: model
 	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
