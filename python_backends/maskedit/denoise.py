@@ -213,9 +213,11 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or (job.inputs.controls and not self._controls_cached())):
+                                       or (job.inputs.controls and not self._controls_cached())
+                                       or not self.family.runs_cached(job.inputs)):
             # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
-            # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
+            # ControlNets run in the ``controlnet`` model, out of the cache's reach), or cannot serve this request
+            # at all (``ModelFamily.runs_cached``): such a request runs in full.
             # Under early start its first steps may run without its adapters: never recorded under (or served from)
             # its adapter set's key.
             from .cache.decision import CacheDecision
@@ -270,6 +272,7 @@ class ModelRunner:
         x = job.inputs
         n = int(x.latents.shape[0])
         if self.cache is not None and x.cache_key and not x.register and self.cache.store is not None \
+                and self.family.runs_cached(x) \
                 and (self.cache.recording(x.cache_key) or self.cache.store.locate(x.cache_key)):
             return max(1, int(np.count_nonzero(x.token_mask)))
         return n

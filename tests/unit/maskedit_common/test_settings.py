@@ -30,6 +30,7 @@ NON_DEFAULT = {
     "MASKEDIT_LORA_LOAD_THREADS": ("3", "lora_load_threads", 3),
     "MASKEDIT_LORA_EARLY_START": ("1", "lora_early_start", True),
     "MASKEDIT_LORA_MERGE": ("never", "lora_merge", "never"),
+    "MASKEDIT_PROMPT_CACHE_BYTES": ("1e8", "prompt_cache_bytes", 100000000),
     "MASKEDIT_LORA_MERGE_BYTES": ("2e9", "lora_merge_bytes", 2000000000),
     "MASKEDIT_LORA_ROOTS": ("/in:/up", "lora_roots", (Path("/in"), Path("/up"))),
     "MASKEDIT_MAX_LORAS": ("2", "max_loras", 2),
