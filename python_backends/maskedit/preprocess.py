@@ -104,7 +104,7 @@ class Preprocessor:
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
         controls = self._decode_controls(params.controls, control_images)
-        w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
+        w, h = self.family.model_size(*tpl.size, s)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
         mask_t = self.pipe.mask_processor.preprocess(mask_img, height=h, width=w)  # (1,1,h,w) in {0,1}
