@@ -13,6 +13,7 @@ pixels are the edit area (as OpenAI does); an image without any is an error nami
 from __future__ import annotations
 
 import io
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -263,8 +264,6 @@ def _controls(form: dict) -> tuple[tuple, list]:
     """``controls``: the CONTROLS JSON (docs/controlnet.md), whose objects may carry their control image as base64
     in ``"image"`` (what the OpenAI SDK's ``extra_body`` can send); else the images are ``control_image`` file parts
     (``control_image[]`` repeated), in order. The server checks names, limits and the images."""
-    import json
-
     text = form.get("controls")
     text = text if isinstance(text, (dict, list)) else _text(form, "controls")
     files = form.get("control_image[]", form.get("control_image"))
@@ -298,12 +297,16 @@ def _image_text(v) -> bytes:
 # -- extra_body's nested values as form fields ------------------------------------------------------------------
 # The openai package sends ``extra_body`` inside a multipart form as bracketed fields (its ``_qs`` "brackets"
 # format): ``{"lora": {"name": "a", "scale": 0.8}}`` as ``lora[name]``, ``lora[scale]``; a list of objects as
-# ``controls[][name]`` repeated (one value per object, grouped by key); a list of names as ``lora[]``. Other form
-# clients number the entries: ``controls[0][name]``. These fold back into the value the JSON string would carry.
-NESTED = ("lora", "controls")
-NUMBER_KEYS = {"scale", "weight", "start", "end"}  # sent as text in a form; numbers in the JSON shape
+# ``controls[][name]`` repeated (one value per object, grouped by key); a list of names as ``lora[]``; a list inside
+# an object as ``temporal[steps][]``. Other form clients number the entries: ``controls[0][name]``. These fold back
+# into the value the JSON text would carry.
+NESTED = ("lora", "controls", "temporal")
+JSON_TEXT = ("temporal",)  # sent on as JSON text (the TEMPORAL tensor's form); the others are parsed here
+TEXT_KEYS = {"name", "policy", "mode", "preprocess", "image"}  # strings in the JSON shape; other leaves are numbers
 _BRACKETED = re.compile(r"^([A-Za-z_]+)((?:\[[^\[\]]*\])+)$")
 _KEY = re.compile(r"\[([^\[\]]*)\]")
+_SHAPES = {("k",): "object", ("k", "[]"): "object", ("[]",): "names", ("i",): "names", ("[]", "k"): "columns",
+           ("i", "k"): "numbered"}
 
 
 def fold_nested(form: dict) -> dict:
@@ -321,50 +324,55 @@ def fold_nested(form: dict) -> dict:
         if name in out:
             raise bad(name, f"was sent both as {name} and as {items[0][1]}; send it one way")
         out[name] = _fold(name, items)
+        if name in JSON_TEXT:
+            out[name] = json.dumps(out[name])
     return out
 
 
 def _leaf(key: str, value):
-    if isinstance(value, str) and key in NUMBER_KEYS:
-        try:
-            return float(value)
-        except ValueError:
-            return value  # the field's parser says what is wrong with it
+    """A form value as the JSON shape has it: text under ``TEXT_KEYS``, else the number (or true / false) it spells;
+    what spells neither stays text, for the field's parser to name."""
+    if not isinstance(value, str) or key in TEXT_KEYS:
+        return value
+    try:
+        v = json.loads(value)
+    except ValueError:
+        return value
+    return v if isinstance(v, (int, float, bool)) else value
+
+
+def _one(name: str, field: str, value):
+    if isinstance(value, list):
+        raise bad(name, f"{field} is given {len(value)} times; send it once")
     return value
 
 
 def _fold(name: str, items: list):
     shapes = {tuple("i" if k.isdigit() else "[]" if k == "" else "k" for k in path) for path, _, _ in items}
-    if len(shapes) != 1 or next(iter(shapes)) not in {("k",), ("[]",), ("i",), ("[]", "k"), ("i", "k")}:
+    kinds = {_SHAPES.get(shape) for shape in shapes}
+    if len(kinds) != 1 or None in kinds or (len(shapes) > 1 and kinds != {"object"}):
         raise bad(name, f"form fields {', '.join(sorted(k for _, k, _ in items))} mix shapes or nest too deep: "
-                        f"send {name}[key], {name}[][key] or {name}[0][key] fields, or {name} as a JSON string")
-    shape = next(iter(shapes))
-    if shape == ("k",):  # one object
-        obj = {}
-        for (key,), field, value in items:
-            if isinstance(value, list):
-                raise bad(name, f"{field} is given {len(value)} times; send it once")
-            obj[key] = _leaf(key, value)
-        return obj
-    if shape == ("[]",):  # a list of names
-        (_, _, values), = items
-        return values if isinstance(values, list) else [values]
-    if shape == ("i",):  # numbered names
-        return [v for _, v in sorted((int(path[0]), value) for path, _, value in items)]
-    if shape == ("i", "k"):  # numbered objects
+                        f"send {name}[key], {name}[][key] or {name}[0][key] fields, or {name} as JSON text")
+    kind = kinds.pop()
+    if kind == "object":  # one object (a list under a key: ``temporal[steps][]``)
+        return {path[0]: [_leaf(path[0], v) for v in (value if isinstance(value, list) else [value])]
+                if len(path) == 2 else _leaf(path[0], _one(name, field, value)) for path, field, value in items}
+    if kind == "names":  # a list of names, ``lora[]`` or numbered
+        if len(items) == 1 and items[0][0] == [""]:
+            return items[0][2] if isinstance(items[0][2], list) else [items[0][2]]
+        return [v for _, v in sorted((int(path[0]), _one(name, field, value)) for path, field, value in items)]
+    if kind == "numbered":  # numbered objects
         objs: dict[int, dict] = {}
         for (i, key), field, value in items:
-            if isinstance(value, list):
-                raise bad(name, f"{field} is given {len(value)} times; send it once")
-            objs.setdefault(int(i), {})[key] = _leaf(key, value)
+            objs.setdefault(int(i), {})[key] = _leaf(key, _one(name, field, value))
         return [objs[i] for i in sorted(objs)]
-    # ("[]", "k"): a list of objects, each key's values in object order; only equal counts say which is whose
+    # columns: a list of objects, each key's values in object order; only equal counts say which is whose
     columns = {path[1]: value if isinstance(value, list) else [value] for path, _, value in items}
     n = max(len(v) for v in columns.values())
     uneven = sorted(k for k, v in columns.items() if len(v) != n)
     if uneven:
         raise bad(name, f"{name}[][{uneven[0]}] has {len(columns[uneven[0]])} values for {n} entries: give every "
-                        f"object of the list the same keys, or send {name} as a JSON string")
+                        f"object of the list the same keys, or send {name} as JSON text")
     return [{k: _leaf(k, v[i]) for k, v in columns.items()} for i in range(n)]
 
 

@@ -161,6 +161,19 @@ def test_the_openai_packages_own_encoding_of_nested_extra_body_fields():
     assert job.control_images == [base64.b64encode(x) for x in (a, b)]
 
 
+def test_temporal_from_the_openai_package_goes_on_as_json_text():
+    import json
+
+    from maskedit_common.temporal import parse as parse_temporal
+
+    for spec in ({"policy": "fbcache", "threshold": 0.08}, {"policy": "dbcache", "threshold": 0.1, "fn": 1, "bn": 0},
+                 {"policy": "steps", "steps": [0, 2, 5]}):
+        job = parse(_form(**_as_openai_sends({"temporal": spec})), ["edit"])
+        assert json.loads(job.temporal) == spec  # numbers as numbers, the list as a list
+        parse_temporal(job.temporal, 8)  # what the server reads it with
+    assert parse(_form(temporal='{"policy": "off"}'), ["edit"]).temporal == '{"policy": "off"}'  # text: unchanged
+
+
 def test_numbered_form_fields_and_their_errors():
     from maskedit_common.controls import ControlSpec
     from maskedit_common.loras import LoraRef
