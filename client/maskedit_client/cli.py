@@ -1,6 +1,6 @@
 """`maskedit-edit`: edit one image through a running server.
 
-    maskedit-edit --template photo.jpg --mask mask.png --prompt "a red dress" --out result.png
+    maskedit-edit --template photo.jpg --mask mask.png --prompt "a red dress" --out out/result.png
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--guidance", type=float)
     ap.add_argument("--raw", action="store_true", help="return the model's output without keeping the template")
     ap.add_argument("--out", type=Path, default=Path("result.png"))
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds the edit may take (retries included)")
+    ap.add_argument("--connect-timeout", type=float, default=5.0,
+                    help="seconds to wait for a first connection before failing with its likely cause")
     ap.add_argument("--deadline-ms", type=int, help="fail fast (DEADLINE_EXCEEDED) if it cannot finish in time")
     ap.add_argument("--temporal", metavar="JSON", help='temporal reuse (step-to-step caching), e.g. '
                     '\'{"policy": "fbcache", "threshold": 0.08}\' or \'{"policy": "steps", "steps": [0, 1, 2, 4, 6]}\'')
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
-        with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file) as client:
+        with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file,
+                        connect_timeout_s=args.connect_timeout) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
         print(f"error: could not edit via {args.url}: {e}", file=sys.stderr)
         return 1
     close_bar(True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(result.png)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
     return 0

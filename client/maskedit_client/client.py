@@ -23,6 +23,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from . import reach
 from .inputs import edit_inputs, encode_image, loras_json  # noqa: F401  (loras_json: importable from here too)
 from .results import CODES, EditError, EditResult
 from .retry import Backoff, Timer, retryable
@@ -42,12 +43,23 @@ class EditClient:
 
     ``api_key``: sent as ``authorization: Bearer <key>`` metadata on every call (a router with a key file);
     ``ca_file``: TLS to the endpoint, trusting the certificates in that PEM file (``tls=True`` without one: the
-    system's trusted roots)."""
+    system's trusted roots).
+
+    ``connect_timeout_s``: how long a request waits for the client's first connection (or less, its deadline); without
+    one it fails then with ``UNAVAILABLE`` saying the likely cause (nothing listening at ``url``, ...: ``reach``),
+    instead of being retried until its deadline. Once a connection was made, the endpoint's going away is retried as
+    above."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
                  retry: bool = True, backoff: Backoff = Backoff(), api_key: str | None = None,
-                 ca_file: str | Path | None = None, tls: bool = False):
+                 ca_file: str | Path | None = None, tls: bool = False, connect_timeout_s: float = 5.0):
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.connect_timeout_s, self._tls = connect_timeout_s, bool(ca_file) or tls
+        self._reached = False  # a connection was made once: from then on a broken one is a restart, retried
+        self._reach_lock = threading.Lock()
+        self._awaiting: dict[str, float] = {}  # request id -> when it gives up waiting for a first connection
+        self._connector: threading.Thread | None = None
+        self._closed = False
         self.retry, self.backoff = retry, backoff
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = grpcclient.InferenceServerClient(url, ssl=bool(ca_file) or tls,
@@ -171,6 +183,52 @@ class EditClient:
         log.info("retrying %s in %.2f s (attempt %d): %s", rid, delay, state["attempt"], error)
         self._timer.call_later(delay, lambda: self._resend(rid))
 
+    def _await_connection(self, rid: str, fut: Future, state: dict) -> None:
+        """Park ``rid`` until the first connection (as a retry waiting out its backoff is parked: cancel and close
+        find it); it gives up at ``connect_timeout_s`` after submission or at its deadline, whichever is first."""
+        with self._lock:
+            self._retrying[rid] = (fut, state)
+        with self._reach_lock:
+            self._awaiting[rid] = min(time.monotonic() + self.connect_timeout_s, state["deadline"])
+            if self._connector is None:
+                self._connector = threading.Thread(target=self._connect, name="maskedit-client-connect", daemon=True)
+                self._connector.start()
+
+    def _connect(self) -> None:
+        """The connector thread: waits for the channel's first connection in short slices; sends the parked
+        requests once connected, fails those whose wait ran out with the likely cause (``reach``)."""
+        while True:
+            try:  # tritonclient keeps its channel private; waiting on it connects the channel the stream then uses
+                connected = not self._closed and reach.connected(self._client._channel, 0.25)
+            except ValueError:  # closed meanwhile
+                connected = False
+            now = time.monotonic()
+            with self._reach_lock:
+                self._reached = self._reached or connected
+                if self._closed:  # close() fails what is parked
+                    ready, expired, self._awaiting = [], [], {}
+                elif connected:
+                    ready, expired, self._awaiting = list(self._awaiting), [], {}
+                else:
+                    ready, expired = [], [r for r, t in self._awaiting.items() if now >= t]
+                    for r in expired:
+                        del self._awaiting[r]
+                finished = not self._awaiting
+                if finished:
+                    self._connector = None
+            for r in ready:
+                self._resend(r)
+            if expired:
+                why = reach.likely_cause(self.url, self.connect_timeout_s, self._tls)
+                error = EditError(f"UNAVAILABLE: cannot reach {self.url}: {why}", "UNAVAILABLE")
+                for r in expired:
+                    with self._lock:
+                        entry = self._retrying.pop(r, None)
+                    if entry is not None and not entry[0].done():
+                        entry[0].set_exception(error)  # never retried: nothing was ever there to come back
+            if finished:
+                return
+
     def _resend(self, rid: str) -> None:
         with self._lock:
             entry = self._retrying.pop(rid, None)
@@ -226,6 +284,9 @@ class EditClient:
         return fut
 
     def _send(self, rid: str, fut: Future, state: dict) -> None:
+        if not self._reached:  # no connection made yet: the connector sends it once there is one
+            self._await_connection(rid, fut, state)
+            return
         try:
             self._ensure_stream()
             with self._lock:
@@ -285,6 +346,8 @@ class EditClient:
         return n
 
     def close(self) -> None:
+        with self._reach_lock:
+            self._closed = True  # the connector stops at its next slice; its parked requests fail below
         with self._lock:
             futs = [f for f, _ in self._pending.values()]
             waiting, self._retrying = list(self._retrying.values()), {}

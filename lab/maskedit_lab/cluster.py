@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from maskedit.launcher import TritonServer
+from maskedit.scratch import run_scratch
 from maskedit_router.__main__ import build, serve
 from maskedit_router.admission import AdmissionWatcher
 from maskedit_router.health import HealthChecker
@@ -59,28 +60,37 @@ def running_backends(instances: int, out: Path, env: dict | None = None, supervi
 
 
 @contextlib.contextmanager
+def running_router(addrs: list[str], port: int = 0, http_port: int | None = None, policy: str = "predicted",
+                   health: HealthChecker | dict | None = None, openai_port: int | None = None):
+    """The router in front of the Triton instances at ``addrs`` (gRPC ``addrs``), on ``port`` (0: a free one), with
+    its HTTP port and the OpenAI API on ``openai_port`` if given; yields ``(router, router_grpc_url)``."""
+    router = build(addrs, policy)
+    grpc_server, bound, httpd = serve(router, port, http_port)
+    checker = HealthChecker(router, **(health or {})).start()
+    watcher = AdmissionWatcher(router).start()
+    openai = OpenAIServer(f"127.0.0.1:{bound}", openai_port).start() if openai_port else None
+    try:
+        yield router, f"127.0.0.1:{bound}"
+    finally:
+        if openai:
+            openai.stop()
+        checker.stop()
+        watcher.stop()
+        grpc_server.stop(grace=1).wait(10)
+        if httpd:
+            httpd.shutdown()
+
+
+@contextlib.contextmanager
 def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
                     policy: str = "predicted", env: dict | None = None, health: HealthChecker | dict | None = None,
                     supervise: bool = True, openai_port: int | None = None):
     """Start ``instances`` Triton servers (see ``running_backends``) and the router in front of them (with the
     OpenAI API on ``openai_port`` if given); yield ``(router, router_grpc_url, servers)``; stop everything, by pid,
     on the way out."""
-    with running_backends(instances, out, env, supervise) as (servers, _):
-        router = build([s.grpc_url for s in servers], policy)
-        grpc_server, bound, httpd = serve(router, port, http_port)
-        checker = HealthChecker(router, **(health or {})).start()
-        watcher = AdmissionWatcher(router).start()
-        openai = OpenAIServer(f"127.0.0.1:{bound}", openai_port).start() if openai_port else None
-        try:
-            yield router, f"127.0.0.1:{bound}", servers
-        finally:
-            if openai:
-                openai.stop()
-            checker.stop()
-            watcher.stop()
-            grpc_server.stop(grace=1).wait(10)
-            if httpd:
-                httpd.shutdown()
+    with running_backends(instances, out, env, supervise) as (servers, _), \
+            running_router([s.grpc_url for s in servers], port, http_port, policy, health, openai_port) as (router, url):
+        yield router, url, servers
 
 
 def main(argv=None) -> None:
@@ -95,11 +105,12 @@ def main(argv=None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with running_cluster(args.instances, args.out, args.port, args.http_port, args.policy,
-                         openai_port=args.openai_port or None) as (router, url, servers):
+    with run_scratch(), running_cluster(args.instances, args.out, args.port, args.http_port, args.policy,
+                                       openai_port=args.openai_port or None) as (router, url, servers):
         print(json.dumps({"router_grpc": url, "router_http": args.http_port, "openai": args.openai_port or None,
                           "backends": [s.grpc_url for s in servers]}), flush=True)
         stop.wait()
+    print("cluster stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ MAX_CLIENTS = 256  # upstream clients kept, one per API key in use (each carries
 
 
 async def read_form(request: web.Request) -> dict:
-    """Every field of a multipart/form-data body: file parts as bytes, the others as str (``image[]`` as a list)."""
+    """Every field of a multipart/form-data body: file parts as bytes, the others as str; a field named ``...[]`` or
+    sent more than once as a list of its values, in order."""
     if not request.content_type.startswith("multipart/form-data"):
         raise ApiError(400, f"expected a multipart/form-data body, got {request.content_type or 'none'}", None,
                        "invalid_content_type")
@@ -56,8 +57,9 @@ async def read_form(request: web.Request) -> dict:
                 raise ApiError(400, "a form part has no name", None, "invalid_body")
             data = await part.read()
             value = bytes(data) if part.filename is not None else data.decode("utf-8", errors="strict")
-            if part.name.endswith("[]"):
-                form.setdefault(part.name, []).append(value)
+            if part.name.endswith("[]") or part.name in form:  # a list, or a field sent again (the openai
+                prev = form.get(part.name, [])                  # package's ``controls[][name]`` per object)
+                form[part.name] = [*(prev if isinstance(prev, list) else [prev]), value]
             else:
                 form[part.name] = value
     except (ValueError, HttpProcessingError) as e:  # a malformed multipart body (UnicodeDecodeError included)
