@@ -43,6 +43,11 @@ class DenoiseInputs:
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
     controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
+    # STRENGTH < 1: the schedule's step it starts at (the stock ``get_timesteps``' ``t_start``); it runs
+    # ``steps - first_step`` steps, the stock schedule's last ones
+    first_step: int = 0
+    guidance_rescale: float = 0.0  # SDXL's ``guidance_rescale``
+    true_cfg_scale: float = 1.0  # FluxInpaintPipeline's true classifier-free guidance (with a negative text row)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -82,9 +87,26 @@ class DenoiseJob:
     control_model_s: float = 0.0  # of which the ``controlnet`` model's own work (the rest is BLS overhead)
     control_cache: tuple = ()  # its controls' ``JobCache`` each, where cached beside it (``cache.controlnet``)
 
+    def __post_init__(self):
+        self.step_index = self.first_step  # a strength < 1 edit starts into the schedule
+
     @property
     def steps(self) -> int:
         return self.inputs.steps
+
+    @property
+    def first_step(self) -> int:
+        return getattr(self.inputs, "first_step", 0)
+
+    @property
+    def run_steps(self) -> int:
+        """Steps this request runs (the stock pipeline's ``len(timesteps)`` after ``strength``)."""
+        return self.inputs.steps - self.first_step
+
+    @property
+    def run_index(self) -> int:
+        """Its place in the steps it runs (the stock loop's ``i``: ControlNet windows and progress count these)."""
+        return self.step_index - self.first_step
 
     @property
     def deadline(self) -> float | None:
@@ -233,6 +255,8 @@ class ModelRunner:
         self.load_adapters(job)
         self.load_controls(job)
         self.family.prepare_job(self, job)
+        if job.inputs.first_step and hasattr(job.scheduler, "set_begin_index"):
+            job.scheduler.set_begin_index(job.inputs.first_step)  # as the stock get_timesteps sets it
         self._admit_cache(job)
 
     def _admit_cache(self, job: DenoiseJob) -> None:
@@ -250,7 +274,7 @@ class ModelRunner:
         if self.cache is not None:
             self.cache.corrupt(job, error)
         job.restarts += 1
-        job.step_index, job.latents, job.cache, job.tensors = 0, None, None, None
+        job.step_index, job.latents, job.cache, job.tensors = job.first_step, None, None, None
         job.decision = None
         if job.restarts > 1 and self.cache is not None:
             from .cache.decision import CacheDecision
@@ -310,6 +334,8 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
+    if not 0 <= x.first_step < x.steps:
+        raise InvalidInput(f"leaves no step to run: it starts at step {x.first_step} of {x.steps}", "STRENGTH")
 
 
 def _plain_split(group: list[DenoiseJob], adapters_masked: bool, controls_masked: bool = False

@@ -36,10 +36,11 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
-              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=()) -> str:
+              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=(), crop=None) -> str:
     """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
     are never valid under another (none: the key of a plain request, unchanged). ``controls``: its ControlNets in
-    order, ``control_identity`` each: the residuals change every block's input, so no two control sets share."""
+    order, ``control_identity`` each: the residuals change every block's input, so no two control sets share.
+    ``crop``: PADDING_MASK_CROP's (x1, y1, x2, y2) of the template: the model's template is that crop."""
     fields = {
         "model": fingerprint, "template": template_hash, "size": [model_w, model_h], "steps": steps,
         "guidance": round(float(guidance), 6), "template_seed": int(template_seed), "dtype": dtype,
@@ -49,6 +50,8 @@ def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, 
         fields["adapters"] = [[str(n), round(float(s), 6), str(d)] for n, s, d in adapters]
     if controls:
         fields["controls"] = [list(c) for c in controls]
+    if crop is not None:
+        fields["crop"] = [int(v) for v in crop]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 

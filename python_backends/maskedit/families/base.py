@@ -80,6 +80,25 @@ class ModelFamily(ABC):
         seed. ``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its
         mask processor, ``token_mask`` (tokens,) bool: the tokens the edit touches."""
 
+    # -- the stock pipelines' options (docs/api.md, "Diffusers parameters") -------------------------------
+    def served_options(self) -> frozenset[str]:
+        """Which of the options only some stock pipelines have this family serves (``guidance_rescale``,
+        ``true_cfg_scale``): those its stock pipeline's ``__call__`` takes."""
+        return frozenset()
+
+    def check_options(self, params) -> None:
+        """Refuse an option this family's stock pipeline does not have, set to a value that would change the result
+        (``InvalidInput`` naming its field): silently ignoring it would give another image than the user asked for."""
+        from ..errors import InvalidInput
+
+        served = self.served_options()
+        # each option's value at or below which the stock pipelines that have it do nothing with it
+        for attr, field, idle in (("guidance_rescale", "GUIDANCE_RESCALE", 0.0),
+                                  ("true_cfg_scale", "TRUE_CFG_SCALE", 1.0)):
+            if attr not in served and getattr(params, attr, idle) > idle:
+                raise InvalidInput(f"is not a parameter of {self.pipeline_class_name}; leave it at {idle:g} or "
+                                   "below", field)
+
     # -- the denoise loop (stage 2) ---------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:
         """Refuse at start-up a scheduler this family cannot run per request."""

@@ -77,7 +77,8 @@ class Flux2KleinFamily(ModelFamily):
                                "(klein base models); use 1.0 or a distilled klein model", "GUIDANCE")
         t = P.prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h,
                               params.prompt, params.seed, params.template_seed, params.steps,
-                              settings.max_sequence_length, settings.torch_device)
+                              settings.max_sequence_length, settings.torch_device,
+                              strength=getattr(params, "strength", 1.0))
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
                         pooled_embeds=torch.zeros(1, dtype=t["latents"].dtype))
 

@@ -108,7 +108,8 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
         t = prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h, params.prompt,
                             params.seed, params.template_seed, params.steps, settings.max_sequence_length,
-                            settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()))
+                            settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()),
+                            strength=getattr(params, "strength", 1.0))
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
                         pooled_embeds=t["pooled"][0])
 
