@@ -232,11 +232,12 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or (job.inputs.controls and not self._controls_cached())):
+                                       or (job.inputs.controls and not self._controls_cached())
+                                       or getattr(job.inputs, "true_cfg_scale", 1.0) > 1):
             # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
             # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
             # Under early start its first steps may run without its adapters: never recorded under (or served from)
-            # its adapter set's key.
+            # its adapter set's key. TRUE_CFG_SCALE's negative row would need entries of its own text: in full.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)

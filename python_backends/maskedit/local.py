@@ -24,7 +24,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
         guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register, loras=p.loras,
         base_cache_key=p.base_cache_key or None,
         controls=from_wire(*to_wire(p.controls)),  # through the wire format, as the stages pass them
-        first_step=p.first_step, guidance_rescale=p.params.guidance_rescale, true_cfg_scale=p.params.true_cfg_scale,
+        first_step=p.first_step, guidance_rescale=p.params.guidance_rescale, true_cfg_scale=p.true_cfg_scale,
     )
 
 

@@ -64,6 +64,13 @@ class PreparedEdit:
         return not self.token_mask.any()
 
     @property
+    def true_cfg_scale(self) -> float:
+        """TRUE_CFG_SCALE as the denoiser applies it: with a negative row only (``FluxInpaintPipeline``'s
+        ``do_true_cfg``), else 1 (none)."""
+        p = self.params
+        return p.true_cfg_scale if p.true_cfg_scale > 1 and p.negative_prompt else 1.0
+
+    @property
     def skip_model(self) -> bool:
         """Nothing to edit and nothing to record: the template comes back as is."""
         return self.empty_mask and not self.params.register
@@ -101,9 +108,10 @@ class Preprocessor:
             if n_tokens > s.max_sequence_length:
                 raise InvalidInput(
                     f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", field)
-        if params.negative_prompt and not self.family.negative_prompt:
+        if params.negative_prompt and not self.family.uses_negative_prompt(params):
+            hint = " unless TRUE_CFG_SCALE is above 1" if "true_cfg_scale" in self.family.served_options() else ""
             raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (their guidance is "
-                               "embedded: there is no negative row); leave it out", "NEGATIVE_PROMPT")
+                               f"embedded: there is no negative row{hint}); leave it out", "NEGATIVE_PROMPT")
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
         controls = self._decode_controls(params.controls, control_images)

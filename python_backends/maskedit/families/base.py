@@ -86,6 +86,11 @@ class ModelFamily(ABC):
         ``true_cfg_scale``): those its stock pipeline's ``__call__`` takes."""
         return frozenset()
 
+    def uses_negative_prompt(self, params) -> bool:
+        """Does this request's NEGATIVE_PROMPT change its result? (A family without classifier-free guidance
+        refuses one rather than ignoring it.)"""
+        return self.negative_prompt
+
     def check_options(self, params) -> None:
         """Refuse an option this family's stock pipeline does not have, set to a value that would change the result
         (``InvalidInput`` naming its field): silently ignoring it would give another image than the user asked for."""

@@ -82,7 +82,7 @@ class TritonPythonModel:
             "tenant": tenant, "tenant_weight": weight,
             # the stock pipelines' options (docs/api.md): what the denoiser and the decoder do with them
             "strength": params.strength, "first_step": p.first_step, "crop": list(p.crop) if p.crop else None,
-            "guidance_rescale": params.guidance_rescale, "true_cfg_scale": params.true_cfg_scale,
+            "guidance_rescale": params.guidance_rescale, "true_cfg_scale": p.true_cfg_scale,
             "output_format": params.output_format, "output_quality": params.output_quality,
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives

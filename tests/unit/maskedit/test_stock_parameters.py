@@ -246,3 +246,30 @@ def test_output_format(served, fmt, magic):
     with pytest.raises(InvalidInput) as e:
         parse_params(served.settings, "x", output_format="gif")
     assert e.value.field == "OUTPUT_FORMAT" and "png, jpeg, webp" in str(e.value)
+
+
+def test_true_cfg_scale_equals_flux_inpainting_and_is_refused_where_the_pipeline_lacks_it(served):
+    tpl, mask = scene(served)
+    neg = dict(true_cfg_scale=4.0, negative_prompt="blurry")
+    if served.preset != "flux-cn-tiny":
+        with pytest.raises(InvalidInput) as e:
+            ours(served, tpl, mask, true_cfg_scale=4.0)
+        assert e.value.field == "TRUE_CFG_SCALE" and "not a parameter of" in str(e.value)
+        return
+    img, _, job = ours(served, tpl, mask, **neg)
+    same(served, img, stock(served, tpl, mask, strength=1.0, **neg))
+    assert job.cache is None or job.cache.status in ("off", "full")  # its negative row has no entries: in full
+    assert not np.array_equal(img, ours(served, tpl, mask)[0])
+    # batched with a request without it (each equal to the stock pipeline alone, within a grey level)
+    requests = [(dict(neg, strength=0.45), 3), ({}, 4)]
+    for out, (kw, seed) in zip(batched(served, tpl, mask, requests), requests):
+        st = stock(served, tpl, mask, seed=seed, **{"strength": 1.0, **kw})
+        same(served, out, np.where(mask[..., None] > 0, np.asarray(st), np.asarray(tpl)), grey=1)
+    with pytest.raises(InvalidInput) as e:  # stock would ignore it (true_cfg_scale 1): refused, not dropped
+        ours(served, tpl, mask, negative_prompt="blurry")
+    assert e.value.field == "NEGATIVE_PROMPT" and "TRUE_CFG_SCALE" in str(e.value)
+    from types import SimpleNamespace
+
+    with pytest.raises(InvalidInput) as e:  # FluxControlNetInpaintPipeline has none
+        served.editor.runner.family.check_options(SimpleNamespace(true_cfg_scale=4.0, controls=("edges",)))
+    assert e.value.field == "TRUE_CFG_SCALE"
