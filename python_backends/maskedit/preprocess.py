@@ -134,11 +134,13 @@ class Preprocessor:
             first_step=first, crop=None if crop is None else tuple(int(v) for v in crop),
         )
         if params.use_cache:
-            # Not in the key: STRENGTH (an entry serves every edit starting at its first step or later,
-            # ``cache.decision.fits``). In it: the crop, whose pixels are the model's template.
+            # STRENGTH: where the family blends the template back every step, not in the key (an entry serves every
+            # edit starting at its first step or later, ``cache.decision.fits``); elsewhere the first step is.
+            # The crop is: its pixels are the model's template.
+            start = 0 if self.family.blends_unmasked else first
             key = lambda **kw: cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,  # noqa: E731
                                          params.guidance, params.template_seed, self.scheduler_config, s.dtype,
-                                         crop=prepared.crop, **kw)
+                                         crop=prepared.crop, first_step=start, **kw)
             prepared.cache_key = key(adapters=[(r.name, r.scale, r.digest) for r in loras],
                                      controls=self._control_identities(controls))
             if loras:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import hashlib
 
+from ..controlnets.job import run_position
 from .modes import FULL
 
 
@@ -105,7 +106,7 @@ class ControlNetCaches:
             if steps is None:
                 rows.append(_ControlRows(job, job.inputs, JobCache("off")))
                 continue
-            moved = steps[0] if getattr(job, "first_step", 0) else 0  # STRENGTH < 1: its window moved with it
+            moved = steps[0] if getattr(job.inputs, "first_step", 0) else 0  # STRENGTH < 1: its window moved
             x = self._inputs(job, steps, control_key(jc.key, k, moved))
             p = _ControlRows(job, x, first=steps[0], budget=budgets[k + 1])
             c = self.runtime(active.model).admit(p)
@@ -119,9 +120,9 @@ class ControlNetCaches:
         """Per control of ``job``: the steps it acts on if it is cached (its ControlNet runs here, in a form the
         base hooks cache, at some step), else None."""
         out = []
-        first, run = getattr(job, "first_step", 0), job.steps - getattr(job, "first_step", 0)
+        first = getattr(job.inputs, "first_step", 0)
         for active in getattr(job, "controls", ()):  # schedule steps; the window counts the steps the edit runs
-            steps = [first + i for i in range(run) if active.scale_at(i, run) != 0]
+            steps = [i for i in range(first, job.steps) if active.scale_at(*run_position(job, i)) != 0]
             ok = steps and active.model is not None and self.base.hooks.caches_controlnet(active.model)
             out.append(steps if ok else None)
         return out
@@ -159,7 +160,8 @@ class ControlNetCaches:
         """After a step (``job.step_index`` already moved on): a control's view moves on where the step ran it."""
         for job in jobs:
             for k, p in enumerate(self.rows(job)):
-                if p.cache.status != "off" and job.controls[k].scale_at(job.run_index - 1, job.run_steps) != 0:
+                if p.cache.status != "off" and \
+                        job.controls[k].scale_at(*run_position(job, job.step_index - 1)) != 0:
                     self._owner(p).after_step([p])
 
     def finish(self, job, ok: bool) -> None:

@@ -45,6 +45,10 @@ class ModelFamily(ABC):
     denoiser: ClassVar[str] = "transformer"  # the denoiser's component / subfolder name
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)  # left out of processes that do not encode
     negative_prompt: ClassVar[bool] = False  # does the family use a negative prompt (classifier-free guidance)?
+    # Does its stock pipeline put the template (noised to the next timestep) back outside the mask after every step?
+    # Then an unmasked token's input at a timestep does not depend on the step the schedule started at, and one
+    # entry serves every STRENGTH (docs/caching.md, "Strength"); otherwise the first step is in the cache key.
+    blends_unmasked: ClassVar[bool] = False
 
     def __init__(self, model_dir: str | Path, pipeline_class: str):
         self.model_dir = Path(model_dir)

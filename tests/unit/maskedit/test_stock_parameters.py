@@ -146,6 +146,16 @@ def test_a_strength_edit_batched_with_one_that_does_not_set_it(served):
         same(served, img, ref, grey=1)
 
 
+def test_strength_is_in_the_cache_key_unless_the_pipeline_blends_the_template_back(served):
+    """docs/caching.md, "Strength": klein and Flux ControlNet inpainting put the template back outside the mask every
+    step, so one entry serves every strength; Flux Fill and SD 2 / SDXL key on the first step."""
+    tpl, mask = scene(served)
+    key = lambda strength: served.editor.pre(png(tpl), png(mask), parse_params(  # noqa: E731
+        served.settings, "x", steps=STEPS, strength=strength)).cache_key
+    assert (key(0.45) == key(1.0)) == (served.preset in ("klein-tiny", "flux-cn-tiny"))
+    assert key(1.0) == key(0.9999) or served.preset in ("sd2-tiny", "sdxl-tiny")  # 0.9999 runs 9 steps there
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
 def test_a_strength_outside_0_to_1_is_refused_naming_the_field(served, bad):
     with pytest.raises(InvalidInput) as e:

@@ -36,6 +36,7 @@ class Flux2KleinFamily(ModelFamily):
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "klein-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py adds the adapter deltas
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
 
     def __init__(self, model_dir, pipeline_class: str = "Flux2KleinInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)

@@ -46,6 +46,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
 
     def pipeline_class(self):
         from diffusers import FluxControlNetInpaintPipeline

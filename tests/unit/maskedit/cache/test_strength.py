@@ -1,8 +1,12 @@
 """STRENGTH and the activation cache (docs/caching.md, "Strength"): a STRENGTH < 1 edit runs the last steps of the
-same schedule, so an entry recorded from an earlier step (a template run at strength 1) holds rows at each of its
-timesteps and serves it; a run at strength s records the steps it runs only, serving edits that start there or later.
+same schedule; a run at strength s records the steps it runs only. Flux Fill (this model) keys its entries on the
+first step (its unmasked tokens' trajectory depends on it); families that blend the template back every step key
+without it, and an entry recorded from an earlier step (a template run at strength 1) serves such an edit from the
+rows at its own timesteps: that mechanism is checked here on Flux Fill's runtime with the keys made equal.
 
 The runner is driven by hand (no loop thread) so which rows each step reads is exact."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -57,10 +61,11 @@ def plain(runner, x):
     return job.result()
 
 
-def test_strength_is_not_in_the_key(env):
+def test_the_first_step_is_in_a_flux_fill_key(env):
     runner, rt, store, inputs = env
-    assert inputs(1, 0.5).cache_key == inputs(1, 1.0).cache_key
-    assert (inputs(1, 0.5).first_step, inputs(1, 1.0).first_step) == (4, 0)
+    assert inputs(1, 0.5).cache_key != inputs(1, 1.0).cache_key
+    assert inputs(1, 0.5).cache_key == inputs(1, 0.45).cache_key  # the same first step: the same schedule
+    assert (inputs(1, 0.5).first_step, inputs(1, 0.45).first_step, inputs(1, 1.0).first_step) == (4, 4, 0)
 
 
 def test_a_run_at_strength_s_records_its_steps_and_serves_the_same_edit_exactly(env):
@@ -78,11 +83,11 @@ def test_a_run_at_strength_s_records_its_steps_and_serves_the_same_edit_exactly(
 
 def test_a_strength_1_entry_serves_a_strength_s_edit_from_its_own_timesteps(env, monkeypatch):
     runner, rt, store, inputs = env
-    run(runner, rt, inputs(3, 1.0, ratio=0, register=True))
+    key = run(runner, rt, inputs(3, 1.0, ratio=0, register=True)).inputs.cache_key
     read = []
     rows = rt.loader.rows
     monkeypatch.setattr(rt.loader, "rows", lambda jc, step: (read.append(step), rows(jc, step))[1])
-    x = inputs(4, 0.5)
+    x = replace(inputs(4, 0.5), cache_key=key)  # as a blending family keys it
     hit = run(runner, rt, x)
     assert hit.cache.status == "hit" and hit.cache.first == 0
     assert read == [4, 5, 6, 7]  # the entry's rows at the edit's schedule steps (its timesteps)
@@ -93,10 +98,11 @@ def test_a_strength_1_entry_serves_a_strength_s_edit_from_its_own_timesteps(env,
 
 def test_an_entry_from_a_later_step_does_not_serve_an_edit_starting_earlier_and_is_replaced(env):
     runner, rt, store, inputs = env
+    key = inputs(5, 0.5).cache_key
     run(runner, rt, inputs(5, 0.5))
-    x = inputs(6, 1.0)
+    x = replace(inputs(6, 1.0), cache_key=key)  # keys made equal, as a blending family's are
     full = run(runner, rt, x)
     assert full.cache.status == "record"  # the stored entry lacks its first steps: it records them all
-    assert store.open(x.cache_key).meta.get("first_step", 0) == 0
-    later = run(runner, rt, inputs(7, 0.75))
+    assert store.open(key).meta.get("first_step", 0) == 0
+    later = run(runner, rt, replace(inputs(7, 0.75), cache_key=key))
     assert later.cache.status == "hit" and later.cache.first == 0 and later.first_step == 2
