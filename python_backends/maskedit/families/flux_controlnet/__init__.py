@@ -61,11 +61,11 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
         return frozenset({"true_cfg_scale"})  # FluxInpaintPipeline's (requests without controls)
 
     def uses_negative_prompt(self, params) -> bool:
-        return params.true_cfg_scale > 1 and not params.controls
+        return getattr(params, "true_cfg_scale", 1.0) > 1 and not params.controls
 
     def check_options(self, params) -> None:
         super().check_options(params)
-        if params.true_cfg_scale > 1 and params.controls:
+        if getattr(params, "true_cfg_scale", 1.0) > 1 and params.controls:
             from ...errors import InvalidInput
 
             raise InvalidInput("is a parameter of FluxInpaintPipeline, not of FluxControlNetInpaintPipeline: leave "
@@ -128,7 +128,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
                             settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()),
                             strength=getattr(params, "strength", 1.0))
         text, pooled = t["prompt_embeds"][0], t["pooled"][0]
-        if params.true_cfg_scale > 1 and params.negative_prompt:  # FluxInpaintPipeline's do_true_cfg: its rows after
+        if getattr(params, "true_cfg_scale", 1.0) > 1 and params.negative_prompt:  # do_true_cfg: the negative rows
             neg, neg_pooled, _ = pipe.encode_prompt(prompt=params.negative_prompt, prompt_2=None,
                                                     device=settings.torch_device, num_images_per_prompt=1,
                                                     max_sequence_length=settings.max_sequence_length)

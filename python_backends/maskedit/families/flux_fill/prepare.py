@@ -30,7 +30,7 @@ def prepare(pipe, scheduler_config: dict, init_image, mask_t, tokens, w: int, h:
     dtype = prompt_embeds.dtype
     # get_timesteps (STRENGTH: the schedule's last steps), then FluxFillPipeline.prepare_latents: encode the image
     # (consumes the generator), draw noise, noise the image to the first timestep run.
-    first = first_step(type(pipe), params.steps, params.strength)
+    first = first_step(type(pipe), params.steps, getattr(params, "strength", 1.0))
     scheduler = make_scheduler(scheduler_config, params.steps, len(tokens), device, first=first)
     t0 = scheduler.timesteps[first:first + 1]
     latent_h, latent_w = 2 * (h // patch), 2 * (w // patch)
