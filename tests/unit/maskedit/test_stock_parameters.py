@@ -283,3 +283,27 @@ def test_true_cfg_scale_equals_flux_inpainting_and_is_refused_where_the_pipeline
     with pytest.raises(InvalidInput) as e:  # FluxControlNetInpaintPipeline has none
         served.editor.runner.family.check_options(SimpleNamespace(true_cfg_scale=4.0, controls=("edges",)))
     assert e.value.field == "TRUE_CFG_SCALE"
+
+
+def test_a_controlnet_window_counts_the_steps_a_strength_edit_runs(served):
+    """FluxControlNetInpaintPipeline's control_guidance_start / end are fractions of the steps it runs after
+    strength (``len(timesteps)``): the same here, with a window that ends mid-way."""
+    if served.preset != "flux-cn-tiny":
+        pytest.skip("one ControlNet pipeline is enough: the window rule is shared (controlnets.job.run_position)")
+    from diffusers import FluxControlNetInpaintPipeline, FluxControlNetModel
+
+    tpl, mask = scene(served)
+    edges = np.zeros((served.size, served.size, 3), np.uint8)
+    edges[::37], edges[:, ::53] = 255, 255
+    net = FluxControlNetModel.from_pretrained(served.editor.runner.family.model_dir / "controlnets" / "canny")
+    control = [{"name": "canny", "scale": 0.8, "start": 0.0, "end": 0.5}]
+    img, p, _ = ours(served, tpl, mask, strength=0.45, controls=control, control_images=[png(edges)])
+    comps = {k: v for k, v in served.pipe.components.items() if k not in ("image_encoder", "feature_extractor")}
+    pipe = FluxControlNetInpaintPipeline(**comps, controlnet=net)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), control_image=Image.fromarray(edges),
+               height=served.size, width=served.size, strength=0.45, num_inference_steps=STEPS,
+               guidance_scale=GUIDANCE[served.preset], controlnet_conditioning_scale=0.8, control_guidance_end=0.5,
+               max_sequence_length=served.settings.max_sequence_length,
+               generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    same(served, img, ref, grey=1)
