@@ -24,11 +24,15 @@ from tests.conftest import atol, png
 STEPS = 8
 
 
+@pytest.fixture(scope="module")
+def model(settings):
+    return Preprocessor(settings), ModelRunner(settings)  # the keys do not depend on the store: one for all
+
+
 @pytest.fixture()
-def env(settings, tmp_path):
+def env(settings, tmp_path, model):
     store = ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30)
-    pre = Preprocessor(settings, store=store)
-    base = ModelRunner(settings)
+    pre, base = model
     rt = CacheRuntime(FluxCacheHooks.of(base.transformer), store)
     runner = ModelRunner(settings, transformer=base.transformer, cache=rt)
     tpl = samples.template(256, 256, seed=41)
