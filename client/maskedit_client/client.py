@@ -193,7 +193,7 @@ class EditClient:
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
                negative_prompt: str | None = None, loras=None, controls=None, control_images=None,
-               strength: float | None = None, padding_mask_crop: int | None = None,
+               temporal=None, strength: float | None = None, padding_mask_crop: int | None = None,
                guidance_rescale: float | None = None, true_cfg_scale: float | None = None,
                output_format: str | None = None, output_quality: int | None = None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
@@ -205,6 +205,8 @@ class EditClient:
         ``controls``: ControlNets from the server's library, ``[("name", scale[, start, end]), ...]`` or
         ``{"name", "scale", "start", "end", "mode", "preprocess"}`` objects (sent as ``CONTROLS``), with
         ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``).
+        ``temporal``: temporal reuse, e.g. ``{"policy": "fbcache", "threshold": 0.08}`` or its JSON text (sent as
+        ``TEMPORAL``; docs/caching.md); None: the server's default.
         The stock inpainting pipelines' own parameters keep their Diffusers names (docs/api.md): ``strength``,
         ``padding_mask_crop``, ``guidance_rescale``, ``true_cfg_scale``; ``output_format`` (png, jpeg, webp:
         ``EditResult.png`` then holds those bytes) and ``output_quality`` (jpeg, webp)."""
@@ -212,7 +214,7 @@ class EditClient:
                              raw_output=raw_output, template_seed=template_seed, use_cache=use_cache,
                              register=register, deadline_ms=deadline_ms, progress=on_progress is not None,
                              negative_prompt=negative_prompt, loras=loras, controls=controls,
-                             control_images=control_images, strength=strength,
+                             control_images=control_images, temporal=temporal, strength=strength,
                              padding_mask_crop=padding_mask_crop, guidance_rescale=guidance_rescale,
                              true_cfg_scale=true_cfg_scale, output_format=output_format,
                              output_quality=output_quality)

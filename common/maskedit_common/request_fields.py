@@ -77,6 +77,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  default=(), hi=8192),
     RequestField("CONTROL_IMAGES", "control_images", bytes, "STRING", "one control image (PNG/JPEG bytes or "
                  "base64) per CONTROLS entry, in order", dims=(-1,)),
+    RequestField("TEMPORAL", "temporal", str, "STRING", 'temporal reuse (step-to-step caching), as JSON: '
+                 '{"policy": "fbcache", "threshold": 0.08}; policies fbcache, dbcache, taylorseer, steps, off '
+                 '(docs/caching.md, "Temporal reuse"); empty: the server default', default_setting="temporal",
+                 hi=4096, openai=True),
     # The stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters").
     # FP64: the pipelines truncate steps x strength to whole steps, so the user's own double decides the step count
     RequestField("STRENGTH", "strength", float, "FP64", "how far the masked region moves from the template: the "

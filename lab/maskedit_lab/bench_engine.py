@@ -115,7 +115,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
         kernels, streamed = timers(h.runner.device, h.runner.dtype)
     else:
         dim = cfg.num_attention_heads * cfg.attention_head_dim
-        n_blocks = cfg.num_layers + cfg.num_single_layers
+        n_blocks, n_dual = len(h.hooks.blocks), h.hooks.n_dual  # the hooks' blocks: dual-stream, then single
         io = edges(cfg)  # x_embedder / proj_out widths: they run on every token in every mode
         kernels, streamed = KernelTimer.hot_and_streamed(cfg.num_attention_heads, h.runner.device, h.runner.dtype)
     rows = []
@@ -147,7 +147,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                     "mask_ratio": ratio, "mode": m, "denoise_s": round(d, 5), "steps": h.steps,
                     "speedup": round(full_s / d, 3) if full_s else None,
                     "ideal_speedup": round(unet_costs.ideal_speedup(plan_modes, computed) if unet else
-                                           ideal_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3),
+                                           ideal_speedup(plan_modes, n_dual, n, c, text, dim, **io), 3),
                     "computed_tokens": c, "tokens": n, "block_modes": jc.info()["block_modes"] if jc else "",
                     "cache": jc.status if jc else "off", "load_s": round(jc.load_s, 5) if jc else 0.0,
                     "device": device_slug(h.runner.device), "dtype": h.settings.dtype,
@@ -160,7 +160,7 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
                     row.update(unet_costs.rest_share())
                 for name, timer in (("kernel_ceiling", kernels), ("streamed_ceiling", streamed)):
                     row[name] = round(unet_costs.ceiling_speedup(plan_modes, computed, timer) if unet else
-                                      timer.ceiling_speedup(plan_modes, cfg.num_layers, n, c, text, dim, **io), 3)
+                                      timer.ceiling_speedup(plan_modes, n_dual, n, c, text, dim, **io), 3)
                     row["of_" + name] = round(row["speedup"] / row[name], 3) if row["speedup"] else None
                 rows.append(row)
     finally:

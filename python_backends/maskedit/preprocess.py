@@ -121,7 +121,7 @@ class Preprocessor:
             # the ControlNet pipelines crop the control images too, each its own way: not served yet (docs/api.md)
             raise InvalidInput("is not served with CONTROLS yet (the control images would need the crop too); "
                                "leave one of them out", "PADDING_MASK_CROP")
-        w, h = imaging.model_size(*tpl.size, s.resolution, multiple=self.multiple)
+        w, h = self.family.model_size(*tpl.size, s)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
         # PADDING_MASK_CROP: the stock pipelines' crop around the mask, widened to the model's aspect, resized to the

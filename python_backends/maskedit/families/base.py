@@ -72,10 +72,23 @@ class ModelFamily(ABC):
     @abstractmethod
     def geometry(self, settings) -> Geometry: ...
 
+    def model_size(self, width: int, height: int, settings) -> tuple[int, int]:
+        """The (w, h) a ``width`` x ``height`` template is edited at: by default about ``settings.resolution**2``
+        pixels, the aspect kept, sides multiples of the geometry's ``multiple``. A family whose stock pipeline sizes
+        its images its own way says so here (Qwen-Image-Edit: ``calculate_dimensions``, rounded down)."""
+        from ..imaging import model_size
+
+        return model_size(width, height, settings.resolution, multiple=self.geometry(settings).multiple)
+
     # -- pre-processing (stage 1) ---------------------------------------------------------------------
     @abstractmethod
     def count_prompt_tokens(self, pipe, prompt: str) -> int:
         """Tokens of ``prompt`` in the encoder whose length is limited (checked against max_sequence_length)."""
+
+    def prompt_cache(self, settings):
+        """Pre-processing's cache of encoded prompts where the family keeps one (``hits``, ``misses``, ``nbytes``;
+        the ``preprocess`` model exports them as ``maskedit_prompt_cache_*`` metrics), else None."""
+        return None
 
     @abstractmethod
     def prepare(self, pipe, scheduler_config: dict, image, mask, token_mask, w: int, h: int, params,
@@ -125,6 +138,12 @@ class ModelFamily(ABC):
         """Advance ``group`` one step: one denoiser call (through ``ctx``'s cache hooks when given), then each
         request's scheduler step; increments each job's ``step_index``."""
 
+    def runs_cached(self, inputs) -> bool:
+        """May this request (``denoise.DenoiseInputs``) take the mask-aware path? A request the family's hooks cannot
+        serve (e.g. classifier-free guidance where the hooks record one row per request) runs with the cache off,
+        like adapters a family's masked path does not add. Default: every request."""
+        return True
+
     @abstractmethod
     def cache_hooks(self, denoiser):
         """The mask-aware block hooks on ``denoiser`` (a ``maskedit.cache.hooks.BlockHooks``)."""
@@ -144,6 +163,15 @@ class ModelFamily(ABC):
     # recorded and reused, ``maskedit.cache.controlnet``) and its residuals taken by the masked path. Until a
     # family's are, its requests with controls run uncached (``off``).
     controls_in_masked_path: ClassVar[bool] = False
+    # Temporal reuse (``maskedit.temporal``): the family's block hooks consult the step context's ``temporal`` call
+    # (skipped rows pass a middle block through; ``enter`` / ``exit`` around every block) and say which image
+    # tokens a hit computes (``temporal_cols``). Until they do, requests with a TEMPORAL policy are refused.
+    temporal_reuse: ClassVar[bool] = False
+
+    def temporal_hooks(self, denoiser):
+        """The hooks that carry temporal reuse out (their ``blocks`` are what ``fn`` / ``bn`` count): the mask-aware
+        block hooks by default."""
+        return self.cache_hooks(denoiser)
 
     def lora_prefix(self) -> str:
         """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""

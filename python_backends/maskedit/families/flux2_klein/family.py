@@ -37,6 +37,7 @@ class Flux2KleinFamily(ModelFamily):
     tiny_preset: ClassVar[str] = "klein-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py adds the adapter deltas
     blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
+    temporal_reuse: ClassVar[bool] = True  # cache.py's hooks skip a reusing row's middle blocks
 
     def __init__(self, model_dir, pipeline_class: str = "Flux2KleinInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)

@@ -47,6 +47,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
     blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
+    temporal_reuse: ClassVar[bool] = True  # the Flux block hooks skip a reusing row's middle blocks
 
     def pipeline_class(self):
         from diffusers import FluxControlNetInpaintPipeline
