@@ -307,3 +307,18 @@ def test_a_controlnet_window_counts_the_steps_a_strength_edit_runs(served):
                max_sequence_length=served.settings.max_sequence_length,
                generator=torch.Generator("cpu").manual_seed(5)).images[0]
     same(served, img, ref, grey=1)
+
+
+def test_a_temporal_step_mask_counts_the_steps_a_strength_edit_runs(served):
+    """TEMPORAL's step indices are the loop's (cache-dit's count), 0 at a STRENGTH edit's first step: a mask of all
+    the steps it runs computes every one, equal to no reuse."""
+    if served.preset != "tiny":
+        pytest.skip("the step count is the engine's, not the family's")
+    tpl, mask = scene(served)
+    plain = ours(served, tpl, mask, strength=0.45)[0]
+    every = {"policy": "steps", "steps": [0, 1, 2, 3, 4]}  # 5 of 10 steps run at 0.45
+    img, _, job = ours(served, tpl, mask, strength=0.45, temporal=every)
+    assert np.array_equal(img, plain) and "R" not in "".join(job.temporal.outcomes)
+    with pytest.raises(InvalidInput) as e:  # step 5 is past the steps it runs
+        ours(served, tpl, mask, strength=0.45, temporal={"policy": "steps", "steps": [0, 5]})
+    assert e.value.field == "TEMPORAL"
