@@ -35,7 +35,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
     ap.add_argument("--raw", action="store_true", help="return the model's output without keeping the template")
-    ap.add_argument("--out", type=Path, default=Path("result.png"))
+    # the stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters")
+    ap.add_argument("--strength", type=float, help="0..1: run the schedule's last steps from the noised template")
+    ap.add_argument("--padding-mask-crop", type=int, metavar="PX",
+                    help="edit a crop around the mask (this many pixels wider) at the model's size, paste it back")
+    ap.add_argument("--guidance-rescale", type=float, help="SDXL: rescale the guided noise prediction (0..1)")
+    ap.add_argument("--true-cfg-scale", type=float, help="Flux inpainting: true CFG with --negative-prompt (> 1)")
+    ap.add_argument("--output-format", choices=("png", "jpeg", "webp"), help="the result's encoding (default png)")
+    ap.add_argument("--output-quality", type=int, help="JPEG / WebP quality, 1..100")
+    ap.add_argument("--out", type=Path, default=None, help="default: result.<output format>")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds the edit may take (retries included)")
     ap.add_argument("--connect-timeout", type=float, default=5.0,
                     help="seconds to wait for a first connection before failing with its likely cause")
@@ -93,7 +101,10 @@ def main(argv=None) -> int:
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
                                  loras=[_lora_arg(a) for a in args.lora] or None, controls=controls or None,
-                                 control_images=list(args.control_image) or None, temporal=args.temporal)
+                                 control_images=list(args.control_image) or None, temporal=args.temporal,
+                                 strength=args.strength, padding_mask_crop=args.padding_mask_crop,
+                                 guidance_rescale=args.guidance_rescale, true_cfg_scale=args.true_cfg_scale,
+                                 output_format=args.output_format, output_quality=args.output_quality)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)
@@ -104,9 +115,10 @@ def main(argv=None) -> int:
         print(f"error: could not edit via {args.url}: {e}", file=sys.stderr)
         return 1
     close_bar(True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(result.png)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
+    out = args.out or Path(f"result.{'jpg' if args.output_format == 'jpeg' else args.output_format or 'png'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(result.png)
+    print(f"wrote {out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
     return 0
 
 

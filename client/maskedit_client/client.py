@@ -251,7 +251,9 @@ class EditClient:
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
                negative_prompt: str | None = None, loras=None, controls=None, control_images=None,
-               temporal=None) -> Future:
+               temporal=None, strength: float | None = None, padding_mask_crop: int | None = None,
+               guidance_rescale: float | None = None, true_cfg_scale: float | None = None,
+               output_format: str | None = None, output_quality: int | None = None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
         ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
@@ -262,12 +264,18 @@ class EditClient:
         ``{"name", "scale", "start", "end", "mode", "preprocess"}`` objects (sent as ``CONTROLS``), with
         ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``).
         ``temporal``: temporal reuse, e.g. ``{"policy": "fbcache", "threshold": 0.08}`` or its JSON text (sent as
-        ``TEMPORAL``; docs/caching.md); None: the server's default."""
+        ``TEMPORAL``; docs/caching.md); None: the server's default.
+        The stock inpainting pipelines' own parameters keep their Diffusers names (docs/api.md): ``strength``,
+        ``padding_mask_crop``, ``guidance_rescale``, ``true_cfg_scale``; ``output_format`` (png, jpeg, webp:
+        ``EditResult.png`` then holds those bytes) and ``output_quality`` (jpeg, webp)."""
         inputs = edit_inputs(template, mask, prompt, seed=seed, steps=steps, guidance=guidance,
                              raw_output=raw_output, template_seed=template_seed, use_cache=use_cache,
                              register=register, deadline_ms=deadline_ms, progress=on_progress is not None,
                              negative_prompt=negative_prompt, loras=loras, controls=controls,
-                             control_images=control_images, temporal=temporal)
+                             control_images=control_images, temporal=temporal, strength=strength,
+                             padding_mask_crop=padding_mask_crop, guidance_rescale=guidance_rescale,
+                             true_cfg_scale=true_cfg_scale, output_format=output_format,
+                             output_quality=output_quality)
         inputs += extra_inputs or []
         return self.submit_inputs(inputs, on_progress, None if deadline_ms is None else
                                   min(self.timeout_s, deadline_ms / 1000))
@@ -312,14 +320,18 @@ class EditClient:
 
     def register_template(self, template, prompt: str = "a photo", steps: int | None = None,
                           guidance: float | None = None, template_seed: int | None = None,
-                          timeout_s: float | None = None) -> EditResult:
+                          timeout_s: float | None = None, strength: float | None = None, mask=None,
+                          padding_mask_crop: int | None = None) -> EditResult:
         """Warm the activation cache for ``template`` before traffic: runs the template once (no edit) and
         records its activations for the given steps/guidance/template seed. Later edits with the same
-        settings compute only their masked tokens."""
-        img = Image.open(io.BytesIO(encode_image(template)))
-        empty = np.zeros((img.size[1], img.size[0]), np.uint8)
-        fut = self.submit(template, empty, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
-                          register=True)
+        settings compute only their masked tokens. ``strength``: for models whose entries are keyed on it
+        (Flux Fill, SD 2 / SDXL: docs/caching.md, "Strength"); ``mask`` + ``padding_mask_crop``: an entry for the
+        crop the edits with that mask will use (the mask's own tokens are recorded as edited)."""
+        if mask is None:
+            img = Image.open(io.BytesIO(encode_image(template)))
+            mask = np.zeros((img.size[1], img.size[0]), np.uint8)
+        fut = self.submit(template, mask, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
+                          register=True, strength=strength, padding_mask_crop=padding_mask_crop)
         return fut.result(timeout=timeout_s or self.timeout_s)
 
     def cancel(self, *futures: Future) -> int:

@@ -68,10 +68,13 @@ async def read_form(request: web.Request) -> dict:
     return form
 
 
-def _resized_png(png: bytes, size: tuple[int, int]) -> bytes:
-    img = Image.open(io.BytesIO(png))
+def _resized(data: bytes, size: tuple[int, int], fmt: str = "png", quality: int = 95) -> bytes:
+    """The result at the form's ``size``, encoded again as the backend encoded it (``output_format``)."""
+    img = Image.open(io.BytesIO(data))
     buf = io.BytesIO()
-    img.resize(size, Image.LANCZOS).save(buf, format="PNG")
+    save = {"png": ("PNG", {}), "jpeg": ("JPEG", {"quality": quality}), "webp": ("WEBP", {"quality": quality})}
+    name, kw = save.get(fmt, save["png"])
+    img.resize(size, Image.LANCZOS).save(buf, format=name, **kw)
     return buf.getvalue()
 
 
@@ -257,14 +260,15 @@ class OpenAIFrontend:
             raise
         data = []
         for r in results:
-            png = _resized_png(r.png, job.size) if job.size else r.png
-            data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "edit_info": r.info})
+            fmt = job.output_format or "png"
+            out = _resized(r.png, job.size, fmt, job.output_quality or 95) if job.size else r.png
+            data.append({"b64_json": base64.b64encode(out).decode(), "revised_prompt": None, "edit_info": r.info})
         w, h = job.size or Image.open(io.BytesIO(results[0].png)).size
         log.info("openai edit", extra={"fields": {
             "n": job.n, "user": job.user, "tenant": request[TENANT].name, "size": f"{w}x{h}", "latency_s": round(time.perf_counter() - t0, 3),
             "cache": [r.info.get("cache") for r in results], "ignored": job.ignored}})
-        return web.json_response({"created": int(time.time()), "data": data, "output_format": "png",
-                                  "size": f"{w}x{h}"})
+        return web.json_response({"created": int(time.time()), "data": data,
+                                  "output_format": job.output_format or "png", "size": f"{w}x{h}"})
 
     def _submit(self, client: EditClient, job: EditJob, seed):
         return client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
@@ -273,7 +277,10 @@ class OpenAIFrontend:
                                   negative_prompt=job.negative_prompt,
                                   loras=[(r.name, r.scale) for r in job.lora] or None,
                                   controls=[c.as_dict() for c in job.controls] or None,
-                                  control_images=job.control_images or None, temporal=job.temporal)
+                                  control_images=job.control_images or None, temporal=job.temporal,
+                                  strength=job.strength, padding_mask_crop=job.padding_mask_crop,
+                                  guidance_rescale=job.guidance_rescale, true_cfg_scale=job.true_cfg_scale,
+                                  output_format=job.output_format, output_quality=job.output_quality)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]

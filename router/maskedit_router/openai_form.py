@@ -31,7 +31,7 @@ from maskedit_common.settings import Settings
 MAX_N = 10  # OpenAI's own limit for n
 MAX_SIDE = math.isqrt(Settings.max_input_pixels)  # the side of the server's default input limit (4096)
 # Accepted for compatibility and not used: they do not change what an inpainting model computes here.
-IGNORED = {"quality", "input_fidelity", "safety_identifier", "output_compression", "user"}
+IGNORED = {"quality", "input_fidelity", "safety_identifier", "user"}
 # Only the tensors' own ranges are checked here: the server checks the limits (and says them) as for any client.
 INT_EXTRAS = {f.attr: INT_RANGE[f.dtype] for f in OPENAI_EXTRAS if f.kind is int}
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -77,6 +77,13 @@ class EditJob:
     lora: tuple = ()  # LoRA adapters: ``maskedit_common.loras.LoraRef`` (name, scale), sent as LORAS
     controls: tuple = ()  # ControlNets: ``maskedit_common.controls.ControlSpec``, sent as CONTROLS
     control_images: list = field(default_factory=list)  # one encoded image (or base64) per control: CONTROL_IMAGES
+    # the stock inpainting pipelines' own parameters (docs/api.md) and the result's encoding
+    strength: float | None = None
+    padding_mask_crop: int | None = None
+    guidance_rescale: float | None = None
+    true_cfg_scale: float | None = None
+    output_format: str | None = None  # png, jpeg, webp (OpenAI's own field)
+    output_quality: int | None = None  # jpeg / webp; OpenAI's ``output_compression`` (0-100) sets it too
     model: str | None = None
     user: str | None = None
     ignored: list = field(default_factory=list)
@@ -235,9 +242,8 @@ def parse(form: dict, models: list[str]) -> EditJob:
     if fmt not in (None, "", "b64_json"):
         raise bad("response_format", f"only b64_json is supported (this server keeps no images to link to), "
                                      f"got {fmt[:40]!r}")
-    out_fmt = _text(form, "output_format")
-    if out_fmt not in (None, "", "png"):
-        raise bad("output_format", f"only png is supported, got {out_fmt[:40]!r}")
+    if _text(form, "output_compression") not in (None, "") and _text(form, "output_quality") not in (None, ""):
+        raise bad("output_compression", "was sent besides output_quality; send one of them")
     if _bool(form, "stream"):
         raise bad("stream", "streaming is not supported by this endpoint")
     background = _text(form, "background")
@@ -248,6 +254,9 @@ def parse(form: dict, models: list[str]) -> EditJob:
         n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
         model=model or None, user=_text(form, "user"), ignored=sorted(k for k in form if k in IGNORED - {"user"}),
         **{f.attr: _extra(form, f) for f in OPENAI_EXTRAS})
+    if job.output_quality is None:  # OpenAI's name: its 0-100 level is the encoder's quality (100: the least loss)
+        compression = _int(form, "output_compression", 0, 100)
+        job.output_quality = None if compression is None else max(1, compression)
     lora = form.get("lora") if isinstance(form.get("lora"), (dict, list)) else _text(form, "lora")
     if lora:
         try:  # an object or a list of {"name", "scale"} (vLLM-Omni's shape); the server checks its own limits
@@ -376,7 +385,7 @@ def _fold(name: str, items: list):
     return [{k: _leaf(k, v[i]) for k, v in columns.items()} for i in range(n)]
 
 
-KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
+KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "output_compression", "stream",
          "background", "lora", "controls", "control_image", "control_image[]"} | IGNORED | {
     f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).

@@ -135,7 +135,9 @@ FORM_CASES = {
     "bad_size": (dict(size="big"), "size"),
     "size_other_aspect": (dict(size="512x256"), "size"),
     "seed_text": (dict(extra_body={"seed": "seven"}), "seed"),
-    "unknown_field": (dict(extra_body={"strength": "0.5"}), "strength"),
+    "unknown_field": (dict(extra_body={"eta": "0.5"}), "eta"),
+    "strength_above_1": (dict(extra_body={"strength": "2"}), "strength"),  # the server's limit, named as the form's
+    "output_format_gif": (dict(extra_body={"output_format": "gif"}), "output_format"),
     "opaque_image_without_mask": (dict(mask=None), "mask"),
     "deadline_zero": (dict(extra_body={"deadline_ms": "0"}), "deadline_ms"),
     "controls_not_json": (dict(extra_body={"controls": "["}), "controls"),
@@ -235,3 +237,12 @@ def test_size_resizes_the_result(api, template_img, box_mask):
     r = api["client"].images.edit(image=_png_file(template_img), mask=_png_file(box_mask, "m.png"), prompt="a hat",
                                   size="128x128", extra_body={"steps": 1})
     assert _image(r.data[0]).shape == (128, 128, 3) and r.size == "128x128"
+
+
+def test_the_diffusers_parameters_and_the_output_format_reach_the_server(api, template_img, box_mask):
+    r = api["client"].images.edit(image=_png_file(template_img), mask=_png_file(box_mask, "m.png"), prompt="a hat",
+                                  extra_body={"steps": 4, "strength": "0.5", "padding_mask_crop": "8",
+                                              "output_format": "webp", "output_compression": "80"})
+    info = r.data[0].model_extra["edit_info"]
+    assert base64.b64decode(r.data[0].b64_json).startswith(b"RIFF") and r.output_format == "webp"
+    assert (info["strength"], info["first_step"], info["output_quality"]) == (0.5, 2, 80) and info["crop"]

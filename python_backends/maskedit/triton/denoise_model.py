@@ -90,6 +90,8 @@ class TritonPythonModel:
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
             temporal=info.get("temporal"),
+            first_step=int(info.get("first_step") or 0), guidance_rescale=float(info.get("guidance_rescale") or 0.0),
+            true_cfg_scale=float(info.get("true_cfg_scale") or 1.0),
         )
 
         def done(job: DenoiseJob):
@@ -130,7 +132,7 @@ class TritonPythonModel:
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
             sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
-                                     {"progress": [job.step_index, job.steps], "skip_model": True}))
+                                     {"progress": [job.run_index, job.run_steps], "skip_model": True}))
 
         empty_relay = {"TEMPLATE_RGB_OUT": np.zeros((0, 0, 3), np.uint8), "ALPHA_OUT": np.zeros((0, 0), np.uint8)}
         rid = request.request_id()

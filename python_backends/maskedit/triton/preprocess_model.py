@@ -87,6 +87,10 @@ class TritonPythonModel:
             "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
             "tenant": tenant, "tenant_weight": weight,
+            # the stock pipelines' options (docs/api.md): what the denoiser and the decoder do with them
+            "strength": params.strength, "first_step": p.first_step, "crop": list(p.crop) if p.crop else None,
+            "guidance_rescale": params.guidance_rescale, "true_cfg_scale": p.true_cfg_scale,
+            "output_format": params.output_format, "output_quality": params.output_quality,
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({

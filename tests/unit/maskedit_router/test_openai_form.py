@@ -60,11 +60,22 @@ def test_n_seeds_and_extras():
     assert parse(_form(), ["edit"]).seeds() == [None]  # one edit: the server's default seed
 
 
+def test_the_diffusers_parameters_and_the_output_format_are_read():
+    job = parse(_form(strength="0.6", padding_mask_crop="32", guidance_rescale="0.7", true_cfg_scale="4",
+                      output_format="webp", output_compression="80"), ["edit"])
+    assert (job.strength, job.padding_mask_crop, job.guidance_rescale, job.true_cfg_scale) == (0.6, 32, 0.7, 4.0)
+    assert (job.output_format, job.output_quality) == ("webp", 80)
+    plain = parse(_form(), ["edit"])
+    assert plain.strength is None and plain.output_format is None and plain.output_quality is None
+
+
 @pytest.mark.parametrize("change,param,status", [
     (dict(image=None), "image", 400), (dict(prompt=None), "prompt", 400), (dict(n="0"), "n", 400),
     (dict(n="x"), "n", 400), (dict(size="10x10"), "size", 400), (dict(size="200x100"), "size", 400),
     (dict(response_format="url"), "response_format", 400), (dict(model="dall-e-2"), "model", 404),
-    (dict(stream="true"), "stream", 400), (dict(strength="1"), "strength", 400),
+    (dict(stream="true"), "stream", 400), (dict(eta="1"), "eta", 400), (dict(strength="x"), "strength", 400),
+    (dict(output_compression="101"), "output_compression", 400),
+    (dict(output_compression="50", output_quality="50"), "output_compression", 400),
     (dict(seed="-1", n="1"), None, None),  # passes the form: the server says the limit
 ])
 def test_form_errors_name_the_field(change, param, status):
