@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving bench-addons router-sim router-validate serve-cluster chaos faults overload soak bench-tenants clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants clean
 
 setup: $(STAMP)
 
@@ -39,10 +39,14 @@ ROUTER_GRPC_PORT ?= 7001
 ROUTER_HTTP_PORT ?= 7002
 OPENAI_PORT ?= 7003
 ROUTER_POLICY ?= predicted
+# Both exec the server in make's own shell (no sub-make): Ctrl-C stops it cleanly, with nothing else to report.
+CLUSTER = $(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
+	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
 serve: model
+	@$(PY) -m maskedit.samples out  # the docs' example inputs: out/template.png, out/mask_*.png, out/edges.png
 	@if [ "$${INSTANCES:-1}" -gt 1 ] || [ -n "$$MASKEDIT_API_KEYS_FILE" ]; then \
-	  $(MAKE) --no-print-directory serve-cluster INSTANCES=$${INSTANCES:-1}; else \
-	  $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
+	  INSTANCES=$${INSTANCES:-1}; exec $(CLUSTER); else \
+	  exec $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
 
 # Then the engine and cache unit tests again in bfloat16 (the dtype a GPU serves in; a float32-only path once
 # crashed there): the same invariants, within the stated reduced-precision tolerance (tests/conftest.py).
@@ -78,6 +82,11 @@ bench-serving: $(STAMP)
 bench-batching: $(STAMP)
 	$(VENV)/bin/maskedit-bench-batching
 
+# Temporal reuse x mask-aware reuse (docs/caching.md, "Temporal reuse"): full, mask-only, temporal-only and both,
+# interleaved, at mask 0.2 with a 60 % step mask, First Block Cache and TaylorSeer -> perf_profiles/results/temporal.json
+bench-temporal: $(STAMP)
+	$(VENV)/bin/maskedit-bench-temporal $(BENCH_ARGS)
+
 # LoRA adapters (docs/lora.md, Benchmark): base, warm, cold, naive stock Diffusers, mixed vs same-adapter batches on
 # the bench preset, and the adapter path at FLUX.1 widths -> perf_profiles/results/addons.json / .png
 bench-addons: $(STAMP)
@@ -89,9 +98,13 @@ router-sim: $(STAMP)
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate $(ARGS)
 
+# The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.triton_emulator, docs/router.md).
+router-scale: $(STAMP)
+	$(PY) -m maskedit_lab.router_scale $(ARGS)
+
 serve-cluster: model
-	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
-	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
+	@$(PY) -m maskedit.samples out
+	@exec $(CLUSTER)
 
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model

@@ -60,7 +60,7 @@ class Topology:
         self.router = subprocess.Popen(
             [sys.executable, "-m", "maskedit_router", "--backends", ",".join(s.grpc_url for s in self.servers),
              "--port", str(self.router_port), "--http-port", str(self.http_port),
-             "--openai-port", "0", *self.router_args],  # no fixed OpenAI port (7003 may be taken) unless asked
+             "--openai-port", "0", *self.router_args],  # no OpenAI port unless asked: 7003 may be another's
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.router_starts += 1

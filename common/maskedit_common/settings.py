@@ -144,11 +144,14 @@ class Settings:
     lora_early_start: bool = False  # denoise before a request's adapters arrive, patch them in later (inexact)
     lora_merge: str = "auto"  # same-set calls: merge adapters into the weights by the cost model, always, never
     lora_merge_bytes: int = 1 << 30  # merged weight copies one denoiser keeps (per adapter set, LRU)
+    # encoded prompts pre-processing keeps where the encoder reads the template too (Qwen-Image-Edit), LRU
+    prompt_cache_bytes: int = 256 << 20
     controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
     max_controls: int = 2  # ControlNets per request
     max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
     controlnet_placement: str = "inprocess"  # where ControlNets run: in the denoiser's process, or the `controlnet` model
     controlnet_timeout_s: float = 30.0  # a BLS call to the `controlnet` model fails its requests after this
+    temporal: str = ""  # default TEMPORAL (temporal reuse policy, JSON; empty: off)
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -274,6 +277,9 @@ VARIABLES: tuple[Var, ...] = (
         "`auto` merges a projection's adapters into a copy of its weight where the cost model (measured on the "
         "device) says it pays, `always` merges every projection, `never` adds the deltas per row (docs/lora.md)",
         choices=LORA_MERGE_MODES),
+    Var("MASKEDIT_PROMPT_CACHE_BYTES", "prompt_cache_bytes", _bytes, "bytes of encoded prompts one "
+        "pre-processing process keeps per (prompt, template) where the prompt encoder reads the template too "
+        "(`qwen_image_edit`), least recently used first out (`0`: none)", "256 MiB"),
     Var("MASKEDIT_LORA_MERGE_BYTES", "lora_merge_bytes", _bytes, "bytes of merged weight copies one denoiser "
         "keeps across calls (per adapter set, least recently used dropped first; a copy over it is made per call)",
         "1 GiB"),
@@ -294,6 +300,8 @@ VARIABLES: tuple[Var, ...] = (
         "through BLS; its own instance group)", choices=CONTROLNET_PLACEMENTS),
     Var("MASKEDIT_CONTROLNET_TIMEOUT_S", "controlnet_timeout_s", float, "seconds one BLS call to the `controlnet` "
         "model may take before the requests it served fail (naming `CONTROLS`)"),
+    Var("MASKEDIT_TEMPORAL", "temporal", str, "default `TEMPORAL`: temporal reuse policy as JSON, e.g. "
+        '`{"policy": "fbcache", "threshold": 0.08}` (empty: off; docs/caching.md)'),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),

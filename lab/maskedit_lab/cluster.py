@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from maskedit.launcher import TritonServer, free_port
+from maskedit.scratch import run_scratch
 from maskedit_common import backend_guard
 from maskedit_common.settings import load_settings
 from maskedit_router.__main__ import parser as router_parser, start as start_router
@@ -89,23 +90,35 @@ def running_backends(instances: int, out: Path, env: dict | None = None, supervi
 
 
 @contextlib.contextmanager
+def running_router(addrs: list[str], port: int = 0, http_port: int | None = None, policy: str = "predicted",
+                   health: dict | None = None, openai_port: int | None = None, env: dict | None = None,
+                   router_args: list | tuple = ()):
+    """The router in front of the Triton instances at ``addrs`` (gRPC ``addrs``), on ``port`` (0: a free one), with
+    its HTTP port and the OpenAI API on ``openai_port`` if given, started by ``maskedit_router.__main__.start`` with
+    the settings of this environment and ``env`` (keys, TLS, the backend key); ``router_args``: more of its
+    arguments; ``health``: its health checker's intervals. Yields ``(router, router_grpc_url)``."""
+    argv = ["--backends", ",".join(addrs), "--port", str(port),
+            "--http-port", str(http_port if http_port is not None else free_port()),
+            "--openai-port", str(openai_port or 0), "--policy", policy, *router_security_args(env), *router_args]
+    running = start_router(router_parser().parse_args(argv), health)
+    try:
+        yield running.router, running.url
+    finally:
+        running.stop()
+
+
+@contextlib.contextmanager
 def running_cluster(instances: int, out: Path, port: int = 0, http_port: int | None = None,
                     policy: str = "predicted", env: dict | None = None, health: dict | None = None,
                     supervise: bool = True, openai_port: int | None = None, router_args: list | tuple = ()):
     """Start ``instances`` Triton servers (see ``running_backends``; guarded when API keys are on: ``backend_env``)
-    and the router in front of them (``maskedit_router.__main__.start``, with the settings' keys and TLS; the OpenAI
-    API on ``openai_port`` if given; ``router_args``: more of its arguments; ``health``: its health checker's
-    intervals); yield ``(router, router_grpc_url, servers)``; stop everything, by pid, on the way out."""
+    and the router in front of them (``running_router``); yield ``(router, router_grpc_url, servers)``; stop
+    everything, by pid, on the way out."""
     env = {**(env or {}), **backend_env(out, env)}
-    with running_backends(instances, out, env, supervise) as (servers, _):
-        argv = ["--backends", ",".join(s.grpc_url for s in servers), "--port", str(port),
-                "--http-port", str(http_port if http_port is not None else free_port()),
-                "--openai-port", str(openai_port or 0), "--policy", policy, *router_security_args(env), *router_args]
-        running = start_router(router_parser().parse_args(argv), health)
-        try:
-            yield running.router, running.url, servers
-        finally:
-            running.stop()
+    with running_backends(instances, out, env, supervise) as (servers, _), \
+            running_router([s.grpc_url for s in servers], port, http_port, policy, health, openai_port, env,
+                           router_args) as (router, url):
+        yield router, url, servers
 
 
 def main(argv=None) -> None:
@@ -121,16 +134,16 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        with running_cluster(args.instances, args.out, args.port, args.http_port, args.policy,
-                             openai_port=args.openai_port or None) as (router, url, servers):
+        with run_scratch(), running_cluster(args.instances, args.out, args.port, args.http_port, args.policy,
+                                           openai_port=args.openai_port or None) as (router, url, servers):
             print(json.dumps({"router_grpc": url, "router_http": args.http_port, "openai": args.openai_port or None,
                               "api_keys": "--api-keys-file" in router_security_args(),
                               "backend_key": bool(router.backend_key), "backends": [s.grpc_url for s in servers],
-                              "backends_http": [s.http_url for s in servers]}),
-                  flush=True)
+                              "backends_http": [s.http_url for s in servers]}), flush=True)
             stop.wait()
     except ValueError as e:  # a bad key file, TLS file or backend key: named, never the key
         ap.error(str(e))
+    print("cluster stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from .components import family, load_scheduler_config
 from .device import torch_dtype
 from .errors import InvalidInput
 from .settings import Settings
+from . import temporal
 
 _ids = itertools.count()
 
@@ -43,6 +44,12 @@ class DenoiseInputs:
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
     controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
+    # STRENGTH < 1: the schedule's step it starts at (the stock ``get_timesteps``' ``t_start``); it runs
+    # ``steps - first_step`` steps, the stock schedule's last ones
+    first_step: int = 0
+    guidance_rescale: float = 0.0  # SDXL's ``guidance_rescale``
+    true_cfg_scale: float = 1.0  # FluxInpaintPipeline's true classifier-free guidance (with a negative text row)
+    temporal: Any = None  # its temporal reuse: a ``maskedit_common.temporal.TemporalSpec`` or its dict (None: off)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -81,10 +88,28 @@ class DenoiseJob:
     control_bls_s: float = 0.0  # of which BLS round trips to the ``controlnet`` model (placement ``triton``)
     control_model_s: float = 0.0  # of which the ``controlnet`` model's own work (the rest is BLS overhead)
     control_cache: tuple = ()  # its controls' ``JobCache`` each, where cached beside it (``cache.controlnet``)
+    temporal: Any = None  # its ``maskedit.temporal.TemporalState`` once admitted (None: no temporal reuse)
+
+    def __post_init__(self):
+        self.step_index = self.first_step  # a strength < 1 edit starts into the schedule
 
     @property
     def steps(self) -> int:
         return self.inputs.steps
+
+    @property
+    def first_step(self) -> int:
+        return getattr(self.inputs, "first_step", 0)
+
+    @property
+    def run_steps(self) -> int:
+        """Steps this request runs (the stock pipeline's ``len(timesteps)`` after ``strength``)."""
+        return self.inputs.steps - self.first_step
+
+    @property
+    def run_index(self) -> int:
+        """Its place in the steps it runs (the stock loop's ``i``: ControlNet windows and progress count these)."""
+        return self.step_index - self.first_step
 
     @property
     def deadline(self) -> float | None:
@@ -210,11 +235,14 @@ class ModelRunner:
             job.tokens = n
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
-                                       or (job.inputs.controls and not self._controls_cached())):
+                                       or (job.inputs.controls and not self._controls_cached())
+                                       or not self.family.runs_cached(job.inputs)
+                                       or getattr(job.inputs, "true_cfg_scale", 1.0) > 1):
             # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
-            # ControlNets run in the ``controlnet`` model, out of the cache's reach): such a request runs in full.
+            # ControlNets run in the ``controlnet`` model, out of the cache's reach), or cannot serve this request
+            # at all (``ModelFamily.runs_cached``): such a request runs in full.
             # Under early start its first steps may run without its adapters: never recorded under (or served from)
-            # its adapter set's key.
+            # its adapter set's key. TRUE_CFG_SCALE's negative row would need entries of its own text: in full.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -233,7 +261,10 @@ class ModelRunner:
         self.load_adapters(job)
         self.load_controls(job)
         self.family.prepare_job(self, job)
+        if job.inputs.first_step and hasattr(job.scheduler, "set_begin_index"):
+            job.scheduler.set_begin_index(job.inputs.first_step)  # as the stock get_timesteps sets it
         self._admit_cache(job)
+        temporal.admit(self, job)  # after the cache decision: a template run computes every block
 
     def _admit_cache(self, job: DenoiseJob) -> None:
         self.decide(job)
@@ -250,7 +281,7 @@ class ModelRunner:
         if self.cache is not None:
             self.cache.corrupt(job, error)
         job.restarts += 1
-        job.step_index, job.latents, job.cache, job.tensors = 0, None, None, None
+        job.step_index, job.latents, job.cache, job.tensors = job.first_step, None, None, None
         job.decision = None
         if job.restarts > 1 and self.cache is not None:
             from .cache.decision import CacheDecision
@@ -266,6 +297,7 @@ class ModelRunner:
         x = job.inputs
         n = int(x.latents.shape[0])
         if self.cache is not None and x.cache_key and not x.register and self.cache.store is not None \
+                and self.family.runs_cached(x) \
                 and (self.cache.recording(x.cache_key) or self.cache.store.locate(x.cache_key)):
             return max(1, int(np.count_nonzero(x.token_mask)))
         return n
@@ -292,11 +324,16 @@ class ModelRunner:
         from .adapters import delta, merge
 
         for group in self.groups(jobs):
-            ctx = self.cache.context(group) if self.cache is not None else None
+            hooks = lambda: self.family.temporal_hooks(self.transformer)  # noqa: E731
+            reusing = any(j.temporal is not None for j in group)  # temporal reuse: rows a hit will not read
+            ctx = None if self.cache is None else self.cache.context(group, temporal.loads(group, hooks()) if reusing
+                                                                        else None)
+            ctx = temporal.attach(ctx, group, hooks)
             plan = merge.merger_for(self.transformer, self.settings).plan([j.adapters for j in group], max(
                 j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):
                 self.family.step(self, group, ctx)
+            temporal.commit(ctx, group)
             if self.cache is not None:
                 self.cache.after_step(group)
 
@@ -310,6 +347,8 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
+    if not 0 <= x.first_step < x.steps:
+        raise InvalidInput(f"leaves no step to run: it starts at step {x.first_step} of {x.steps}", "STRENGTH")
 
 
 def _plain_split(group: list[DenoiseJob], adapters_masked: bool, controls_masked: bool = False

@@ -17,7 +17,7 @@ def server(settings, tmp_path_factory):
     s = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(settings.model_dir),
         "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(d / "disk")})
-    s.start(timeout=300)
+    s.start()
     yield s
     s.stop()
 
@@ -29,3 +29,14 @@ def client(server):
     c.close()
 
 
+@pytest.fixture(scope="session")
+def controlnets(settings):
+    """The model's ControlNet library (what the servers read by default, at request time): written as ``make
+    model`` writes it when the model directory has none."""
+    from maskedit_common.controls import library_names
+
+    if not library_names(settings.controlnets):
+        from maskedit.build_model import build_controlnets
+
+        build_controlnets(settings.model_dir)
+    return settings.controlnets

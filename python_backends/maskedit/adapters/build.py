@@ -14,7 +14,7 @@ import torch
 SPECS = (("attn-r4", 4, "attn", True), ("attn-mlp-r16", 16, "attn+mlp", True), ("attn-r64", 64, "attn", False),
          ("attn-mlp-r8", 8, "attn+mlp", False))
 _ATTN = re.compile(r"(^|\.)(attn\d?)\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$")
-_MLP = re.compile(r"(^|\.)(ff|ff_context)\.net\.(0\.proj|2)$|(^|\.)proj_mlp$")
+_MLP = re.compile(r"(^|\.)(ff|ff_context|img_mlp|txt_mlp)\.net\.(0\.proj|2)$|(^|\.)proj_mlp$")
 
 
 def targets(denoiser, kind: str) -> list[str]:

@@ -18,6 +18,7 @@ REGISTRY = {
     "unet_inpaint": "maskedit.families.unet_inpaint:UNetInpaint",
     "flux2_klein": "maskedit.families.flux2_klein:Flux2KleinFamily",
     "flux_controlnet": "maskedit.families.flux_controlnet:FluxControlNetFamily",
+    "qwen_image_edit": "maskedit.families.qwen_image_edit:QwenImageEditFamily",
 }
 
 

@@ -45,6 +45,10 @@ class ModelFamily(ABC):
     denoiser: ClassVar[str] = "transformer"  # the denoiser's component / subfolder name
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)  # left out of processes that do not encode
     negative_prompt: ClassVar[bool] = False  # does the family use a negative prompt (classifier-free guidance)?
+    # Does its stock pipeline put the template (noised to the next timestep) back outside the mask after every step?
+    # Then an unmasked token's input at a timestep does not depend on the step the schedule started at, and one
+    # entry serves every STRENGTH (docs/caching.md, "Strength"); otherwise the first step is in the cache key.
+    blends_unmasked: ClassVar[bool] = False
 
     def __init__(self, model_dir: str | Path, pipeline_class: str):
         self.model_dir = Path(model_dir)
@@ -68,10 +72,23 @@ class ModelFamily(ABC):
     @abstractmethod
     def geometry(self, settings) -> Geometry: ...
 
+    def model_size(self, width: int, height: int, settings) -> tuple[int, int]:
+        """The (w, h) a ``width`` x ``height`` template is edited at: by default about ``settings.resolution**2``
+        pixels, the aspect kept, sides multiples of the geometry's ``multiple``. A family whose stock pipeline sizes
+        its images its own way says so here (Qwen-Image-Edit: ``calculate_dimensions``, rounded down)."""
+        from ..imaging import model_size
+
+        return model_size(width, height, settings.resolution, multiple=self.geometry(settings).multiple)
+
     # -- pre-processing (stage 1) ---------------------------------------------------------------------
     @abstractmethod
     def count_prompt_tokens(self, pipe, prompt: str) -> int:
         """Tokens of ``prompt`` in the encoder whose length is limited (checked against max_sequence_length)."""
+
+    def prompt_cache(self, settings):
+        """Pre-processing's cache of encoded prompts where the family keeps one (``hits``, ``misses``, ``nbytes``;
+        the ``preprocess`` model exports them as ``maskedit_prompt_cache_*`` metrics), else None."""
+        return None
 
     @abstractmethod
     def prepare(self, pipe, scheduler_config: dict, image, mask, token_mask, w: int, h: int, params,
@@ -79,6 +96,30 @@ class ModelFamily(ABC):
         """The tensors of one edit, mirroring the stock pipeline's ``__call__`` so results equal it for the same
         seed. ``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its
         mask processor, ``token_mask`` (tokens,) bool: the tokens the edit touches."""
+
+    # -- the stock pipelines' options (docs/api.md, "Diffusers parameters") -------------------------------
+    def served_options(self) -> frozenset[str]:
+        """Which of the options only some stock pipelines have this family serves (``guidance_rescale``,
+        ``true_cfg_scale``): those its stock pipeline's ``__call__`` takes."""
+        return frozenset()
+
+    def uses_negative_prompt(self, params) -> bool:
+        """Does this request's NEGATIVE_PROMPT change its result? (A family without classifier-free guidance
+        refuses one rather than ignoring it.)"""
+        return self.negative_prompt
+
+    def check_options(self, params) -> None:
+        """Refuse an option this family's stock pipeline does not have, set to a value that would change the result
+        (``InvalidInput`` naming its field): silently ignoring it would give another image than the user asked for."""
+        from ..errors import InvalidInput
+
+        served = self.served_options()
+        # each option's value at or below which the stock pipelines that have it do nothing with it
+        for attr, field, idle in (("guidance_rescale", "GUIDANCE_RESCALE", 0.0),
+                                  ("true_cfg_scale", "TRUE_CFG_SCALE", 1.0)):
+            if attr not in served and getattr(params, attr, idle) > idle:
+                raise InvalidInput(f"is not a parameter of {self.pipeline_class_name}; leave it at {idle:g} or "
+                                   "below", field)
 
     # -- the denoise loop (stage 2) ---------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:
@@ -96,6 +137,12 @@ class ModelFamily(ABC):
     def step(self, runner, group: list, ctx) -> None:
         """Advance ``group`` one step: one denoiser call (through ``ctx``'s cache hooks when given), then each
         request's scheduler step; increments each job's ``step_index``."""
+
+    def runs_cached(self, inputs) -> bool:
+        """May this request (``denoise.DenoiseInputs``) take the mask-aware path? A request the family's hooks cannot
+        serve (e.g. classifier-free guidance where the hooks record one row per request) runs with the cache off,
+        like adapters a family's masked path does not add. Default: every request."""
+        return True
 
     @abstractmethod
     def cache_hooks(self, denoiser):
@@ -116,6 +163,15 @@ class ModelFamily(ABC):
     # recorded and reused, ``maskedit.cache.controlnet``) and its residuals taken by the masked path. Until a
     # family's are, its requests with controls run uncached (``off``).
     controls_in_masked_path: ClassVar[bool] = False
+    # Temporal reuse (``maskedit.temporal``): the family's block hooks consult the step context's ``temporal`` call
+    # (skipped rows pass a middle block through; ``enter`` / ``exit`` around every block) and say which image
+    # tokens a hit computes (``temporal_cols``). Until they do, requests with a TEMPORAL policy are refused.
+    temporal_reuse: ClassVar[bool] = False
+
+    def temporal_hooks(self, denoiser):
+        """The hooks that carry temporal reuse out (their ``blocks`` are what ``fn`` / ``bn`` count): the mask-aware
+        block hooks by default."""
+        return self.cache_hooks(denoiser)
 
     def lora_prefix(self) -> str:
         """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""

@@ -27,6 +27,7 @@ from . import controlnet_bls, io
 from .adapter_metrics import AdapterMetrics
 from .cache_setup import CacheMetrics, cache_runtime
 from .controlnet_metrics import ControlNetMetrics
+from .temporal_metrics import TemporalMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("maskedit.triton.denoise")
@@ -51,6 +52,7 @@ class TritonPythonModel:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
         self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
         self.control_metrics = ControlNetMetrics(runner)
+        self.temporal_metrics = TemporalMetrics()
         self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
         rt = runner.adapters  # the adapter cache's device tier (host tier behind it) and its metrics
         self.adapter_metrics = AdapterMetrics(rt.stats, rt.host, rt)
@@ -87,6 +89,9 @@ class TritonPythonModel:
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
+            temporal=info.get("temporal"),
+            first_step=int(info.get("first_step") or 0), guidance_rescale=float(info.get("guidance_rescale") or 0.0),
+            true_cfg_scale=float(info.get("true_cfg_scale") or 1.0),
         )
 
         def done(job: DenoiseJob):
@@ -106,9 +111,12 @@ class TritonPythonModel:
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
+            if job.temporal is not None:  # which steps reused their middle blocks (``maskedit.temporal``)
+                info.update(job.temporal.info())
             if job.adapters_from_step:  # early start: the step its adapters applied from
                 info.update(adapters_from_step=job.adapters_from_step)
             _quietly(self.metrics.observe, info)  # a metrics failure must never keep the answer from its caller
+            _quietly(self.temporal_metrics.observe, info)
             _quietly(self.adapter_metrics.sync)
             _quietly(self.metrics.outcome, "OK")
             self.cancels.clear(rid)  # a marker that came too late to matter
@@ -124,7 +132,7 @@ class TritonPythonModel:
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
             sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
-                                     {"progress": [job.step_index, job.steps], "skip_model": True}))
+                                     {"progress": [job.run_index, job.run_steps], "skip_model": True}))
 
         empty_relay = {"TEMPLATE_RGB_OUT": np.zeros((0, 0, 3), np.uint8), "ALPHA_OUT": np.zeros((0, 0), np.uint8)}
         rid = request.request_id()

@@ -20,6 +20,7 @@ from ..settings import load_settings
 from . import io
 from .adapter_metrics import AdapterMetrics
 from .cache_setup import cache_store
+from .prompt_cache_metrics import PromptCacheMetrics
 
 
 class TritonPythonModel:
@@ -37,10 +38,15 @@ class TritonPythonModel:
             self.adapter_metrics = AdapterMetrics(self.prefetch.stats, self.prefetch.host,
                                                  prefix="maskedit_lora_prefetch", tiers=("host",))
             self._adapter_sync = self.adapter_metrics.sync_every(self.settings.service.metrics_sync_s)
+        prompts = self.pre.family.prompt_cache(self.settings)  # encoded prompts kept by the family, if any
+        self.prompt_metrics = PromptCacheMetrics(prompts) if prompts is not None else None
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
-        return [self._one(r) for r in requests]
+        responses = [self._one(r) for r in requests]
+        if self.prompt_metrics is not None:
+            self.prompt_metrics.sync()
+        return responses
 
     def finalize(self):
         if self.adapter_metrics is not None:
@@ -77,9 +83,14 @@ class TritonPythonModel:
             "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
+            "temporal": params.temporal.as_dict(),
             "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
             "tenant": tenant, "tenant_weight": weight,
+            # the stock pipelines' options (docs/api.md): what the denoiser and the decoder do with them
+            "strength": params.strength, "first_step": p.first_step, "crop": list(p.crop) if p.crop else None,
+            "guidance_rescale": params.guidance_rescale, "true_cfg_scale": p.true_cfg_scale,
+            "output_format": params.output_format, "output_quality": params.output_quality,
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({

@@ -18,6 +18,7 @@ class FluxFill(FluxControls, ModelFamily):
     text_components = ("text_encoder", "text_encoder_2")
     presets = tiny.PRESETS
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
+    temporal_reuse = True  # the Flux block hooks skip a reusing row's middle blocks (``maskedit.temporal``)
     # ControlNets (``FluxControls``) are our extension: docs/controlnet_flux.md, "Flux Fill"
 
     def load_denoiser(self, settings):
@@ -63,6 +64,16 @@ class FluxFill(FluxControls, ModelFamily):
         from .prepare import control_latents
 
         return control_latents(pipe, image, w, h)
+
+    def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
+        """The tiny ControlNet library (``controlnets.flux_build``: canny, depth, union) fitted to this model's
+        transformer: a ControlNet here sees the noisy latents only, so it takes the transformer's output width."""
+        from diffusers import FluxTransformer2DModel
+
+        from ...controlnets import flux_build
+
+        cfg = FluxTransformer2DModel.load_config(self.model_dir, subfolder="transformer")
+        return flux_build.write_library(Path(out), cfg, cfg["out_channels"], flux_build.TINY_NETS, seed)
 
     def prepare_job(self, runner, job) -> None:
         from .step import prepare_job

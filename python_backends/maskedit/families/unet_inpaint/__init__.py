@@ -22,6 +22,7 @@ class UNetInpaint(ModelFamily):
     # Requests with ControlNets are cached: the ControlNets' blocks behind the same hooks
     # (``maskedit.cache.controlnet``), their residuals (full-token convolutions) added by the UNet's own forward.
     controls_in_masked_path = True
+    temporal_reuse = True  # DeepCache-style: the deep features reused (``temporal.py``)
 
     @property
     def text_components(self) -> tuple[str, ...]:
@@ -31,6 +32,9 @@ class UNetInpaint(ModelFamily):
         if "XL" in self.pipeline_class_name:
             return {}
         return {"safety_checker": None, "requires_safety_checker": False}  # edits are composited into the template
+
+    def served_options(self) -> frozenset[str]:
+        return frozenset({"guidance_rescale"}) if "XL" in self.pipeline_class_name else frozenset()
 
     def lora_loader_kwargs(self, denoiser) -> dict:
         return {"unet_config": denoiser.config}  # as load_lora_weights passes it: kohya's SGM block numbers
@@ -86,6 +90,11 @@ class UNetInpaint(ModelFamily):
         from .cache import UNetCacheHooks
 
         return UNetCacheHooks.of(denoiser)
+
+    def temporal_hooks(self, denoiser):
+        from .temporal import UNetTemporalHooks
+
+        return UNetTemporalHooks.of(denoiser)
 
     # ControlNets (``controlnet.py``): the ControlNet inpaint pipelines' per-step residuals.
     controlnet_classes = ("ControlNetModel", "ControlNetUnionModel")

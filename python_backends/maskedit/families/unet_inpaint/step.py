@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint import rescale_noise_cfg
 
 from ...errors import InvalidInput
 from .cache import UNetCacheHooks, per_unet_row
@@ -114,6 +115,10 @@ def step_group(runner, group: list, ctx=None) -> None:
     forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
                            added_cond_kwargs=added, down_block_additional_residuals=down,
                            mid_block_additional_residual=mid, return_dict=False)[0]
+    if ctx is not None and ctx.temporal is not None:  # temporal reuse: the deep features (``temporal.py``)
+        from .temporal import UNetTemporalHooks
+
+        forward = (lambda f: lambda: UNetTemporalHooks.of(unet).run(ctx.temporal, f))(forward)
     if ctx is not None and any(v is not None for v in ctx.rows):
         noise = UNetCacheHooks.of(unet).run(per_unet_row(ctx, r), forward)
     else:
@@ -123,6 +128,9 @@ def step_group(runner, group: list, ctx=None) -> None:
         if r > 1:
             uncond, cond_pred = pred.chunk(2)
             pred = uncond + job.inputs.guidance * (cond_pred - uncond)
+            rescale = getattr(job.inputs, "guidance_rescale", 0.0)
+            if rescale > 0:  # SDXL's guidance_rescale (its family refuses it for SD 2, whose pipeline lacks it)
+                pred = rescale_noise_cfg(pred, cond_pred, guidance_rescale=rescale)
         lat = job.scheduler.step(pred, t, from_rows(job.latents, h, w), return_dict=False)[0]
         job.latents = lat.permute(0, 2, 3, 1).reshape(1, h * w, -1)
         job.step_index += 1
