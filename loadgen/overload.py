@@ -75,24 +75,26 @@ ADMISSION_OFF = ["--admission-wait-s", "0"]
 
 
 def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within_s: float = 10.0, seed: int = 3,
-          headers: dict | None = None) -> tuple[list, dict]:
+          headers: dict | None = None, deadline_ms: int | None = None) -> tuple[list, dict]:
     """``n`` requests within ``spread_s`` (Poisson arrivals) straight at ``url``, as a client with no router in
     front would send them: each must be answered (a result) or refused (RESOURCE_EXHAUSTED) within ``within_s`` of
     its arrival. ``late``: answered after that; ``lost``: no answer at all (2 minutes after the last send).
-    ``headers``: more metadata (a guarded backend's key)."""
+    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (the
+    scheduler then refuses what it cannot finish in time, DEADLINE_EXCEEDED)."""
     from maskedit_client import EditClient
 
     from . import records, runner, workload
 
     load_before = os.getloadavg()
-    reqs = workload.poisson(n / spread_s, n, steps=steps, seed=seed)
+    reqs = workload.poisson(n / spread_s, n, steps=steps, seed=seed, deadline_ms=deadline_ms)
     with EditClient(url, headers=headers, retry=False) as c:
         recs, wall = runner.run(c, reqs, runner.Assets(256), timeout_s=120.0, progress=True)
     s = records.summarize(recs, wall)
     answered = [r.answered_after_s for r in recs if r.error_code != runner.LOST and r.answered_after_s is not None]
     refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
     ok = [r.latency_s for r in recs if r.latency_s is not None]
-    other = {k: v for k, v in s["errors"].items() if k not in ("RESOURCE_EXHAUSTED", runner.LOST)}
+    refusals = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED") if deadline_ms else ("RESOURCE_EXHAUSTED",)
+    other = {k: v for k, v in s["errors"].items() if k not in (*refusals, runner.LOST)}
     late = sum(a > within_s for a in answered)
     by: dict[str, list] = {}
     for r in recs:
@@ -100,7 +102,8 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
             src = "triton_queue" if "Exceeds maximum queue size" in (r.error or "") else refusal_source(r.error)
             by.setdefault(src, []).append(r.answered_after_s)
     out = {
-        "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "ok": len(ok), "refused": len(refused),
+        "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "deadline_ms": deadline_ms,
+        "ok": len(ok), "refused": len(refused), "deadline_exceeded": s["errors"].get("DEADLINE_EXCEEDED", 0),
         "other_errors": other, "late": late, "lost": s["lost"],
         "answered_max_s": round(max(answered), 3) if answered else None,
         "ok_max_s": round(max(ok), 3) if ok else None, "ok_p95_s": s["p95_s"],
@@ -209,6 +212,8 @@ def main(argv=None) -> None:
     ap.add_argument("--flood-within-s", type=float, default=10.0, help="each must be answered or refused within this")
     ap.add_argument("--flood-steps", type=int, default=None, help="denoising steps of the flood's requests (default: "
                     "--steps)")
+    ap.add_argument("--flood-deadline-ms", type=int, default=None, help="DEADLINE_MS on each of the flood's requests "
+                    "(default: none, as the probe that found the problem sent them)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -246,7 +251,8 @@ def main(argv=None) -> None:
                   flush=True)
             recs, result["flood"] = flood(server.grpc_url, args.flood, args.flood_spread_s,
                                           args.flood_steps or args.steps, args.flood_within_s,
-                                          headers=dict(backend_guard.grpc_metadata(key)))
+                                          headers=dict(backend_guard.grpc_metadata(key)),
+                                          deadline_ms=args.flood_deadline_ms)
             runs["flood"] = recs
             print(json.dumps(result["flood"]), flush=True)
         if args.ab_pairs:

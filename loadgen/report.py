@@ -1,5 +1,5 @@
 """`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, overload and
-soak results (perf_profiles/results/{chaos,overload,overload_flood,soak}.json)."""
+soak results (perf_profiles/results/{chaos,overload,overload_flood*,soak}.json)."""
 
 from __future__ import annotations
 
@@ -67,12 +67,14 @@ def flood(r: dict) -> str:
     f = r["flood"]
     by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in f.get("refused_by", {}).items()) or "–"
     la = f["load_average"]
+    deadline = (f", DEADLINE_MS {f['deadline_ms']} ({f['deadline_exceeded']} answered DEADLINE_EXCEEDED)"
+                if f.get("deadline_ms") else "")
     return ("| flood | sent | ok | refused | refused by: n (slowest s) | other errors | late | lost | answered max (s) | "
             "refusal max / P99 (s) | served max / P95 (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
             f"| {f['sent']} in {f['spread_s']:g} s at one server | {f['sent']} | {f['ok']} | {f['refused']} | {by} | "
             f"{_codes(f['other_errors'])} | {f['late']} | {f['lost']} | {_f(f['answered_max_s'], 3)} | "
             f"{_f(f['refusal_max_s'], 3)} / {_f(f['refusal_p99_s'], 3)} | {_f(f['ok_max_s'], 3)} / {_f(f['ok_p95_s'])} |"
-            f"\n\n{f['steps']} denoising steps, denoise queue {r['max_queue']}, late: answered after "
+            f"\n\n{f['steps']} denoising steps{deadline}, denoise queue {r['max_queue']}, late: answered after "
             f"{f['within_s']:g} s; load average before {la['before']}, after {la['after']} (1, 5, 15 min); met: "
             f"{f['met']}. `{r['command']}`, started {r['started']}.")
 
@@ -109,7 +111,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    for name, fn in (("chaos", chaos), ("overload", overload), ("overload_flood", overload), ("soak", soak)):
+    floods = sorted(p.stem for p in args.results.glob("overload_flood*.json"))
+    for name, fn in (("chaos", chaos), ("overload", overload), *((f, overload) for f in floods), ("soak", soak)):
         p = args.results / f"{name}.json"
         if p.exists():
             print(f"### {name} ({p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p})\n")

@@ -182,7 +182,8 @@ def test_the_launchers_guard_the_backends_whenever_keys_are_on(tmp_path, monkeyp
     assert env == {"MASKEDIT_BACKEND_KEY_FILE": str(path)}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(backend_guard.read(path)) == 48
     assert backend_env(tmp_path / "x", keys=True)["MASKEDIT_BACKEND_KEY_FILE"].endswith("backend.key")
-    assert backend_env(tmp_path / "y", {"MASKEDIT_BACKEND_KEY_FILE": "/etc/k"}) == {"MASKEDIT_BACKEND_KEY_FILE": "/etc/k"}
+    configured = {"MASKEDIT_BACKEND_KEY_FILE": "/etc/k"}
+    assert backend_env(tmp_path / "y", configured) == configured
     # the router is given what the backends are
     assert router_security_args(env)[-2:] == ["--backend-key-file", str(path)]
     # Triton gets its restricted-protocol flags from the same setting, with every group but health
@@ -230,10 +231,10 @@ def test_a_failed_tls_handshake_is_one_line_and_a_count_never_a_traceback(fake, 
     assert "Traceback" not in err
     lines = [m for m in caplog.messages if "TLS handshake failed" in m]
     assert sum("http port" in m for m in lines) == 2 and sum("openai port" in m for m in lines) == 2, lines
-    text = r.router.metrics.registry
     from prometheus_client import generate_latest
 
-    counts = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in generate_latest(text).decode().splitlines()
+    lines = generate_latest(r.router.metrics.registry).decode().splitlines()
+    counts = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in lines
               if ln.startswith("maskedit_router_tls_handshake_failures_total{")}
     assert counts == {'port="http"': 2.0, 'port="openai"': 2.0}
     ctx = ssl.create_default_context(cafile=str(cert))  # the control: a trusting client is served
