@@ -1,5 +1,5 @@
 """`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, overload and
-soak results (perf_profiles/results/{chaos,overload,soak}.json)."""
+soak results (perf_profiles/results/{chaos,overload,overload_flood*,soak}.json)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def overload(r: dict) -> str:
                     f"{_f(t['refusal_p99_s'], 3)} | {_f(t['refused_within_1s'] and 100 * t['refused_within_1s'], 1)} % | "
                     f"{_f(t['ok_p95_s'])} |")
     text = "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "
-                              f"{r['all_met']}. `{r['command']}`, started {r['started']}.")
+                              f"{r['all_met']}. `{r['command']}`, started {r['started']}.") if r["targets"] else ""
+    if r.get("flood"):
+        text += ("\n\n" if text else "") + flood(r)
     if r.get("router_ab"):
         ab = ["| pair | router admission | sent | ok | served (req/s) | refused | refused by: n (slowest s) | lost | "
               "refusal max (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -59,6 +61,22 @@ def overload(r: dict) -> str:
                  "arrivals within a pair):\n\n" + "\n".join(ab) + "\n\nServed per second, mean: " +
                  " / ".join(f"{m} {sum(v) / len(v):.2f}" for m, v in means.items() if v) + ".")
     return text
+
+
+def flood(r: dict) -> str:
+    f = r["flood"]
+    by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in f.get("refused_by", {}).items()) or "–"
+    la = f["load_average"]
+    deadline = (f", DEADLINE_MS {f['deadline_ms']} ({f['deadline_exceeded']} answered DEADLINE_EXCEEDED)"
+                if f.get("deadline_ms") else "")
+    return ("| flood | sent | ok | refused | refused by: n (slowest s) | other errors | late | lost | answered max (s) | "
+            "refusal max / P99 (s) | served max / P95 (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+            f"| {f['sent']} in {f['spread_s']:g} s at one server | {f['sent']} | {f['ok']} | {f['refused']} | {by} | "
+            f"{_codes(f['other_errors'])} | {f['late']} | {f['lost']} | {_f(f['answered_max_s'], 3)} | "
+            f"{_f(f['refusal_max_s'], 3)} / {_f(f['refusal_p99_s'], 3)} | {_f(f['ok_max_s'], 3)} / {_f(f['ok_p95_s'])} |"
+            f"\n\n{f['steps']} denoising steps{deadline}, denoise queue {r['max_queue']}, late: answered after "
+            f"{f['within_s']:g} s; load average before {la['before']}, after {la['after']} (1, 5, 15 min); met: "
+            f"{f['met']}. `{r['command']}`, started {r['started']}.")
 
 
 def soak(r: dict) -> str:
@@ -93,7 +111,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    for name, fn in (("chaos", chaos), ("overload", overload), ("soak", soak)):
+    floods = sorted(p.stem for p in args.results.glob("overload_flood*.json"))
+    for name, fn in (("chaos", chaos), ("overload", overload), *((f, overload) for f in floods), ("soak", soak)):
         p = args.results / f"{name}.json"
         if p.exists():
             print(f"### {name} ({p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p})\n")

@@ -1,6 +1,7 @@
 """The system chaos and soak runs drive: supervised Triton instances (the lab's ``cluster.running_backends``) and
-the router as its own process (``python -m maskedit_router``), so the router can be killed and restarted like
-any other part. Everything is stopped by pid on the way out and checked for leftovers."""
+the router as its own process (``python -m maskedit_router``, which starts it as every launcher does), so the router
+can be killed and restarted like any other part. With API keys on the backends are guarded as the lab cluster's
+(``cluster.backend_env``). Everything is stopped by pid on the way out and checked for leftovers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from maskedit import admission
 from maskedit.launcher import free_port
-from maskedit_lab.cluster import running_backends
+from maskedit_common.settings import load_settings
+from maskedit_lab.cluster import backend_env, running_backends
 from maskedit_lab.supervisor import Supervisor
 
 from . import procs
@@ -159,7 +161,8 @@ def _exit_on_signal(signum, frame):
 def running_topology(instances: int, out: Path, env: dict | None = None, router_args: list | None = None,
                      keys: bool = False):
     """``instances`` supervised Triton servers and the router process in front of them (``keys``: with a key
-    file; the load's key in ``topo.api_key``). SIGTERM and SIGINT end
+    file; the load's key in ``topo.api_key``; the backends then take calls from the router only, and so whenever
+    API keys are on: ``cluster.backend_env``). SIGTERM and SIGINT end
     the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
     sessions and would outlive a plain kill of this process)."""
     out = Path(out)
@@ -167,8 +170,12 @@ def running_topology(instances: int, out: Path, env: dict | None = None, router_
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    router_args = list(router_args or [])
+    env = {**(env or {}), **backend_env(out, env, keys=keys or "--api-keys-file" in router_args)}
+    key = load_settings({**os.environ, **env}).security.backend_key_file  # the router reads the rest of them itself
+    router_args = (["--backend-key-file", str(key)] if key else []) + router_args
     try:
-        with _running(instances, out, env, router_args or []) as topo:
+        with _running(instances, out, env, router_args) as topo:
             if keys:
                 with topo.keys_on():
                     yield topo

@@ -81,3 +81,16 @@ def atol(settings, exact: float) -> float:
 def exact_here(settings) -> bool:
     """Bit-exact comparisons with stock Diffusers hold for float32 on the CPU."""
     return settings.torch_device == "cpu" and settings.dtype == "float32"
+
+
+@pytest.fixture(scope="session")
+def adapters(settings):
+    """The model's LoRA adapter library (what the servers read by default): written as ``make model`` writes it
+    when the model directory has none."""
+    from maskedit_common.loras import library_names
+
+    if not library_names(settings.adapters):
+        from maskedit.build_model import build_adapters
+
+        build_adapters(settings.model_dir)
+    return settings.adapters

@@ -43,7 +43,8 @@ class EditClient:
 
     ``api_key``: sent as ``authorization: Bearer <key>`` metadata on every call (a router with a key file);
     ``ca_file``: TLS to the endpoint, trusting the certificates in that PEM file (``tls=True`` without one: the
-    system's trusted roots).
+    system's trusted roots); ``headers``: more metadata for every call (e.g. a guarded backend's key, for tools that
+    call a backend directly: docs/security.md).
 
     ``connect_timeout_s``: how long a request waits for the client's first connection (or less, its deadline); without
     one it fails then with ``UNAVAILABLE`` saying the likely cause (nothing listening at ``url``, ...: ``reach``),
@@ -52,7 +53,8 @@ class EditClient:
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "edit", timeout_s: float = 600.0,
                  retry: bool = True, backoff: Backoff = Backoff(), api_key: str | None = None,
-                 ca_file: str | Path | None = None, tls: bool = False, connect_timeout_s: float = 5.0):
+                 ca_file: str | Path | None = None, tls: bool = False, connect_timeout_s: float = 5.0,
+                 headers: dict | None = None):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.connect_timeout_s, self._tls = connect_timeout_s, bool(ca_file) or tls
         self._reached = False  # a connection was made once: from then on a broken one is a restart, retried
@@ -61,7 +63,7 @@ class EditClient:
         self._connector: threading.Thread | None = None
         self._closed = False
         self.retry, self.backoff = retry, backoff
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = {**(headers or {}), **({"authorization": f"Bearer {api_key}"} if api_key else {})} or None
         self._client = grpcclient.InferenceServerClient(url, ssl=bool(ca_file) or tls,
                                                         root_certificates=str(ca_file) if ca_file else None,
                                                         channel_args=[

@@ -103,11 +103,13 @@ class ServiceSettings:
 
 @dataclass(frozen=True)
 class SecuritySettings:
-    """The router's callers: API keys and TLS (docs/security.md). None: off (open, plaintext)."""
+    """The router's callers: API keys and TLS; the backends' one caller: the backend key (docs/security.md). None:
+    off (open, plaintext)."""
 
     api_keys_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    backend_key_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_TLS_CERT", "security.tls_cert", Path, "PEM certificate (chain) of the router's gRPC and HTTP "
         "ports; with `MASKEDIT_TLS_KEY`: TLS on them", "none"),
     Var("MASKEDIT_TLS_KEY", "security.tls_key", Path, "PEM private key of that certificate", "none"),
+    Var("MASKEDIT_BACKEND_KEY_FILE", "security.backend_key_file", Path, "a file holding the backends' shared secret: "
+        "Triton then refuses every call but health without it in a header, which the router and the endpoint picker "
+        "add (docs/security.md); unset: the backends take any caller (the launchers make one when API keys are on)",
+        "none"),
     # not a setting
     Var("MASKEDIT_PYTHONPATH", "", str, "set by the launcher and the container, not by hand: import paths the "
         "Triton model shims put first on `sys.path` (the stub ignores `PYTHONPATH`); read by the shims before "

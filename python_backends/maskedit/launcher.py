@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from maskedit_common import backend_guard
 from maskedit_common.tenant_wire import TRITON_ARGS
 
 from . import admission
@@ -134,7 +135,14 @@ class TritonServer:
     def http_url(self) -> str:
         return f"127.0.0.1:{self.http_port}"
 
+    @property
+    def backend_key(self) -> str | None:
+        """The shared secret every call but health must carry (``MASKEDIT_BACKEND_KEY_FILE``), or None: open."""
+        path = self.settings.security.backend_key_file
+        return backend_guard.read(path) if path else None
+
     def command(self) -> list[str]:
+        key = self.backend_key
         return [
             str(pytriton_root() / "tritonserver" / "bin" / "tritonserver"),
             f"--model-repository={self.repository}",
@@ -148,6 +156,7 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             "--log-verbose=0",
             *TRITON_ARGS,  # the endpoint picker's tenant headers reach fair share as request parameters
+            *(backend_guard.triton_args(key) if key else ()),  # only callers with the key (the router, the picker)
             *self.extra_args,
         ]
 
@@ -260,6 +269,12 @@ def main(argv=None) -> None:
             signal.signal(sig, lambda *_: stop.set())
         print(f"serving {args.repository}: gRPC {server.grpc_url}, HTTP {server.http_url}, "
               f"metrics 127.0.0.1:{server.metrics_port} (log {args.log}); Ctrl-C to stop", flush=True)
+        print("backend key on: every call but health needs the key's header (docs/security.md)" if server.backend_key
+              else "no backend key: any caller that reaches these ports is served (set MASKEDIT_BACKEND_KEY_FILE)",
+              flush=True)
+        if server.settings.security.api_keys_file:
+            print("warning: MASKEDIT_API_KEYS_FILE is set, but a lone tritonserver checks no API keys: serve through "
+                  "the router (`make serve` does when it is set)", flush=True)
         try:
             while not stop.is_set() and server.proc.poll() is None:
                 stop.wait(0.5)

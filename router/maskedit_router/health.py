@@ -17,6 +17,8 @@ import time
 import grpc
 from tritonclient.grpc import service_pb2
 
+from maskedit_common.triton_refusals import as_refusal
+
 from .backend import FINAL, probe_edit_request
 from .server import Router
 
@@ -39,7 +41,7 @@ def probe(backend, timeout_s: float) -> bool:
         for resp in call:  # drains until the backend ends the stream after our half-close
             if resp.error_message:
                 # refused because it is busy (its denoise queue is full): alive and serving, just not this probe
-                ok = "RESOURCE_EXHAUSTED" in resp.error_message
+                ok = "RESOURCE_EXHAUSTED" in as_refusal(resp.error_message)
                 answered.set()
             elif FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param:
                 ok = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -64,6 +66,9 @@ class RouterMetrics:
         self.auth_failures = Counter("maskedit_router_auth_failures_total", "calls refused for their key, by port "
                                      "and reason: unauthenticated (none or unknown), forbidden (role)",
                                      ["port", "reason"], registry=r)
+        self.tls_failures = Counter("maskedit_router_tls_handshake_failures_total", "connections whose TLS "
+                                    "handshake failed (a plaintext client, an untrusted certificate, a scanner), by "
+                                    "port", ["port"], registry=r)
         self.keyfile_reloads = Counter("maskedit_router_keyfile_reloads_total", "reloads of the API key file by "
                                        "outcome (ok; error: the old keys stay)", ["outcome"], registry=r)
 
@@ -78,6 +83,9 @@ class RouterMetrics:
 
     def queue_wait(self, tenant, seconds: float, granted: bool) -> None:
         self.tenant_wait.labels(tenant.name).observe(seconds)
+
+    def tls_failed(self, port: str) -> None:
+        self.tls_failures.labels(port).inc()
 
     def auth_failed(self, port: str, reason: str) -> None:
         self.auth_failures.labels(port, reason).inc()
@@ -135,6 +143,21 @@ def retry_after(message: str) -> str | None:
 
 
 RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
+
+
+class _QuietTlsServer(ThreadingHTTPServer):
+    """A failed TLS handshake (anyone can open a connection and send garbage) is one log line and a count, never a
+    traceback: the default ``handle_error`` prints one to stderr for every such connection."""
+
+    metrics: RouterMetrics | None = None
+
+    def handle_error(self, request, client_address):
+        from .tls import handshake_failed
+
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, ssl.SSLError):
+            return super().handle_error(request, client_address)
+        handshake_failed(self.metrics, "http", exc, client_address[0])
 
 
 def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1",
@@ -239,7 +262,8 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd = _QuietTlsServer((host, port), Handler)
+    httpd.metrics = metrics
     httpd.daemon_threads = True
     if ssl_context is not None:  # the handshake happens on the request's own thread, not in accept()
         httpd.socket = ssl_context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)

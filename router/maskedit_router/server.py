@@ -28,6 +28,7 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from maskedit_client.retry import Backoff, Timer
+from maskedit_common.triton_refusals import as_refusal
 
 from .admission import RefusalLog
 from .auth import ANONYMOUS
@@ -46,7 +47,9 @@ log = logging.getLogger("maskedit.router")
 class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
+                 resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0,
+                 backend_key: str | None = None):
+        self.backend_key = backend_key  # sent on every call to a backend (``backend_guard``); None: they are open
         self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
         self.store_capacity = (16, 64)  # template entries in a backend's memory and disk tiers (its store's shadow)
         self.backends = {a: self._backend(a) for a in addrs}
@@ -100,7 +103,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 self.backends.pop(a).close()
 
     def _backend(self, addr: str) -> Backend:
-        b = Backend(addr, admission=self.admission)
+        b = Backend(addr, admission=self.admission, key=self.backend_key)
         b.load.mem_templates, b.load.disk_templates = self.store_capacity
         return b
 
@@ -274,16 +277,18 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                details = as_refusal(e.details() or "")  # Triton's own queue refusals read as refusals
+                refused = "RESOURCE_EXHAUSTED" in details
+                if refused:
                     with self._lock:
                         t.backend.admission.backend_refused(time.monotonic())
-                fault = backend_fault(e.details())
+                fault = backend_fault(details)
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
-                    context.abort(e.code(), e.details())
+                    context.abort(e.code(), details)
                 # never reached a live model: try another backend
                 if fault:
-                    self.backend_broken(t.backend, e.details())
-                else:
+                    self.backend_broken(t.backend, details)
+                elif not refused:  # a full backend answered: not a failure of it
                     t.backend.failed()
                 tried.add(t.backend.addr)
             finally:

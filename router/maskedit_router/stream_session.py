@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import grpc
 from tritonclient.grpc import service_pb2
 
+from maskedit_common.triton_refusals import as_refusal
+
 from .auth import ANONYMOUS
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
 from .features import EditFeatures, deadline_s, edit_info, extract, grid_tokens, set_deadline_ms
@@ -176,6 +178,8 @@ class _StreamSession:
         self._send(p, rid, f, exclude=())  # after a wait, any backend back in rotation may take it
 
     def on_response(self, backend: Backend, resp) -> None:
+        if resp.error_message:  # Triton's own queue refusals read as the refusals they are
+            resp.error_message = as_refusal(resp.error_message)
         rid = resp.infer_response.id
         if not rid and resp.error_message:
             m = re.search(r"request id: ([\w-]+)", resp.error_message)

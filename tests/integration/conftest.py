@@ -30,19 +30,6 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def adapters(settings):
-    """The model's LoRA adapter library (what the servers read by default): written as ``make model`` writes it
-    when the model directory has none."""
-    from maskedit_common.loras import library_names
-
-    if not library_names(settings.adapters):
-        from maskedit.build_model import build_adapters
-
-        build_adapters(settings.model_dir)
-    return settings.adapters
-
-
-@pytest.fixture(scope="session")
 def controlnets(settings):
     """The model's ControlNet library (what the servers read by default, at request time): written as ``make
     model`` writes it when the model directory has none."""

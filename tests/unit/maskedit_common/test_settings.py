@@ -72,6 +72,7 @@ NON_DEFAULT = {
     "MASKEDIT_API_KEYS_FILE": ("/k/keys.txt", "security.api_keys_file", Path("/k/keys.txt")),
     "MASKEDIT_TLS_CERT": ("/k/tls.crt", "security.tls_cert", Path("/k/tls.crt")),
     "MASKEDIT_TLS_KEY": ("/k/tls.key", "security.tls_key", Path("/k/tls.key")),
+    "MASKEDIT_BACKEND_KEY_FILE": ("/k/backend.key", "security.backend_key_file", Path("/k/backend.key")),
 }
 
 
