@@ -22,8 +22,10 @@ class RouterMetrics:
                                     registry=r, buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))
         self.error = Histogram("maskedit_router_prediction_error_ratio", "|observed - predicted| / observed",
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
-        self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend", ["backend"],
-                               registry=r)
+        self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend, by the "
+                               "backend they left (none: no backend was up) and why: failed (it failed or was found "
+                               "down before the request streamed anything), refused (its queue was full)",
+                               ["backend", "why"], registry=r)
         self.model_scale = Gauge("maskedit_router_model_scale", "observed / profile-predicted latency (online fit)",
                                  registry=r)
         self.model_stale = Gauge("maskedit_router_model_stale", "1 while the cost model's recent error is too large "
@@ -98,8 +100,8 @@ class RouterMetrics:
         self.model_scale.set(scale)
         self.model_stale.set(1 if stale else 0)
 
-    def retried(self, backend: str) -> None:
-        self.retries.labels(backend).inc()
+    def retried(self, backend: str, why: str = "failed") -> None:
+        self.retries.labels(backend, why).inc()
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()

@@ -241,10 +241,13 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(self.retry_budget_s, remaining if remaining is not None else 1e9)
         attempt = 0
+        refusal = None  # (backend, its RESOURCE_EXHAUSTED): tried on the others with room, else the caller's answer
         while True:
             try:
                 t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
             except NoBackend as e:
+                if refusal is not None:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
                 delay = None
                 if e.code == grpc.StatusCode.UNAVAILABLE and context.is_active():
                     delay = self.backoff.next(attempt, deadline, time.monotonic())
@@ -254,6 +257,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 time.sleep(delay)  # a worker held while it waits: a unary call in flight
                 tried = set()  # after a wait, any backend back in rotation may take it
                 continue
+            if refusal is not None:
+                self.metrics.retried(refusal[0], "refused")
             call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
             context.add_callback(call.cancel)  # the client gave up: so does the backend call
             with self._lock:
@@ -270,9 +275,12 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                if "RESOURCE_EXHAUSTED" in (e.details() or ""):  # its queue is full: alive, not a failure
                     with self._lock:
                         t.backend.admission.backend_refused(time.monotonic())
+                    refusal = (t.backend.addr, e.details())
+                    tried.add(t.backend.addr)
+                    continue
                 fault = backend_fault(e.details())
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
                     context.abort(e.code(), e.details())

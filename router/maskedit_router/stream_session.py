@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .server import Router
 
 log = logging.getLogger("maskedit.router")
+REFUSED = "RESOURCE_EXHAUSTED"  # a backend's refusal at its admission check (the Python backend sends it as text)
 
 
 @dataclass
@@ -131,7 +132,7 @@ class _StreamSession:
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
-            p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
+            self._place(p, rid, f, exclude)
         except NoBackend as e:
             if e.code == grpc.StatusCode.UNAVAILABLE and self._retry_later(p, rid, f):
                 return
@@ -139,13 +140,32 @@ class _StreamSession:
             self._end(p, "refused" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error")
             self.out.put(_error(p.client_id, f"{e.code.name}: {e}{retried}"))
             self._maybe_finish()
-            return
+
+    def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
+        """Route ``p`` and send it on this session's stream to its backend (raises ``NoBackend``)."""
+        p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
         with self.lock:
             self.pending[rid] = p
             bs = self.streams.get(p.ticket.backend.addr)
             if bs is None or bs.broken:
                 bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
         bs.send(p.request)
+
+    def _elsewhere(self, p: _Pending, rid: str, backend: Backend) -> bool:
+        """``backend`` refused ``p`` (RESOURCE_EXHAUSTED: its queue is full) before anything of it reached the
+        client: send it to another backend with room. After a router restart or stall the clients' retried burst
+        meets one backend's full queue while another has room; refusing it then turned away work with capacity free.
+        False when no other backend can take it (every one is full, or refused it already): the client gets the
+        refusal."""
+        if not self.context.is_active():
+            return False
+        p.tried.add(backend.addr)
+        try:
+            self._place(p, rid, p.ticket.features, p.tried)
+        except NoBackend:
+            return False
+        self.r.metrics.retried(backend.addr, "refused")
+        return True
 
     def _retry_later(self, p: _Pending, rid: str, f: EditFeatures) -> bool:
         """No backend can take ``p`` now: route it again after a backoff, if it has streamed nothing and its
@@ -192,6 +212,13 @@ class _StreamSession:
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
+        released = False
+        if error and not p.responded and REFUSED in resp.error_message:
+            self.r.release(p.ticket, ok=False)
+            released = True
+            if self._elsewhere(p, rid, backend):  # its refusal is not relayed: another backend has it now
+                self._retire(backend)
+                return
         resp.infer_response.id = p.client_id
         if error:
             resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
@@ -200,7 +227,8 @@ class _StreamSession:
             self.out.put(resp)
             p.responded = True
         if final or error:
-            self.r.release(p.ticket, ok=not error)
+            if not released:
+                self.r.release(p.ticket, ok=not error)
             self._end(p, "error" if error else "ok")
             self._retire(backend)
             self._maybe_finish()
