@@ -40,17 +40,18 @@ def kill_server(topo: Topology, rng: random.Random) -> dict:
     """kill -9 of one backend's tritonserver (its stubs are orphaned); the supervisor reaps and restarts it."""
     i = rng.randrange(len(topo.servers))
     inst = topo.supervisor.instances[i]
-    before = inst.total_restarts
+    before = inst.recoveries
     os.kill(topo.servers[i].proc.pid, signal.SIGKILL)
     return {"target": f"server{i}", **_await_restart(inst, before)}
 
 
 def kill_denoise_stub(topo: Topology, rng: random.Random) -> dict:
-    """kill -9 of one backend's masked_denoise stub (Triton 2.51 keeps saying ready and does not restart it)."""
+    """kill -9 of one backend's masked_denoise stub (Triton 2.51 keeps saying ready and does not restart it): the
+    supervisor reloads that model alone (explicit model control), else restarts the server."""
     i = rng.randrange(len(topo.servers))
     inst = topo.supervisor.instances[i]
-    before = inst.total_restarts
-    pid = next(pid for pid, (_, model) in inst.stubs.items() if model.startswith("masked_denoise"))
+    before = inst.recoveries
+    pid = next(pid for pid, stub in inst.stubs.items() if stub.model == "masked_denoise")
     os.kill(pid, signal.SIGKILL)
     return {"target": f"server{i}/masked_denoise stub", **_await_restart(inst, before)}
 
@@ -93,13 +94,14 @@ FAULTS = {f.__name__: f for f in (kill_server, kill_denoise_stub, sigstop_server
 
 
 def _await_restart(inst, before: int, timeout_s: float = 300.0) -> dict:
+    """Until the supervisor brought ``inst`` back (a restart or a model reload)."""
     deadline = time.perf_counter() + timeout_s
-    while inst.total_restarts == before and time.perf_counter() < deadline:
+    while inst.recoveries == before and time.perf_counter() < deadline:
         time.sleep(0.1)
     ev = inst.events[-2:]
-    return {"restored": time.perf_counter() if inst.total_restarts > before else None,
-            "supervisor": [e[1] for e in ev],
-            "reaped_to_ready_s": round(ev[-1][0] - ev[0][0], 1) if len(ev) == 2 else None}
+    return {"restored": time.perf_counter() if inst.recoveries > before else None,
+            "supervisor": [e[1] for e in ev], "how": "reload" if inst.total_reloads and "reloaded" in ev[-1][1]
+            else "restart", "reaped_to_ready_s": round(ev[-1][0] - ev[0][0], 1) if len(ev) == 2 else None}
 
 
 # -- one case -----------------------------------------------------------------------------------------------
