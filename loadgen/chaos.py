@@ -74,6 +74,18 @@ def restart_router(topo: Topology, rng: random.Random, down_s: float = 2.0) -> d
     return {"target": "router", "restored": time.perf_counter()}
 
 
+def sigstop_router(topo: Topology, rng: random.Random, hang_s: float = 30.0) -> dict:
+    """SIGSTOP of the router process for ``hang_s``, then SIGCONT: the clients' requests wait meanwhile; after it
+    none may be refused for load the stall made up, and no backend taken out of rotation for the silence."""
+    pid = topo.router.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(hang_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return {"target": "router", "restored": time.perf_counter(), "hang_s": hang_s}
+
+
 def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> dict:
     """Fill one backend's activation-store memory tier to its limit with entries nobody asks for: the store must
     evict (to disk) and keep serving."""
@@ -90,7 +102,8 @@ def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> d
             "mem_bytes_after": store.tier_bytes()["mem"], "budget_bytes": budget}
 
 
-FAULTS = {f.__name__: f for f in (kill_server, kill_denoise_stub, sigstop_server, restart_router, fill_memory_tier)}
+FAULTS = {f.__name__: f for f in (kill_server, kill_denoise_stub, sigstop_server, restart_router, sigstop_router,
+                                  fill_memory_tier)}
 
 
 def _await_restart(inst, before: int, timeout_s: float = 300.0) -> dict:

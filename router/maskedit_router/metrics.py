@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -47,6 +47,13 @@ class RouterMetrics:
         self.idle = Counter("maskedit_router_streams_idle_closed_total", "streams ended for sending nothing with "
                             "nothing in flight for the idle timeout, by port (router, picker, http)", ["port"],
                             registry=r)
+        self.stalls = Counter("maskedit_router_stalls_total", "times the router found it had itself been stopped "
+                              "(SIGSTOP, a frozen host): its loops discount the gap", registry=r)
+        self.stalled_seconds = Counter("maskedit_router_stalled_seconds_total", "seconds the router was stopped",
+                                       registry=r)
+        self.client_disconnects = Counter("maskedit_router_client_disconnects_total", "HTTP clients that went away "
+                                          "before their answer was written, by port (http: metrics, health and "
+                                          "Triton's HTTP/REST; openai)", ["port"], registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
 
@@ -115,6 +122,13 @@ class RouterMetrics:
     def refused_late(self, backend: str, where: str) -> None:
         self.refused_on_behalf.labels(backend, where).inc()
 
+    def stalled(self, seconds: float) -> None:
+        self.stalls.inc()
+        self.stalled_seconds.inc(seconds)
+
+    def client_gone(self, port: str) -> None:
+        self.client_disconnects.labels(port).inc()
+
     def admission(self, backend: str, wait_s: float) -> None:
         self.admission_wait.labels(backend).set(wait_s)
 
@@ -140,16 +154,24 @@ RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 
 
 def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1",
-               kserve=None, keyring=None, ssl_context=None) -> ThreadingHTTPServer:
+               kserve=None, keyring=None, ssl_context=None):
     """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation); with ``kserve``
     (``kserve_http.KServeHttp``) also Triton's HTTP/REST protocol under ``/v2``, whose routes (but
     ``/v2/health/*``) need an API key when ``keyring`` has a key file; TLS with ``ssl_context``."""
     from .auth import Forbidden, Keyring, Unauthenticated
+    from .client_gone import DISCONNECTS, HttpServer, note
     from .kserve_http import HttpError
 
     keyring = keyring or Keyring()
 
     class Handler(BaseHTTPRequestHandler):
+        def handle_one_request(self):
+            try:
+                super().handle_one_request()
+            except DISCONNECTS as e:  # the client gave up (a scraper's or health checker's timeout): counted
+                self.close_connection = True
+                note(metrics, "http", getattr(self, "path", ""), e)
+
         def _authorized(self) -> tuple | None:
             """The gRPC metadata carrying the caller's key on; None when refused (401 / 403 sent)."""
             value = self.headers.get("Authorization")
@@ -224,8 +246,9 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
                 hint = retry_after(str(e)) if e.status == 429 else None
                 self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode(),
                            {"Retry-After": hint} if hint else None)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+            except DISCONNECTS as e:
+                self.close_connection = True
+                note(metrics, "http", self.path, e)
             finally:
                 kserve.slots.release()
 
@@ -241,8 +264,7 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
+    httpd = HttpServer((host, port), Handler, metrics)
     if ssl_context is not None:  # the handshake happens on the request's own thread, not in accept()
         httpd.socket = ssl_context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=httpd.serve_forever, daemon=True, name="router-http").start()

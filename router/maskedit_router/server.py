@@ -157,6 +157,12 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         self.metrics.admission(backend.addr, wait)
         self.expire_admissions(backend, now)
 
+    def admission_resumed(self) -> None:
+        """The router was stopped (``AdmissionWatcher``'s stall): every gauge counts again from its next poll."""
+        with self._lock:
+            for b in self.backends.values():
+                b.admission.resumed()
+
     def expire_admissions(self, backend: Backend, now: float | None = None) -> None:
         """Refuse, and cancel on ``backend``, the edits that have waited the admission wait in front of its check
         (by its latest counts: after every poll answer, and at every poll tick, so a slow answer does not delay

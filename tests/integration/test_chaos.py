@@ -95,3 +95,20 @@ def test_a_hung_server_loses_nothing_and_is_taken_back_after_it_resumes(topo):
     assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
     assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
     assert sum(i.recoveries for i in topo.supervisor.instances) == restarts  # not restarted: it was not dead
+
+
+def test_a_dead_denoise_stub_is_reloaded_alone_under_load_and_taken_back(topo):
+    """kill -9 of a masked_denoise stub under load (Triton 2.51 keeps saying ready, answering its requests with an
+    error): the supervisor reloads that model alone through Triton's model-control API (the server keeps its pid
+    and its other models), the router retries what the dead stub had, and takes the backend back once a probe
+    request succeeds on it."""
+    pids = [s.proc.pid for s in topo.servers]
+    reloads = sum(i.total_reloads for i in topo.supervisor.instances)
+    case = chaos.run_case(topo, "kill_denoise_stub", rate=2.0, duration_s=12, seed=8, progress=False)
+    assert case["lost"] == 0 and case["ok"] > 0, case
+    assert set(case["failed_by_code"]) <= {"UNAVAILABLE"}, case
+    assert case["fault_detail"]["how"] == "reload", case["fault_detail"]
+    assert sum(i.total_reloads for i in topo.supervisor.instances) == reloads + 1
+    assert [s.proc.pid for s in topo.servers] == pids  # no server restarted
+    assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
+    assert not any(case["leftovers"].values()), case["leftovers"]
