@@ -120,10 +120,12 @@ def _await_restart(inst, before: int, timeout_s: float = 300.0) -> dict:
 # -- one case -----------------------------------------------------------------------------------------------
 def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: int = 0, templates: int = 8,
              steps: int | None = None, progress: bool = True, recover_timeout_s: float = 120.0,
-             faults: dict | None = None, sink: dict | None = None) -> dict:
+             faults: dict | None = None, sink: dict | None = None, recovered=None) -> dict:
     """Open-loop load at ``rate`` for ``duration_s`` through the router; ``fault`` (a name in ``faults``, default
     this module's) injected at a random moment in the first half. Waits (up to ``recover_timeout_s`` more) for
-    recovery before judging. ``sink``: filled with the requests, records, answers' PNGs and the start time."""
+    recovery before judging: ``recovered()`` true (default: every backend in rotation). ``sink``: filled with the
+    requests, records, answers' PNGs and the start time."""
+    recovered = recovered or topo.all_in_rotation
     faults = faults or FAULTS
     sink = {} if sink is None else sink
     sink["images"] = {}
@@ -154,7 +156,7 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
         restored = box.get("restored") or time.perf_counter()
         deadline = time.perf_counter() + recover_timeout_s
         while time.perf_counter() < deadline:  # full capacity: every backend serving again, the router answering
-            if topo.all_in_rotation():
+            if recovered():
                 times["recovered"] = time.perf_counter()
                 break
             time.sleep(0.2)
@@ -198,6 +200,7 @@ def summarize_case(fault: str, records: list[Record], wall: float, t0: float, ti
         "p95_before_s": p95(lambda s: s < inj), "p95_during_s": p95(lambda s: inj <= s < end),
         "p95_after_s": p95(lambda s: s >= end),
         "time_to_recover_s": None if rec is None else round(rec - times["injected"], 2),
+        "recovered_at_s": None if rec_s is None else round(rec_s, 2),
         "recovered_after_restart_s": None if rec is None or restored is None else round(max(0.0, rec - restored), 2),
         "fault_detail": {k: (round(v - t0, 2) if k == "restored" and v else v) for k, v in box.items()},
         "leftovers": leftovers,

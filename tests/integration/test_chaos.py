@@ -10,13 +10,16 @@ from loadgen import chaos, runner, workload
 from loadgen.topology import running_topology
 from maskedit_client import EditClient
 
-MAX_QUEUE = 2
+# A short denoise queue (the default is 64): a burst meets the queue-full refusal. Not 2: after a router restart the
+# clients' retried requests arrive together, and on a loaded 2-core host (a request takes 1-2 s) two backends' queues
+# of 2 are full by themselves, so the restart tests got RESOURCE_EXHAUSTED for capacity, not for the fault.
+MAX_QUEUE = 8
 
 
 @pytest.fixture(scope="module")
 def topo(settings, tmp_path_factory):
     # One request per denoise step and a short queue: the denoise queue, not pre-processing (the tiny model's
-    # bottleneck on a small CPU), limits the server, so a burst meets the queue-full refusal.
+    # bottleneck on a small CPU), limits the server, so an overload burst meets the queue-full refusal.
     env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_MAX_QUEUE": str(MAX_QUEUE),
            "MASKEDIT_MAX_BATCH": "1", "MASKEDIT_CACHE_MEM_BYTES": str(64 << 20)}
     with running_topology(2, tmp_path_factory.mktemp("chaos"), env) as t:
@@ -33,7 +36,7 @@ def test_overload_refusals_reach_their_own_stream_within_a_second(topo, through,
     url = topo.servers[0].grpc_url if through == "server" else topo.url
     reqs = workload.poisson(rate, int(rate * 4), n_templates=2, steps=100, seed=5)  # long denoising: the queue fills
     with EditClient(url) as c:
-        recs, _ = runner.run(c, reqs, runner.Assets(256), timeout_s=60, progress=False)
+        recs, _ = runner.run(c, reqs, runner.Assets(256), timeout_s=600, progress=False)  # (a slow host: slow, not lost)
     codes = [r.error_code or "OK" for r in recs]
     refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes  # nothing lost, nothing else
