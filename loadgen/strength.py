@@ -75,11 +75,12 @@ def hit_rate(records, lo: float, hi: float = float("inf")) -> float | None:
 
 def hit_rate_back_at(records, since: float, target: float, window: int = 10) -> float | None:
     """The load-clock time (seconds from its start) at which the hit rate was back: the answer time of the first
-    ``window`` requests sent after ``since`` (in order sent) whose hit rate is at least ``target``. None: never."""
+    hit of the first ``window`` requests in a row (in order sent, sent after ``since``) whose hit rate is at least
+    ``target``. None: never. (A first sporadic hit is not the cache back.)"""
     recs = sorted((r for r in records if r.error is None and r.done_s is not None and r.submit_s >= since),
                   key=lambda r: r.submit_s)
     for k in range(max(0, len(recs) - window + 1)):
         win = recs[k:k + window]
         if np.mean([bool(r.cache_hit) for r in win]) >= target:
-            return max(r.done_s for r in win)
+            return next(r.done_s for r in win if r.cache_hit)
     return None

@@ -115,3 +115,32 @@ def test_a_dead_denoise_stub_is_reloaded_alone_under_load_and_taken_back(topo):
     assert [s.proc.pid for s in topo.servers] == pids  # no server restarted
     assert case["recovered_after_restart_s"] is not None and case["recovered_after_restart_s"] <= 30, case
     assert not any(case["leftovers"].values()), case["leftovers"]
+
+
+def test_a_stopped_router_costs_its_clients_only_the_wait(topo):
+    """SIGSTOP of the router process under load, then SIGCONT: the requests that piled up meanwhile are served, none
+    refused or failed, and no backend leaves rotation for the silence the stall made (a resumed router once probed
+    both behind the burst and answered "no healthy backend"); the router counts the stall."""
+    import threading
+    import urllib.request
+
+    out_of_rotation, stop = [], threading.Event()
+
+    def watch():
+        while not stop.wait(0.25):
+            h = topo.health()  # None while the router is stopped
+            out_of_rotation.extend(b["addr"] for b in (h or {}).get("backends", []) if not b["in_rotation"])
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    try:
+        case = chaos.run_case(topo, "sigstop_router", rate=2.0, duration_s=16, seed=9, progress=False,
+                              faults={"sigstop_router": lambda t, r: chaos.sigstop_router(t, r, hang_s=10.0)})
+    finally:
+        stop.set()
+        th.join(5)
+    assert case["lost"] == 0 and case["ok"] == case["sent"], case  # nothing refused, nothing failed
+    assert not out_of_rotation, out_of_rotation
+    text = urllib.request.urlopen(f"http://127.0.0.1:{topo.http_port}/metrics", timeout=5).read().decode()
+    assert "maskedit_router_stalls_total 1.0" in text or "maskedit_router_stalls_total 2.0" in text, \
+        [line for line in text.splitlines() if "stall" in line]

@@ -16,6 +16,13 @@ def _give_up(port: int, path: str) -> None:
     s.close()
 
 
+def _counted(metrics, port: str, n: int, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while metrics.client_disconnects.labels(port)._value.get() < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return metrics.client_disconnects.labels(port)._value.get()
+
+
 def test_a_client_that_gives_up_on_health_is_counted_in_one_line_without_a_traceback(capfd, caplog):
     metrics = RouterMetrics()
 
@@ -28,12 +35,9 @@ def test_a_client_that_gives_up_on_health_is_counted_in_one_line_without_a_trace
         with caplog.at_level("INFO", logger="maskedit.router"):
             for _ in range(3):
                 _give_up(httpd.server_address[1], "/health")
-            deadline = time.monotonic() + 10
-            while metrics.client_disconnects.labels("http")._value.get() < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            assert _counted(metrics, "http", 3) == 3
     finally:
         httpd.shutdown()
-    assert metrics.client_disconnects.labels("http")._value.get() == 3
     lines = [r for r in caplog.records if r.getMessage() == "client disconnected"]
     assert len(lines) == 3 and lines[0].fields["path"] == "/health" and lines[0].fields["port"] == "http"
     err = capfd.readouterr().err
@@ -53,10 +57,7 @@ def test_a_client_that_goes_away_mid_request_on_the_openai_port_is_counted(caplo
         time.sleep(0.3)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()
-        deadline = time.monotonic() + 10
-        while metrics.client_disconnects.labels("openai")._value.get() < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert _counted(metrics, "openai", 1) == 1
     finally:
         server.stop()
-    assert metrics.client_disconnects.labels("openai")._value.get() == 1
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
