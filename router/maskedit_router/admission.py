@@ -300,8 +300,11 @@ class AdmissionWatcher:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self.stall.tick():
+        while True:
+            stopped, stalled = self.stall.wait(self._stop)
+            if stopped:
+                return
+            if stalled:
                 self.r.admission_resumed()
             self.poll()
             for b in list(self.r.backends.values()):

@@ -25,6 +25,7 @@ from .server import Router
 from .stall import StallDetector
 
 log = logging.getLogger("maskedit.router")
+READY_TIMEOUT_S = 2.0
 
 
 def probe(backend, timeout_s: float) -> bool:
@@ -74,7 +75,7 @@ class HealthChecker:
     def check(self, backend) -> bool:
         asked = time.monotonic()
         try:
-            ready = backend.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=2).ready
+            ready = backend.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=READY_TIMEOUT_S).ready
         except grpc.RpcError as e:
             # a slow answer from a backend that answers requests is a busy host, not a dead backend
             ready = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and \
@@ -105,21 +106,34 @@ class HealthChecker:
         self.r.metrics.stalled(stalled_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            stalled = self.stall.tick()
+        while True:
+            stopped, stalled = self.stall.wait(self._stop)
+            if stopped:
+                return
             if stalled:
                 self.resumed(stalled)
-            for backend in list(self.r.backends.values()):
-                ok = self.check(backend)
-                was_healthy = backend.load.healthy
-                if ok != backend.load.healthy:
-                    log.warning("backend %s is now %s", backend.addr, "healthy" if ok else "UNHEALTHY")
-                backend.load.healthy = ok
-                if not ok:
-                    backend.open_circuit()  # out of rotation until a real request succeeds; caches purged
-                    if was_healthy:  # its requests end now (retried or failed), not when the client gives up
-                        self.r.backend_down(backend, "health check failed")
-                elif backend.circuit_open:  # ok here means a probe request succeeded (see ``check``)
-                    log.warning("backend %s served a probe request: back in rotation", backend.addr)
-                    backend.succeeded()
-                self.r.metrics.healthy.labels(backend.addr).set(1 if ok else 0)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Check every backend once and act on the verdicts."""
+        for backend in list(self.r.backends.values()):
+            t0 = time.monotonic()
+            ok = self.check(backend)
+            # A check that took longer than its own timeouts allow: the router was stopped inside it, and the
+            # call timed out on the stall's clock, not the backend's. No verdict from it.
+            stalled = self.stall.waited(time.monotonic() - t0, READY_TIMEOUT_S + self.probe_timeout)
+            if stalled:
+                self.resumed(stalled)
+                continue
+            was_healthy = backend.load.healthy
+            if ok != backend.load.healthy:
+                log.warning("backend %s is now %s", backend.addr, "healthy" if ok else "UNHEALTHY")
+            backend.load.healthy = ok
+            if not ok:
+                backend.open_circuit()  # out of rotation until a real request succeeds; caches purged
+                if was_healthy:  # its requests end now (retried or failed), not when the client gives up
+                    self.r.backend_down(backend, "health check failed")
+            elif backend.circuit_open:  # ok here means a probe request succeeded (see ``check``)
+                log.warning("backend %s served a probe request: back in rotation", backend.addr)
+                backend.succeeded()
+            self.r.metrics.healthy.labels(backend.addr).set(1 if ok else 0)

@@ -13,16 +13,21 @@ log = logging.getLogger("maskedit.router")
 
 
 class StallDetector:
-    def __init__(self, interval_s: float, threshold_s: float = 2.0, name: str = "router"):
-        """A gap of more than ``interval_s + threshold_s`` between two ticks is a stall."""
+    def __init__(self, interval_s: float, threshold_s: float = 3.0, name: str = "router"):
+        """A wait of ``interval_s`` that took more than ``interval_s + threshold_s`` is a stall. Only the wait is
+        timed, not the loop's own work (a health check's probe may take seconds; that is no stall)."""
         self.interval, self.threshold, self.name = interval_s, threshold_s, name
-        self.last: float | None = None
 
-    def tick(self, now: float | None = None) -> float:
-        """Seconds this process was stalled since the last tick (0 when it was not)."""
-        now = time.monotonic() if now is None else now
-        gap = 0.0 if self.last is None else now - self.last - self.interval
-        self.last = now
+    def wait(self, stop) -> tuple[bool, float]:
+        """``stop.wait(interval_s)``: (whether ``stop`` is set, seconds this process was stalled meanwhile)."""
+        t0 = time.monotonic()
+        stopped = stop.wait(self.interval)
+        return stopped, self.waited(time.monotonic() - t0)
+
+    def waited(self, elapsed_s: float, bound_s: float | None = None) -> float:
+        """Seconds of stall in something that takes at most ``bound_s`` (default: the wait, ``interval_s``) and took
+        ``elapsed_s`` (0 when it was not one)."""
+        gap = elapsed_s - (self.interval if bound_s is None else bound_s)
         if gap <= self.threshold:
             return 0.0
         log.warning("router resumed after a stall", extra={"fields": {"stalled_s": round(gap, 1), "loop": self.name}})

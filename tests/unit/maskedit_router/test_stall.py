@@ -17,11 +17,15 @@ from maskedit_router.stall import StallDetector
 from .test_health import _backend
 
 
-def test_a_gap_far_longer_than_the_interval_is_a_stall_and_a_late_tick_is_not():
-    d = StallDetector(interval_s=1.0, threshold_s=2.0)
-    assert d.tick(0.0) == 0.0
-    assert d.tick(1.1) == 0.0 and d.tick(3.5) == 0.0  # 1.4 s late: a busy host, not a stall
-    assert d.tick(34.5) == 30.0
+def test_a_wait_far_longer_than_the_interval_is_a_stall_and_a_late_one_is_not():
+    d = StallDetector(interval_s=1.0, threshold_s=3.0)
+    assert d.waited(1.1) == 0.0 and d.waited(3.5) == 0.0  # 2.5 s late: a busy host, not a stall
+    assert d.waited(31.0) == 30.0
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    assert d.wait(stop) == (True, 0.0)  # only the wait is timed: the loop's own work (a slow probe) is no stall
 
 
 def test_after_a_stall_no_backend_is_probed_for_the_silence_it_made(monkeypatch):
@@ -80,3 +84,25 @@ def test_a_resumed_gauge_neither_refuses_nor_expires_on_counts_the_stall_made_st
     assert g.admits(now) and g.expire(now) == []
     g.observe(decided=4, busy_ns=4_000_000, now=now + 0.05)  # the next poll: counting starts again from there
     assert g.waiting() == 0 and g.admits(now + 0.05) and g.expire(now + 1.0) == []
+
+
+def test_a_check_the_router_was_stopped_inside_gives_no_verdict(monkeypatch):
+    """Stopped in the middle of a readiness call: it times out on the stall's clock after SIGCONT. That said nothing
+    about the backend, which must stay in rotation."""
+    b = _backend(last_answer=0.0)
+    b.circuit_open, b.open_circuit = False, lambda: None
+    router = SimpleNamespace(backends={"b:1": b}, metrics=RouterMetrics(), backend_down=lambda *a: None)
+    checker = HealthChecker(router, probe_timeout_s=0.1)
+    monkeypatch.setattr(health, "READY_TIMEOUT_S", 0.1)
+    checker.stall.threshold = 0.2
+
+    def stopped_inside(backend):
+        time.sleep(0.6)  # (the stall)
+        return False
+
+    monkeypatch.setattr(checker, "check", stopped_inside)
+    checker.sweep()
+    assert b.load.healthy and router.metrics.stalls._value.get() == 1
+    monkeypatch.setattr(checker, "check", lambda backend: False)  # a prompt "not ready" is a verdict
+    checker.sweep()
+    assert not b.load.healthy
