@@ -42,7 +42,7 @@ STABLE_S = 60.0  # up this long: the next failure starts the back-off again
 # Triton flags that let the supervisor reload one model of a running server (every model still loaded at start)
 RELOADABLE_ARGS = ("--model-control-mode=explicit", "--load-model=*")
 MAX_RELOADS = 3  # reloads in a row (none of them up STABLE_S) before the whole server is restarted instead
-RELOAD_TIMEOUT_S = 120.0
+RELOAD_TIMEOUT_S = 300.0  # as long as a restart may take to start: a reload is never the slower way
 GENERATION = "maskedit_generation"  # the config parameter a reload changes (see ``reload_model``)
 
 
