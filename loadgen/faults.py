@@ -35,6 +35,7 @@ Targets: 0 lost, 0 corrupt served, recovery_s < 30 s, hit rate after within 10 %
 from __future__ import annotations
 
 import argparse
+import calendar
 import contextlib
 import io
 import json
@@ -172,7 +173,7 @@ def found_at_eviction(topo: Topology, i: int, keys: list[str], since_wall: float
             continue
         with contextlib.suppress(ValueError, KeyError):
             entry = json.loads(line)
-            ts = time.mktime(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+            ts = calendar.timegm(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S"))
             n += entry.get("key") in keys and ts >= since_wall - 1
     return n
 
@@ -264,7 +265,7 @@ def row(fault: str, case: dict, corrupt_served: int = 0, **extra) -> dict:
             "p95_after_s": case["p95_after_s"], "detail": case["fault_detail"], **extra}
 
 
-def recovery(case: dict, recs, fault: str, t0: float) -> dict:
+def recovery(case: dict, recs, fault: str) -> dict:
     """``recovery_s`` and the hit rates around the fault: from the fault's end (``FROM_INJECTION``: the fault
     itself) until the later of full strength reached (``strength.weak_spots`` empty, polled during the case) and
     the hit rate back (10 requests in a row within 10 % of the rate before the fault)."""
@@ -290,7 +291,7 @@ def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: 
     case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink, templates=templates,
                           recovered=lambda: not strength.weak_spots(topo))
     d, recs = case["fault_detail"], sink["records"]
-    case.update(recovery(case, recs, fault, sink["t0"]))
+    case.update(recovery(case, recs, fault))
     injected = "error" not in d
     met = {"fault_injected": injected, "zero_lost": case["lost"] == 0, "no_errors": not case["failed_by_code"],
            "recovered_within_30s": case["recovery_s"] is not None and case["recovery_s"] < 30,
@@ -339,13 +340,10 @@ def warm(topo: Topology, templates: int, seed: int = 0) -> None:
     from . import workload
 
     assets = runner.Assets(256)
-    reqs = workload.poisson(1.0, 4 * templates, n_templates=templates, seed=seed)
-    first = {}
-    for r in reqs:
-        first.setdefault(r.template, r)
+    r = workload.poisson(1.0, 1, n_templates=templates, seed=seed)[0]
     with EditClient(topo.url) as client:
-        for r in first.values():
-            client.edit(assets.template(r.template), assets.mask(r), r.prompt, seed=r.seed, steps=r.steps)
+        for t in range(templates):
+            client.edit(assets.template(t), assets.mask(r), r.prompt, seed=r.seed, steps=r.steps)
 
 
 def plot(rows: list[dict], path: Path) -> None:

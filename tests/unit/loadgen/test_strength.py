@@ -20,11 +20,11 @@ def test_the_hit_rate_is_back_when_ten_requests_in_a_row_reach_the_target():
 def test_recovery_runs_to_the_later_of_full_strength_and_hits_back():
     recs = _recs([True] * 20 + [False] * 10 + [True] * 30)  # the fault at 10 s, over at 12 s
     case = {"injected_at_s": 10.0, "fault_detail": {"restored": 12.0}, "recovered_at_s": 14.0}
-    r = faults.recovery(case, recs, "mem_fs_full", t0=0.0)
+    r = faults.recovery(case, recs, "mem_fs_full")
     assert r["hit_rate_before"] == 1.0 and r["full_strength_after_s"] == 2.0
     assert r["recovery_s"] == r["hit_rate_back_after_s"] == round(recs[30].done_s - 12.0, 2)
     assert r["hit_rate_after"] == 1.0
-    killed = faults.recovery(case, recs, "kill_denoise_stub", t0=0.0)  # from the kill itself
+    killed = faults.recovery(case, recs, "kill_denoise_stub")  # from the kill itself
     assert killed["recovery_s"] == round(recs[30].done_s - 10.0, 2)
     case["recovered_at_s"] = None  # never back to full strength: no recovery time
-    assert faults.recovery(case, recs, "mem_fs_full", t0=0.0)["recovery_s"] is None
+    assert faults.recovery(case, recs, "mem_fs_full")["recovery_s"] is None
