@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-serving bench-addons router-sim router-validate serve-cluster chaos faults overload soak bench-tenants clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ bench-serving: $(STAMP)
 bench-batching: $(STAMP)
 	$(VENV)/bin/maskedit-bench-batching
 
+# Temporal reuse x mask-aware reuse (docs/caching.md, "Temporal reuse"): full, mask-only, temporal-only and both,
+# interleaved, at mask 0.2 with a 60 % step mask, First Block Cache and TaylorSeer -> perf_profiles/results/temporal.json
+bench-temporal: $(STAMP)
+	$(VENV)/bin/maskedit-bench-temporal $(BENCH_ARGS)
+
 # LoRA adapters (docs/lora.md, Benchmark): base, warm, cold, naive stock Diffusers, mixed vs same-adapter batches on
 # the bench preset, and the adapter path at FLUX.1 widths -> perf_profiles/results/addons.json / .png
 bench-addons: $(STAMP)
@@ -85,6 +90,10 @@ router-sim: $(STAMP)
 
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate $(ARGS)
+
+# The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.triton_emulator, docs/router.md).
+router-scale: $(STAMP)
+	$(PY) -m maskedit_lab.router_scale $(ARGS)
 
 serve-cluster: model
 	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \

@@ -57,7 +57,8 @@ class Topology:
         log = open(self.out / "router.log", "ab")
         self.router = subprocess.Popen(
             [sys.executable, "-m", "maskedit_router", "--backends", ",".join(s.grpc_url for s in self.servers),
-             "--port", str(self.router_port), "--http-port", str(self.http_port), *self.router_args],
+             "--port", str(self.router_port), "--http-port", str(self.http_port),
+             "--openai-port", "0", *self.router_args],  # no OpenAI port unless asked: 7003 may be another's
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.router_starts += 1

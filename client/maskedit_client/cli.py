@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("result.png"))
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--deadline-ms", type=int, help="fail fast (DEADLINE_EXCEEDED) if it cannot finish in time")
+    ap.add_argument("--temporal", metavar="JSON", help='temporal reuse (step-to-step caching), e.g. '
+                    '\'{"policy": "fbcache", "threshold": 0.08}\' or \'{"policy": "steps", "steps": [0, 1, 2, 4, 6]}\'')
     ap.add_argument("--api-key-file", type=Path, help="a file holding the router's API key (sent as 'authorization: "
                     "Bearer <key>'; a file keeps it off the command line)")
     ap.add_argument("--api-key", help="the API key itself (visible in the process list: prefer --api-key-file)")
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
                                  loras=[_lora_arg(a) for a in args.lora] or None, controls=controls or None,
-                                 control_images=list(args.control_image) or None)
+                                 control_images=list(args.control_image) or None, temporal=args.temporal)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)

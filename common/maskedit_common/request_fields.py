@@ -76,6 +76,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  default=(), hi=8192),
     RequestField("CONTROL_IMAGES", "control_images", bytes, "STRING", "one control image (PNG/JPEG bytes or "
                  "base64) per CONTROLS entry, in order", dims=(-1,)),
+    RequestField("TEMPORAL", "temporal", str, "STRING", 'temporal reuse (step-to-step caching), as JSON: '
+                 '{"policy": "fbcache", "threshold": 0.08}; policies fbcache, dbcache, taylorseer, steps, off '
+                 '(docs/caching.md, "Temporal reuse"); empty: the server default', default_setting="temporal",
+                 hi=4096, openai=True),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}

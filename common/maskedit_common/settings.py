@@ -150,6 +150,7 @@ class Settings:
     max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
     controlnet_placement: str = "inprocess"  # where ControlNets run: in the denoiser's process, or the `controlnet` model
     controlnet_timeout_s: float = 30.0  # a BLS call to the `controlnet` model fails its requests after this
+    temporal: str = ""  # default TEMPORAL (temporal reuse policy, JSON; empty: off)
     cache: CacheSettings = field(default_factory=CacheSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -295,6 +296,8 @@ VARIABLES: tuple[Var, ...] = (
         "through BLS; its own instance group)", choices=CONTROLNET_PLACEMENTS),
     Var("MASKEDIT_CONTROLNET_TIMEOUT_S", "controlnet_timeout_s", float, "seconds one BLS call to the `controlnet` "
         "model may take before the requests it served fail (naming `CONTROLS`)"),
+    Var("MASKEDIT_TEMPORAL", "temporal", str, "default `TEMPORAL`: temporal reuse policy as JSON, e.g. "
+        '`{"policy": "fbcache", "threshold": 0.08}` (empty: off; docs/caching.md)'),
     Var("MASKEDIT_MAX_STEPS", "max_steps", int, "largest `STEPS` accepted"),
     Var("MASKEDIT_MAX_GUIDANCE", "max_guidance", float, "largest `GUIDANCE` accepted"),
     Var("MASKEDIT_MAX_PROMPT_CHARS", "max_prompt_chars", int, "longest `PROMPT` accepted, in characters"),

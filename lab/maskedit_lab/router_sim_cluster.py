@@ -35,12 +35,14 @@ class SimRequest:
     f: EditFeatures
     steps_left: int = 0
     step_ms: float = 0.0
+    enqueued: float | None = None  # pre-processing done: in its worker's denoise queue
     started: float | None = None  # joined a running batch
     denoised: float | None = None  # left it
     done: float | None = None
     booking: Booking | None = None  # its entry in the router's account
     mask: np.ndarray | None = None  # its edited tokens (bool per image token), when known
     records: bool = False  # a template run: its entry is stored when it finishes
+    cached: bool = False  # computes from its template's entry (kv blocks)
     heals: bool = False  # a hit that heals its entry's invalid tokens when it finishes
     join_ms: float = 0.0  # one-off work added to the step it joins (disk read, checkpoint load)
 
@@ -168,6 +170,21 @@ def simulate(policy_name: str, workers: int, rate: float, n: int, est: Estimator
             "decision_us_p50": done["decision_us_p50"], "requests": n}
 
 
+def batch_shared_ms(est: Estimator) -> float:
+    """Milliseconds of a cached request's step that a batch pays once: the engine packs a step's requests into
+    one transformer call, so each block's fixed cost (the constant of its profile fit in kv mode: kernel launches,
+    weight reads) is not paid per request. In ``est``'s units (its scale, a calibration's speed ratio)."""
+    cost = est.cost
+    if cost.fallback_flops_per_ms or not cost.compute:
+        return 0.0
+    probe = EditFeatures("probe", 0.1, 1024, 1)
+    unscaled = est._unscaled_ms(probe.mask_ratio, probe.tokens, 1, True)
+    units = est.request_ms(probe, True) / unscaled if unscaled > 0 else 1.0
+    fixed = sum(count * max(0.0, cost.compute[kind]["kv"].coef[0]) for kind, count, _, _ in est.blocks
+                if "kv" in cost.compute.get(kind, {}))
+    return fixed * units
+
+
 _DONE_MS = 1e-6  # a CPU task with less work left than this has finished (float round-off)
 
 
@@ -175,11 +192,15 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
            max_batch: int = 4, step_fixed_ms: float = 2.0, cache_templates: int = 16,
            service: Estimator | None = None, host: HostModel | None = None,
            masks: list[np.ndarray] | None = None, heal_min_ratio: float = HEAL_MIN_RATIO,
-           disk_templates: int = 0, model_slots: int = 2, policy_kw: dict | None = None) -> dict:
+           disk_templates: int = 0, model_slots: int = 2, policy_kw: dict | None = None,
+           batch_shared: float | None = None, names: list[str] | None = None, policy=None) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
     ``masks``: each arrival's edited tokens (bool per image token); without them a hit computes just its mask ratio
     (as if every entry were a clean registration).
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
+    ``names``: the workers' names as the router knows them (``chwbl`` hashes them; default w0, w1, ...); ``policy``:
+    a policy object instead of ``policy_name``'s. ``batch_shared``: ms of a cached request's step a batch pays once
+    (default: ``batch_shared_ms(service)``, from the profile).
     ``host``: CPU-only hosts whose cores the workers' denoise loops and pre/post-processing share; None models
     accelerator hosts (denoising never waits for the CPU; the caller adds pre/post time to each latency).
     The router refits a copy of ``est`` online from completions, as the real router does.
@@ -189,9 +210,11 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     shadow of each store has the same capacities.
     Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
     service = service or est
+    shared_ms = batch_shared_ms(service) if batch_shared is None else batch_shared
     est = replace(est)  # the router's own copy: its online fit must not leak into the caller's or other runs
-    policy = make(policy_name, est, **(policy_kw or {}))
-    ws = [Worker(BackendLoad(f"w{i}", mem_templates=cache_templates, disk_templates=disk_templates,
+    policy = policy or make(policy_name, est, **(policy_kw or {}))
+    names = names or [f"w{i}" for i in range(workers)]
+    ws = [Worker(BackendLoad(names[i], mem_templates=cache_templates, disk_templates=disk_templates,
                              model_slots=model_slots), cache_templates=cache_templates, disk_templates=disk_templates,
                  model_slots=model_slots) for i in range(workers)]
     loads = [w.load for w in ws]
@@ -247,6 +270,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             start(now)
 
     def enqueue(w: Worker, q: SimRequest, now: float) -> None:
+        q.enqueued = now
         w.waiting.append(q)
         if not w.running:  # no step in flight: start one now (else it joins at the next step boundary)
             start_step(w, now)
@@ -287,13 +311,17 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     w.healing.add(key)
             q.steps_left, q.started = q.f.steps, now
             q.step_ms = service.request_ms(work, cached) / q.f.steps
+            q.cached = cached
             w.touch(key)  # recorded by its own run (miss) or refreshed (hit)
             w.running.append(q)
         if w.running:
             extra = sum(q.join_ms for q in w.running)
             for q in w.running:
                 q.join_ms = 0.0
-            run_on(w.host, now, step_fixed_ms + extra + sum(q.step_ms for q in w.running), lambda t: step_done(w, t))
+            # one packed transformer call per step: its cached requests' fixed per-block cost is paid once
+            shared = shared_ms * max(0, sum(q.cached for q in w.running) - 1)
+            run_on(w.host, now, step_fixed_ms + extra + sum(q.step_ms for q in w.running) - shared,
+                   lambda t: step_done(w, t))
 
     def step_done(w: Worker, now: float) -> None:
         for q in list(w.running):
@@ -324,6 +352,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         finished.append(q)
         q.booking.remove(w.load, now)
         q.booking.observed(est, (now - q.arrival) * 1000.0)
+        if q.f.temporal is not None:  # the router learns what its policy computed (the EDIT_INFO it would read)
+            est.observe_temporal(q.f.temporal, service.computed_fraction(q.f))
 
     def arrive(q: SimRequest, now: float) -> None:
         t0 = time.perf_counter()
@@ -336,11 +366,11 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             enqueue(w, q, now)
 
     for i, (t, f) in enumerate(arrivals):
-        q = SimRequest(i, t, f, mask=None if masks is None else np.asarray(masks[i], bool))
+        q = SimRequest(i, t, f, mask=None if masks is None or masks[i] is None else np.asarray(masks[i], bool))
         at(t, (lambda q: lambda now: arrive(q, now))(q))
     while events:
         now, _, fn = heapq.heappop(events)
         fn(now)
-    return {"requests": sorted(finished, key=lambda q: q.rid),
+    return {"requests": sorted(finished, key=lambda q: q.rid), "estimator": est,
             "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0,
             "decision_us_p99": float(np.percentile(decision_s, 99) * 1e6) if decision_s else 0.0, **cold}

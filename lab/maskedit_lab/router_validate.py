@@ -48,7 +48,7 @@ from maskedit_router.features import EditFeatures, grid_tokens, mask_ratio, mask
 from maskedit_router.policies import POLICIES, Estimator
 
 from . import REPO_ROOT
-from .router_validate_replay import compare, plot, saturation_throughput
+from .router_validate_replay import HEADLINE, compare, plot, ranking, saturation_throughput
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 # The health probe (an empty-mask edit) queues behind a burst in the instances' single pre-processing instance; on
@@ -85,18 +85,19 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
         else:
             mbytes = assets.mask(q)
             f = EditFeatures("calib", *mask_ratio(mbytes, res), steps)
-            info = client.submit(assets.template(template), mbytes, q.prompt, seed=q.seed,  # progress on, as loadgen
-                                 on_progress=lambda *_: None).result(600).info
+            info = client.submit(assets.template(template), mbytes, q.prompt, seed=q.seed, steps=steps,
+                                 on_progress=lambda *_: None).result(600).info  # progress on, as loadgen
         latency = time.perf_counter() - t0
         hit = bool(info.get("cache_hit"))
         ratio = info["denoise_s"] * 1000 / est.request_ms(f, hit)
         (hit_r if hit else miss_r).append(ratio)
         outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
         points.append({"mask_ratio": f.mask_ratio, "tokens": f.tokens, "steps": steps, "hit": hit,
-                       "computed_tokens": info.get("computed_tokens"),
+                       "computed_tokens": info.get("computed_tokens"), "instance": info.get("instance"),
                        "denoise_s": info["denoise_s"], "observed_over_profile": ratio, "outside_s": outside[-1]})
+    key = template_key(assets, workload.Request(0.0, template, 0.1, "blob", "calibration", steps=steps), res)
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),
-            "outside_s": statistics.median(outside), "probes": len(probes), "points": points}
+            "outside_s": statistics.median(outside), "probes": len(probes), "points": points, "key": key}
 
 
 def _interference(direct: list, template: int, assets, steps: int) -> dict:
@@ -111,9 +112,12 @@ def _interference(direct: list, template: int, assets, steps: int) -> dict:
 
     img = assets.template(template)
     points = []
+    instances = []
     with ThreadPoolExecutor(len(direct)) as pool:
         def both(fn) -> list[float]:
-            return [r.info["denoise_s"] for r in pool.map(fn, direct)]
+            rs = list(pool.map(fn, direct))
+            instances[:] = [r.info.get("instance") for r in rs]  # which denoise stub each instance is
+            return [r.info["denoise_s"] for r in rs]
 
         alone = direct[0].register_template(img, steps=steps, timeout_s=600).info["denoise_s"]
         pair = both(lambda c: c.register_template(img, steps=steps, timeout_s=600))  # a template run forced on each
@@ -121,11 +125,12 @@ def _interference(direct: list, template: int, assets, steps: int) -> dict:
         for i, r in enumerate((0.05, 0.2, 0.4)):
             q = workload.Request(0.0, template, r, "blob", "interference", seed=i)
             m = assets.mask(q)
-            alone = direct[0].submit(img, m, q.prompt, seed=q.seed).result(600).info["denoise_s"]
-            pair = both(lambda c: c.submit(img, m, q.prompt, seed=q.seed).result(600))
+            alone = direct[0].submit(img, m, q.prompt, seed=q.seed, steps=steps).result(600).info["denoise_s"]
+            pair = both(lambda c: c.submit(img, m, q.prompt, seed=q.seed, steps=steps).result(600))
             points.append({"mask_ratio": r, "alone_s": alone, "both_s": pair})
     ratios = [statistics.mean(p["both_s"]) / p["alone_s"] for p in points]
-    return {"interference": max(0.0, statistics.median(ratios) - 1.0), "interference_points": points}
+    return {"interference": max(0.0, statistics.median(ratios) - 1.0), "interference_points": points,
+            "instances": instances}
 
 
 def _metrics(servers) -> list[dict[tuple, float]]:
@@ -170,17 +175,43 @@ def _write_costs(servers) -> dict:
             "heal_ms": 1000 * total.get((cpu, "heal"), 0.0) / max(1.0, heals)}
 
 
-def _warm(client, assets, reqs) -> list:
-    """One request per template, one at a time, so every later request on it can hit."""
+def _warm(client, assets, reqs) -> list[tuple]:
+    """One request per template, one at a time, so every later request on it can hit; (request, the instance that
+    served it) each."""
     warm = [replace(reqs[[r.template for r in reqs].index(t)], t=0.0) for t in sorted({r.template for r in reqs})]
-    for w in warm:
-        client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed).result(600)
-    return warm
-def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predicted",), seed: int = 0,
-        burst: int = 48, out_dir: Path | None = None, max_wall_s: float | None = None) -> dict:
+    return [(w, client.submit(assets.template(w.template), assets.mask(w), w.prompt, seed=w.seed, steps=w.steps)
+             .result(600).info.get("instance")) for w in warm]
+
+
+def template_key(assets, r, res: int) -> str:
+    """The template key the router computes for request ``r`` as loadgen sends it (its hash of the template's
+    bytes and the settings that key the cache): a replay hashes templates onto ``chwbl``'s ring as the router did."""
+    from tritonclient.grpc._utils import _get_inference_request
+
+    from maskedit_client.inputs import edit_inputs
+    from maskedit_router.features import extract
+
+    inputs = edit_inputs(assets.template(r.template), assets.mask(r), r.prompt, seed=r.seed, steps=r.steps,
+                         deadline_ms=r.deadline_ms)
+    req = _get_inference_request("edit", inputs, "", "", None, 0, False, False, 0, None, None)
+    return extract(req, res).template_key
+def estimate_wall_s(capacity: float, loads, requests: int, policies: int, calibration_s: float,
+                    calibrations: int, warmup_s: float) -> float:
+    """Seconds the measured runs will take: each load's requests at its rate, a drain of a few service times, the
+    warm-ups and the calibrations (``calibration_s`` each, as the first one took)."""
+    runs = policies * len(loads)
+    sending = policies * sum(requests / (load * capacity) for load in loads)
+    return sending + runs * (warmup_s + 10.0 / capacity) + calibrations * calibration_s
+
+
+def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policies=("predicted",), seed: int = 0,
+        burst: int = 48, out_dir: Path | None = None, max_wall_s: float | None = None, steps: int | None = None,
+        calibrate_every: str = "run") -> dict:
     """Measure ``policies`` one after another on one pair of instances (the router's policy is switched between
-    runs; each run gets fresh templates), every run bracketed by calibrations. After ``max_wall_s`` no further
-    policy is started (the ones left are listed in ``meta.skipped``); the final calibration still runs."""
+    runs; each run gets fresh templates), every run bracketed by calibrations (``calibrate_every="policy"``: one
+    before each policy's first load, shared by its loads). ``steps``: denoising steps per request (default: the
+    model's). After ``max_wall_s`` no further policy is started (the ones left are listed in ``meta.skipped``);
+    the final calibration still runs."""
     started = time.monotonic()
     skipped = []
     from loadgen import runner as lg
@@ -192,7 +223,7 @@ def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predict
 
     model_dir = _model_dir()
     settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)})
-    res, steps = settings.resolution, settings.steps
+    res, steps = settings.resolution, steps or settings.steps
     profile = default_profile()
     cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     assets = lg.Assets(size=res)
@@ -203,9 +234,14 @@ def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predict
     est = Estimator(cost)
 
     def feats(r) -> dict:
-        """Mask ratio and token count on the model's grid, and the edited tokens themselves (packed bits, hex)."""
+        """Mask ratio and token count on the model's grid, the edited tokens themselves (packed bits, hex) and the
+        router's template key."""
         t = mask_tokens(assets.mask(r), res)
-        return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex()}
+        return {"mask_ratio": float(t.mean()), "tokens": int(t.size), "mask_bits": np.packbits(t).tobytes().hex(),
+                "key": template_key(assets, r, res)}
+
+    def warmed(warm) -> list[dict]:
+        return [{"template": w.template, **feats(w), "instance": inst} for w, inst in warm]
     runs = []
     probe = itertools.count(900)
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
@@ -224,23 +260,30 @@ def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predict
                 """The router's online fit when a run starts: the simulated router starts from the same."""
                 return {"scale": router.est.scale, "error": router.est.error}
 
+            t0 = time.monotonic()
             calib = calibrate()
+            calibration_s = time.monotonic() - t0
             # 3. capacity: a burst on warmed templates.
             sat = workload.synthesize(np.zeros(burst), workload="public", n_templates=templates, zipf_s=1.1,
                                       seed=seed + 99)
-            sat = [replace(r, template=r.template + 50) for r in sat]
+            sat = [replace(r, template=r.template + 50, steps=steps) for r in sat]
             sat_model = router_model()
+            t0 = time.monotonic()
             warm = _warm(client, assets, sat)
+            warmup_s = time.monotonic() - t0
             records, wall = lg.run(client, sat, assets, progress=True)
             capacity = saturation_throughput([r.done_s for r in records if r.error is None])
             saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
-                          "policy": policies[0], "router_model": sat_model,
-                          "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                          "policy": policies[0], "router_model": sat_model, "warmup": warmed(warm),
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
                                         "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
                                        for r, rec in zip(sat, records)]}
-            print(json.dumps({"saturation_throughput": round(capacity, 3)}), flush=True)
+            n_calib = 1 + (len(policies) if calibrate_every == "policy" else len(policies) * len(loads))
+            eta = estimate_wall_s(capacity, loads, requests, len(policies), calibration_s, n_calib, warmup_s)
+            print(json.dumps({"saturation_throughput": round(capacity, 3), "calibration_s": round(calibration_s, 1),
+                              "estimated_remaining_min": round(eta / 60, 1)}), flush=True)
             k = 0
+            run_calib = None
             for policy in policies:
                 if max_wall_s is not None and time.monotonic() - started > max_wall_s:
                     skipped.append(policy)
@@ -250,26 +293,31 @@ def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predict
                     k += 1
                     rate = round(load * capacity, 3)
                     reqs = workload.poisson(rate, requests, workload="public", n_templates=templates, zipf_s=1.1,
-                                            seed=seed + li)  # every policy gets the same arrivals and masks
+                                            seed=seed + li, steps=steps)  # every policy: the same arrivals, masks
                     reqs = [replace(r, template=r.template + 100 * k) for r in reqs]  # fresh templates per run
                     model_at_start = router_model()  # before the warm-up, which the simulator replays too
                     warm = _warm(client, assets, reqs)
                     # Right before the run, after the warm-up: the calibration sees the store as the run finds it
                     # (the warm-up's entries can push it past its memory budget: an eviction to disk per insert).
-                    run_calib = calibrate()
+                    # Calibrated once per policy: its later loads share the one before its first load.
+                    if li == 0 or calibrate_every == "run":
+                        run_calib = calibrate()
+                        shared = False
+                    else:
+                        shared = True
                     records, wall = lg.run(client, reqs, assets, progress=True)
                     runs.append({
                         "policy": policy, "load": load, "rate": rate, "wall_s": round(wall, 2),
-                        "calibration": run_calib, "router_model": model_at_start,
-                        "warmup": [{"template": w.template, **feats(w)} for w in warm],
+                        "calibration": run_calib, "calibration_shared": shared, "router_model": model_at_start,
+                        "warmup": warmed(warm),
                         "requests": [{"t": r.t, "template": r.template, **feats(r),
                                       "latency_s": rec.latency_s, "queue_s": rec.queue_s, "denoise_s": rec.denoise_s,
                                       "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
                                      for r, rec in zip(reqs, records)],
                     })
                     print(json.dumps({"policy": policy, "load": load, "rate": rate, "measured_p95": round(float(
-                        np.percentile([r.latency_s for r in records if r.latency_s is not None], 95)), 3)}),
-                        flush=True)
+                        np.percentile([r.latency_s for r in records if r.latency_s is not None], 95)), 3),
+                        "elapsed_min": round((time.monotonic() - started) / 60, 1)}), flush=True)
             # The host's speed drifts within a run as well: each run is bracketed by the calibration before it
             # and the next one, so the last run needs one after it.
             final_calib = calibrate()
@@ -279,19 +327,29 @@ def run(loads=(0.7,), requests: int = 60, templates: int = 4, policies=("predict
                      "policies": [p for p in policies if p not in skipped], "skipped": skipped,
                      "host_cores": os.cpu_count(), "loadavg_at_end": list(os.getloadavg()),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
-                     "workload": "public, Zipf 1.1", "calibration": calib, "profile": profile.name,
+                     "workload": "public, Zipf 1.1", "calibration": calib, "calibrate_every": calibrate_every,
+                     "profile": profile.name, "resolution": res,
+                     # the router's names of its backends, in server order: a replay's workers carry them
+                     "backends": [s.grpc_url for s in servers],
                      # the profile the calibration's ratios are relative to: a replay uses this very profile
                      "profile_doc": json.loads(profile.read_text()) if profile.exists() else None,
                      "load_basis": "measured saturation throughput", "saturation": saturation,
-                     "writes": writes, "final_calibration": final_calib}, "runs": runs}
+                     "writes": writes, "final_calibration": final_calib,
+                     "wall_s": round(time.monotonic() - started, 1)}, "runs": runs}
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=float, nargs="*", default=[0.7],
+    ap.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.7, 0.85],
                     help="offered load as a fraction of the measured saturation throughput")
-    ap.add_argument("--requests", type=int, default=60, help="requests per policy and load")
+    ap.add_argument("--requests", type=int, default=200, help="requests per policy and load")
+    ap.add_argument("--steps", type=int, help="denoising steps per request (default: the model's, 8 for the "
+                    "benchmark model; fewer: shorter service, so the same requests take less wall time)")
+    ap.add_argument("--calibrate-every", choices=("run", "policy"), default="run", help="a calibration before "
+                    "every policy and load (run), or one per policy shared by its loads (policy: fewer, cheaper)")
     ap.add_argument("--policies", nargs="*", default=list(POLICIES), help="measured one after another on one pair "
                     "of instances, each run bracketed by calibrations")
+    ap.add_argument("--burst", type=int, default=48, help="requests of the capacity burst (fewer: a smoke test)")
     ap.add_argument("--max-wall-s", type=float, help="start no further policy after this long (the rest are "
                     "listed as skipped)")
     ap.add_argument("--from", dest="source", type=Path,
@@ -299,19 +357,24 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "router_validation.json")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's servers are stopped on the way
-    measured = json.loads(args.source.read_text()) if args.source else run(args.loads, args.requests,
-                                                                             policies=args.policies,
-                                                                             max_wall_s=args.max_wall_s)
+    measured = json.loads(args.source.read_text()) if args.source else run(
+        args.loads, args.requests, policies=args.policies, max_wall_s=args.max_wall_s, steps=args.steps,
+        calibrate_every=args.calibrate_every, burst=args.burst)
     measured["rows"] = compare(measured)
+    measured["ranking"] = ranking(measured["rows"])
+    for r in measured["ranking"]:
+        print(json.dumps(r))
     for r in measured["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                          if k in ("policy", "load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error",
+                          if k in ("policy", "load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error", "mean_error",
                                    "errors", "cache_hits", "throughput", "throughput_error", "computed_over_mask",
                                    "heals", "misses")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"
-    if router_json.exists():  # keep the simulation table and the validation rows in one file
+    # keep the simulation table and the validation rows in one file (a result written elsewhere, a smoke run or an
+    # offline replay, leaves the committed table alone)
+    if router_json.exists() and args.out.resolve().parent == RESULTS.resolve():
         data = json.loads(router_json.read_text())
         data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
         data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}

@@ -18,7 +18,7 @@ import numpy as np
 from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
 from maskedit_router.features import EditFeatures
-from maskedit_router.policies import Estimator
+from maskedit_router.policies import Estimator, Policy
 
 from .router_sim_cluster import HostModel, replay
 
@@ -64,20 +64,64 @@ def bracketed(before: dict, after: dict) -> dict:
     return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
 
 
-def _arrivals(meta: dict, run_: dict) -> list[tuple]:
-    f = lambda r: EditFeatures(f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])  # noqa: E731
-    warm = run_["warmup"]
-    return [(-WARMUP_GAP_S * (len(warm) - i), f(w)) for i, w in enumerate(warm)] + \
-        [(r["t"], f(r)) for r in run_["requests"]]
+def _lead(meta: dict, run_: dict, key: str) -> list[tuple]:
+    """What went through the router before a run's requests, one at a time, as (features, edited tokens or None,
+    instance that served it or None): the warm-up and the calibration's probes (a registration, then hits), in the
+    order the run sent them (the burst's calibration came first, a policy run's after its warm-up). The probes
+    count: they move a stateful policy (round_robin's turn, the template index, the online fit) as they moved the
+    real router's."""
+    warm = [(_features(meta, w), _bits(w), w.get("instance")) for w in run_["warmup"]]
+    calib = run_.get("calibration") or {}
+    probes = []
+    for i, p in enumerate(calib.get("points", [])):
+        # the registration sends an empty mask: the router reads no masked token
+        ratio = 0.0 if i == 0 and not p["hit"] else p["mask_ratio"]
+        probes.append((EditFeatures(calib.get("key") or f"calib-{key}", ratio, p.get("tokens", 1024),
+                                    p.get("steps", meta["steps"])), None, p.get("instance")))
+    if run_.get("calibration_shared"):
+        probes = []  # this run's calibration was taken before an earlier run
+    return probes + warm if key == "saturation" else warm + probes
 
 
-def _masks(run_: dict) -> list[np.ndarray] | None:
-    """Each arrival's edited tokens (warm-up first, as ``_arrivals``), if the measurement saved them."""
-    rs = run_["warmup"] + run_["requests"]
-    if not all("mask_bits" in r for r in rs):
+def _features(meta: dict, r: dict) -> EditFeatures:
+    """A measured request's features as the router saw them (its template key, where the measurement saved it)."""
+    return EditFeatures(r.get("key") or f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])
+
+
+def _replayed(meta: dict, run_: dict, key: str) -> tuple[list[tuple], list | None, int, list | None]:
+    """The arrivals a replay sends (the run's lead, ``WARMUP_GAP_S`` apart before time 0, then its requests at
+    their times), each arrival's edited tokens (None where unknown; None for all in files without them), how many
+    lead, and the instance index that served each arrival (None where the file cannot say)."""
+    lead = _lead(meta, run_, key)
+    arrivals = [(-WARMUP_GAP_S * (len(lead) - i), f) for i, (f, _, _) in enumerate(lead)] + \
+        [(r["t"], _features(meta, r)) for r in run_["requests"]]
+    masks = [m for _, m, _ in lead] + [_bits(r) for r in run_["requests"]]
+    if all(m is None for m in masks):
+        masks = None
+    order = (run_.get("calibration") or meta.get("calibration") or {}).get("instances") or []
+    served = [i for _, _, i in lead] + [r.get("instance") for r in run_["requests"]]
+    routes = [order.index(i) for i in served] if order and all(i in order for i in served) else None
+    return arrivals, masks, len(lead), routes
+
+
+class MeasuredRouting(Policy):
+    """Sends each arrival where the measured run's router sent it: a replay with it checks the simulated instances
+    and host alone, apart from how the simulated policy routes."""
+
+    name = "measured_routing"
+
+    def __init__(self, routes: list[int]):
+        self.routes = iter(routes)
+
+    def choose(self, backends, f, now=None):
+        return backends[next(self.routes)]
+
+
+def _bits(r: dict) -> np.ndarray | None:
+    """A measured request's edited tokens, if the measurement saved them."""
+    if "mask_bits" not in r:
         return None
-    return [np.unpackbits(np.frombuffer(bytes.fromhex(r["mask_bits"]), np.uint8))[:r["tokens"]].astype(bool)
-            for r in rs]
+    return np.unpackbits(np.frombuffer(bytes.fromhex(r["mask_bits"]), np.uint8))[:r["tokens"]].astype(bool)
 
 
 def profile_scales(calib: dict, est: Estimator, tokens: int, steps: int) -> dict:
@@ -115,9 +159,18 @@ def replay_cost(meta: dict) -> CostModel:
     return CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
 
 
+def _after(runs: list[dict], i: int, meta: dict) -> dict | None:
+    """The calibration measured after run ``i``: the next one taken (runs sharing a calibration took none)."""
+    for later in runs[i + 1:]:
+        if not later.get("calibration_shared"):
+            return later.get("calibration")
+    return meta.get("final_calibration")
+
+
 def compare(measured: dict) -> list[dict]:
     """Replay the burst and each measured run in the simulator, each with the calibration measured just before
-    it (older files: the one calibration); a row per variant."""
+    it (older files: the one calibration); a row per variant. The simulated workers carry the router's names of the
+    real backends (``chwbl`` hashes them) where the measurement saved them; p2c samples from a fixed seed."""
     meta = measured["meta"]
     cost = replay_cost(meta)
     est = Estimator(cost)
@@ -125,6 +178,7 @@ def compare(measured: dict) -> list[dict]:
     sat = meta.get("saturation")
     tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
     scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
+    kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
     rows = []
     base = {"workers": meta["instances"], "validation": True}
     if sat:
@@ -132,11 +186,10 @@ def compare(measured: dict) -> list[dict]:
         calib = scaled(sat["calibration"])
         rows.append({**base, "policy": policy, "load": "saturation", "simulated": False, "model": "measured",
                      "throughput": sat["throughput"], "requests": len(sat["requests"])})
-        n_warm = len(sat["warmup"])
+        arrivals, masks, n_lead, _ = _replayed(meta, sat, "saturation")
         for model, svc, host, _ in _variants(meta, calib, cost):
-            sim = replay(policy, meta["instances"], _arrivals(meta, sat),
-                         _router_estimator(cost, sat, calib["profile_factor"]), service=svc, host=host,
-                         masks=_masks(sat))["requests"][n_warm:]
+            sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, sat, calib["profile_factor"]),
+                         service=svc, host=host, masks=masks, **kw)["requests"][n_lead:]
             thr = saturation_throughput([q.done - q.arrival for q in sim])
             rows.append({**base, "policy": policy, "load": "saturation", "simulated": True, "model": model,
                          "throughput": thr,
@@ -158,29 +211,65 @@ def compare(measured: dict) -> list[dict]:
                                             max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
         rows.append(m)
-        n_warm = len(run_["warmup"])
+        arrivals, masks, n_lead, routes = _replayed(meta, run_, str(i))
         before = scaled(run_.get("calibration", meta["calibration"]))
-        after = runs[i + 1].get("calibration") if i + 1 < len(runs) else meta.get("final_calibration")
+        after = _after(runs, i, meta)
         after = scaled(after) if after else None
-        variants = _variants(meta, before, cost)
+        variants = [(*v, None) for v in _variants(meta, before, cost)]
         if after:
             # The host's speed drifts within a run too (older files have no calibration after the last run): the
             # same model with the calibration measured right after the run, and with the two brackets' mean.
             for suffix, calib in (("calibrated_after", after), ("bracketed", bracketed(before, after))):
-                variants += [(f"{m}_{suffix}", svc, host, out) for m, svc, host, out in _variants(meta, calib, cost)
+                variants += [(f"{m}_{suffix}", svc, host, out, None) for m, svc, host, out in
+                             _variants(meta, calib, cost) if m == "shared_cpu"]
+            if routes is not None:  # the host model alone: every request where the real router sent it
+                variants += [(f"{m}_bracketed_measured_routing", svc, host, out, MeasuredRouting(routes))
+                             for m, svc, host, out in _variants(meta, bracketed(before, after), cost)
                              if m == "shared_cpu"]
-        for model, svc, host, outside_s in variants:
-            sim = replay(policy, meta["instances"], _arrivals(meta, run_),
-                         _router_estimator(cost, run_, before["profile_factor"]), service=svc, host=host,
-                         masks=_masks(run_))
-            done = sim["requests"][n_warm:]
+        for model, svc, host, outside_s, fixed in variants:
+            sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
+                         service=svc, host=host, masks=masks, policy=fixed, **kw)
+            done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
+                    r["latency_s"] is not None]  # the requests measured: each against its own replay
             slat = np.array([q.done - q.arrival + outside_s for q in done])
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
                          "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
-                         "requests": len(done), "p95_error": round(abs(np.percentile(slat, 95) - m["p95_s"]) / m["p95_s"], 3),
-                         "p50_error": round(abs(np.percentile(slat, 50) - m["p50_s"]) / m["p50_s"], 3),
+                         "requests": len(done), "p95_error": _err(np.percentile(slat, 95), m["p95_s"]),
+                         "p50_error": _err(np.percentile(slat, 50), m["p50_s"]),
+                         "mean_error": _err(slat.mean(), m["mean_s"]),
                          "misses": sum(q.records for q in done), "heals": sum(q.heals for q in done)})
     return rows
+
+
+def _err(sim: float, measured: float) -> float:
+    return round(abs(float(sim) - measured) / measured, 3)
+
+
+HEADLINE = "shared_cpu_bracketed"
+
+
+def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) -> list[dict]:
+    """Per load: the policies ordered by measured P95 and by simulated P95 (``model``), whether the orders agree
+    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair whose measured P95s
+    differ by more than ``tolerance`` (the simulator's own accuracy target) is ordered alike: a closer pair's order
+    is no claim either way."""
+    out = []
+    for load in sorted({r["load"] for r in rows if r["load"] != "saturation"}):
+        meas = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == "measured"}
+        sim = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == model}
+        ps = [p for p in meas if p in sim]
+        if len(ps) < 2:
+            continue
+        pairs = [(a, b) for i, a in enumerate(ps) for b in ps[i + 1:]]
+        alike = {(a, b): np.sign(meas[a] - meas[b]) == np.sign(sim[a] - sim[b]) for a, b in pairs}
+        distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
+        out.append({"load": load, "model": model, "measured": sorted(ps, key=meas.get),
+                    "simulated": sorted(ps, key=sim.get),
+                    "same_order": sorted(ps, key=meas.get) == sorted(ps, key=sim.get),
+                    "kendall_tau": round((2 * sum(alike.values()) - len(pairs)) / len(pairs), 3),
+                    "distinct_pairs": len(distinct), "distinct_pairs_alike": bool(all(alike[p] for p in distinct)),
+                    "misordered": [list(p) for p in pairs if not alike[p]]})
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -20,6 +20,7 @@ from .components import family, load_scheduler_config
 from .device import torch_dtype
 from .errors import InvalidInput
 from .settings import Settings
+from . import temporal
 
 _ids = itertools.count()
 
@@ -43,6 +44,7 @@ class DenoiseInputs:
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
     controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
+    temporal: Any = None  # its temporal reuse: a ``maskedit_common.temporal.TemporalSpec`` or its dict (None: off)
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -81,6 +83,7 @@ class DenoiseJob:
     control_bls_s: float = 0.0  # of which BLS round trips to the ``controlnet`` model (placement ``triton``)
     control_model_s: float = 0.0  # of which the ``controlnet`` model's own work (the rest is BLS overhead)
     control_cache: tuple = ()  # its controls' ``JobCache`` each, where cached beside it (``cache.controlnet``)
+    temporal: Any = None  # its ``maskedit.temporal.TemporalState`` once admitted (None: no temporal reuse)
 
     @property
     def steps(self) -> int:
@@ -234,6 +237,7 @@ class ModelRunner:
         self.load_controls(job)
         self.family.prepare_job(self, job)
         self._admit_cache(job)
+        temporal.admit(self, job)  # after the cache decision: a template run computes every block
 
     def _admit_cache(self, job: DenoiseJob) -> None:
         self.decide(job)
@@ -292,11 +296,16 @@ class ModelRunner:
         from .adapters import delta, merge
 
         for group in self.groups(jobs):
-            ctx = self.cache.context(group) if self.cache is not None else None
+            hooks = lambda: self.family.temporal_hooks(self.transformer)  # noqa: E731
+            reusing = any(j.temporal is not None for j in group)  # temporal reuse: rows a hit will not read
+            ctx = None if self.cache is None else self.cache.context(group, temporal.loads(group, hooks()) if reusing
+                                                                        else None)
+            ctx = temporal.attach(ctx, group, hooks)
             plan = merge.merger_for(self.transformer, self.settings).plan([j.adapters for j in group], max(
                 j.steps - j.step_index for j in group)) if any(j.adapters for j in group) else None
             with delta.active(plan):
                 self.family.step(self, group, ctx)
+            temporal.commit(ctx, group)
             if self.cache is not None:
                 self.cache.after_step(group)
 

@@ -24,6 +24,7 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
         guidance=p.params.guidance, cache_key=p.cache_key or None, register=p.params.register, loras=p.loras,
         base_cache_key=p.base_cache_key or None,
         controls=from_wire(*to_wire(p.controls)),  # through the wire format, as the stages pass them
+        temporal=p.params.temporal.as_dict(),  # as the stages pass it
     )
 
 
@@ -55,14 +56,15 @@ class LocalEditor:
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
              raw_output=False, template_seed=None, register=False,
              use_cache=True, negative_prompt=None, loras=None, controls=None,
-             control_images=()) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+             control_images=(), temporal=None) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
         """``controls``: CONTROLS' JSON or a list of its objects; ``control_images``: one encoded image each."""
         if loras is not None and not isinstance(loras, (str, bytes)):  # [(name, scale)] or [{"name", "scale"}]
             loras = json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": d[1]} for d in loras])
         params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
                               template_seed=template_seed, register=register, use_cache=use_cache,
                               negative_prompt=negative_prompt, loras=loras,
-                              controls=json.dumps(controls) if isinstance(controls, (list, dict)) else controls)
+                              controls=json.dumps(controls) if isinstance(controls, (list, dict)) else controls,
+                              temporal=json.dumps(temporal) if isinstance(temporal, dict) else temporal)
         p = self.pre(template, mask, params, control_images)
         if p.skip_model:
             return self.dec.finish(None, p.template_rgb, p.alpha, raw_output, p.was_base64), p, None

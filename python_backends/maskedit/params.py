@@ -9,6 +9,8 @@ from maskedit_common.controls import parse as parse_controls
 from maskedit_common.loras import LoraSpecError
 from maskedit_common.loras import parse as parse_loras
 from maskedit_common.request_fields import BY_ATTR, MAX_SEED, PARAMS, FieldError, check
+from maskedit_common.temporal import OFF, TemporalSpec, TemporalSpecError
+from maskedit_common.temporal import parse as parse_temporal
 
 from .errors import InvalidInput
 from .settings import Settings
@@ -31,6 +33,7 @@ class EditParams:
     negative_prompt: str = ""  # SD 2 / SDXL: the guidance's negative row (their pipelines' ``negative_prompt``)
     loras: tuple = ()  # LoRA adapters (``maskedit_common.loras.LoraRef``: name, scale), parsed from LORAS' JSON
     controls: tuple = ()  # ControlNets (``maskedit_common.controls.ControlSpec``), parsed from CONTROLS' JSON
+    temporal: TemporalSpec = OFF  # temporal reuse (``maskedit_common.temporal``), parsed from TEMPORAL's JSON
 
 
 assert {f.attr for f in PARAMS} == set(EditParams.__dataclass_fields__), "EditParams and the schema must agree"
@@ -55,6 +58,11 @@ def parse_params(settings: Settings, prompt: bytes | str | None = None, **values
         out["controls"] = parse_controls(out["controls"], settings.max_controls, settings.max_control_scale)
     except ControlSpecError as e:
         raise InvalidInput(str(e), e.field) from None
+    try:
+        out["temporal"] = parse_temporal(out["temporal"], out["steps"])
+    except TemporalSpecError as e:
+        default = " (the server default MASKEDIT_TEMPORAL)" if values.get("temporal") is None else ""
+        raise InvalidInput(f"{e}{default}", e.field) from None
     if out["prompt"] is None or not out["prompt"].strip():
         raise InvalidInput("is empty; describe the edit", "PROMPT")
     return EditParams(**out)

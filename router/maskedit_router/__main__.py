@@ -58,7 +58,7 @@ def default_profile() -> Path:
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
           admission_wait_s: float = 0.6, retry_budget_s: float = 30.0, load_factor: float = 1.25,
           vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64,
-          lora_load_ms: float = policies.LORA_LOAD_MS):
+          lora_load_ms: float = policies.LORA_LOAD_MS, max_inflight: int = 256, max_inflight_per_backend: int = 32):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
@@ -66,14 +66,16 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
     while no backend can take it (0: failed at once). ``load_factor`` and ``vnodes`` set ``chwbl``, ``weights``
     ``weighted`` (``policies.WeightedScorers``); ``mem_templates`` / ``disk_templates`` are the backends' store
     capacities in entries, which the router's shadow of each store uses; ``lora_load_ms`` the cold load of one LoRA
-    adapter a backend was not recently routed."""
+    adapter a backend was not recently routed; ``max_inflight`` / ``max_inflight_per_backend`` bound the requests in
+    flight (more are refused with RESOURCE_EXHAUSTED)."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost, lora_load_ms=lora_load_ms)
     router = Router(addrs, policies.make(policy, est, load_factor=load_factor, vnodes=vnodes, weights=weights), est,
-                    resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s)
+                    resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s,
+                    max_inflight=max_inflight, max_inflight_per_backend=max_inflight_per_backend)
     router.store_capacity = (mem_templates, disk_templates)
     for b in router.backends.values():
         b.load.mem_templates, b.load.disk_templates = mem_templates, disk_templates
@@ -166,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--retry-budget-s", type=float, default=30.0, help="a request that finds no backend up (none "
                     "healthy, or all failed it before it streamed anything) is retried with backoff for its "
                     "DEADLINE_MS, else for this long (0: failed at once)")
+    ap.add_argument("--max-inflight", type=int, default=256, help="requests in flight through the router at once; "
+                    "more are refused at once (RESOURCE_EXHAUSTED)")
+    ap.add_argument("--max-inflight-per-backend", type=int, default=32, help="and on any one backend")
     ap.add_argument("--max-streams", type=int, default=StreamLimits.max_streams, help="client streams open at once "
                     "on the gRPC port; more are refused at once (RESOURCE_EXHAUSTED)")
     ap.add_argument("--max-streams-per-connection", type=int, default=StreamLimits.max_streams_per_connection,
@@ -230,7 +235,7 @@ def main(argv=None) -> None:
 
     router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
                    args.retry_budget_s, args.chwbl_load_factor, args.chwbl_vnodes, weights, args.store_mem_templates,
-                   args.store_disk_templates, args.lora_load_ms)
+                   args.store_disk_templates, args.lora_load_ms, args.max_inflight, args.max_inflight_per_backend)
     keyring.metrics = router.metrics
     if args.fair_share_slots > 0:
         router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from maskedit_common.cost_model import CostModel
+from maskedit_common.temporal import computed_fraction
 
 from .books import DISK, BackendLoad
 from .features import EditFeatures
@@ -38,6 +39,10 @@ class Estimator:
     entry_bytes: int = 300_000_000  # an activation-store entry of the served model (a template's)
     model_load_ms: float = 0.0  # loading a base checkpoint that is not resident (0: one model, always resident)
     lora_load_ms: float = 0.0  # loading one LoRA adapter the backend does not hold (cold: from disk)
+    # Temporal reuse: per adaptive policy (``TemporalSpec.label``), the fraction of block evaluations its requests
+    # computed (EMA of EDIT_INFO's ``temporal_computed_fraction``); a policy not seen yet is assumed to reuse
+    # nothing. A step mask's fraction is known from the request itself.
+    temporal_fractions: dict = None
 
     def __post_init__(self):
         # The served model's blocks as its profile recorded them: runs of [kind, count, tokens, width], the tokens
@@ -52,9 +57,33 @@ class Estimator:
         else:
             self.blocks = [("dual", self.dual, 1.0, self.dim), ("single", self.single, 1.0, self.dim)]
         self._memo: dict = {}
+        self.temporal_fractions = dict(self.temporal_fractions or {})
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(count for _, count, _, _ in self.blocks)
+
+    def computed_fraction(self, f: EditFeatures) -> float:
+        """The fraction of its block evaluations ``f`` is expected to compute under its temporal reuse policy."""
+        spec = f.temporal
+        if spec is None or not spec.on:
+            return 1.0
+        steps = f.steps or self.default_steps
+        if spec.static:
+            return computed_fraction(spec, steps, self.n_blocks)
+        return self.temporal_fractions.get(spec.label(), 1.0)
+
+    def observe_temporal(self, spec, fraction: float, alpha: float = 0.2) -> None:
+        """A request under adaptive policy ``spec`` computed ``fraction`` of its block evaluations."""
+        if spec is None or not spec.on or spec.static or not 0.0 < fraction <= 1.0:
+            return
+        label = spec.label()
+        prev = self.temporal_fractions.get(label)
+        self.temporal_fractions[label] = fraction if prev is None else prev + alpha * (fraction - prev)
 
     def request_ms(self, f: EditFeatures, cached: bool) -> float:
-        return self.scale * self._unscaled_ms(f.mask_ratio, f.tokens, f.steps or self.default_steps, cached)
+        return self.scale * self._unscaled_ms(f.mask_ratio, f.tokens, f.steps or self.default_steps, cached) * \
+            self.computed_fraction(f)
 
     def _unscaled_ms(self, ratio: float, tokens: int, steps: int, cached: bool) -> float:
         key = (round(ratio, 4), tokens, steps, cached)

@@ -24,6 +24,9 @@ class EditFeatures:
     loras: int = 0  # LoRA adapters applied on it
     deadline_s: float | None = None
     adapters: tuple[str, ...] = ()  # their names (``LORAS``), when known: the router tracks where each was served
+    # its temporal reuse (``TEMPORAL``: a ``maskedit_common.temporal.TemporalSpec``), None when it sends none (the
+    # backends' default applies)
+    temporal: object = None
 
     @property
     def runs_edit(self) -> bool:
@@ -101,7 +104,41 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
     names = adapter_names(request)
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None,
-                        deadline_s=deadline_s(request), loras=len(names), adapters=names)
+                        deadline_s=deadline_s(request), loras=len(names), adapters=names,
+                        temporal=temporal_spec(request, steps))
+
+
+def temporal_spec(request, steps):
+    """The request's ``TEMPORAL`` policy (None when absent or malformed: the backend refuses those)."""
+    from maskedit_common.temporal import parse
+
+    names, raw = _names(request)
+    if "TEMPORAL" not in names:
+        return None
+    try:  # a step list is checked against the request's steps by the backend
+        spec = parse(_tensor_bytes(request, names["TEMPORAL"], raw), int(steps) if steps else 10 ** 6)
+    except (ValueError, IndexError):
+        return None
+    return spec if spec.on else None
+
+
+def edit_info(response) -> dict | None:
+    """The ``EDIT_INFO`` JSON of an ``edit`` response (``ModelInferResponse``), None when it has none."""
+    import json
+
+    for i, out in enumerate(response.outputs):
+        if out.name != "EDIT_INFO":
+            continue
+        if i < len(response.raw_output_contents):
+            blob = response.raw_output_contents[i]
+            data = blob[4:4 + struct.unpack("<I", blob[:4])[0]] if len(blob) >= 4 else b""
+        else:
+            data = out.contents.bytes_contents[0] if out.contents.bytes_contents else b""
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
+    return None
 
 
 def adapter_names(request) -> tuple[str, ...]:

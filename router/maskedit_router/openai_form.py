@@ -72,6 +72,7 @@ class EditJob:
     template_seed: int | None = None
     deadline_ms: int | None = None
     use_cache: bool | None = None
+    temporal: str | None = None  # temporal reuse: TEMPORAL's JSON text (``maskedit_common.temporal``)
     lora: tuple = ()  # LoRA adapters: ``maskedit_common.loras.LoraRef`` (name, scale), sent as LORAS
     controls: tuple = ()  # ControlNets: ``maskedit_common.controls.ControlSpec``, sent as CONTROLS
     control_images: list = field(default_factory=list)  # one encoded image (or base64) per control: CONTROL_IMAGES

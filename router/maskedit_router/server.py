@@ -33,7 +33,7 @@ from .admission import RefusalLog
 from .auth import ANONYMOUS
 from .backend import (FINAL, Backend, NoBackend, Ticket,  # noqa: F401 (tests use them here)
                       _cancel_on_backend, backend_fault)
-from .features import EditFeatures
+from .features import EditFeatures, edit_info
 from .forwarded_calls import ForwardedCalls, _timeout
 from .metrics import RouterMetrics
 from .policies import Booking, Estimator, Policy
@@ -202,7 +202,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         if late:  # refused by the router: what did the backend do with it?
             self.metrics.refused_late(backend.addr, _late_outcome(message))
 
-    def release(self, t: Ticket, ok: bool) -> None:
+    def release(self, t: Ticket, ok: bool, info: dict | None = None, temporal=None) -> None:
+        """``t``'s request ended; ``info``: its EDIT_INFO when the estimator learns from it (temporal reuse)."""
         with self._lock:
             t.booking.remove(t.backend.load)
             if t.key is not None:
@@ -212,6 +213,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             t.backend.succeeded()
             self.metrics.completed(t.backend.addr, self.policy.name, observed / 1000, t.booking.expected_ms / 1000)
             t.booking.observed(self.est, observed)
+            if info and "temporal_computed_fraction" in info:
+                self.est.observe_temporal(temporal, float(info["temporal_computed_fraction"]))
             self.metrics.model(self.est.scale, self.est.stale)
 
     def ModelInfer(self, request, context):
@@ -272,7 +275,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 resp = call.result()
                 t.backend.last_answer = time.monotonic()
-                self.release(t, ok=True)
+                self.release(t, ok=True, info=edit_info(resp) if f.temporal is not None else None,
+                             temporal=f.temporal)
                 return resp
             except grpc.FutureCancelledError:  # the client went away, or the backend was found down
                 self.release(t, ok=False)

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2
 
 from .auth import ANONYMOUS
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
-from .features import EditFeatures, deadline_s, extract, grid_tokens, set_deadline_ms
+from .features import EditFeatures, deadline_s, edit_info, extract, grid_tokens, set_deadline_ms
 from .tenancy import OverLimit, tag_request
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class _Pending:
     tried: set = field(default_factory=set)  # backends that failed it before any response (not retried there)
     deadline: float = 0.0  # monotonic: retried when no backend is up until then
     attempt: int = 0
+    temporal: object = None  # its TEMPORAL policy: the estimator learns its computed fraction from its EDIT_INFO
 
 
 class _StreamSession:
@@ -89,6 +90,7 @@ class _StreamSession:
         p = _Pending(client_id, fwd, None, want_final, tenant=self.tenant, t0=time.monotonic(),
                      deadline=time.monotonic() + (self.r.retry_budget_s if own is None else own))
         f = _features(req, self.r.resolution)
+        p.temporal = f.temporal
         if self.r.fair is not None and f.runs_edit:
             with self.lock:
                 self.retrying += 1  # waits in the fair queue: the stream is busy
@@ -228,7 +230,8 @@ class _StreamSession:
             p.responded = True
         if final or error:
             if not released:
-                self.r.release(p.ticket, ok=not error)
+                info = edit_info(resp.infer_response) if p.temporal is not None and not error else None
+                self.r.release(p.ticket, ok=not error, info=info, temporal=p.temporal)
             self._end(p, "error" if error else "ok")
             self._retire(backend)
             self._maybe_finish()

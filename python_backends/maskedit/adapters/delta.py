@@ -226,6 +226,24 @@ def detach(denoiser) -> None:
 
 
 @contextmanager
+def subset(rows: list[int], batch: int):
+    """Inside: a denoiser part called on batch rows ``rows`` of a ``batch``-row call only (temporal reuse leaves the
+    other rows out), with the adapters of those rows' requests, unmerged (a plan over just those requests)."""
+    plan = current()
+    if plan is None:
+        yield
+        return
+    mine = sorted({plan.request_of(i, batch) for i in rows})
+    sets = [tuple((a, w) for a, w, jobs in plan.groups if j in jobs) for j in mine]
+    prev, prev_owners = _local.plan, getattr(_local, "owners", None)
+    _local.plan, _local.owners = BatchPlan(sets), None
+    try:
+        yield
+    finally:
+        _local.plan, _local.owners = prev, prev_owners
+
+
+@contextmanager
 def active(plan: BatchPlan | None):
     """``plan`` applies to the denoiser calls this thread makes inside the block (and no layout from an outer
     call's ``owners``)."""

@@ -60,6 +60,11 @@ class FluxCacheHooks(TokenRowHooks):
         self._attach(transformer, list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks),
                      MaskedBlockHook)
 
+    @staticmethod
+    def temporal_cols(view, n_img: int):
+        """The image tokens a hit computes (what its temporal residuals cover: ``maskedit.temporal``)."""
+        return view.idx_c
+
     @property
     def dim(self) -> int:
         return self.transformer.inner_dim if hasattr(self.transformer, "inner_dim") else \
@@ -95,19 +100,32 @@ class MaskedBlockHook(ModelHook):
         ctx = self.owner.context
         if ctx is not None and ctx.on_block is not None:
             ctx.on_block(self.index)
-        if ctx is None or (not ctx.packed and all(r is None or (r.all_full and r.recorder is None)
-                                                  for r in ctx.rows)):
-            return forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-                           image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs)
         b = self.index
+        tp = ctx.temporal if ctx is not None else None  # temporal reuse (``maskedit.temporal``): rows that skip
+        if tp is not None:
+            tp.enter(ctx, b, hidden_states, encoder_hidden_states)
+        skip = ctx.skipped(b) if ctx is not None else []
+        if ctx is None or (not ctx.packed and not skip and all(r is None or (r.all_full and r.recorder is None)
+                                                               for r in ctx.rows)):
+            out_txt, out_img = forward(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                       temb=temb, image_rotary_emb=image_rotary_emb,
+                                       joint_attention_kwargs=joint_attention_kwargs)
+            if tp is not None:
+                tp.exit(ctx, b, out_img, out_txt)
+            return out_txt, out_img
         # Padded rows must not meet in the block's own attention: a packed call runs every row gathered.
-        full_rows = [] if ctx.packed else [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
-        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        full_rows = [] if ctx.packed else [i for i, r in enumerate(ctx.rows)
+                                           if (r is None or r.modes[b] == FULL) and i not in skip]
+        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows and i not in skip]
         out_txt = torch.empty_like(encoder_hidden_states)
         # With no full rows the block's input (the previous block's output, ours to reuse) becomes its output:
         # only the computed rows are scattered in, sparing a copy of every token per block.
         out_img = torch.empty_like(hidden_states) if full_rows or not self.owner.reuse_input else hidden_states
         batch = hidden_states.shape[0]
+        for i in skip:  # a reused middle block: the row passes through (its residual is added at the last one)
+            out_txt[i] = encoder_hidden_states[i]
+            if out_img is not hidden_states:
+                out_img[i] = hidden_states[i]
         if full_rows:
             sel = _index(full_rows, hidden_states.device)
             with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
@@ -128,6 +146,8 @@ class MaskedBlockHook(ModelHook):
             views = [ctx.rows[i] for i in masked_rows]
             masked_block(module, b, masked_rows, views, hidden_states, encoder_hidden_states, temb,
                          image_rotary_emb, out_img, out_txt)
+        if tp is not None:
+            tp.exit(ctx, b, out_img, out_txt)
         return out_txt, out_img
 
 

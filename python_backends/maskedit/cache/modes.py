@@ -24,6 +24,11 @@ class StepContext:
     packed: bool = False  # rows of different resolutions padded to one length: every row takes the gathered path
     on_block: Callable[[int], None] | None = None  # told as each block starts (the loader's look-ahead window)
     controls: Any = None  # the requests' cached ControlNets (``cache.controlnet.ControlNetCaches``), if any
+    temporal: Any = None  # the call's temporal reuse (``maskedit.temporal.TemporalCall``), if any row reuses
+
+    def skipped(self, b: int) -> list[int]:
+        """Batch rows passing block ``b`` through unchanged (temporal reuse of a middle block)."""
+        return self.temporal.skipped(b) if self.temporal is not None else []
 
 
 _INDEX: dict = {}

@@ -233,7 +233,9 @@ class CacheRuntime:
         return self.budget_bytes
 
     # -- per step -----------------------------------------------------------------------------------
-    def context(self, jobs) -> StepContext:
+    def context(self, jobs, loads=None) -> StepContext:
+        """The step's views of ``jobs``; ``loads(jc, b, kinds)``: the kinds of a hit's cached rows of block ``b`` to
+        queue (temporal reuse skips blocks whose rows would go unread), default all it needs."""
         views, hits = [], []
         for job in jobs:
             jc: JobCache = job.cache
@@ -246,7 +248,8 @@ class CacheRuntime:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1
                 views.append(None)
-        return StepContext(views, on_block=self.loader.start_step(hits, self._needed), controls=self._controls)
+        needed = self._needed if loads is None else (lambda jc, b: loads(jc, b, self._needed(jc, b)))
+        return StepContext(views, on_block=self.loader.start_step(hits, needed), controls=self._controls)
 
     @staticmethod
     def _needed(jc: JobCache, b: int) -> list[str]:

@@ -116,6 +116,15 @@ class ModelFamily(ABC):
     # recorded and reused, ``maskedit.cache.controlnet``) and its residuals taken by the masked path. Until a
     # family's are, its requests with controls run uncached (``off``).
     controls_in_masked_path: ClassVar[bool] = False
+    # Temporal reuse (``maskedit.temporal``): the family's block hooks consult the step context's ``temporal`` call
+    # (skipped rows pass a middle block through; ``enter`` / ``exit`` around every block) and say which image
+    # tokens a hit computes (``temporal_cols``). Until they do, requests with a TEMPORAL policy are refused.
+    temporal_reuse: ClassVar[bool] = False
+
+    def temporal_hooks(self, denoiser):
+        """The hooks that carry temporal reuse out (their ``blocks`` are what ``fn`` / ``bn`` count): the mask-aware
+        block hooks by default."""
+        return self.cache_hooks(denoiser)
 
     def lora_prefix(self) -> str:
         """Where the denoiser's keys start in the stock pipeline's LoRA state dict (``transformer``, ``unet``)."""

@@ -27,6 +27,7 @@ from . import controlnet_bls, io
 from .adapter_metrics import AdapterMetrics
 from .cache_setup import CacheMetrics, cache_runtime, keep_recovering
 from .controlnet_metrics import ControlNetMetrics
+from .temporal_metrics import TemporalMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("maskedit.triton.denoise")
@@ -53,6 +54,7 @@ class TritonPythonModel:
         self.metrics = CacheMetrics(store, adapter_stats=runner.adapters.stats)
         self._probe = keep_recovering(store, s.cache)  # a budget shrunk by a full filesystem grows back, and so on
         self.control_metrics = ControlNetMetrics(runner)
+        self.temporal_metrics = TemporalMetrics()
         self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
         rt = runner.adapters  # the adapter cache's device tier (host tier behind it) and its metrics
         self.adapter_metrics = AdapterMetrics(rt.stats, rt.host, rt)
@@ -89,6 +91,7 @@ class TritonPythonModel:
             deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
+            temporal=info.get("temporal"),
         )
 
         def done(job: DenoiseJob):
@@ -108,9 +111,12 @@ class TritonPythonModel:
             jc = job.cache
             if jc is not None:
                 info.update(jc.info(), cache_load_s=round(jc.load_s, 6))
+            if job.temporal is not None:  # which steps reused their middle blocks (``maskedit.temporal``)
+                info.update(job.temporal.info())
             if job.adapters_from_step:  # early start: the step its adapters applied from
                 info.update(adapters_from_step=job.adapters_from_step)
             _quietly(self.metrics.observe, info)  # a metrics failure must never keep the answer from its caller
+            _quietly(self.temporal_metrics.observe, info)
             _quietly(self.adapter_metrics.sync)
             _quietly(self.metrics.outcome, "OK")
             self.cancels.clear(rid)  # a marker that came too late to matter

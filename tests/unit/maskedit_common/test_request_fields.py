@@ -26,7 +26,9 @@ def test_server_parameters_are_the_schemas():
     s = Settings(steps=8, guidance=30.0, max_steps=100, max_prompt_chars=50, max_guidance=100.0)
     p = parse_params(s, "a hat")
     for f in PARAMS:  # every default is the schema's (or its setting's)
-        if f.attr != "prompt":
+        if f.attr == "temporal":  # parsed: the default's JSON (empty) is no reuse
+            assert not p.temporal.on and f.default_for(s) == ""
+        elif f.attr != "prompt":
             assert getattr(p, f.attr) == f.default_for(s), f.name
 
 
@@ -55,7 +57,8 @@ def test_the_python_client_sends_every_parameter_as_the_schema_types_it(monkeypa
     png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
     values = {"seed": 3, "steps": 4, "guidance": 2.5, "raw_output": True, "template_seed": 5, "use_cache": False,
               "register": True, "deadline_ms": 1000, "negative_prompt": "blur",
-              "loras": [("style", 0.5)], "controls": [("edges", 0.5, 0.0, 0.5)], "control_images": [png, png]}
+              "loras": [("style", 0.5)], "controls": [("edges", 0.5, 0.0, 0.5)], "control_images": [png, png],
+              "temporal": {"policy": "fbcache", "threshold": 0.08}}
     c.submit(png, png, "a hat", on_progress=lambda *a: None, **values)
     got = {t.name(): t.datatype() for t in sent}
     assert got == {f.name: ("BYTES" if f.dtype == "STRING" else f.dtype) for f in REQUEST_FIELDS}
@@ -73,6 +76,7 @@ def test_the_openai_form_reads_the_schemas_extras():
     buf = io.BytesIO()
     Image.fromarray(np.zeros((16, 16, 4), np.uint8)).save(buf, "PNG")
     job = parse({"image": buf.getvalue(), "prompt": "x", "steps": "4", "guidance": "2.5", "use_cache": "false",
-                 "negative_prompt": "blur", "deadline_ms": "900", "template_seed": "2", "seed": "1"}, ["m"])
+                 "negative_prompt": "blur", "deadline_ms": "900", "template_seed": "2", "seed": "1",
+                 "temporal": '{"policy": "fbcache", "threshold": 0.1}'}, ["m"])
     assert (job.steps, job.guidance, job.use_cache, job.negative_prompt, job.deadline_ms, job.template_seed,
-            job.seed) == (4, 2.5, False, "blur", 900, 2, 1)
+            job.seed, job.temporal) == (4, 2.5, False, "blur", 900, 2, 1, '{"policy": "fbcache", "threshold": 0.1}')

@@ -38,6 +38,8 @@ NON_DEFAULT = {
     "MASKEDIT_MAX_CONTROLS": ("3", "max_controls", 3),
     "MASKEDIT_CONTROLNET_PLACEMENT": ("triton", "controlnet_placement", "triton"),
     "MASKEDIT_CONTROLNET_TIMEOUT_S": ("2.5", "controlnet_timeout_s", 2.5),
+    "MASKEDIT_TEMPORAL": ('{"policy": "fbcache", "threshold": 0.1}', "temporal",
+                          '{"policy": "fbcache", "threshold": 0.1}'),
     "MASKEDIT_MAX_CONTROL_SCALE": ("1.5", "max_control_scale", 1.5),
     "MASKEDIT_MAX_GUIDANCE": ("10", "max_guidance", 10.0),
     "MASKEDIT_MAX_PROMPT_CHARS": ("99", "max_prompt_chars", 99),

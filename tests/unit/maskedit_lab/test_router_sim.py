@@ -230,14 +230,95 @@ def test_validation_replays_each_run_with_its_own_policy():
 def test_validation_reads_saved_token_masks():
     import numpy as np
 
-    from maskedit_lab.router_validate_replay import _masks
+    from maskedit_lab.router_validate_replay import _replayed
 
     t = np.zeros(1024, bool)
     t[[0, 5, 1023]] = True
-    r = {"tokens": 1024, "mask_bits": np.packbits(t).tobytes().hex()}
-    (back,) = _masks({"warmup": [], "requests": [r]})
+    r = {"t": 0.0, "template": 1, "mask_ratio": 3 / 1024, "tokens": 1024, "mask_bits": np.packbits(t).tobytes().hex()}
+    _, (back,), _, _ = _replayed({"steps": 8}, {"warmup": [], "requests": [r]}, "0")
     assert back.dtype == bool and (back == t).all()
-    assert _masks({"warmup": [{"tokens": 1024}], "requests": [r]}) is None  # older files: no masks
+    older = {"warmup": [{"template": 1, "mask_ratio": 0.1, "tokens": 1024}], "requests": [{**r, "mask_bits": None}]}
+    del older["requests"][0]["mask_bits"]
+    assert _replayed({"steps": 8}, older, "0")[1] is None  # older files: no masks
+
+
+def _bench_estimator():
+    from maskedit_lab import REPO_ROOT
+
+    return Estimator(CostModel.load_file(REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"))
+
+
+def test_a_batch_of_cached_requests_pays_each_blocks_fixed_cost_once():
+    """The engine packs a step's requests into one transformer call: the constant of each block's kv fit (kernel
+    launches, weight reads) is paid once per step, not per request (before: the sum of the requests' own steps,
+    which made a busy worker 10-20 % slower than measured)."""
+    from maskedit_lab.router_sim_cluster import batch_shared_ms
+
+    est = _bench_estimator()
+    shared = batch_shared_ms(est)
+    fixed = sum(count * est.cost.compute[kind]["kv"].coef[0] for kind, count, _, _ in est.blocks)
+    assert shared == pytest.approx(fixed) and shared > 0
+    assert batch_shared_ms(Estimator(CostModel.fallback())) == 0.0  # FLOP-proportional: no fixed part
+    warm = [(0.0, f("a")), (0.0, f("b"))]
+    # two hits that wait out another request's one step, then run together
+    arr = warm + [(100.0, f("z", steps=1)), (100.001, f("a")), (100.001, f("b"))]
+    *_, x, y = replay("round_robin", 1, arr, est)["requests"]
+    alone = est.request_ms(f("a"), True) / 4
+    assert x.started == y.started
+    steps = 4 * (2.0 + 2 * alone - shared) / 1000  # both hits' steps, the shared part once
+    assert x.denoised - x.started == pytest.approx(steps)
+    *_, x0, _ = replay("round_robin", 1, arr, est, batch_shared=0.0)["requests"]
+    assert x0.denoised - x0.started == pytest.approx(steps + 4 * shared / 1000)  # the old sum
+
+
+def test_validation_replays_the_calibration_probes_that_went_through_the_router():
+    """Between a run's warm-up and its requests the calibration sent 7 edits through the router: a replay sends
+    them too, so round_robin starts the run on the backend the real one did (before, its turn was off by the probes,
+    and the replay's round_robin placed every request on the other instance)."""
+    from maskedit_lab.router_validate_replay import _replayed
+
+    points = [{"mask_ratio": 1.0, "hit": False, "tokens": 1024}] + \
+        [{"mask_ratio": r, "hit": True, "tokens": 1024} for r in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)]
+    warm = [{"template": t, "mask_ratio": 0.1, "tokens": 1024} for t in (1, 2)]
+    run_ = {"warmup": warm, "calibration": {"points": points, "key": "k"},
+            "requests": [{"t": 0.0, "template": 1, "mask_ratio": 0.1, "tokens": 1024}]}
+    arrivals, _, n_lead, routes = _replayed({"steps": 8}, run_, "0")
+    assert n_lead == 9 and routes is None
+    assert [f.template_key for _, f in arrivals] == ["t1", "t2"] + ["k"] * 7 + ["t1"]
+    assert arrivals[2][1].mask_ratio == 0.0  # the registration's empty mask
+    assert all(t < 0 for t, _ in arrivals[:n_lead]) and arrivals[-1][0] == 0.0
+    est = Estimator(CostModel.fallback())
+    out = replay("round_robin", 2, arrivals, est, names=["a:1", "b:2"])["requests"]
+    sat = _replayed({"steps": 8}, {**run_, "warmup": warm}, "saturation")[0]
+    assert [f.template_key for _, f in sat][:2] == ["k", "k"]  # the burst's calibration came before its warm-up
+    assert out[-1].f.template_key == "t1"
+    # a run that shared an earlier run's calibration sent no probes of its own
+    assert _replayed({"steps": 8}, {**run_, "calibration_shared": True}, "0")[2] == 2
+
+
+def test_measured_routing_replays_each_request_where_the_router_sent_it():
+    from maskedit_lab.router_validate_replay import MeasuredRouting, _replayed, compare, ranking
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "instances": ["vm:1", "vm:2"],
+             "points": [{"mask_ratio": 1.0, "hit": False, "tokens": 1024, "instance": "vm:2", "denoise_s": 1.0}]}
+    req = lambda t, inst, lat: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": lat,  # noqa: E731
+                                "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None, "instance": inst}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024, "instance": "vm:1"}]
+    runs = [{"policy": p, "load": 0.7, "rate": 0.5, "warmup": warm, "calibration": calib,
+             "requests": [req(30.0 * i, "vm:2" if i % 3 else "vm:1", lat) for i in range(10)]}
+            for p, lat in (("chwbl", 1.0), ("p2c", 2.0))]
+    meta = {"policy": "chwbl", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+            "profile": "missing-profile.json", "final_calibration": calib}
+    _, _, _, routes = _replayed(meta, runs[0], "0")
+    assert routes == [0, 1] + [0 if i % 3 == 0 else 1 for i in range(10)]
+    policy = MeasuredRouting(routes)
+    assert [policy.choose(["w0", "w1"], None) for _ in routes] == ["w" + str(r) for r in routes]
+    rows = compare({"meta": meta, "runs": runs})
+    fixed = [r for r in rows if r["model"] == "shared_cpu_bracketed_measured_routing"]
+    assert len(fixed) == 2 and all(r["requests"] == 10 and "mean_error" in r for r in fixed)
+    (order,) = ranking(rows)
+    assert order["measured"] == ["chwbl", "p2c"] and order["kendall_tau"] in (-1.0, 1.0)
+    assert order["same_order"] == (order["kendall_tau"] == 1.0)
 
 
 def test_simulated_router_refits_its_own_copy(est):

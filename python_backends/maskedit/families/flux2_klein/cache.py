@@ -55,6 +55,12 @@ class Flux2KleinCacheHooks(TokenRowHooks):
     def dim(self) -> int:
         return self.transformer.inner_dim
 
+    @staticmethod
+    def temporal_cols(view, n_img: int):
+        """The image-stream tokens a hit computes (what its temporal residuals cover, ``maskedit.temporal``): its
+        computed noisy tokens and every reference token."""
+        return _gathered_img(view, n_img // 2)
+
     def call_text_len(self) -> int:
         """Text tokens of the call in progress (set by the first double-stream block: single-stream blocks get text
         and image as one sequence)."""
@@ -75,8 +81,18 @@ class KleinBlockHook(ModelHook):
         ctx = self.owner.context
         if ctx is not None and ctx.on_block is not None:
             ctx.on_block(self.index)
-        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
-            return forward(*args, **kwargs)
+        tp = ctx.temporal if ctx is not None else None  # temporal reuse (``maskedit.temporal``)
+        L = self.owner.call_text_len() if tp is not None else 0
+        # its residuals cover the image stream (noisy then reference tokens) and the text, whatever the block's layout
+        parts = (lambda h, t: (h, t)) if dual else (lambda h, t: (h[:, L:], h[:, :L]))
+        if tp is not None:
+            tp.enter(ctx, self.index, *parts(a["hidden_states"], a.get("encoder_hidden_states")))
+        skip = ctx.skipped(self.index) if ctx is not None else []
+        if ctx is None or (not skip and all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows)):
+            res = forward(*args, **kwargs)
+            if tp is not None:
+                tp.exit(ctx, self.index, *((res[1], res[0]) if dual else parts(res, None)))
+            return res
         if ctx.packed:
             raise NotImplementedError("flux2_klein: packed (mixed-resolution) calls are not supported")
         if not dual and (a.get("encoder_hidden_states") is not None or a.get("split_hidden_states")):
@@ -84,11 +100,16 @@ class KleinBlockHook(ModelHook):
         b = self.index
         hidden, rope = a["hidden_states"], a["image_rotary_emb"]
         L = self.owner.call_text_len()
-        full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
-        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        full_rows = [i for i, r in enumerate(ctx.rows) if (r is None or r.modes[b] == FULL) and i not in skip]
+        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows and i not in skip]
         out = torch.empty_like(hidden) if full_rows else hidden  # no full rows: the input buffer becomes the output
         out_txt = torch.empty_like(a["encoder_hidden_states"]) if dual else None
         batch = hidden.shape[0]
+        for i in skip:  # a reused middle block: the row passes through (its residual is added at the last one)
+            if out is not hidden:
+                out[i] = hidden[i]
+            if dual:
+                out_txt[i] = a["encoder_hidden_states"][i]
         if full_rows:
             sel = torch.tensor(full_rows, device=hidden.device)
             with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
@@ -116,6 +137,8 @@ class KleinBlockHook(ModelHook):
         for i in masked_rows:
             with delta.owners(delta.batch_rows([i], batch)):  # every layer below sees this one row
                 masked_row(module, dual, b, i, ctx.rows[i], hidden, a, rope, L, out, out_txt)
+        if tp is not None:
+            tp.exit(ctx, b, *((out, out_txt) if dual else parts(out, None)))
         return (out_txt, out) if dual else out
 
 
@@ -177,12 +200,20 @@ def noisy_kv(block, dual: bool, hidden: torch.Tensor, a: dict, i: int, rope, L: 
     return apply_rotary_emb(k, (rope[0][pos], rope[1][pos]), sequence_dim=1), v
 
 
+def _gathered_img(vw: RowView, n: int) -> torch.Tensor:
+    """Image-stream indices a hit computes: its computed noisy tokens, then every reference token."""
+    key = ("klein-img", n)
+    if key not in vw._memo:
+        vw._memo[key] = torch.cat([vw.idx_c, torch.arange(n, 2 * n, device=vw.idx_c.device)])
+    return vw._memo[key]
+
+
 def _gathered(vw: RowView, L: int, n: int, rope, device):
     """(image-stream indices computed: the computed noisy tokens then every reference token, their sequence
     positions with the text first, rotary tables there); once per request and step."""
     key = ("klein", L, n)
     if key not in vw._memo:
-        img = torch.cat([vw.idx_c, torch.arange(n, 2 * n, device=device)])
+        img = _gathered_img(vw, n)
         pos = torch.cat([torch.arange(L, device=device), img + L])
         vw._memo[key] = (img, pos, (rope[0][pos], rope[1][pos]))
     return vw._memo[key]

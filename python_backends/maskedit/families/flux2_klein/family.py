@@ -36,6 +36,7 @@ class Flux2KleinFamily(ModelFamily):
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "klein-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py adds the adapter deltas
+    temporal_reuse: ClassVar[bool] = True  # cache.py's hooks skip a reusing row's middle blocks
 
     def __init__(self, model_dir, pipeline_class: str = "Flux2KleinInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)

@@ -45,6 +45,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
+    temporal_reuse: ClassVar[bool] = True  # the Flux block hooks skip a reusing row's middle blocks
 
     def pipeline_class(self):
         from diffusers import FluxControlNetInpaintPipeline

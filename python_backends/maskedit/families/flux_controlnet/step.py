@@ -101,7 +101,8 @@ def step(runner, group: list, ctx) -> None:
         if ctx is None:
             pred[sel] = forward()
         else:  # the cache's views of this call's rows (the loader's look-ahead told once, by the first call)
-            sub = StepContext([ctx.rows[i] for i in idx], ctx.packed, ctx.on_block if n == 0 else None)
+            sub = StepContext([ctx.rows[i] for i in idx], ctx.packed, ctx.on_block if n == 0 else None,
+                              temporal=ctx.temporal.subset(idx) if ctx.temporal is not None else None)
             pred[sel] = FluxCacheHooks.of(tr).run(sub, forward)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):

@@ -18,6 +18,7 @@ class FluxFill(FluxControls, ModelFamily):
     text_components = ("text_encoder", "text_encoder_2")
     presets = tiny.PRESETS
     adapters_in_masked_path = True  # cache.py adds the adapter deltas (``maskedit.adapters.delta``)
+    temporal_reuse = True  # the Flux block hooks skip a reusing row's middle blocks (``maskedit.temporal``)
     # ControlNets (``FluxControls``) are our extension: docs/controlnet_flux.md, "Flux Fill"
 
     def load_denoiser(self, settings):

@@ -87,7 +87,7 @@ def step(runner, group: list, ctx: StepContext | None) -> None:
     )[0]
     if any(j.tensors.controls for j in group):  # one resolution, uncached rows (the runner's plain calls)
         noise_pred = _with_controls(runner, group, latents, cond, timestep, guidance, cat("pooled"),
-                                    cat("prompt_embeds"))
+                                    cat("prompt_embeds"), ctx)
     else:
         if packed:
             ctx = _packed_context(transformer, group, ctx)
@@ -97,7 +97,7 @@ def step(runner, group: list, ctx: StepContext | None) -> None:
         job.step_index += 1
 
 
-def _with_controls(runner, group: list, latents, cond, timestep, guidance, pooled, text) -> torch.Tensor:
+def _with_controls(runner, group: list, latents, cond, timestep, guidance, pooled, text, ctx=None) -> torch.Tensor:
     """Our extension: ControlNet residuals (``maskedit.controlnets.flux``; the ControlNets see the noisy latents
     only) added to the Fill transformer's blocks through its ``controlnet_block_samples`` /
     ``controlnet_single_block_samples``, as FLUX.1-dev takes them in ``FluxControlNetInpaintPipeline``. Placed in the
@@ -111,11 +111,16 @@ def _with_controls(runner, group: list, latents, cond, timestep, guidance, poole
     for idx in splits:
         sel = torch.tensor(idx, device=latents.device)
         double, single = lists(idx)
-        pred[sel] = transformer(
+        forward = lambda: transformer(  # noqa: E731
             hidden_states=torch.cat((latents[sel], cond[sel]), dim=2), timestep=ts[sel],
             guidance=guidance[sel] if guidance is not None else None, pooled_projections=pooled[sel],
             encoder_hidden_states=text[sel], controlnet_block_samples=double, controlnet_single_block_samples=single,
             txt_ids=jt.txt_ids, img_ids=jt.img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+        if ctx is not None and ctx.temporal is not None:  # temporal reuse of these rows (plain rows otherwise)
+            sub = StepContext([None] * len(idx), temporal=ctx.temporal.subset(idx))
+            pred[sel] = FluxCacheHooks.of(transformer).run(sub, forward)
+        else:
+            pred[sel] = forward()
     return pred
 
 
@@ -132,4 +137,5 @@ def _packed_context(transformer, group: list, ctx: StepContext | None) -> StepCo
             jt.rope = transformer.pos_embed(torch.cat((jt.txt_ids, jt.img_ids), dim=0))
         view.rope = jt.rope
         views.append(view)
-    return StepContext(views, packed=True, on_block=ctx.on_block if ctx is not None else None)
+    return StepContext(views, packed=True, on_block=ctx.on_block if ctx is not None else None,
+                       temporal=ctx.temporal if ctx is not None else None)

@@ -22,6 +22,7 @@ class UNetInpaint(ModelFamily):
     # Requests with ControlNets are cached: the ControlNets' blocks behind the same hooks
     # (``maskedit.cache.controlnet``), their residuals (full-token convolutions) added by the UNet's own forward.
     controls_in_masked_path = True
+    temporal_reuse = True  # DeepCache-style: the deep features reused (``temporal.py``)
 
     @property
     def text_components(self) -> tuple[str, ...]:
@@ -86,6 +87,11 @@ class UNetInpaint(ModelFamily):
         from .cache import UNetCacheHooks
 
         return UNetCacheHooks.of(denoiser)
+
+    def temporal_hooks(self, denoiser):
+        from .temporal import UNetTemporalHooks
+
+        return UNetTemporalHooks.of(denoiser)
 
     # ControlNets (``controlnet.py``): the ControlNet inpaint pipelines' per-step residuals.
     controlnet_classes = ("ControlNetModel", "ControlNetUnionModel")

@@ -114,6 +114,10 @@ def step_group(runner, group: list, ctx=None) -> None:
     forward = lambda: unet(sample, torch.cat(ts).to(runner.device), encoder_hidden_states=text,  # noqa: E731
                            added_cond_kwargs=added, down_block_additional_residuals=down,
                            mid_block_additional_residual=mid, return_dict=False)[0]
+    if ctx is not None and ctx.temporal is not None:  # temporal reuse: the deep features (``temporal.py``)
+        from .temporal import UNetTemporalHooks
+
+        forward = (lambda f: lambda: UNetTemporalHooks.of(unet).run(ctx.temporal, f))(forward)
     if ctx is not None and any(v is not None for v in ctx.rows):
         noise = UNetCacheHooks.of(unet).run(per_unet_row(ctx, r), forward)
     else:

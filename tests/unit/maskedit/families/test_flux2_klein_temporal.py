@@ -1,0 +1,94 @@
+"""Temporal reuse on FLUX.2 [klein] (``maskedit.temporal`` through the family's block hooks, whose single-stream
+blocks take text and image as one sequence): no reuse equals the plain path bit for bit, a step mask skips the
+middle blocks, a plain request and a reusing one in one call equal each alone, and a cache hit reuses on its
+computed rows. (Diffusers' FirstBlockCache hook cannot run this model: its single-stream blocks return one joined
+tensor, which the hook's tail residual does not expect; the Flux Fill tests hold the mechanism to the libraries.)"""
+
+import pytest
+import torch
+
+from maskedit import temporal
+from maskedit.families.flux2_klein import Flux2KleinFamily
+from maskedit.families.flux2_klein.tiny import build
+
+from .klein_util import box_mask, job, load, params, prepared, runner, template
+from .temporal_util import denoise_with_reuse
+
+STEPS = 6
+MASK = {"policy": "steps", "steps": [0, 1, 3]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = build(tmp_path_factory.mktemp("klein-temporal") / "tiny", "klein-tiny", seed=0)
+    family, pipe = Flux2KleinFamily(d), load(d)
+    prep, tokens = prepared(family, pipe, template(seed=1), box_mask(), params(seed=3, steps=STEPS))
+    return family, pipe, prep, tokens
+
+
+def run(model, policies):
+    """One call per step for requests with ``policies`` (None: no reuse), as the runner drives them."""
+    family, pipe, prep, tokens = model
+    return denoise_with_reuse(family, runner(pipe), [job(prep, tokens, 256, 256, STEPS) for _ in policies],
+                              policies)
+
+
+def test_no_reuse_equals_the_plain_path_bit_for_bit(model):
+    (plain,) = run(model, [None])
+    (zero,) = run(model, [{"policy": "fbcache", "threshold": 0}])
+    assert zero.temporal.info()["temporal_steps"] == "C" * STEPS
+    assert torch.equal(zero.latents, plain.latents)
+
+
+def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
+    (plain,) = run(model, [None])
+    (alone,) = run(model, [MASK])
+    assert alone.temporal.info()["temporal_steps"] == "CCRCRR"
+    assert not torch.equal(alone.latents, plain.latents)
+    both = run(model, [None, MASK])
+    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)
+
+
+def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model, tmp_path):
+    """A hit (its computed noisy tokens and the reference tokens are what its residuals cover) with a step mask,
+    alone and beside a hit without reuse in one call; threshold 0 equals the hit without reuse bit for bit."""
+    from maskedit.cache.runtime import CacheRuntime
+    from maskedit.cache.store import ActivationStore
+
+    family, pipe, prep, tokens = model
+    rt = CacheRuntime(family.cache_hooks(pipe.transformer),
+                      ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30))
+    r = runner(pipe)
+    r.family = family
+
+    def cached(policies, register=False):
+        jobs = [job(prep, tokens, 256, 256, STEPS) for _ in policies]
+        for j, p in zip(jobs, policies):
+            j.inputs.cache_key, j.inputs.register, j.inputs.temporal, j.temporal = "klein-t", register, p, None
+            family.prepare_job(r, j)
+            rt.admit(j)
+            temporal.admit(r, j)
+        with torch.no_grad():
+            while jobs[0].step_index < STEPS:
+                ctx = rt.context(jobs, temporal.loads(jobs, family.temporal_hooks(pipe.transformer)))
+                ctx = temporal.attach(ctx, jobs, lambda: family.temporal_hooks(pipe.transformer))
+                family.step(r, jobs, ctx)
+                temporal.commit(ctx, jobs)
+                rt.after_step(jobs)
+        for j in jobs:
+            rt.finish(j, True)
+        rt.flush()
+        return jobs
+
+    try:
+        cached([MASK], register=True)
+        (hit,), (zero,), (reused,) = cached([None]), cached([{"policy": "fbcache", "threshold": 0}]), cached([MASK])
+        assert hit.cache.status == reused.cache.status == "hit"
+        assert torch.equal(zero.latents, hit.latents)
+        assert reused.temporal.info()["temporal_steps"] == "CCRCRR" and not torch.equal(reused.latents, hit.latents)
+        both = cached([None, MASK])
+        torch.testing.assert_close(both[0].latents, hit.latents, atol=1e-5, rtol=0)
+        torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+    finally:
+        rt.close()
