@@ -110,16 +110,24 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             return [b for b in self.backends.values() if b.available(now) and b.addr not in exclude]
 
     # -- routing and accounting ---------------------------------------------------------------------
-    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None) -> Ticket:
+    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None,
+              room_only: bool = False) -> Ticket:
         """A backend for ``f``. ``key`` (a request id unique in the router) enters an edit the router sends itself
         in the chosen backend's admission gauge; ``on_expire`` refuses it on its stream (returns whether it did)
-        if it waits too long in front of the backend's check."""
+        if it waits too long in front of the backend's check. ``room_only``: only a backend with room — one that has
+        not refused anything lately (``AdmissionGauge.refusing``) and is below its in-flight limit — for a request
+        another backend just refused; none: ``NoBackend`` (its refusal stands; in an overload, where every backend
+        refuses, a second wait in front of another check would only make the refusal late)."""
         t0 = time.perf_counter()
         cands = self.available(exclude)
         if not cands:
             raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
         now = time.monotonic()
         with self._lock:
+            if room_only:
+                cands = [b for b in cands if b.load.inflight < self.max_per_backend and not b.admission.refusing(now)]
+                if not cands:
+                    raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "no other backend has room")
             total = sum(b.load.inflight for b in self.backends.values())
             if total >= self.max_inflight:
                 raise self._refuse("inflight_total", f"router has {total} requests in flight")
@@ -253,7 +261,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         refusal = None  # (backend, its RESOURCE_EXHAUSTED): tried on the others with room, else the caller's answer
         while True:
             try:
-                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
+                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}",
+                               room_only=refusal is not None)
             except NoBackend as e:
                 if refusal is not None:
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])

@@ -143,9 +143,9 @@ class _StreamSession:
             self.out.put(_error(p.client_id, f"{e.code.name}: {e}{retried}"))
             self._maybe_finish()
 
-    def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
+    def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude, room_only: bool = False) -> None:
         """Route ``p`` and send it on this session's stream to its backend (raises ``NoBackend``)."""
-        p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
+        p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid), room_only=room_only)
         with self.lock:
             self.pending[rid] = p
             bs = self.streams.get(p.ticket.backend.addr)
@@ -155,15 +155,15 @@ class _StreamSession:
 
     def _elsewhere(self, p: _Pending, rid: str, backend: Backend) -> bool:
         """``backend`` refused ``p`` (RESOURCE_EXHAUSTED: its queue is full) before anything of it reached the
-        client: send it to another backend with room. After a router restart or stall the clients' retried burst
-        meets one backend's full queue while another has room; refusing it then turned away work with capacity free.
-        False when no other backend can take it (every one is full, or refused it already): the client gets the
-        refusal."""
+        client: send it to another backend with room (``Router.route``'s ``room_only``). After a router restart or
+        stall the clients' retried burst meets one backend's full queue while another has room; refusing it then
+        turned away work with capacity free. False when no other backend has room (every one is full or refusing, or
+        refused it already): the client gets the refusal."""
         if not self.context.is_active():
             return False
         p.tried.add(backend.addr)
         try:
-            self._place(p, rid, p.ticket.features, p.tried)
+            self._place(p, rid, p.ticket.features, p.tried, room_only=True)
         except NoBackend:
             return False
         self.r.metrics.retried(backend.addr, "refused")

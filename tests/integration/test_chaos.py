@@ -134,8 +134,10 @@ def test_a_stopped_router_costs_its_clients_only_the_wait(topo):
     th = threading.Thread(target=watch, daemon=True)
     th.start()
     try:
-        case = chaos.run_case(topo, "sigstop_router", rate=2.0, duration_s=16, seed=9, progress=False,
-                              faults={"sigstop_router": lambda t, r: chaos.sigstop_router(t, r, hang_s=10.0)})
+        # 6 s: longer than the probe interval (5 s), and what piles up meanwhile (~12 requests) fits the two
+        # backends' queues of 8 here (more would be refused for capacity: `make faults` stops it 30 s, queues of 64)
+        case = chaos.run_case(topo, "sigstop_router", rate=2.0, duration_s=14, seed=9, progress=False,
+                              faults={"sigstop_router": lambda t, r: chaos.sigstop_router(t, r, hang_s=6.0)})
     finally:
         stop.set()
         th.join(5)

@@ -72,3 +72,18 @@ def test_a_unary_refusal_reaches_the_caller_when_every_backend_is_full():
     assert err.value.args == (grpc.StatusCode.RESOURCE_EXHAUSTED, FULL)
     assert time.monotonic() - t0 < 1.0  # at once, not after the retry budget's backoff
 
+
+
+def test_in_an_overload_a_refusal_is_not_sent_to_wait_at_another_refusing_backend(session):
+    """Every backend refusing (an overload, not a burst): a second wait in front of another check would only make
+    the refusal late. The client gets the first refusal at once."""
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    (first, rid), = _Stream.sent
+    now = time.monotonic()
+    for b in session.r.backends.values():
+        b.admission.backend_refused(now)  # both refused a request a moment ago
+    session.on_response(session.r.backends[first], _response(rid, f"{FULL} [request id: {rid}]"))
+    assert len(_Stream.sent) == 1
+    (err,) = _drain(session.out)
+    assert err.error_message.startswith("RESOURCE_EXHAUSTED")
+    assert session.r.metrics.refusals.labels("admission")._value.get() == 0  # the backend's refusal, not the router's
