@@ -27,7 +27,8 @@ long its queue: what waits there will be served, and refusing it would turn away
    the cost measured just before said 0.05. So any edit still in front of the check, except the oldest (which may
    be in it right now), that has waited ``wait_s`` is refused by the router with RESOURCE_EXHAUSTED and cancelled
    on the backend (the ``cancel`` model; pre-processing drops a cancelled request before any work). Every refusal
-   through the router then comes within about ``wait_s`` plus one poll, however slow the backend is.
+   through the router then comes within about ``wait_s`` plus one poll, however slow the backend is. (The stream
+   session moves it to another backend instead when one has room: ``_StreamSession.expire``.)
 
 The backend's own check still decides whether the denoise queue has room; this keeps the queue in front of that
 check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged, what

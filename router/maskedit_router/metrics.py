@@ -24,7 +24,8 @@ class RouterMetrics:
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
         self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend, by the "
                                "backend they left (none: no backend was up) and why: failed (it failed or was found "
-                               "down before the request streamed anything), refused (its queue was full)",
+                               "down before the request streamed anything), refused (its queue was full), waited (left "
+                               "waiting in front of its admission check while it refused)",
                                ["backend", "why"], registry=r)
         self.model_scale = Gauge("maskedit_router_model_scale", "observed / profile-predicted latency (online fit)",
                                  registry=r)

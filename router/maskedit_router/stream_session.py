@@ -153,7 +153,7 @@ class _StreamSession:
                 bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
         bs.send(p.request)
 
-    def _elsewhere(self, p: _Pending, rid: str, backend: Backend) -> bool:
+    def _elsewhere(self, p: _Pending, rid: str, backend: Backend, why: str = "refused") -> bool:
         """``backend`` refused ``p`` (RESOURCE_EXHAUSTED: its queue is full) before anything of it reached the
         client: send it to another backend with room (``Router.route``'s ``room_only``). After a router restart or
         stall the clients' retried burst meets one backend's full queue while another has room; refusing it then
@@ -166,7 +166,7 @@ class _StreamSession:
             self._place(p, rid, p.ticket.features, p.tried, room_only=True)
         except NoBackend:
             return False
-        self.r.metrics.retried(backend.addr, "refused")
+        self.r.metrics.retried(backend.addr, why)
         return True
 
     def _retry_later(self, p: _Pending, rid: str, f: EditFeatures) -> bool:
@@ -208,7 +208,7 @@ class _StreamSession:
         if final or error:
             self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
         with self.lock:  # taken off at once when it ends: the router's admission timeout may not refuse it too
-            p = self.pending.pop(rid, None) if final or error else self.pending.get(rid)
+            p = self._waiting_on(backend, rid, take=final or error)
             if p is not None and not (final or error):
                 p.responded = True  # a progress response, relayed below
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
@@ -246,15 +246,29 @@ class _StreamSession:
         if bs is not None:
             bs.close()
 
+    def _waiting_on(self, backend: Backend, rid: str, take: bool) -> _Pending | None:
+        """``rid``'s request if it is waiting on ``backend`` (taken off the pending set with ``take``); None for an
+        answer from a backend it was moved away from (left waiting there, sent to another: the first one's answer,
+        "cancelled", a refusal or a late result, is not its client's). Under ``self.lock``."""
+        p = self.pending.get(rid)
+        if p is None or p.ticket.backend is not backend:
+            return None
+        if take:
+            del self.pending[rid]
+        return p
+
     def expire(self, rid: str) -> bool:
-        """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check.
-        Refused on the client's stream now, unless it has ended or streamed meanwhile (then past the check)."""
+        """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check
+        (while that backend refuses). Moved to a backend with room if one has (the first drops it: cancelled), else
+        refused on the client's stream now; nothing, if it has ended or streamed meanwhile (then past the check)."""
         with self.lock:
             p = self.pending.get(rid)
             if p is None or p.responded:
                 return False
             del self.pending[rid]
         self.r.release(p.ticket, ok=False)
+        if self._elsewhere(p, rid, p.ticket.backend, why="waited"):
+            return True
         self._end(p, "refused")
         waited = time.monotonic() - p.ticket.t0
         self.out.put(_error(p.client_id, f"RESOURCE_EXHAUSTED: waited {waited:.2f} s in front of backend "
@@ -268,7 +282,7 @@ class _StreamSession:
         requests end as if its stream broke (those inside the dead stub would never be answered), and this one is
         retried elsewhere if the client has had nothing from it yet."""
         with self.lock:
-            p = self.pending.pop(rid, None)
+            p = self._waiting_on(backend, rid, take=True)
         self.r.backend_broken(backend, message)
         if p is not None:
             self._lost(p, rid, backend, message)

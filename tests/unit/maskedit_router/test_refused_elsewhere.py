@@ -87,3 +87,32 @@ def test_in_an_overload_a_refusal_is_not_sent_to_wait_at_another_refusing_backen
     (err,) = _drain(session.out)
     assert err.error_message.startswith("RESOURCE_EXHAUSTED")
     assert session.r.metrics.refusals.labels("admission")._value.get() == 0  # the backend's refusal, not the router's
+
+
+def test_a_request_left_waiting_at_a_refusing_backend_moves_to_one_with_room(session):
+    """The router's backstop: it waited its admission wait in front of a backend that refuses. With another backend
+    not refusing, it is moved there instead of refused; the first backend's answer for it ("cancelled", sent when
+    the cancel reaches pre-processing) is not relayed, nor taken for the moved request's."""
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    (first, rid), = _Stream.sent
+    session.r.backends[first].admission.backend_refused(time.monotonic())
+    assert session.expire(rid)
+    (other, again), = _Stream.sent[1:]
+    assert other != first and again == rid and session.pending[rid].ticket.backend.addr == other
+    session.on_response(session.r.backends[first], _response(
+        rid, f"in ensemble 'edit', cancelled before pre-processing [request id: {rid}]"))
+    assert rid in session.pending and _drain(session.out) == []  # the first backend's answer is not the client's
+    done = _response(rid, final=True)
+    session.on_response(session.r.backends[other], done)
+    assert session.pending == {} and session.r.metrics.retries.labels(first, "waited")._value.get() == 1
+
+
+def test_a_request_left_waiting_is_refused_when_no_backend_has_room(session):
+    session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
+    (first, rid), = _Stream.sent
+    for b in session.r.backends.values():
+        b.admission.backend_refused(time.monotonic())
+    assert session.expire(rid)
+    assert len(_Stream.sent) == 1
+    (err,) = _drain(session.out)
+    assert err.error_message.startswith("RESOURCE_EXHAUSTED: waited") and "request id: mine" in err.error_message
