@@ -1,5 +1,5 @@
-"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, overload and
-soak results (perf_profiles/results/{chaos,overload,overload_flood*,soak}.json)."""
+"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, faults,
+overload and soak results (perf_profiles/results/{chaos,faults,overload,overload_flood*,soak}.json)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,27 @@ def chaos(r: dict) -> str:
     return "\n".join(rows) + (f"\n\n{r['instances']} instances, {r['rate']} req/s open loop through the router, "
                               f"{r['duration_s']:g} s per fault; after shutdown {left} processes/regions/ports left; "
                               f"all targets met: {r['all_met']}. `{r['command']}`, started {r['started']}.")
+
+
+def faults(r: dict) -> str:
+    """``make faults``: per fault, how every request ended, what was served, and recovery to full strength."""
+    rows = ["| fault | sent | ok | errors | lost | corrupt served | recovery s (full strength / hits back) | "
+            "hit rate before / after | load average | targets met |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        rec = f"{_f(x.get('recovery_s'), 1)} ({_f(x.get('full_strength_after_s'), 1)} / " \
+              f"{_f(x.get('hit_rate_back_after_s'), 1)})" if "full_strength_after_s" in x else _f(x.get("recovery_s"), 2)
+        rates = f"{_f(x.get('hit_rate_before'))} / {_f(x.get('hit_rate_after'))}" if "hit_rate_before" in x else "–"
+        missed = [k for k, v in x.get("met", {}).items() if not v]
+        rows.append(f"| `{x['fault']}` | {x['sent']} | {x['ok']} | {x['errors']} | {x['lost']} | "
+                    f"{x['corrupt_served']} | {rec} | {rates} | {_f((x.get('load_average') or [None])[0], 1)} | "
+                    f"{'all' if not missed else 'not ' + ', '.join(missed)} |")
+    left = sum(len(v) for v in r["leftovers_after_shutdown"].values())
+    load = r["host"].get("load_average_1m") or {}
+    return "\n".join(rows) + (f"\n\n{r['instances']} instances, {r['rate']} req/s open loop through the router, "
+                              f"{r['duration_s']:g} s per fault (storage faults held {r['hold_s']:g} s), memory tier "
+                              f"{r['mem_mb']} MB; load average {load.get('min')}-{load.get('max')} "
+                              f"({r['host'].get('note') or 'no note'}); after shutdown {left} processes/regions/ports "
+                              f"left; all targets met: {r['all_met']}. `{r['command']}`, started {r['started']}.")
 
 
 def overload(r: dict) -> str:
@@ -112,7 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     floods = sorted(p.stem for p in args.results.glob("overload_flood*.json"))
-    for name, fn in (("chaos", chaos), ("overload", overload), *((f, overload) for f in floods), ("soak", soak)):
+    for name, fn in (("chaos", chaos), ("faults", faults), ("overload", overload), *((f, overload) for f in floods),
+                     ("soak", soak)):
         p = args.results / f"{name}.json"
         if p.exists():
             print(f"### {name} ({p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p})\n")

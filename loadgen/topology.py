@@ -123,9 +123,19 @@ class Topology:
         return bool(h) and all(b.get("in_rotation") for b in h["backends"])
 
     # -- what is left -----------------------------------------------------------------------------------
-    def leftovers(self) -> dict:
+    def leftovers(self, settle_s: float = 30.0) -> dict:
         """Processes, /dev/shm regions and listening ports of any generation that should be gone: those of
-        parts no longer running (call after a recovery, or after everything stopped)."""
+        parts no longer running (call after a recovery, or after everything stopped). What is still there is looked
+        at again for up to ``settle_s``: a killed process of 500 MB takes seconds to exit on a loaded host (seen:
+        stubs still exiting right after shutdown at load average 12-22), and one that never goes is reported."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            left = self._leftovers()
+            if not any(left.values()) or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.5)
+
+    def _leftovers(self) -> dict:
         boards = self.servers[0].settings.service.admission_dir  # the same for every server
         live_pgids = {s.proc.pid for s in self.servers if s.proc is not None}
         live_shm = {s.shm_prefix for s in self.servers if s.proc is not None}

@@ -60,6 +60,9 @@ class CacheSettings:
     disk_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "maskedit" / "activations")
     disk_bytes: int = 32 << 30
     disk_free_fraction: float = 0.5
+    # seconds between the store's recovery probes: a shrunk memory budget grows back, a degraded tier is cleared
+    # once it takes a write again (nothing runs while every tier is healthy at its full budget)
+    probe_s: float = 2.0
     budget_bytes: int = 1 << 30
     # An adapter request on a template recorded only without adapters reuses that recording's rows for its
     # unmasked tokens (approximate: they lack the adapters' effect; docs/lora.md measures it) instead of running a
@@ -321,6 +324,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_CACHE_DISK_BYTES", "cache.disk_bytes", _bytes, "bytes of the disk tier", "32 GiB"),
     Var("MASKEDIT_CACHE_DISK_FREE_FRACTION", "cache.disk_free_fraction", float, "the disk tier holds at most this "
         "share of the space its filesystem has"),
+    Var("MASKEDIT_CACHE_PROBE_S", "cache.probe_s", float, "seconds between the store's recovery probes: a memory "
+        "budget shrunk by a full filesystem grows back once the space returns, a degraded tier is cleared once a "
+        "test write succeeds"),
     Var("MASKEDIT_CACHE_BUDGET_BYTES", "cache.budget_bytes", _bytes, "activation bytes recorded per template",
         "1 GiB"),
     Var("MASKEDIT_CACHE_LORA_BASE_REUSE", "cache.lora_base_reuse", _flag, "`1`: a request with LoRA adapters on a "

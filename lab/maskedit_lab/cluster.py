@@ -30,7 +30,7 @@ from maskedit_router.__main__ import parser as router_parser, start as start_rou
 from maskedit_router.policies import POLICIES
 
 from . import REPO_ROOT
-from .supervisor import Supervisor
+from .supervisor import RELOADABLE_ARGS, Supervisor
 
 
 def backend_env(out: Path, env: dict | None = None, keys: bool = False) -> dict:
@@ -62,7 +62,7 @@ def router_security_args(env: dict | None = None) -> list[str]:
 @contextlib.contextmanager
 def running_backends(instances: int, out: Path, env: dict | None = None, supervise: bool = True):
     """Start ``instances`` Triton servers (own ports and store directories each), watched by a ``Supervisor``
-    that reaps and restarts one that dies; yield ``(servers, supervisor or None)``; stop everything, by pid, on
+    that reloads a model whose stub died and reaps and restarts a server that dies; yield ``(servers, supervisor or None)``; stop everything, by pid, on
     the way out."""
     servers = []
     # Instances on one host share its cores: each denoise loop gets its share. With every instance using all
@@ -78,7 +78,7 @@ def running_backends(instances: int, out: Path, env: dict | None = None, supervi
             servers.append(TritonServer(log_path=d / "tritonserver.log", env={
                 **share, **(env or {}),
                 "MASKEDIT_CACHE_MEM_DIR": str(ram / f"instance{i}"), "MASKEDIT_CACHE_DISK_DIR": str(d / "cache"),
-            }).start())
+            }, extra_args=list(RELOADABLE_ARGS) if supervise else None).start())  # a dead model: reloaded alone
         supervisor = Supervisor(servers).start() if supervise else None
         yield servers, supervisor
     finally:

@@ -31,6 +31,7 @@ from .auth import Forbidden, Keyring, Unauthenticated, bearer
 from .limits import HttpLimits
 from .lora_admin import AdapterAdmin, AdminError
 from .metrics import retry_after
+from . import client_gone
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
 
@@ -115,9 +116,17 @@ class OpenAIFrontend:
 
     @web.middleware
     async def _errors(self, request, handler):
-        """Every error in OpenAI's shape, aiohttp's own (404, 405, 413) included."""
+        """Every error in OpenAI's shape, aiohttp's own (404, 405, 413) included. A client that went away mid-request
+        cancels its handler (its edits are cancelled with it): counted, one line."""
         try:
             return await handler(request)
+        except asyncio.CancelledError:
+            if request.transport is None or request.transport.is_closing():
+                client_gone.note(self.metrics, "openai", request.path, "cancelled")
+            raise
+        except client_gone.DISCONNECTS as e:  # gone while its body was read: nobody to answer (nginx's 499)
+            client_gone.note(self.metrics, "openai", request.path, e)
+            return web.Response(status=499, reason="Client Closed Request")
         except ApiError as e:
             hint = retry_after(e.message) if e.status == 429 else None
             headers = {"Retry-After": hint} if hint else {}

@@ -113,16 +113,24 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             return [b for b in self.backends.values() if b.available(now) and b.addr not in exclude]
 
     # -- routing and accounting ---------------------------------------------------------------------
-    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None) -> Ticket:
+    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None,
+              room_only: bool = False) -> Ticket:
         """A backend for ``f``. ``key`` (a request id unique in the router) enters an edit the router sends itself
         in the chosen backend's admission gauge; ``on_expire`` refuses it on its stream (returns whether it did)
-        if it waits too long in front of the backend's check."""
+        if it waits too long in front of the backend's check. ``room_only``: only a backend with room — one that has
+        not refused anything lately (``AdmissionGauge.refusing``) and is below its in-flight limit — for a request
+        another backend just refused; none: ``NoBackend`` (its refusal stands; in an overload, where every backend
+        refuses, a second wait in front of another check would only make the refusal late)."""
         t0 = time.perf_counter()
         cands = self.available(exclude)
         if not cands:
             raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
         now = time.monotonic()
         with self._lock:
+            if room_only:
+                cands = [b for b in cands if b.load.inflight < self.max_per_backend and not b.admission.refusing(now)]
+                if not cands:
+                    raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "no other backend has room")
             total = sum(b.load.inflight for b in self.backends.values())
             if total >= self.max_inflight:
                 raise self._refuse("inflight_total", f"router has {total} requests in flight")
@@ -159,6 +167,12 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             wait = backend.admission.predicted_wait_s()
         self.metrics.admission(backend.addr, wait)
         self.expire_admissions(backend, now)
+
+    def admission_resumed(self) -> None:
+        """The router was stopped (``AdmissionWatcher``'s stall): every gauge counts again from its next poll."""
+        with self._lock:
+            for b in self.backends.values():
+                b.admission.resumed()
 
     def expire_admissions(self, backend: Backend, now: float | None = None) -> None:
         """Refuse, and cancel on ``backend``, the edits that have waited the admission wait in front of its check
@@ -247,10 +261,14 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(self.retry_budget_s, remaining if remaining is not None else 1e9)
         attempt = 0
+        refusal = None  # (backend, its RESOURCE_EXHAUSTED): tried on the others with room, else the caller's answer
         while True:
             try:
-                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
+                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}",
+                               room_only=refusal is not None)
             except NoBackend as e:
+                if refusal is not None:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
                 delay = None
                 if e.code == grpc.StatusCode.UNAVAILABLE and context.is_active():
                     delay = self.backoff.next(attempt, deadline, time.monotonic())
@@ -260,6 +278,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 time.sleep(delay)  # a worker held while it waits: a unary call in flight
                 tried = set()  # after a wait, any backend back in rotation may take it
                 continue
+            if refusal is not None:
+                self.metrics.retried(refusal[0], "refused")
             call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
             context.add_callback(call.cancel)  # the client gave up: so does the backend call
             with self._lock:
@@ -278,17 +298,19 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             except grpc.RpcError as e:
                 self.release(t, ok=False)
                 details = as_refusal(e.details() or "")  # Triton's own queue refusals read as refusals
-                refused = "RESOURCE_EXHAUSTED" in details
-                if refused:
+                if "RESOURCE_EXHAUSTED" in details:  # its queue is full: alive, not a failure; try one with room
                     with self._lock:
                         t.backend.admission.backend_refused(time.monotonic())
+                    refusal = (t.backend.addr, details)
+                    tried.add(t.backend.addr)
+                    continue
                 fault = backend_fault(details)
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
                     context.abort(e.code(), details)
                 # never reached a live model: try another backend
                 if fault:
                     self.backend_broken(t.backend, details)
-                elif not refused:  # a full backend answered: not a failure of it
+                else:
                     t.backend.failed()
                 tried.add(t.backend.addr)
             finally:

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 from maskedit.launcher import TritonServer
@@ -40,3 +42,17 @@ def controlnets(settings):
 
         build_controlnets(settings.model_dir)
     return settings.controlnets
+
+
+@contextlib.contextmanager
+def chaos_cluster(settings, tmp_path_factory, name: str, max_queue: int):
+    """Two supervised instances and the router process (``loadgen.topology``) for the chaos and overload cases. One
+    request per denoise step: the denoise queue (``max_queue``), not pre-processing (the tiny model's bottleneck on
+    a small CPU), limits a server. After shutdown nothing may be left: no process, region or port."""
+    from loadgen.topology import running_topology
+
+    env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_MAX_QUEUE": str(max_queue),
+           "MASKEDIT_MAX_BATCH": "1", "MASKEDIT_CACHE_MEM_BYTES": str(64 << 20)}
+    with running_topology(2, tmp_path_factory.mktemp(name), env) as t:
+        yield t
+    assert not any(t.leftovers().values()), t.leftovers()
