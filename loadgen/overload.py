@@ -1,7 +1,7 @@
 """`python -m loadgen.overload` (`make overload`): open-loop load at twice capacity, straight to one server and
 through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second. Then a
 flood: 160 requests within a second straight at one server (no router in front), each answered or refused within
-10 s of its arrival, none lost.
+10 s of its arrival, none lost (the servers run with that bound, ``MASKEDIT_LATENCY_BOUND_S``: ``--latency-bound-s``).
 
     python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
     python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
@@ -42,6 +42,23 @@ SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/serv
 )
 
 
+BACKEND_SOURCES = (  # which of a backend's checks refused (maskedit.completion, maskedit.scheduler, maskedit.admission)
+    ("triton_queue", re.compile(r"Exceeds maximum queue size")),  # Triton's queue in front of pre-processing
+    ("bound_front", re.compile(r"refused before any work")),  # the time bound, before pre-processing did any work
+    ("bound_denoise", re.compile(r"refused before denoising")),  # the time bound, when denoise received it
+    ("bound_queue", re.compile(r"refused before it started")),  # the time bound, at the front of the denoise queue
+    ("queue_full", re.compile(r"denoise queue is full")),  # the count bound
+)
+
+
+def backend_source(message: str) -> str:
+    """Which check of a backend refused a request (``BACKEND_SOURCES``), else ``refusal_source``."""
+    for name, pattern in BACKEND_SOURCES:
+        if pattern.search(message or ""):
+            return name
+    return refusal_source(message)
+
+
 def refusal_source(message: str) -> str:
     """``router_admission``, ``router_timeout``, ``router_inflight``, or ``backend`` (its admission check at
     pre-processing, or its denoise loop)."""
@@ -79,8 +96,8 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     """``n`` requests within ``spread_s`` (Poisson arrivals) straight at ``url``, as a client with no router in
     front would send them: each must be answered (a result) or refused (RESOURCE_EXHAUSTED) within ``within_s`` of
     its arrival. ``late``: answered after that; ``lost``: no answer at all (2 minutes after the last send).
-    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (the
-    scheduler then refuses what it cannot finish in time, DEADLINE_EXCEEDED)."""
+    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (a request
+    that would miss it with nothing ahead of it is refused DEADLINE_EXCEEDED). Who refused: ``backend_source``."""
     from maskedit_client import EditClient
 
     from . import records, runner, workload
@@ -99,8 +116,7 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     by: dict[str, list] = {}
     for r in recs:
         if r.error_code == "RESOURCE_EXHAUSTED":
-            src = "triton_queue" if "Exceeds maximum queue size" in (r.error or "") else refusal_source(r.error)
-            by.setdefault(src, []).append(r.answered_after_s)
+            by.setdefault(backend_source(r.error), []).append(r.answered_after_s)
     out = {
         "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "deadline_ms": deadline_ms,
         "ok": len(ok), "refused": len(refused), "deadline_exceeded": s["errors"].get("DEADLINE_EXCEEDED", 0),
@@ -214,6 +230,9 @@ def main(argv=None) -> None:
                     "--steps)")
     ap.add_argument("--flood-deadline-ms", type=int, default=None, help="DEADLINE_MS on each of the flood's requests "
                     "(default: none, as the probe that found the problem sent them)")
+    ap.add_argument("--latency-bound-s", type=float, default=None, help="the servers' MASKEDIT_LATENCY_BOUND_S "
+                    "(every request answered or refused within it; default: --flood-within-s when the flood runs, "
+                    "else the servers' default; 0: none)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -221,11 +240,16 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--phases: unknown {', '.join(sorted(unknown))} (server, router, flood)")
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
+    bound = args.latency_bound_s if args.latency_bound_s is not None else \
+        (args.flood_within_s if "flood" in phases else None)
+    if bound is not None:
+        env["MASKEDIT_LATENCY_BOUND_S"] = f"{bound:g}"
     started = time.time()
     result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
                                                                   __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
-              "max_queue": args.max_queue, "instances": args.instances, "router_args": args.router_args,
+              "max_queue": args.max_queue, "latency_bound_s": bound, "instances": args.instances,
+              "router_args": args.router_args,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note}, "targets": {}}
     runs = {}
     with running_topology(args.instances, args.out, env, shlex.split(args.router_args)) as topo:

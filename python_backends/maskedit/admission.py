@@ -29,10 +29,11 @@ import os
 import struct
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from .arrival import ArrivalBound
-from .completion import Backlog, Bound, Ema, Loop, Work, bound_for, refusal
+from .completion import Backlog, Bound, Ema, Loop, Work, bound_for, decide
 from .errors import ResourceExhausted
 from .fair_share import tenant_hash
 
@@ -172,6 +173,16 @@ class QueueBoard:
             self._map.close()
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A request the front let through: its earliest arrival (``time.time()``), its bound (None: none) and when it
+    was predicted to be answered (``vae_decode`` logs the prediction beside what happened)."""
+
+    arrival: float
+    bound: Bound | None = None
+    predicted_at: float | None = None
+
+
 class FrontCheck:
     """Pre-processing's time check, before any work on a request: when would it be answered, behind the backlog the
     denoise loop published and what pre-processing sent on since? Refused (``maskedit.completion.refusal``) when
@@ -188,13 +199,13 @@ class FrontCheck:
         self._sent: deque = deque(maxlen=JOBS)  # (steps, tokens, answer by) of the requests sent on, newest last
         self._last = Backlog()
 
-    def admit(self, start: float, steps: int, deadline_ms: int | None) -> tuple[float, Bound | None]:
-        """(its earliest arrival, its bound or None) for a request whose pre-processing starts at ``start``
-        (``time.time()``) and that runs ``steps`` steps; raises the refusal."""
+    def admit(self, start: float, steps: int, deadline_ms: int | None) -> Admitted:
+        """What is known of a request whose pre-processing starts at ``start`` (``time.time()``) and that runs
+        ``steps`` steps, once admitted; raises the refusal."""
         arrival = self.arrivals.earliest(start)
         bound = bound_for(self.latency_bound_s, deadline_ms, start - arrival)
         if bound is None:
-            return arrival, None
+            return Admitted(arrival)
         b = self.board.backlog()
         self._last = b = b if b is not None else self._last
         now = time.time()
@@ -203,11 +214,11 @@ class FrontCheck:
         on_the_way = list(self._sent)[len(self._sent) - n:] if n else []
         loop = Loop(b.step_s, self.max_batch, self.max_tokens, max(0.0, self.board.decode_s()))
         tokens = round(b.tokens) if b.tokens > 0 else self.full_tokens
-        err = refusal(loop, [rel(j) for j in b.running], [rel(j) for j in b.waiting + on_the_way],
-                      Work(steps, tokens, bound.left - (now - start), ready_s=self.prepare_s.get()), bound)
+        p, err = decide(loop, [rel(j) for j in b.running], [rel(j) for j in b.waiting + on_the_way],
+                        Work(steps, tokens, bound.left - (now - start), ready_s=self.prepare_s.get()), bound)
         if err is not None:
             raise err
-        return arrival, bound
+        return Admitted(arrival, bound, now + p.answer_s)
 
     def ran(self, start: float, end: float, prepared: bool) -> None:
         """A request's execution here ended; ``prepared``: it was pre-processed in full (admitted)."""

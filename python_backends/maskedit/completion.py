@@ -169,27 +169,35 @@ def predict(loop: Loop, running: list[Work], waiting: list[Work], new: Work) -> 
 def refusal(loop: Loop, running: list[Work], waiting: list[Work], new: Work, bound: Bound,
             where: str = "refused before any work") -> EditError | None:
     """The error refusing ``new`` (appended behind ``waiting``, its ``answer_by`` = ``bound.left``), or None to
-    admit it. Refused when it would be answered past its bound, or would make a request already taken (one
-    predicted in time without it) late. Its own DEADLINE_MS that it misses even with nothing ahead of it:
-    DEADLINE_EXCEEDED (retrying cannot help); otherwise RESOURCE_EXHAUSTED with when to retry."""
+    admit it (``decide``)."""
+    return decide(loop, running, waiting, new, bound, where)[1]
+
+
+def decide(loop: Loop, running: list[Work], waiting: list[Work], new: Work, bound: Bound,
+           where: str = "refused before any work") -> tuple[Prediction, EditError | None]:
+    """The prediction for ``new`` and the error refusing it, or None to admit it. Refused when it would be answered
+    past its bound, or would make a request already taken (one predicted in time without it) late. Its own
+    DEADLINE_MS that it misses even with nothing ahead of it: DEADLINE_EXCEEDED (retrying cannot help); otherwise
+    RESOURCE_EXHAUSTED with when to retry."""
     p = predict(loop, running, waiting, new)
     step_ms = 1000 * loop.step_s(new.tokens)
     if p.answer_s <= new.answer_by:
         if not p.delays:
-            return None
-        return ResourceExhausted(
+            return p, None
+        return p, ResourceExhausted(
             f"would delay {len(p.delays)} requests already taken past their bounds (it would share their batch's "
             f"steps, ~{step_ms:.0f} ms each measured now); {where}; retry in ~{_retry_s(p.over_s)} s or send it to "
             "another server")
     ahead = len(running) + len(waiting)
     spent = f", {bound.spent:.1f} s of them spent waiting" if bound.spent >= 0.05 else ""
-    if bound.source == CLIENT_BOUND and answer_times(loop, [], [new])[0] > new.answer_by:
-        return DeadlineExceeded(
-            f"cannot be answered within {1000 * bound.seconds:.0f} ms of its arrival{spent}: ~"
-            f"{1000 * answer_times(loop, [], [new])[0]:.0f} ms of work with nothing ahead of it ({new.steps} steps at "
-            f"~{step_ms:.0f} ms measured now); {where}", CLIENT_BOUND)
+    alone = answer_times(loop, [], [new])[0]
+    if bound.source == CLIENT_BOUND and alone > new.answer_by:
+        return p, DeadlineExceeded(
+            f"cannot be answered within {1000 * bound.seconds:.0f} ms of its arrival{spent}: ~{1000 * alone:.0f} ms "
+            f"of work with nothing ahead of it ({new.steps} steps at ~{step_ms:.0f} ms measured now); {where}",
+            CLIENT_BOUND)
     why = f"{ahead} requests ahead of it" if ahead else "nothing ahead of it"
-    return ResourceExhausted(
+    return p, ResourceExhausted(
         f"cannot be answered within {bound.seconds:g} s of its arrival ({_name(bound.source)}{spent}): ~"
         f"{bound.spent + p.answer_s:.1f} s predicted, {why}, ~{step_ms:.0f} ms a step measured now; {where}; "
         f"retry in ~{_retry_s(p.over_s)} s or send it to another server")
@@ -205,10 +213,11 @@ def _retry_s(excess: float) -> int:
 
 
 class Ema:
-    """An exponential moving average of measured seconds (or counts). One outlier (a process stopped mid-step, a
-    page-in) moves it by at most ``1 + alpha * (clamp - 1)`` times; a lasting change gets in within a few samples."""
+    """An exponential moving average of measured seconds (or counts), each sample counted as at most ``clamp``
+    times the average (as ``maskedit.scheduler.StepTimeModel``): one outlier (a process stopped) moves it by at most
+    ``1 + alpha * (clamp - 1)`` times; frequent slow samples count in full once it has risen with them."""
 
-    def __init__(self, alpha: float = 0.2, clamp: float = 4.0, value: float | None = None):
+    def __init__(self, alpha: float = 0.2, clamp: float = 20.0, value: float | None = None):
         self.alpha, self.clamp, self.value = alpha, clamp, value
 
     def observe(self, x: float) -> None:

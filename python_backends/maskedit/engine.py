@@ -3,7 +3,8 @@
 Requests are submitted from Triton's ``execute`` (which returns at once: the model is decoupled) and join the
 running batch at the next step boundary, as the scheduler decides; finished requests leave at once. Every
 submitted job ends in ``on_done`` or ``on_error``: cancelled jobs at the next step, jobs that cannot meet
-their deadline before they start, and everything still queued or running at shutdown.
+their deadline or bound before they start (``maskedit.completion``), admitted ones that can no longer be answered
+within their bound before their next step, and everything still queued or running at shutdown.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ class DenoiseEngine:
         p0, c0 = self.prepare_s, self.callback_s
         with self._cv:
             batch = list(self._running) if self._stopping else self._schedule()
-        batch = self._drop_cancelled(batch)
+        batch = self._drop_overdue(self._drop_cancelled(batch))
         if not batch:
             return True
         tokens = sum(j.tokens or 0 for j in batch)
@@ -335,6 +336,17 @@ class DenoiseEngine:
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
         return [j for j in batch if j not in cancelled]
+
+    def _drop_overdue(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
+        """End every admitted request that can no longer be answered within its bound (``BatchScheduler.overdue``:
+        the next step would end past it) and return the rest of ``batch``."""
+        now = time.time()
+        next_s = self.scheduler.model.predict(sum(j.tokens or 0 for j in batch)) + self.scheduler.decode_s()
+        with self._cv:
+            over = [(j, e) for j in self._running if (e := self.scheduler.overdue(j, now, next_s)) is not None]
+        for job, err in over:
+            self._retire([job], error=err)
+        return [j for j in batch if not any(j is k for k, _ in over)]
 
     def _retire(self, jobs: list[DenoiseJob], error: BaseException | None = None) -> None:
         if not jobs:

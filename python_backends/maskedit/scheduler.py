@@ -19,8 +19,9 @@ DEADLINE_EXCEEDED (``reject_late``), never silently dropped. Its bound (``masked
 ``MASKEDIT_LATENCY_BOUND_S`` or its DEADLINE_MS, counted from its arrival) is checked too, when it would join the
 batch, with the batch it would join: a request that waited so long that it can no longer be answered in time is
 refused then (RESOURCE_EXHAUSTED; DEADLINE_EXCEEDED for its own DEADLINE_MS), never started and answered late; one
-that would make a request in the batch late waits for the next step. The bound orders nothing: the order stays
-the deadlines' and the tenants' (``maskedit.fair_share``).
+that would make a request in the batch late waits for the next step. And one in the batch that can no longer be
+answered in time (the host turned slower than predicted) ends before its next step (``overdue``, DEADLINE_EXCEEDED).
+The bound orders nothing: the order stays the deadlines' and the tenants' (``maskedit.fair_share``).
 
 ``select`` returns a ``SchedulerOutput``: the contract between the scheduler and the loop (as vLLM v1's), saying
 which requests to admit, which to step and which are paused.
@@ -39,13 +40,16 @@ from .errors import DeadlineExceeded, ResourceExhausted
 @dataclass
 class StepTimeModel:
     """Seconds per denoising step ≈ fixed + per_token × computed tokens in the batch; refit online (EMA) from the
-    loop's real step times (on a loaded host, its slowdown is in them). One outlier (the process stopped mid-step)
-    raises the estimate by at most ``1 + alpha * (clamp - 1)`` times; a lasting slowdown gets in within a few steps."""
+    loop's real step times (on a loaded host, its slowdown is in them). A step is counted as at most ``clamp`` times
+    the estimate: one outlier (the process stopped mid-step for 10 s) raises it by at most ``1 + alpha * (clamp -
+    1)`` times and is forgotten within a few steps, while a loaded host's frequent slow steps (tens of times the
+    usual on a shared 2-core machine) still count in full once the estimate has risen with them: what matters for a
+    request's completion is the mean step time, tail included."""
 
     fixed_s: float = 0.01
     per_token_s: float = 2e-4
     alpha: float = 0.2
-    clamp: float = 4.0
+    clamp: float = 20.0
 
     def predict(self, tokens: int) -> float:
         return self.fixed_s + self.per_token_s * tokens
@@ -191,6 +195,22 @@ class BatchScheduler:
         if now + p.answer_s > _answer_by(job):
             return self._too_late(job, now, p.answer_s)
         return HOLD if p.delays else None
+
+    def overdue(self, job, now: float, next_s: float):
+        """Its error if ``job``, admitted, can no longer be answered within its bound: its next step (``next_s``,
+        decoding included) would end past it. The host turned slower than predicted when it was taken; nobody waits
+        for it after its bound (its caller's deadline passed, or the proxy in front gave up), so it ends now, an
+        answer within the bound, rather than a result after it, and frees its place."""
+        by = _answer_by(job)
+        if not self.reject_late or by is None or now + next_s < by:
+            return None
+        bound_s = getattr(job.inputs, "bound_s", 0.0) or 0.0
+        source = getattr(job.inputs, "bound_source", "") or completion.SERVER_BOUND
+        return DeadlineExceeded(
+            f"ran out of its bound of {bound_s:g} s after its arrival ({source}) with {job.steps - job.step_index} "
+            f"steps left: the host turned slower than predicted when it was taken ("
+            f"{1000 * self.model.predict(job.tokens or 0):.0f} ms a step measured now); ended before its next step",
+            completion.CLIENT_BOUND if source == completion.CLIENT_BOUND else None)
 
     def _too_late(self, job, now: float, needed_s: float):
         bound_s = getattr(job.inputs, "bound_s", 0.0) or 0.0

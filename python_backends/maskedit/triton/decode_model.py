@@ -40,11 +40,16 @@ class TritonPythonModel:
                                         crop=info.get("crop"), fmt=info.get("output_format", "png"),
                                         quality=info.get("output_quality", 95))
             info["decode_s"] = round(time.perf_counter() - t0, 6)
+            if info.get("arrival_ts"):  # from its earliest arrival: what the front predicted, what it took
+                info["answered_s"] = round(time.time() - info["arrival_ts"], 3)
+                if info.get("predicted_ts"):
+                    info["predicted_s"] = round(info["predicted_ts"] - info["arrival_ts"], 3)
             if generated is not None:
                 self.decode_s.observe(info["decode_s"])
                 self.board.decoded(self.decode_s.get())
             logs.event(self.log, "edit done", **{k: info.get(k) for k in
-                       ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s")})
+                       ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s",
+                        "answered_s", "predicted_s")})
             return io.response({"IMAGE": image, "EDIT_INFO": info})
         except Exception as e:
             self.log.exception("decode failed")

@@ -84,7 +84,7 @@ class TritonPythonModel:
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
             steps = params.steps - first_step(self.pre.family.pipeline_class(), params.steps, params.strength)
             # when it would be answered, behind the work ahead: refused before any work when past its bound
-            arrived, bound = self.front.admit(start, steps, params.deadline_ms)
+            admitted = self.front.admit(start, steps, params.deadline_ms)
             images = io.array(request, "CONTROL_IMAGES")
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,
                          () if images is None else list(images.reshape(-1)))
@@ -103,9 +103,7 @@ class TritonPythonModel:
             "template_hash": p.template_hash, "cache_key": p.cache_key, "base_cache_key": p.base_cache_key,
             "template_seed": params.template_seed,
             "register": params.register, "progress_requested": params.progress,
-            "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
-            "answer_by_ts": arrived + bound.seconds if bound else None, "bound_s": bound.seconds if bound else None,
-            "bound_source": bound.source if bound else None,
+            **_timing(admitted, params.deadline_ms),
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
             "temporal": params.temporal.as_dict(),
@@ -126,3 +124,12 @@ class TritonPythonModel:
             "GUIDANCE_RESOLVED": np.array([params.guidance], np.float32), "CONTROL_COND": control_rows,
             "TEMPLATE_RGB": p.template_rgb, "ALPHA": p.alpha, "REQUEST_INFO": info,
         })
+
+
+def _timing(admitted, deadline_ms: int | None) -> dict:
+    """REQUEST_INFO's times (``time.time()``), counted from the request's earliest arrival: its DEADLINE_MS, its
+    bound (``maskedit.completion``: answered or refused by ``answer_by_ts``) and the front's prediction."""
+    a, bound = admitted.arrival, admitted.bound
+    return {"deadline_ts": a + deadline_ms / 1000.0 if deadline_ms else None,
+            "answer_by_ts": a + bound.seconds if bound else None, "bound_s": bound.seconds if bound else None,
+            "bound_source": bound.source if bound else None, "arrival_ts": a, "predicted_ts": admitted.predicted_at}
