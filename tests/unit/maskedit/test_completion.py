@@ -128,10 +128,10 @@ def test_the_step_time_measured_on_a_slower_host_changes_the_decision():
 def test_one_outlier_step_moves_the_measured_step_time_for_a_few_steps_only():
     m = StepTimeModel(fixed_s=0.0, per_token_s=0.001)
     m.observe(100, 10.0)  # the process was stopped for 10 s mid-step
-    assert m.per_token_s == pytest.approx(0.001 * (1 + 0.2 * 19))  # not 0.001 + 0.2 * 0.1
+    assert m.predict(100) == pytest.approx(0.1 * (1 + 0.2 * 19))  # not 0.1 + 0.2 * 9.9
     for _ in range(10):
         m.observe(100, 0.1)  # back to 1 ms per token within a few steps
-    assert m.per_token_s < 0.0015
+    assert m.predict(100) < 0.15
     e = Ema(value=1.0)
     e.observe(100.0)
     assert e.get() == pytest.approx(4.8)
@@ -146,9 +146,24 @@ def test_frequent_slow_steps_count_in_full():
     seen = []
     for i in range(400):
         m.observe(100, 0.4 if i % 4 == 3 else 0.01)
-        seen.append(m.per_token_s * 100)
+        seen.append(m.predict(100))
     mean = (3 * 0.01 + 0.4) / 4
     assert sum(seen[-100:]) / 100 == pytest.approx(mean, rel=0.25)
+
+
+def test_a_step_time_that_barely_depends_on_tokens_is_not_charged_to_them():
+    """The tiny CPU model: a step of 24 tokens takes what one of 256 takes (its fixed part dominates). Measured at
+    24 tokens, the estimate for 256 stays near it (charging it all per token predicted 10x); and where the time is
+    linear in the tokens (a GPU's large batches), both parts are found."""
+    m = StepTimeModel()  # the default split: 10 ms + 0.2 ms per token
+    for i in range(40):
+        m.observe(256 if i < 20 else 24, 0.1)
+    assert m.predict(24) == pytest.approx(0.1, rel=0.05) and m.predict(256) < 0.15
+    m = StepTimeModel()
+    for i in range(300):
+        tokens = (100, 200, 400, 800)[i % 4]
+        m.observe(tokens, 0.002 + 1e-5 * tokens)
+    assert (m.fixed_s, m.per_token_s) == (pytest.approx(0.002, rel=0.05), pytest.approx(1e-5, rel=0.05))
 
 
 # -- the wait in front of pre-processing ---------------------------------------------------------------------
@@ -283,7 +298,7 @@ def test_no_bound_changes_nothing():
 
 
 def test_the_engine_refuses_at_submit_what_its_batch_and_queue_would_make_late(runner, make_inputs):
-    one_s_a_step = StepTimeModel(fixed_s=1.0, per_token_s=0.0)  # stays 1 s: the tiny model's steps take less
+    one_s_a_step = StepTimeModel(fixed_s=1.0, per_token_s=0.0, alpha=0.0, slope_alpha=0.0)  # learns nothing: 1 s
     eng = DenoiseEngine(runner, scheduler=BatchScheduler(max_batch=1, model=one_s_a_step))
     published = []
     eng.on_backlog = published.append
