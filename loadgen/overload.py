@@ -206,9 +206,10 @@ def plot(result: dict, runs: dict, path: Path) -> None:
         if name == "flood":
             j = result["flood"]
             ax.axhline(j["within_s"], ls="--", c="gray", lw=0.8)
+            bound = f", bound {result['latency_bound_s']:g} s" if result.get("latency_bound_s") else ""
             ax.set(xlabel="send time (s)", ylabel="seconds", title=f"flood: {j['sent']} requests in {j['spread_s']:g} s "
-                   f"at one server; {j['ok']} ok, {j['refused']} refused, {j.get('ended_at_bound', 0)} ended at "
-                   f"its bound, {j['late']} late, {j['lost']} lost")
+                   f"at one server, {j['steps']} steps{bound}\n{j['ok']} ok, {j['refused']} refused, "
+                   f"{j.get('ended_at_bound', 0)} ended at its bound, {j['late']} late, {j['lost']} lost")
         else:
             ax.axhline(1.0, ls="--", c="gray", lw=0.8)
             j = result["targets"][name]
