@@ -5,7 +5,6 @@ test_lora_admin.py)."""
 
 import os
 import shutil
-import threading
 
 import pytest
 from maskedit_common.controls import ControlSpec
@@ -14,22 +13,7 @@ from maskedit.cache.key import dir_digest
 from maskedit.components import family
 from maskedit.controlnets.library import ControlNetLibrary
 from maskedit.errors import InvalidInput
-
-
-def _in_time(fn, timeout_s=10.0):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"blocked for {timeout_s} s"
-    return out
+from tests.blocking import in_time
 
 
 @pytest.fixture
@@ -54,12 +38,12 @@ def test_a_fifo_named_like_a_controlnet_file_is_refused_without_blocking(library
     spec = ControlSpec(name, 1.0)
     for call in (lambda: library.config(name), lambda: library.check((spec,)), lambda: library.load(spec),
                  lambda: library.check_remote(spec)):
-        e = _in_time(call).get("error")
+        e = in_time(call).get("error")
         assert isinstance(e, InvalidInput) and str(e).startswith("CONTROLS: control 0: "), e
         assert "is a FIFO, not a regular file" in str(e) and name in str(e), str(e)
-    _in_time(lambda: dir_digest(library.root / name))  # the cache key's digest of it never waits on it either
+    in_time(lambda: dir_digest(library.root / name))  # the cache key's digest of it never waits on it either
 
 
 def test_the_regular_controlnet_beside_them_still_loads(library):
     assert library.config("canny")["_class_name"]
-    assert _in_time(lambda: library.load(ControlSpec("canny", 1.0))).get("value") is not None
+    assert in_time(lambda: library.load(ControlSpec("canny", 1.0))).get("value") is not None
