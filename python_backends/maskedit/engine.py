@@ -339,11 +339,15 @@ class DenoiseEngine:
 
     def _drop_overdue(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         """End every admitted request that can no longer be answered within its bound (``BatchScheduler.overdue``:
-        the next step would end past it) and return the rest of ``batch``."""
+        the next step would end past it) and return the rest of ``batch``. Those that finish at the next step are
+        decoded one at a time, in the batch's order: the k-th of them waits for k decodings."""
         now = time.time()
-        next_s = self.scheduler.model.predict(sum(j.tokens or 0 for j in batch)) + self.scheduler.decode_s()
+        step_s, decode_s = self.scheduler.model.predict(sum(j.tokens or 0 for j in batch)), self.scheduler.decode_s()
+        last = [j for j in batch if j.steps - j.step_index <= 1]
+        decodes = {id(j): k + 1 for k, j in enumerate(last)}
         with self._cv:
-            over = [(j, e) for j in self._running if (e := self.scheduler.overdue(j, now, next_s)) is not None]
+            over = [(j, e) for j in self._running if (e := self.scheduler.overdue(
+                j, now, step_s + decode_s * decodes.get(id(j), 1))) is not None]
         for job, err in over:
             self._retire([job], error=err)
         return [j for j in batch if not any(j is k for k, _ in over)]

@@ -335,3 +335,27 @@ def test_an_admitted_request_that_can_no_longer_be_answered_in_time_ends_before_
     finally:
         eng.shutdown()
     assert free.done
+
+
+def test_requests_finishing_at_the_same_step_count_the_decodings_ahead_of_them(runner, make_inputs):
+    """Two requests at their last step are decoded one after the other: with 1.5 s left and a decoding measured at
+    1 s, the first is answered in time and goes on; the second would be answered after 2 s and ends now (a decoding
+    counted once for each let it through, answered late)."""
+    frozen = StepTimeModel(fixed_s=0.0, per_token_s=0.0, alpha=0.0, slope_alpha=0.0)
+    eng = DenoiseEngine(runner, scheduler=BatchScheduler(max_batch=4, model=frozen, decode_s=lambda: 1.0))
+    ended = {}
+    try:
+        inputs = make_inputs(4)
+        now = time.time()
+        jobs = []
+        for i in range(2):
+            j = DenoiseJob(replace(inputs, answer_by=now + 1.5, bound_s=1.5, bound_source=SERVER_BOUND),
+                           on_error=lambda j, e, i=i: ended.setdefault(i, e))
+            j.step_index = j.steps - 1
+            jobs.append(j)
+        with eng._cv:
+            eng._running.extend(jobs)
+        kept = eng._drop_overdue(list(jobs))
+        assert kept == jobs[:1] and list(ended) == [1] and "ran out of its bound" in str(ended[1])
+    finally:
+        eng.shutdown()
