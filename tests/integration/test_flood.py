@@ -26,7 +26,8 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
         t = time.monotonic()
         c.edit(template_img, box_mask, "a hat", seed=1, steps=STEPS)
         one = time.monotonic() - t
-    bound_s = max(4.0, 3 * one)
+    # ~20 requests get past Triton's queue (16 wait there), 4 to a batch: ~5 edits' time for all; 3 leaves some out
+    bound_s = max(1.5, 3 * one)
     # what lies outside the prediction: the step under way when a request runs out of its bound (a loaded host's
     # steps take up to seconds), decoding and the answer's way back, this client's own sending
     slack_s = max(3.0, bound_s / 2)
