@@ -112,11 +112,6 @@ class Flux2KleinFamily(ModelFamily):
             hooks_of = Flux2KleinCacheHooks.of
         P.step_group(runner, group, ctx, hooks_of=hooks_of)
 
-    def flop_text(self, text: int, n: int) -> int:
-        """The N reference tokens are computed in every mode, like the text (an approximation of the FLOP model:
-        klein's MLP ratio is 3 with a gated activation, not Flux's 4)."""
-        return text + n
-
     def cache_hooks(self, denoiser):
         from .cache import Flux2KleinCacheHooks
 
