@@ -18,6 +18,7 @@ REGISTRY = {
     "unet_inpaint": "maskedit.families.unet_inpaint:UNetInpaint",
     "flux2_klein": "maskedit.families.flux2_klein:Flux2KleinFamily",
     "flux_controlnet": "maskedit.families.flux_controlnet:FluxControlNetFamily",
+    "flux_kontext": "maskedit.families.flux_kontext:FluxKontextFamily",
 }
 
 

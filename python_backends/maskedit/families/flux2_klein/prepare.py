@@ -21,11 +21,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
-from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...adapters import delta
+from ..per_row import per_row
 from .tiny import TEXT_LAYERS
 
 REF_T = 10  # the reference image's time coordinate (``_prepare_image_ids``' scale)
@@ -94,36 +93,11 @@ def split_cond(cond: torch.Tensor, c: int):
     return cond[..., :c], cond[..., c:2 * c], cond[..., 2 * c:2 * c + 1]
 
 
-class _PerRow(ModelHook):
-    """Calls the module once per batch row. The timestep-embedding and modulation layers see (B, D) inputs; a
-    CPU BLAS computes one row (a GEMV) and several rows (a GEMM) with different summation orders, so a batched
-    call would differ from the stock pipeline's one-request call in the last bit. Per row costs a few tiny GEMVs
-    per step and keeps batched requests exactly equal to unbatched ones."""
-
-    def new_forward(self, module, *args, **kwargs):
-        forward = self.fn_ref.original_forward
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or first.ndim == 0 or first.shape[0] <= 1:
-            return forward(*args, **kwargs)
-        row = lambda a, i: a[i:i + 1] if isinstance(a, torch.Tensor) and a.ndim > 0 else a  # noqa: E731
-        out = []
-        for i in range(first.shape[0]):
-            with delta.owners(delta.batch_rows([i], first.shape[0])):  # an adapter on these layers: row i's
-                out.append(forward(*[row(a, i) for a in args], **{k: row(v, i) for k, v in kwargs.items()}))
-        return torch.cat(out)
-
-
-_ROWWISE = "maskedit_klein_rowwise"
-
-
 def rowwise_modulation(transformer) -> None:
-    """Attach ``_PerRow`` to the transformer's per-request layers (once; plain batch-1 calls are unchanged)."""
-    if getattr(transformer, "_maskedit_rowwise", False):
-        return
-    for m in (transformer.time_guidance_embed, transformer.double_stream_modulation_img,
-              transformer.double_stream_modulation_txt, transformer.single_stream_modulation, transformer.norm_out):
-        HookRegistry.check_if_exists_or_initialize(m).register_hook(_PerRow(), _ROWWISE)
-    object.__setattr__(transformer, "_maskedit_rowwise", True)
+    """Klein's per-request layers one batch row at a time (``families.per_row``; plain batch-1 calls unchanged)."""
+    per_row(transformer, (transformer.time_guidance_embed, transformer.double_stream_modulation_img,
+                          transformer.double_stream_modulation_txt, transformer.single_stream_modulation,
+                          transformer.norm_out))
 
 
 def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
