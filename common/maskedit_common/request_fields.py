@@ -76,6 +76,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  default=(), hi=8192),
     RequestField("CONTROL_IMAGES", "control_images", bytes, "STRING", "one control image (PNG/JPEG bytes or "
                  "base64) per CONTROLS entry, in order", dims=(-1,)),
+    RequestField("REFERENCE_IMAGES", "reference_images", bytes, "STRING", "in-context edit models (FLUX.2 [klein], "
+                 "FLUX.1 Kontext): reference images (PNG/JPEG bytes or base64) the edit conditions on beside the "
+                 "template, the stock pipeline's image_reference (at most max_reference_images; Kontext: one)",
+                 dims=(-1,)),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}

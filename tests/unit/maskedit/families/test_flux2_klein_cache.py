@@ -285,3 +285,30 @@ def test_a_heal_keeps_the_reference_rows(env):
     healed = runtime.store.open(key, count=False)
     assert np.asarray(healed.arrays["valid"], bool).all()
     assert torch.equal(healed.tensor("y")[:, :, n:], ref_rows)
+
+
+def test_reference_images_are_reference_rows_too(env):
+    """With a reference image beside the template, entries hold N + N + N rows; the repeated request is exact."""
+    from .klein_util import settings
+
+    family, pipe, rt = env
+    img, mask, key = template(seed=25), box_mask(), "refs-images"
+    refs = [template(seed=26)]
+
+    def with_refs(j):
+        rows, grids = family.prepare_references(pipe, refs, 256, 256, settings())
+        j.inputs.reference, j.inputs.reference_grids = rows.numpy(), grids
+        return j
+
+    first = with_refs(make(family, pipe, img, mask, key))
+    recorded = cached(family, pipe, rt("planner"), first)
+    n = first.inputs.latents.shape[0]
+    assert rt("planner").store.open(key, count=False).meta["tokens"] == 3 * n
+    assert torch.equal(recorded, plain(family, pipe, with_refs(make(family, pipe, img, mask))))
+    again = with_refs(make(family, pipe, img, mask, key))
+    assert torch.equal(cached(family, pipe, rt("all_kv"), again), recorded)
+    assert again.cache.status == "hit" and again.cache.info()["computed_tokens"] == int(mask_tokens(again))
+
+
+def mask_tokens(j):
+    return np.asarray(j.inputs.token_mask).sum()
