@@ -17,7 +17,7 @@ from maskedit.families.flux2_klein.cache import Flux2KleinCacheHooks
 from maskedit.families.flux2_klein.tiny import build
 from maskedit_lab.baselines import cache_policy
 
-from .klein_util import box_mask, job, load, params, prepared, run, runner, template
+from .klein_util import box_mask, cached, job, load, params, plain, prepared, run, runner, template
 
 STEPS = 3
 _keys = itertools.count()
@@ -47,24 +47,6 @@ def make(family, pipe, img, mask, key=None, register=False, seed=0):
     j = job(prep, tokens, img.size[0], img.size[1], STEPS)
     j.inputs.cache_key, j.inputs.register = key, register
     return j
-
-
-def cached(family, pipe, runtime, j):
-    """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
-    r = runner(pipe)
-    family.prepare_job(r, j)
-    runtime.admit(j)
-    with torch.no_grad():
-        while j.step_index < j.steps:
-            family.step(r, [j], runtime.context([j]))
-            runtime.after_step([j])
-    runtime.finish(j, True)
-    runtime.flush()
-    return j.latents
-
-
-def plain(family, pipe, j):
-    return run(family, runner(pipe), [j])[0]
 
 
 def test_runtime_takes_the_hooks_as_they_are(env):

@@ -12,7 +12,8 @@ from maskedit.families.flux_kontext import FluxKontextFamily
 from maskedit.families.flux_kontext.tiny import build
 from maskedit_lab.baselines import cache_policy
 
-from .kontext_util import box_mask, job, kparams, load, run, runner, template
+from .klein_util import cached, plain
+from .kontext_util import box_mask, job, kparams, load, template
 
 STEPS = 3
 
@@ -40,23 +41,6 @@ def make(family, pipe, img, mask, key=None, register=False, seed=0, reference=No
     j = job(family, pipe, img, mask, kparams(seed=seed, steps=STEPS), reference=reference)
     j.inputs.cache_key, j.inputs.register = key, register
     return j
-
-
-def cached(family, pipe, runtime, j):
-    r = runner(pipe)
-    family.prepare_job(r, j)
-    runtime.admit(j)
-    with torch.no_grad():
-        while j.step_index < j.steps:
-            family.step(r, [j], runtime.context([j]))
-            runtime.after_step([j])
-    runtime.finish(j, True)
-    runtime.flush()
-    return j.latents
-
-
-def plain(family, pipe, j):
-    return run(family, runner(pipe), [j])[0]
 
 
 @pytest.mark.parametrize("policy", ["all_y", "all_kv"])
