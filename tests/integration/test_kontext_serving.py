@@ -63,6 +63,7 @@ def test_template_then_edits_hit_the_cache_with_reference_rows(kontext):
                           reference_images=[ref]) for s in (3, 4)]  # two edits in one running batch
     for f in hits:
         info = f.result(120).info
+        assert info["reference_images"] == 1
         assert info["cache_hit"] and set(info["block_modes"]) - {"F"}, info
         assert 0 < info["computed_tokens"] == info["masked_tokens"], info  # no reference token computed
 

@@ -78,6 +78,7 @@ class TritonPythonModel:
             "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
+            "reference_images": int(p.reference_grids.shape[0]),
             "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
             "tenant": tenant, "tenant_weight": weight,

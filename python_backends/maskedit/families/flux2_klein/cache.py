@@ -215,11 +215,11 @@ def masked_row(block, dual: bool, b: int, i: int, vw: RowView, hidden, a: dict, 
     if mode == NOCTX:
         keys, vals = k, v
     elif mode in (Y, KV):
-        keys, vals = k.new_empty((1, L + n) + k.shape[2:]), v.new_empty((1, L + n) + v.shape[2:])
-        u = vw.idx_u + L
-        if mode == KV:  # the loader's buffers hold the recorded keys/values (rotary applied) of every cached token
-            keys[:, u], vals[:, u] = vw.rows(b, "kbuf")[:, u], vw.rows(b, "vbuf")[:, u]
-        else:  # projected from the cached tokens' input rows
+        if mode == KV:  # the loader's (1, L+n) buffers hold every cached token's recorded keys/values (rotary
+            keys, vals = vw.rows(b, "kbuf"), vw.rows(b, "vbuf")  # applied); the computed rows go into them
+        else:  # cached tokens' keys/values projected from their input rows
+            keys, vals = k.new_empty((1, L + n) + k.shape[2:]), v.new_empty((1, L + n) + v.shape[2:])
+            u = vw.idx_u + L
             xu = hidden[i:i + 1, vw.idx_u] if dual else hidden[i:i + 1, u]
             ku, vu = _kv(block, dual, _norm_in(block, dual, a, i, xu))
             keys[:, u], vals[:, u] = apply_rotary_emb(ku, vw.rope_u(rope, L), sequence_dim=1), vu
