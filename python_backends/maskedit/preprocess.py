@@ -122,15 +122,16 @@ class Preprocessor:
             template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64, loras=loras,
         )
         if params.use_cache:
+            ref_digests = [image_digest(img) for img in references]
             prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                            params.guidance, params.template_seed, self.scheduler_config, s.dtype,
                                            adapters=[(r.name, r.scale, r.digest) for r in loras],
                                            controls=self._control_identities(controls),
-                                           references=[image_digest(img) for img in references])
+                                           references=ref_digests)
             if loras:
                 prepared.base_cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                                     params.guidance, params.template_seed, self.scheduler_config,
-                                                    s.dtype, references=[image_digest(img) for img in references])
+                                                    s.dtype, references=ref_digests)
         if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
         if self.store is not None and prepared.cache_key:

@@ -27,6 +27,9 @@ Tensor slots (``Prepared`` / ``DenoiseInputs``; N tokens = (h/16) * (w/16), C = 
   re-noises them with; ``m`` in [0, 1] is > 0 only on tokens of ``token_mask``.
 - ``prompt_embeds`` (L, 3 * Qwen3 hidden) with L = ``max_sequence_length``.
 - ``pooled_embeds`` (1,): zeros (unused).
+- ``reference`` (k N, C), optional (``REFERENCE_IMAGES``, the pipeline's ``image_reference`` list): further reference
+  images' packed latents, pre-processed together at the model size (``resize_mode="crop"``), after the template's
+  tokens with time coordinates 20, 30, ... (``prepare.reference_latents``, ``prepare.latent_ids``).
 Seeds: one generator seeded with TEMPLATE_SEED draws the noise as the pipeline does; tokens of ``token_mask``
 then take noise drawn from SEED (in ``latents`` and in ``cond``'s noise), so unmasked tokens and the reference
 tokens depend only on the template, TEMPLATE_SEED and the settings in the cache key, as for Flux Fill.
