@@ -148,7 +148,8 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
             runs[-1][1] += 1
         else:
             runs.append([kind, 1, int(tokens), int(dim)])
-    return {"blocks": runs, "text": int(text), "grid_tokens": grid_tokens(h.settings.resolution)}
+    return {"blocks": runs, "text": int(text), "grid_tokens": grid_tokens(h.settings.resolution),
+            "reference_tokens": int(h.hooks.reference_tokens(base))}  # among each block's tokens, never masked
 
 
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:

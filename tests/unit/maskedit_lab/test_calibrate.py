@@ -35,3 +35,6 @@ def test_a_reference_row_models_profile_counts_its_reference_tokens(tmp_path):
     calibrate.main(["--model-dir", str(model), "--steps", "2", "--out", str(out)])
     meta = json.loads(out.read_text())["meta"]
     assert meta["blocks"] == [["dual", 2, 512, 32], ["single", 2, 512, 32]] and meta["grid_tokens"] == 256
+    assert meta["reference_tokens"] == 256
+    est = Estimator(CostModel.load_file(out))  # a hit's masked tokens are a share of the image tokens only
+    assert est.reference == 1.0 and est.blocks[0][2] == 2.0
