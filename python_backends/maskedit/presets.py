@@ -144,6 +144,19 @@ def write_model(out_dir: str | Path, pipe, serving: dict, generated: str | None 
 
 
 
+def denoiser(model_cls, config: dict, generated: bool):
+    """``model_cls(**config)`` with seeded random weights made visible (``visible_init``), or, for a preset whose
+    weights are generated at load time, on the meta device (its config is all that is written)."""
+    import torch
+
+    if generated:
+        with torch.device("meta"):
+            return model_cls(**config)
+    model = model_cls(**config)
+    visible_init(model)
+    return model
+
+
 def flux1_parts(p, seed: int) -> dict:
     """A FLUX.1 pipeline's components other than the transformer, scaled down: CLIP and T5 encoders with local
     tokenizers, the VAE (FLUX.1's scaling and shift) and the flow-matching scheduler with dynamic shifting, seeded.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...presets import flux1_parts, generate, visible_init, write_model
+from ...presets import denoiser, flux1_parts, generate, visible_init, write_model
 
 LIBRARY = "controlnets"  # the ControlNet library's folder beside the model (the default library directory)
 
@@ -104,18 +104,11 @@ def build_library(lib: Path, p: Preset, seed: int = 0) -> list[Path]:
 
 def build(out_dir: str | Path, preset: str = "flux-cn-tiny", seed: int = 0) -> Path:
     """A ``FluxControlNetInpaintPipeline`` model directory (no ControlNet in it) and its ControlNet library."""
-    import torch
     from diffusers import FluxControlNetInpaintPipeline, FluxTransformer2DModel
 
     p = PRESETS[preset]
     parts = flux1_parts(p, seed)  # encoders, VAE, scheduler (seeded first: the transformer's weights follow)
-    config = transformer_config(p)
-    if p.generated_transformer:
-        with torch.device("meta"):
-            transformer = FluxTransformer2DModel(**config)
-    else:
-        transformer = FluxTransformer2DModel(**config)
-        visible_init(transformer)
+    transformer = denoiser(FluxTransformer2DModel, transformer_config(p), p.generated_transformer)
     pipe = FluxControlNetInpaintPipeline(**parts, transformer=transformer, controlnet=None)
     # FLUX.1-dev's usual guidance (embedded, no negative row) and the ControlNet pipelines' default.
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 3.5,

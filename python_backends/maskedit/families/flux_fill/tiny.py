@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...presets import flux1_parts, generate, visible_init, write_model
+from ...presets import denoiser, flux1_parts, generate, visible_init, write_model
 
 @dataclass(frozen=True)
 class Preset:
@@ -77,18 +77,11 @@ def transformer_config(preset: str) -> dict:
 
 def build(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Generate a Flux Fill model directory loadable by ``FluxFillPipeline.from_pretrained``."""
-    import torch
     from diffusers import FluxFillPipeline, FluxTransformer2DModel
 
     p = PRESETS[preset]
     parts = flux1_parts(p, seed)  # encoders, VAE, scheduler (seeded first: the transformer's weights follow)
-    config = transformer_config(preset)
-    if p.generated_transformer:
-        with torch.device("meta"):  # its config only: no memory, no weights written
-            transformer = FluxTransformer2DModel(**config)
-    else:
-        transformer = FluxTransformer2DModel(**config)
-        visible_init(transformer)
+    transformer = denoiser(FluxTransformer2DModel, transformer_config(preset), p.generated_transformer)
     pipe = FluxFillPipeline(**parts, transformer=transformer)
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 30.0,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...presets import flux1_parts, generate, visible_init, write_model
+from ...presets import denoiser, flux1_parts, generate, visible_init, write_model
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,11 @@ def transformer_config(p: Preset) -> dict:
 
 def build(out_dir: str | Path, preset: str = "kontext-tiny", seed: int = 0) -> Path:
     """Write a ``FluxKontextInpaintPipeline`` model directory for ``preset`` (seeded)."""
-    import torch
     from diffusers import FluxKontextInpaintPipeline, FluxTransformer2DModel
 
     p = PRESETS[preset]
     parts = flux1_parts(p, seed)
-    config = transformer_config(p)
-    if p.generated_transformer:
-        with torch.device("meta"):
-            transformer = FluxTransformer2DModel(**config)
-    else:
-        transformer = FluxTransformer2DModel(**config)
-        visible_init(transformer)
+    transformer = denoiser(FluxTransformer2DModel, transformer_config(p), p.generated_transformer)
     pipe = FluxKontextInpaintPipeline(**parts, transformer=transformer)
     # FLUX.1 Kontext's recommended guidance (embedded, no negative row).
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 2.5,
