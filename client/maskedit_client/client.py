@@ -193,7 +193,7 @@ class EditClient:
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
                negative_prompt: str | None = None, loras=None, controls=None, control_images=None,
-               temporal=None) -> Future:
+               temporal=None, reference_images=None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
         ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
@@ -204,12 +204,16 @@ class EditClient:
         ``{"name", "scale", "start", "end", "mode", "preprocess"}`` objects (sent as ``CONTROLS``), with
         ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``).
         ``temporal``: temporal reuse, e.g. ``{"policy": "fbcache", "threshold": 0.08}`` or its JSON text (sent as
-        ``TEMPORAL``; docs/caching.md); None: the server's default."""
+        ``TEMPORAL``; docs/caching.md); None: the server's default.
+        ``reference_images``: in-context edit models (FLUX.2 [klein], FLUX.1 Kontext): images the edit conditions on
+        beside the template, the stock pipeline's ``image_reference`` (paths, bytes or PIL images; sent as
+        ``REFERENCE_IMAGES``)."""
         inputs = edit_inputs(template, mask, prompt, seed=seed, steps=steps, guidance=guidance,
                              raw_output=raw_output, template_seed=template_seed, use_cache=use_cache,
                              register=register, deadline_ms=deadline_ms, progress=on_progress is not None,
                              negative_prompt=negative_prompt, loras=loras, controls=controls,
-                             control_images=control_images, temporal=temporal)
+                             control_images=control_images, temporal=temporal,
+                             reference_images=reference_images)
         inputs += extra_inputs or []
         return self.submit_inputs(inputs, on_progress, None if deadline_ms is None else
                                   min(self.timeout_s, deadline_ms / 1000))

@@ -57,7 +57,7 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
                 guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                 use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                 progress: bool = False, negative_prompt: str | None = None, loras=None, controls=None,
-                control_images=None, temporal=None) -> list[grpcclient.InferInput]:
+                control_images=None, temporal=None, reference_images=None) -> list[grpcclient.InferInput]:
     """The input tensors of one edit (the arguments as ``EditClient.submit`` documents them); an argument left at
     its default sends no tensor, so the server's default applies."""
     inputs = [bytes_input("TEMPLATE", encode_image(template)), bytes_input("MASK", encode_image(mask)),
@@ -73,6 +73,9 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
         inputs.append(bytes_input("TEMPORAL", text.encode() if isinstance(text, str) else text))
     if control_images:
         inputs.append(control_images_input(control_images, encode_image, grpcclient.InferInput))
+    if reference_images:
+        inputs.append(control_images_input(reference_images, encode_image, grpcclient.InferInput,
+                                           "REFERENCE_IMAGES"))
     if seed is not None:
         inputs.append(scalar_input("SEED", seed, "INT64", np.int64))
     if steps is not None:

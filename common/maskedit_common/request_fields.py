@@ -80,6 +80,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  '{"policy": "fbcache", "threshold": 0.08}; policies fbcache, dbcache, taylorseer, steps, off '
                  '(docs/caching.md, "Temporal reuse"); empty: the server default', default_setting="temporal",
                  hi=4096, openai=True),
+    RequestField("REFERENCE_IMAGES", "reference_images", bytes, "STRING", "in-context edit models (FLUX.2 [klein], "
+                 "FLUX.1 Kontext): reference images (PNG/JPEG bytes or base64) the edit conditions on beside the "
+                 "template, the stock pipeline's image_reference (at most max_reference_images; Kontext: one)",
+                 dims=(-1,)),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}

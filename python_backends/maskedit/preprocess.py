@@ -28,6 +28,7 @@ from .params import EditParams
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+REFERENCES = "REFERENCE_IMAGES"
 
 
 @dataclass
@@ -51,6 +52,9 @@ class PreparedEdit:
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
     prompt_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (txt, D)
     pooled_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))  # (D_pooled,)
+    # Reference images beyond the template (in-context edit models): their tokens and token grids (rows, cols).
+    reference: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (R, C)
+    reference_grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # (images, 2)
 
     @property
     def mask_ratio(self) -> float:
@@ -85,8 +89,10 @@ class Preprocessor:
         return self.family.count_prompt_tokens(self.pipe, prompt)
 
     @torch.no_grad()
-    def __call__(self, template: bytes, mask: bytes, params: EditParams, control_images=()) -> PreparedEdit:
-        """``control_images``: the encoded control images (``CONTROL_IMAGES``), one per ``params.controls``."""
+    def __call__(self, template: bytes, mask: bytes, params: EditParams, control_images=(),
+                 reference_images=()) -> PreparedEdit:
+        """``control_images``: the encoded control images (``CONTROL_IMAGES``), one per ``params.controls``;
+        ``reference_images``: the encoded reference images (``REFERENCE_IMAGES``) of an in-context edit model."""
         s = self.settings
         template_raw, was_b64 = imaging.maybe_base64(template)
         mask_raw, _ = imaging.maybe_base64(mask)
@@ -104,6 +110,7 @@ class Preprocessor:
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
         controls = self._decode_controls(params.controls, control_images)
+        references = self._decode_references(reference_images)
         w, h = self.family.model_size(*tpl.size, s)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
@@ -115,14 +122,16 @@ class Preprocessor:
             template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64, loras=loras,
         )
         if params.use_cache:
+            ref_digests = [image_digest(img) for img in references]
             prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                            params.guidance, params.template_seed, self.scheduler_config, s.dtype,
                                            adapters=[(r.name, r.scale, r.digest) for r in loras],
-                                           controls=self._control_identities(controls))
+                                           controls=self._control_identities(controls),
+                                           references=ref_digests)
             if loras:
                 prepared.base_cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
                                                     params.guidance, params.template_seed, self.scheduler_config,
-                                                    s.dtype)
+                                                    s.dtype, references=ref_digests)
         if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
         if self.store is not None and prepared.cache_key:
@@ -137,8 +146,31 @@ class Preprocessor:
             for spec, img in controls)
         prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
+        if references:
+            rows, grids = self.family.prepare_references(self.pipe, references, w, h, s)
+            prepared.reference, prepared.reference_grids = _np(rows), np.asarray(grids, np.int32).reshape(-1, 2)
         return prepared
 
+    def _decode_references(self, images) -> list:
+        """The reference images (PIL RGB), checked: as many as the family and the deployment take, each decodable
+        and of a size the template could have; errors name REFERENCE_IMAGES and the image's index."""
+        images = list(images or ())
+        if not images:
+            return []
+        limit = min(self.family.max_reference_images, self.settings.max_reference_images)
+        if not self.family.max_reference_images:
+            raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (they take no reference "
+                               "image); leave it out", REFERENCES)
+        if len(images) > limit:
+            raise InvalidInput(f"has {len(images)} images, above the limit of {limit} for this model", REFERENCES)
+        out = []
+        for i, data in enumerate(images):
+            raw, _ = imaging.maybe_base64(data if isinstance(data, bytes) else str(data).encode())
+            try:
+                out.append(imaging.decode_image(raw, REFERENCES, self.settings.max_input_pixels).convert("RGB"))
+            except InvalidInput as e:
+                raise InvalidInput(f"reference {i}: {str(e).removeprefix(REFERENCES + ': ')}", REFERENCES) from None
+        return out
 
     def _control_identities(self, controls) -> list:
         """Each control's part of the cache key (``cache.key.control_identity``)."""

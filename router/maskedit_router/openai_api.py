@@ -271,7 +271,8 @@ class OpenAIFrontend:
                                   negative_prompt=job.negative_prompt,
                                   loras=[(r.name, r.scale) for r in job.lora] or None,
                                   controls=[c.as_dict() for c in job.controls] or None,
-                                  control_images=job.control_images or None, temporal=job.temporal)
+                                  control_images=job.control_images or None, temporal=job.temporal,
+                                  reference_images=job.reference_images or None)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]

@@ -36,10 +36,13 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
-              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=()) -> str:
+              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=(),
+              references=()) -> str:
     """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
     are never valid under another (none: the key of a plain request, unchanged). ``controls``: its ControlNets in
-    order, ``control_identity`` each: the residuals change every block's input, so no two control sets share."""
+    order, ``control_identity`` each: the residuals change every block's input, so no two control sets share.
+    ``references``: its reference images in order (``image_digest`` each), beyond the template: an in-context edit
+    model attends to their tokens, and their rows are the entry's (reference rows)."""
     fields = {
         "model": fingerprint, "template": template_hash, "size": [model_w, model_h], "steps": steps,
         "guidance": round(float(guidance), 6), "template_seed": int(template_seed), "dtype": dtype,
@@ -49,6 +52,8 @@ def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, 
         fields["adapters"] = [[str(n), round(float(s), 6), str(d)] for n, s, d in adapters]
     if controls:
         fields["controls"] = [list(c) for c in controls]
+    if references:
+        fields["references"] = [str(r) for r in references]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 

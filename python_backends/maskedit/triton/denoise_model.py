@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import logs
-from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner, reference_fields
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..controlnets.job import from_wire
@@ -90,6 +90,7 @@ class TritonPythonModel:
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
             temporal=info.get("temporal"),
+            **reference_fields(io.array(request, "REFERENCE"), io.array(request, "REFERENCE_GRIDS")),
         )
 
         def done(job: DenoiseJob):

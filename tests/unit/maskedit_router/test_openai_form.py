@@ -126,3 +126,15 @@ def test_control_errors_name_the_form_field(change, param):
     with pytest.raises(ApiError) as e:
         parse(_form(**change), ["edit"])
     assert e.value.param == param and e.value.status == 400
+
+
+def test_images_after_the_first_are_reference_images():
+    """``image[]`` with several images (as the OpenAI SDK sends a list): the first is the template, the rest the
+    in-context edit model's reference images; the server's errors about them name ``image``."""
+    from maskedit_router.openai_form import PARAM_OF_TENSOR
+
+    a, b = png(np.zeros((32, 32, 3), np.uint8)), png(np.full((32, 32, 3), 255, np.uint8))
+    job = parse(_form(image=None, **{"image[]": [TPL, a, b]}), ["edit"])
+    assert job.image == TPL and job.reference_images == [a, b]
+    assert parse(_form(), ["edit"]).reference_images == []
+    assert PARAM_OF_TENSOR["REFERENCE_IMAGES"] == "image"

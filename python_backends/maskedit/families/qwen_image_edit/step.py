@@ -15,10 +15,8 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInput
-from .. import per_row
+from ..per_row import per_row
 from .prepare import make_scheduler, split_cond
-
-_ROWWISE = "_maskedit_qwen_rowwise"
 
 
 @dataclass
@@ -64,7 +62,7 @@ def guided(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
 def rowwise_modulation(tr) -> None:
     """The timestep embedding, every block's modulation layers and the output norm, per batch row (``per_row``)."""
     mods = [m for b in tr.transformer_blocks for m in (b.img_mod, b.txt_mod)]
-    per_row.attach(tr, [tr.time_text_embed, *mods, tr.norm_out], _ROWWISE)
+    per_row(tr, [tr.time_text_embed, *mods, tr.norm_out])
 
 
 @torch.no_grad()

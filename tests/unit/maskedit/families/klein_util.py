@@ -78,6 +78,24 @@ def run(family, run_, jobs, ctx_for=None):
     return [j.latents for j in jobs]
 
 
+def cached(family, pipe, runtime, j):
+    """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
+    r = runner(pipe)
+    family.prepare_job(r, j)
+    runtime.admit(j)
+    with torch.no_grad():
+        while j.step_index < j.steps:
+            family.step(r, [j], runtime.context([j]))
+            runtime.after_step([j])
+    runtime.finish(j, True)
+    runtime.flush()
+    return j.latents
+
+
+def plain(family, pipe, j):
+    return run(family, runner(pipe), [j])[0]
+
+
 def stock(pipe, img, mask, prompt, seed, steps, output_type):
     return pipe(prompt=prompt, image=img, mask_image=Image.fromarray(mask), num_inference_steps=steps, strength=1.0,
                 guidance_scale=1.0, max_sequence_length=MAX_SEQ, generator=torch.Generator("cpu").manual_seed(seed),

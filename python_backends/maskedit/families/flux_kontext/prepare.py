@@ -1,0 +1,99 @@
+"""A FLUX.1 Kontext inpainting edit's tensors and its decoding, mirroring ``FluxKontextInpaintPipeline.__call__``
+(diffusers 0.42) with the pipeline's own methods and one generator consumed in its order, so the served result equals
+stock Diffusers for the same components, inputs and seed (strength 1.0; tested).
+
+What the pipeline does: the transformer (FLUX.1's, the packed latents only, guidance embedded) sees the noisy
+latents followed by *reference* tokens along the sequence — the reference image's packed VAE latents (``image_reference``)
+or, without one, the template's own — with position ids ``(1, row, col)`` against the noisy tokens' ``(0, row,
+col)``; the prompt is an instruction. After every scheduler step it blends the template back outside the mask,
+``latents = (1 - m) * scale_noise(image_latents, t_next, noise) + m * latents`` (``m``: the mask at the latent grid,
+nearest, repeated over the channels; after the last step the clean latents). The VAE is encoded with its mode
+(``sample_mode="argmax"``), so the generator draws the noise first; the masked image's VAE sample drawn after it is
+never read (left out here: nothing after it draws).
+
+Slots (packed token order, C = 4 x VAE latent channels = the transformer's ``in_channels``): ``latents`` (N, C) the
+initial noisy latents; ``cond`` (N, 3C) ``[image latents | noise | blend mask]``; ``prompt_embeds`` (T5 tokens, D);
+``pooled_embeds`` (CLIP pooled,); ``reference`` (R, C) the reference image's packed latents (None: the template's,
+which ``cond`` holds) with its token grid in ``reference_grids``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FluxKontextInpaintPipeline
+from diffusers.utils.torch_utils import randn_tensor
+
+from ...schedule import make_scheduler
+
+REF_T = 1  # the reference tokens' first position id (``prepare_latents``: ``image_ids[..., 0] = 1``)
+
+
+def split_cond(cond: torch.Tensor, c: int):
+    """(image latents, noise, blend mask) views of ``cond`` (..., 3C)."""
+    return cond[..., :c], cond[..., c:2 * c], cond[..., 2 * c:3 * c]
+
+
+@torch.no_grad()
+def reference_latents(pipe, image, w: int, h: int, device) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A reference image (PIL) as ``__call__`` takes ``image_reference`` at the model size without auto-resizing
+    (step 2.1: the image processor's resize, then its pre-processing), encoded as ``prepare_latents`` encodes it (the
+    VAE's mode: no draw) and packed: (R, C) rows and the token grid (rows, cols)."""
+    image = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w).to(dtype=torch.float32)
+    dtype = pipe.text_encoder_2.dtype if pipe.text_encoder_2 is not None else pipe.vae.dtype
+    ref = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=None)
+    packed = FluxKontextInpaintPipeline._pack_latents(ref, 1, pipe.latent_channels, ref.shape[2], ref.shape[3])
+    return packed[0], (ref.shape[2] // 2, ref.shape[3] // 2)
+
+
+@torch.no_grad()
+def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: torch.Tensor, tokens: np.ndarray,
+                    w: int, h: int, prompt: str, seed: int, template_seed: int, steps: int, max_sequence_length: int,
+                    device) -> dict:
+    """``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its mask
+    processor, ``tokens`` (N,) bool: the tokens the edit touches. A reference image is encoded apart
+    (``reference_latents``: the VAE's mode draws nothing, so the generator's order is the same)."""
+    generator = torch.Generator("cpu").manual_seed(template_seed)
+    prompt_embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
+                                                  num_images_per_prompt=1, max_sequence_length=max_sequence_length)
+    dtype = prompt_embeds.dtype
+    lc = pipe.latent_channels
+    lh, lw = 2 * (h // (pipe.vae_scale_factor * 2)), 2 * (w // (pipe.vae_scale_factor * 2))
+    pack = lambda x: FluxKontextInpaintPipeline._pack_latents(x, 1, lc, x.shape[2], x.shape[3])  # noqa: E731
+    draw = lambda g: randn_tensor((1, lc, lh, lw), generator=g, device=torch.device(device), dtype=dtype)  # noqa
+    # Steps 4-5 (strength 1.0: from the first timestep), prepare_latents: the template encoded with the VAE's mode
+    # (no draw), then the noise.
+    scheduler = make_scheduler(scheduler_config, steps, len(tokens), device)
+    t0 = scheduler.timesteps[:1]
+    image_latents = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=generator)
+    noise = draw(generator)
+    latents = scheduler.scale_noise(image_latents, t0, noise)
+    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
+    if seed != template_seed and tokens.any():  # the edited tokens take their noise from SEED
+        own = draw(torch.Generator("cpu").manual_seed(seed))
+        rows = torch.from_numpy(np.flatnonzero(tokens)).to(noise_p.device)
+        noise_p[:, rows] = pack(own)[:, rows]
+        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    # prepare_mask_latents' mask (nearest to the latent grid, repeated over the channels, packed).
+    m = torch.nn.functional.interpolate(mask, size=(lh, lw)).to(device=device, dtype=dtype)
+    m = pack(m.repeat(1, lc, 1, 1))
+    return {"latents": latents_p, "cond": torch.cat([image_p, noise_p, m], dim=-1), "prompt_embeds": prompt_embeds,
+            "pooled": pooled}
+
+
+def image_ids(grid_h: int, grid_w: int, ref_grid: tuple[int, int], device, dtype) -> torch.Tensor:
+    """(N + R, 3) position ids of ``[noisy; reference]`` tokens, as ``__call__`` combines them."""
+    noisy = FluxKontextInpaintPipeline._prepare_latent_image_ids(1, grid_h, grid_w, device, dtype)
+    ref = FluxKontextInpaintPipeline._prepare_latent_image_ids(1, ref_grid[0], ref_grid[1], device, dtype)
+    ref[..., 0] = REF_T
+    return torch.cat([noisy, ref], dim=0)
+
+
+@torch.no_grad()
+def decode(pipe, latents, w: int, h: int, output_type: str = "pil"):
+    """Packed latents (1, N, C) to an image at model resolution, as the pipeline's post-processing does."""
+    vae = pipe.vae
+    x = pipe._unpack_latents(latents.to(vae.device, vae.dtype), h, w, pipe.vae_scale_factor)
+    x = (x / vae.config.scaling_factor) + vae.config.shift_factor
+    image = vae.decode(x, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type=output_type)[0]
