@@ -11,7 +11,8 @@ A request is a template, a mask and an instruction prompt, and optionally one re
 the stock pipeline's ``image_reference``, brought to the model size); without one the template is the reference, as
 in the stock pipeline. The reference tokens' rows are cached like the unmasked tokens' (docs/caching.md "Reference
 rows"), and the key names the reference image, so a hit computes the text and the masked noisy tokens only. LoRA
-adapters go through the shared adapter path (FLUX.1's hooks add their deltas on the masked path).
+adapters go through the shared adapter path (FLUX.1's hooks add their deltas on the masked path), and temporal reuse
+(``TEMPORAL``) through FLUX.1's hooks too (a residual covers the image stream, or a hit's masked tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class FluxKontextFamily(ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "kontext-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # FLUX.1's hooks add the adapter deltas
+    temporal_reuse: ClassVar[bool] = True  # FLUX.1's hooks skip a reusing row's middle blocks (``maskedit.temporal``)
     max_reference_images: ClassVar[int] = 1  # ``image_reference``: one image
 
     def __init__(self, model_dir, pipeline_class: str = "FluxKontextInpaintPipeline"):

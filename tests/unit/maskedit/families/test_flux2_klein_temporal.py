@@ -51,8 +51,9 @@ def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
 
 
 def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model, tmp_path):
-    """A hit (its computed noisy tokens and the reference tokens are what its residuals cover) with a step mask,
-    alone and beside a hit without reuse in one call; threshold 0 equals the hit without reuse bit for bit."""
+    """A hit (its masked noisy tokens are what it computes and its residuals cover: the reference rows come from its
+    entry) with a step mask, alone and beside a hit without reuse in one call; threshold 0 equals the hit without
+    reuse bit for bit."""
     from maskedit.cache.runtime import CacheRuntime
     from maskedit.cache.store import ActivationStore
 
@@ -85,6 +86,7 @@ def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model
         cached([MASK], register=True)
         (hit,), (zero,), (reused,) = cached([None]), cached([{"policy": "fbcache", "threshold": 0}]), cached([MASK])
         assert hit.cache.status == reused.cache.status == "hit"
+        assert int(reused.cache.idx_c.numel()) == int(reused.inputs.token_mask.sum())  # reference rows cached
         assert torch.equal(zero.latents, hit.latents)
         assert reused.temporal.info()["temporal_steps"] == "CCRCRR" and not torch.equal(reused.latents, hit.latents)
         both = cached([None, MASK])
