@@ -24,6 +24,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
 from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..latent_blend import initial_latents, step_and_blend
 from ..per_row import per_row
 from .tiny import TEXT_LAYERS
 
@@ -87,16 +88,11 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     # prepare_latents: encode (argmax: no draw), draw the noise, noise the image latents at the first timestep.
     image_latents = pipe._encode_vae_image(image=image.to(device=pipe.vae.device, dtype=dtype), generator=generator)
     image_latents = image_latents.to(device)
-    noise = randn_tensor((1, c, gh, gw), generator=generator, device=torch.device(device), dtype=dtype)
-    latents = scheduler.scale_noise(image_latents, t0, noise)
-    pack = pipe._pack_latents
-    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
-    if seed != template_seed and token_mask.any():
-        own = randn_tensor((1, c, gh, gw), generator=torch.Generator("cpu").manual_seed(seed),
-                           device=torch.device(device), dtype=dtype)
-        rows = torch.from_numpy(np.flatnonzero(token_mask)).to(noise_p.device)
-        noise_p[:, rows] = pack(own)[:, rows]
-        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    draw = lambda g: randn_tensor((1, c, gh, gw), generator=g, device=torch.device(device), dtype=dtype)  # noqa
+    noise = draw(generator)
+    own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and token_mask.any() else None
+    latents_p, noise_p, image_p = initial_latents(scheduler, t0, image_latents, noise, pipe._pack_latents,
+                                                  token_mask, own)
     # The reference tokens (prepare_image_latents of the encoded image: the same packed latents) and the blend mask
     # (prepare_mask_latents: bilinear to the token grid, packed).
     m = pipe.prepare_mask_latents(mask, 1, 1, h, w, dtype, device)
@@ -142,14 +138,7 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     pred = hooks_of(tr).run(ctx, forward) if ctx is not None else forward()
     pred = pred[:, :n]
     for i, (job, t) in enumerate(zip(group, timesteps)):
-        stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
-        image_latents, noise, m = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c))
 
 
 @torch.no_grad()

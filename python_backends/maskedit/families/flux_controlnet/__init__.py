@@ -4,7 +4,7 @@ inpaints by blending latents, with ``FluxControlNetModel`` ControlNets (several 
 ``FluxMultiControlNetModel`` sums them) named per request from the ControlNet library.
 
 Files: ``tiny.py`` (presets ``flux-cn-tiny`` / ``flux-cn-bench`` and their ControlNet libraries), ``prepare.py``
-(request tensors, control images, decoding), ``step.py`` (a request's tensors on the device, the step),
+(request tensors, control images), ``step.py`` (a request's tensors on the device, the step),
 and ``maskedit.controlnets.flux`` (ControlNet residuals batched across requests, merged per request, shared with
 Flux Fill's ControlNet extension).
 
@@ -148,9 +148,9 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
     # -- decoding -------------------------------------------------------------------------------------------
     def decode(self, pipe, latents, w: int, h: int):
-        from .prepare import decode
+        from ..latent_blend import decode_flux1
 
-        return decode(pipe, latents, w, h)
+        return decode_flux1(pipe, latents, w, h)
 
     # -- presets --------------------------------------------------------------------------------------------
     @classmethod

@@ -22,6 +22,7 @@ from ...controlnets import flux_remote
 from ...controlnets.flux_remote import config_of
 from ...errors import InvalidInput
 from ...schedule import make_scheduler
+from ..latent_blend import step_and_blend
 from .prepare import control_latents, split_cond
 
 
@@ -106,11 +107,4 @@ def step(runner, group: list, ctx) -> None:
             pred[sel] = FluxCacheHooks.of(tr).run(sub, forward)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
-        stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
-        image_latents, noise, m, _ = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c)[:3])

@@ -4,7 +4,7 @@ a *reference* image's tokens after the noisy ones and inpaints by blending laten
 
 Files: ``tiny.py`` (presets ``kontext-tiny`` 256 px, ``kontext-bench`` 512 px with Flux ``bench``'s 4 + 8 blocks,
 ``kontext-dev`` FLUX.1-Kontext-dev's transformer with weights generated on the device), ``prepare.py`` (request
-tensors, the reference image, decoding), ``step.py`` (a request's tensors on the device, the step), ``cache.py`` (the
+tensors, the reference image), ``step.py`` (a request's tensors on the device, the step), ``cache.py`` (the
 mask-aware hooks: FLUX.1's, with reference rows).
 
 A request is a template, a mask and an instruction prompt, and optionally one reference image (``REFERENCE_IMAGES``,
@@ -122,9 +122,9 @@ class FluxKontextFamily(ModelFamily):
 
     # -- decoding -------------------------------------------------------------------------------------------
     def decode(self, pipe, latents, w: int, h: int):
-        from .prepare import decode
+        from ..latent_blend import decode_flux1
 
-        return decode(pipe, latents, w, h)
+        return decode_flux1(pipe, latents, w, h)
 
     # -- presets --------------------------------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,6 @@
-"""A FLUX.1 Kontext inpainting edit's tensors and its decoding, mirroring ``FluxKontextInpaintPipeline.__call__``
-(diffusers 0.42) with the pipeline's own methods and one generator consumed in its order, so the served result equals
-stock Diffusers for the same components, inputs and seed (strength 1.0; tested).
+"""A FLUX.1 Kontext inpainting edit's tensors, mirroring ``FluxKontextInpaintPipeline.__call__`` (diffusers 0.42)
+with the pipeline's own methods and one generator consumed in its order, so the served result equals stock Diffusers
+for the same components, inputs and seed (strength 1.0; tested).
 
 What the pipeline does: the transformer (FLUX.1's, the packed latents only, guidance embedded) sees the noisy
 latents followed by *reference* tokens along the sequence — the reference image's packed VAE latents (``image_reference``)
@@ -25,6 +25,7 @@ from diffusers import FluxKontextInpaintPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...schedule import make_scheduler
+from ..latent_blend import initial_latents
 
 REF_T = 1  # the reference tokens' first position id (``prepare_latents``: ``image_ids[..., 0] = 1``)
 
@@ -67,13 +68,8 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     t0 = scheduler.timesteps[:1]
     image_latents = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=generator)
     noise = draw(generator)
-    latents = scheduler.scale_noise(image_latents, t0, noise)
-    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
-    if seed != template_seed and tokens.any():  # the edited tokens take their noise from SEED
-        own = draw(torch.Generator("cpu").manual_seed(seed))
-        rows = torch.from_numpy(np.flatnonzero(tokens)).to(noise_p.device)
-        noise_p[:, rows] = pack(own)[:, rows]
-        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and tokens.any() else None
+    latents_p, noise_p, image_p = initial_latents(scheduler, t0, image_latents, noise, pack, tokens, own)
     # prepare_mask_latents' mask (nearest to the latent grid, repeated over the channels, packed).
     m = torch.nn.functional.interpolate(mask, size=(lh, lw)).to(device=device, dtype=dtype)
     m = pack(m.repeat(1, lc, 1, 1))
@@ -87,13 +83,3 @@ def image_ids(grid_h: int, grid_w: int, ref_grid: tuple[int, int], device, dtype
     ref = FluxKontextInpaintPipeline._prepare_latent_image_ids(1, ref_grid[0], ref_grid[1], device, dtype)
     ref[..., 0] = REF_T
     return torch.cat([noisy, ref], dim=0)
-
-
-@torch.no_grad()
-def decode(pipe, latents, w: int, h: int, output_type: str = "pil"):
-    """Packed latents (1, N, C) to an image at model resolution, as the pipeline's post-processing does."""
-    vae = pipe.vae
-    x = pipe._unpack_latents(latents.to(vae.device, vae.dtype), h, w, pipe.vae_scale_factor)
-    x = (x / vae.config.scaling_factor) + vae.config.shift_factor
-    image = vae.decode(x, return_dict=False)[0]
-    return pipe.image_processor.postprocess(image, output_type=output_type)[0]

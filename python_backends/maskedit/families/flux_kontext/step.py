@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ...schedule import make_scheduler
+from ..latent_blend import step_and_blend
 from ..per_row import per_row
 from .cache import KontextCacheHooks
 from .prepare import image_ids, split_cond
@@ -82,11 +83,4 @@ def step(runner, group: list, ctx) -> None:
     pred = (KontextCacheHooks.of(tr).run(ctx, forward) if ctx is not None else forward())[:, :n]
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
-        stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
-        image_latents, noise, m = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c))

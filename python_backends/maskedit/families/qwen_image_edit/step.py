@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInput
+from ..latent_blend import step_and_blend
 from ..per_row import per_row
 from .prepare import make_scheduler, split_cond
 
@@ -90,11 +91,4 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
         neg = call(torch.cat([j.tensors.negative_embeds for j in group], dim=0))
     for i, (job, t) in enumerate(zip(group, timesteps)):
         p = pred[i:i + 1] if neg is None else guided(pred[i:i + 1], neg[i:i + 1], job.inputs.guidance)
-        stepped = job.scheduler.step(p, t, job.latents, return_dict=False)[0]
-        image_latents, noise, m = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, p, t, *split_cond(job.tensors.cond, c))
