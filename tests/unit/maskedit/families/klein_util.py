@@ -9,6 +9,8 @@ from PIL import Image
 from maskedit import imaging
 from maskedit.families.flux2_klein import Flux2KleinFamily
 
+from .cache_util import run_cached
+
 MAX_SEQ = 64
 
 
@@ -80,16 +82,7 @@ def run(family, run_, jobs, ctx_for=None):
 
 def cached(family, pipe, runtime, j):
     """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
-    r = runner(pipe)
-    family.prepare_job(r, j)
-    runtime.admit(j)
-    with torch.no_grad():
-        while j.step_index < j.steps:
-            family.step(r, [j], runtime.context([j]))
-            runtime.after_step([j])
-    runtime.finish(j, True)
-    runtime.flush()
-    return j.latents
+    return run_cached(family, runner(pipe), runtime, j)
 
 
 def plain(family, pipe, j):

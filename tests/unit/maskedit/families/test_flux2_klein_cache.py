@@ -11,12 +11,11 @@ from skimage.metrics import structural_similarity
 from maskedit.cache.modes import FULL, StepContext
 from maskedit.cache.rows import Recorder, RowView
 from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.cache import Flux2KleinCacheHooks
 from maskedit.families.flux2_klein.tiny import build
-from maskedit_lab.baselines import cache_policy
 
+from .cache_util import policy_runtimes
 from .klein_util import box_mask, cached, job, load, params, plain, prepared, run, runner, template
 
 STEPS = 3
@@ -28,18 +27,8 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("klein-cache")
     model = build(d / "tiny", "klein-tiny", seed=0)
     family, pipe = Flux2KleinFamily(model), load(model)
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
-    hooks = family.cache_hooks(pipe.transformer)
-    runtimes = {}
-
-    def rt(policy):
-        if policy not in runtimes:
-            runtimes[policy] = CacheRuntime(hooks, store, policy=cache_policy(policy))
-        return runtimes[policy]
-
-    yield family, pipe, rt
-    for r in runtimes.values():
-        r.close()
+    with policy_runtimes(family.cache_hooks(pipe.transformer), d) as rt:
+        yield family, pipe, rt
 
 
 def make(family, pipe, img, mask, key=None, register=False, seed=0):

@@ -7,12 +7,11 @@ tensor, which the hook's tail residual does not expect; the Flux Fill tests hold
 import pytest
 import torch
 
-from maskedit import temporal
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.tiny import build
 
 from .klein_util import box_mask, job, load, params, prepared, runner, template
-from .temporal_util import denoise_with_reuse
+from .temporal_util import cached_with_reuse, denoise_with_reuse
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -61,26 +60,10 @@ def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model
     rt = CacheRuntime(family.cache_hooks(pipe.transformer),
                       ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30))
     r = runner(pipe)
-    r.family = family
 
     def cached(policies, register=False):
-        jobs = [job(prep, tokens, 256, 256, STEPS) for _ in policies]
-        for j, p in zip(jobs, policies):
-            j.inputs.cache_key, j.inputs.register, j.inputs.temporal, j.temporal = "klein-t", register, p, None
-            family.prepare_job(r, j)
-            rt.admit(j)
-            temporal.admit(r, j)
-        with torch.no_grad():
-            while jobs[0].step_index < STEPS:
-                ctx = rt.context(jobs, temporal.loads(jobs, family.temporal_hooks(pipe.transformer)))
-                ctx = temporal.attach(ctx, jobs, lambda: family.temporal_hooks(pipe.transformer))
-                family.step(r, jobs, ctx)
-                temporal.commit(ctx, jobs)
-                rt.after_step(jobs)
-        for j in jobs:
-            rt.finish(j, True)
-        rt.flush()
-        return jobs
+        return cached_with_reuse(family, r, rt, [job(prep, tokens, 256, 256, STEPS) for _ in policies], policies,
+                                 "klein-t", register)
 
     try:
         cached([MASK], register=True)

@@ -6,12 +6,10 @@ import pytest
 import torch
 from skimage.metrics import structural_similarity
 
-from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
 from maskedit.families.flux_kontext import FluxKontextFamily
 from maskedit.families.flux_kontext.tiny import build
-from maskedit_lab.baselines import cache_policy
 
+from .cache_util import policy_runtimes
 from .klein_util import cached, plain
 from .kontext_util import box_mask, job, kparams, load, template
 
@@ -23,18 +21,8 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("kontext-cache")
     model = build(d / "tiny", "kontext-tiny", seed=0)
     family, pipe = FluxKontextFamily(model), load(model)
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
-    hooks = family.cache_hooks(pipe.transformer)
-    runtimes = {}
-
-    def rt(policy):
-        if policy not in runtimes:
-            runtimes[policy] = CacheRuntime(hooks, store, policy=cache_policy(policy))
-        return runtimes[policy]
-
-    yield family, pipe, rt
-    for r in runtimes.values():
-        r.close()
+    with policy_runtimes(family.cache_hooks(pipe.transformer), d) as rt:
+        yield family, pipe, rt
 
 
 def make(family, pipe, img, mask, key=None, register=False, seed=0, reference=None):

@@ -9,14 +9,13 @@ import torch
 from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
-from maskedit import temporal
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.families.flux_kontext import FluxKontextFamily
 from maskedit.families.flux_kontext.tiny import build
 
 from .kontext_util import box_mask, job, kparams, load, runner, stock, template
-from .temporal_util import denoise_with_reuse
+from .temporal_util import cached_with_reuse, denoise_with_reuse
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -78,26 +77,9 @@ def test_a_cache_hit_reuses_on_its_masked_tokens(model, tmp_path):
     rt = CacheRuntime(family.cache_hooks(pipe.transformer),
                       ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30))
     r = runner(pipe)
-    r.family = family
 
     def cached(policies, register=False):
-        js = jobs(model, len(policies))
-        for j, p in zip(js, policies):
-            j.inputs.cache_key, j.inputs.register, j.inputs.temporal, j.temporal = "kontext-t", register, p, None
-            family.prepare_job(r, j)
-            rt.admit(j)
-            temporal.admit(r, j)
-        with torch.no_grad():
-            while js[0].step_index < STEPS:
-                ctx = rt.context(js, temporal.loads(js, family.temporal_hooks(pipe.transformer)))
-                ctx = temporal.attach(ctx, js, lambda: family.temporal_hooks(pipe.transformer))
-                family.step(r, js, ctx)
-                temporal.commit(ctx, js)
-                rt.after_step(js)
-        for j in js:
-            rt.finish(j, True)
-        rt.flush()
-        return js
+        return cached_with_reuse(family, r, rt, jobs(model, len(policies)), policies, "kontext-t", register)
 
     try:
         cached([MASK], register=True)

@@ -8,11 +8,9 @@ from skimage.metrics import structural_similarity
 
 from maskedit.cache.modes import FULL, StepContext
 from maskedit.cache.rows import Recorder, RowView
-from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
 from maskedit.families.qwen_image_edit.cache import QwenEditCacheHooks
-from maskedit_lab.baselines import cache_policy
 
+from .cache_util import policy_runtimes, run_cached
 from .qwen_util import SIZE, box_mask, make, run, runner, template, tiny_model
 
 STEPS = 3
@@ -22,32 +20,12 @@ STEPS = 3
 def env(tmp_path_factory):
     family, pipe = tiny_model(tmp_path_factory)
     d = tmp_path_factory.mktemp("qwen-cache")
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
-    hooks = family.cache_hooks(pipe.transformer)
-    runtimes = {}
-
-    def rt(policy):
-        if policy not in runtimes:
-            runtimes[policy] = CacheRuntime(hooks, store, policy=cache_policy(policy))
-        return runtimes[policy]
-
-    yield family, pipe, rt
-    for r in runtimes.values():
-        r.close()
+    with policy_runtimes(family.cache_hooks(pipe.transformer), d) as rt:
+        yield family, pipe, rt
 
 
 def cached(family, pipe, runtime, j):
-    """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
-    r = runner(family, pipe)
-    family.prepare_job(r, j)
-    runtime.admit(j)
-    with torch.no_grad():
-        while j.step_index < j.steps:
-            family.step(r, [j], runtime.context([j]))
-            runtime.after_step([j])
-    runtime.finish(j, True)
-    runtime.flush()
-    return j.latents
+    return run_cached(family, runner(family, pipe), runtime, j)
 
 
 def plain(family, pipe, j):
