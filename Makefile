@@ -32,14 +32,21 @@ demo: model
 
 # One Triton instance; with INSTANCES=N (N > 1), N instances behind the router (same as serve-cluster), whose ports
 # are ROUTER_GRPC_PORT (Triton's gRPC protocol), ROUTER_HTTP_PORT (Triton's HTTP/REST protocol, /metrics, /health),
-# OPENAI_PORT (the OpenAI API; 0: off) and ROUTER_POLICY the routing policy (docs/router.md).
+# OPENAI_PORT (the OpenAI API; 0: off) and ROUTER_POLICY the routing policy (docs/router.md). With
+# MASKEDIT_API_KEYS_FILE set, always behind the router (a lone Triton checks no keys), the backends guarded by a
+# backend key (docs/security.md).
 ROUTER_GRPC_PORT ?= 7001
 ROUTER_HTTP_PORT ?= 7002
 OPENAI_PORT ?= 7003
 ROUTER_POLICY ?= predicted
+# Both exec the server in make's own shell (no sub-make): Ctrl-C stops it cleanly, with nothing else to report.
+CLUSTER = $(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
+	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
 serve: model
-	@if [ "$${INSTANCES:-1}" -gt 1 ]; then $(MAKE) --no-print-directory serve-cluster; else \
-	  $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
+	@$(PY) -m maskedit.samples out  # the docs' example inputs: out/template.png, out/mask_*.png, out/edges.png
+	@if [ "$${INSTANCES:-1}" -gt 1 ] || [ -n "$$MASKEDIT_API_KEYS_FILE" ]; then \
+	  INSTANCES=$${INSTANCES:-1}; exec $(CLUSTER); else \
+	  exec $(VENV)/bin/maskedit-server --http-port $${HTTP_PORT:-8000} --grpc-port $${GRPC_PORT:-8001} --metrics-port $${METRICS_PORT:-8002}; fi
 
 # Then the engine and cache unit tests again in bfloat16 (the dtype a GPU serves in; a float32-only path once
 # crashed there): the same invariants, within the stated reduced-precision tolerance (tests/conftest.py).
@@ -96,8 +103,8 @@ router-scale: $(STAMP)
 	$(PY) -m maskedit_lab.router_scale $(ARGS)
 
 serve-cluster: model
-	$(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
-	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
+	@$(PY) -m maskedit.samples out
+	@exec $(CLUSTER)
 
 # Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model

@@ -40,17 +40,18 @@ def kill_server(topo: Topology, rng: random.Random) -> dict:
     """kill -9 of one backend's tritonserver (its stubs are orphaned); the supervisor reaps and restarts it."""
     i = rng.randrange(len(topo.servers))
     inst = topo.supervisor.instances[i]
-    before = inst.total_restarts
+    before = inst.recoveries
     os.kill(topo.servers[i].proc.pid, signal.SIGKILL)
     return {"target": f"server{i}", **_await_restart(inst, before)}
 
 
 def kill_denoise_stub(topo: Topology, rng: random.Random) -> dict:
-    """kill -9 of one backend's masked_denoise stub (Triton 2.51 keeps saying ready and does not restart it)."""
+    """kill -9 of one backend's masked_denoise stub (Triton 2.51 keeps saying ready and does not restart it): the
+    supervisor reloads that model alone (explicit model control), else restarts the server."""
     i = rng.randrange(len(topo.servers))
     inst = topo.supervisor.instances[i]
-    before = inst.total_restarts
-    pid = next(pid for pid, (_, model) in inst.stubs.items() if model.startswith("masked_denoise"))
+    before = inst.recoveries
+    pid = next(pid for pid, stub in inst.stubs.items() if stub.model == "masked_denoise")
     os.kill(pid, signal.SIGKILL)
     return {"target": f"server{i}/masked_denoise stub", **_await_restart(inst, before)}
 
@@ -73,6 +74,18 @@ def restart_router(topo: Topology, rng: random.Random, down_s: float = 2.0) -> d
     return {"target": "router", "restored": time.perf_counter()}
 
 
+def sigstop_router(topo: Topology, rng: random.Random, hang_s: float = 30.0) -> dict:
+    """SIGSTOP of the router process for ``hang_s``, then SIGCONT: the clients' requests wait meanwhile; after it
+    none may be refused for load the stall made up, and no backend taken out of rotation for the silence."""
+    pid = topo.router.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(hang_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return {"target": "router", "restored": time.perf_counter(), "hang_s": hang_s}
+
+
 def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> dict:
     """Fill one backend's activation-store memory tier to its limit with entries nobody asks for: the store must
     evict (to disk) and keep serving."""
@@ -89,26 +102,30 @@ def fill_memory_tier(topo: Topology, rng: random.Random, entry_mb: int = 8) -> d
             "mem_bytes_after": store.tier_bytes()["mem"], "budget_bytes": budget}
 
 
-FAULTS = {f.__name__: f for f in (kill_server, kill_denoise_stub, sigstop_server, restart_router, fill_memory_tier)}
+FAULTS = {f.__name__: f for f in (kill_server, kill_denoise_stub, sigstop_server, restart_router, sigstop_router,
+                                  fill_memory_tier)}
 
 
 def _await_restart(inst, before: int, timeout_s: float = 300.0) -> dict:
+    """Until the supervisor brought ``inst`` back (a restart or a model reload)."""
     deadline = time.perf_counter() + timeout_s
-    while inst.total_restarts == before and time.perf_counter() < deadline:
+    while inst.recoveries == before and time.perf_counter() < deadline:
         time.sleep(0.1)
     ev = inst.events[-2:]
-    return {"restored": time.perf_counter() if inst.total_restarts > before else None,
-            "supervisor": [e[1] for e in ev],
-            "reaped_to_ready_s": round(ev[-1][0] - ev[0][0], 1) if len(ev) == 2 else None}
+    return {"restored": time.perf_counter() if inst.recoveries > before else None,
+            "supervisor": [e[1] for e in ev], "how": "reload" if inst.total_reloads and "reloaded" in ev[-1][1]
+            else "restart", "reaped_to_ready_s": round(ev[-1][0] - ev[0][0], 1) if len(ev) == 2 else None}
 
 
 # -- one case -----------------------------------------------------------------------------------------------
 def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: int = 0, templates: int = 8,
              steps: int | None = None, progress: bool = True, recover_timeout_s: float = 120.0,
-             faults: dict | None = None, sink: dict | None = None) -> dict:
+             faults: dict | None = None, sink: dict | None = None, recovered=None) -> dict:
     """Open-loop load at ``rate`` for ``duration_s`` through the router; ``fault`` (a name in ``faults``, default
     this module's) injected at a random moment in the first half. Waits (up to ``recover_timeout_s`` more) for
-    recovery before judging. ``sink``: filled with the requests, records, answers' PNGs and the start time."""
+    recovery before judging: ``recovered()`` true (default: every backend in rotation). ``sink``: filled with the
+    requests, records, answers' PNGs and the start time."""
+    recovered = recovered or topo.all_in_rotation
     faults = faults or FAULTS
     sink = {} if sink is None else sink
     sink["images"] = {}
@@ -139,7 +156,7 @@ def run_case(topo: Topology, fault: str, rate: float, duration_s: float, seed: i
         restored = box.get("restored") or time.perf_counter()
         deadline = time.perf_counter() + recover_timeout_s
         while time.perf_counter() < deadline:  # full capacity: every backend serving again, the router answering
-            if topo.all_in_rotation():
+            if recovered():
                 times["recovered"] = time.perf_counter()
                 break
             time.sleep(0.2)
@@ -183,6 +200,7 @@ def summarize_case(fault: str, records: list[Record], wall: float, t0: float, ti
         "p95_before_s": p95(lambda s: s < inj), "p95_during_s": p95(lambda s: inj <= s < end),
         "p95_after_s": p95(lambda s: s >= end),
         "time_to_recover_s": None if rec is None else round(rec - times["injected"], 2),
+        "recovered_at_s": None if rec_s is None else round(rec_s, 2),
         "recovered_after_restart_s": None if rec is None or restored is None else round(max(0.0, rec - restored), 2),
         "fault_detail": {k: (round(v - t0, 2) if k == "restored" and v else v) for k, v in box.items()},
         "leftovers": leftovers,

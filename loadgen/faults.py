@@ -1,48 +1,58 @@
-"""`python -m loadgen.faults` (`make faults`): storage and client faults under load through the router, each judged
-by what every request ended in and whether anything bad was served.
+"""`python -m loadgen.faults` (`make faults`): faults under load through the router, each judged by what every
+request ended in, whether anything bad was served, and how long until the system was back to full strength.
 
     python -m loadgen.faults                                   # every fault; JSON + plot in perf_profiles/results
     python -m loadgen.faults --faults corrupt_entry --duration 60
 
-Faults (each on one backend, at a random moment in the first half of its case, while the load goes on):
+The caches are warmed first (one request per template). Faults (each at a random moment in the first half of its
+case, while the load goes on; the storage ones on one backend):
 - ``corrupt_entry``: 64 KiB of random bytes written into the middle of the hottest entries of the memory tier, the
   files' times put back (three times, 8 s apart). The service must detect it itself (its ``corrupt`` counter);
   every answered cache hit after the first injection is then checked against the same request with the cache off
   (PSNR): ``corrupt_served`` counts hits that match neither it nor a healthy hit.
-- ``disk_unwritable``: the disk tier read-only for ``--hold`` seconds (a read-only bind mount as root, else mode
-  0555): the memory tier, sampled every 0.2 s, must never exceed its budget.
-- ``mem_fs_full``: a filesystem smaller than the budget (3 MB; ~2 tiny-model entries) mounted over the memory tier
-  (root only) for ``--hold`` seconds: ENOSPC must shrink the budget and keep entries coming in and hits coming
-  out, not freeze the cache.
+- ``corrupt_then_evict``: the same damage to the least recently used entries, the next the churn evicts to the
+  disk tier: eviction must discard them (counted), none may reach the disk tier, none be served.
+- ``disk_unwritable`` (read-only, then writable): the disk tier read-only for ``--hold`` seconds (a read-only bind
+  mount as root, else mode 0555): the memory tier, sampled every 0.2 s, must never exceed its budget, and the tier's
+  degraded flag must clear by itself once it is writable again.
+- ``mem_fs_full`` (ENOSPC, then the space back): a filesystem smaller than the budget (3 MB; ~2 tiny-model entries)
+  mounted over the memory tier (root only) for ``--hold`` seconds: ENOSPC must shrink the budget and keep entries
+  coming in and hits coming out, and the budget must grow back once the space returns.
+- ``sigstop_router``: the router process stopped for 30 s, then resumed: the clients' requests wait, none is refused
+  or failed for it, and no backend leaves rotation.
+- ``kill_denoise_stub``: kill -9 of one backend's masked_denoise stub under load: the supervisor reloads that model
+  alone, the router retries what it held and takes the backend back.
 - ``idle_streams``: 500 idle gRPC streams held open against the router by a client that then dies
   (``fault_streams``): the normal traffic's P95 must stay within 1.5x of a quiet run.
 
-Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s (from the fault's end to the first cache hit after
-it), plus each fault's own figures.
+Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s, hit rate before / after, plus each fault's own
+figures. ``recovery_s`` runs from the fault's end (for the stub kill: the kill) until the system is back to full
+strength (``strength``): every backend in rotation, no store tier flagged degraded in any process, every memory
+budget back to its configured size, and the hit rate back (10 requests in a row within 10 % of the rate before).
+Targets: 0 lost, 0 corrupt served, recovery_s < 30 s, hit rate after within 10 % of before.
 """
 
 from __future__ import annotations
 
 import argparse
+import calendar
 import contextlib
 import io
 import json
 import os
 import platform
 import random
-import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 from maskedit.settings import REPO_ROOT
 
-from . import chaos, fault_streams, runner
+from . import chaos, fault_streams, runner, strength
 from .topology import Topology, running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -61,18 +71,9 @@ def corrupt_file(path: Path, n: int = CORRUPT_BYTES, rng: random.Random | None =
 
 
 def store_events(topo: Topology, i: int) -> dict:
-    """Backend ``i``'s activation-store counters from its Prometheus metrics (all model processes summed)."""
-    port = topo.servers[i].metrics_port
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    out: dict = {}
-    for m in re.finditer(r'^maskedit_cache_events_total\{[^}]*event="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0) + float(m.group(2))
-    for m in re.finditer(r'^maskedit_cache_tier_degraded\{[^}]*tier="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
-        out[f"degraded_{m.group(1)}"] = max(out.get(f"degraded_{m.group(1)}", 0), float(m.group(2)))
-    return out
+    """Backend ``i``'s activation-store counters (all model processes summed) and ``degraded_<tier>`` flags."""
+    view = strength.store_view(topo, i) or {"events": {}, "degraded": {}}
+    return {**view["events"], **{f"degraded_{t}": v for t, v in view["degraded"].items()}}
 
 
 def _mem_sampler(cache, stop: threading.Event, peaks: dict) -> None:
@@ -127,6 +128,56 @@ def corrupt_entry(topo: Topology, rng: random.Random, rounds: int = 3, every_s: 
             "corrupt_before": before}
 
 
+def corrupt_then_evict(topo: Topology, rng: random.Random, rounds: int = 3, every_s: float = 8.0) -> dict:
+    """``corrupt_entry``'s damage to the two least recently used memory entries: the next the churn moves to disk."""
+    i = rng.randrange(len(topo.servers))
+    cache = topo.servers[i].settings.cache
+    before = store_events(topo, i).get("corrupt", 0)
+    victims = []
+    for k in range(rounds):
+        entries = []
+        for p in Path(cache.mem_dir).glob("*.safetensors"):
+            with contextlib.suppress(FileNotFoundError):
+                entries.append((p.stat().st_atime_ns, p))
+        for _, p in sorted(entries)[:2]:
+            with contextlib.suppress(FileNotFoundError):
+                corrupt_file(p, rng=rng)
+                victims.append(p.stem)
+        if k + 1 < rounds:
+            time.sleep(every_s)
+    return {"target": f"server{i}", "restored": time.perf_counter(), "server": i, "corrupt_before": before,
+            "victims": victims}
+
+
+def carried_to_disk(topo: Topology, i: int, keys: list[str]) -> int:
+    """Entries of ``keys`` in backend ``i``'s disk tier that do not verify (a rewrite since verifies: not counted)."""
+    from maskedit.cache.store import CorruptEntry, open_file
+
+    bad = 0
+    for key in set(keys):
+        p = Path(topo.servers[i].settings.cache.disk_dir) / f"{key}.safetensors"
+        try:
+            open_file(p, verify=True)
+        except FileNotFoundError:
+            continue
+        except (CorruptEntry, ValueError, OSError):
+            bad += 1
+    return bad
+
+
+def found_at_eviction(topo: Topology, i: int, keys: list[str], since_wall: float) -> int:
+    """``corrupt activation entry discarded`` lines of backend ``i`` for ``keys`` found at eviction since then."""
+    n = 0
+    for line in topo.servers[i].log_path.read_text(errors="replace").splitlines():
+        if "corrupt activation entry discarded" not in line or "found at eviction" not in line:
+            continue
+        with contextlib.suppress(ValueError, KeyError):
+            entry = json.loads(line)
+            ts = calendar.timegm(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S"))
+            n += entry.get("key") in keys and ts >= since_wall - 1
+    return n
+
+
 def disk_unwritable(topo: Topology, rng: random.Random, hold_s: float = 30.0) -> dict:
     i = rng.randrange(len(topo.servers))
     cache = topo.servers[i].settings.cache
@@ -139,12 +190,11 @@ def disk_unwritable(topo: Topology, rng: random.Random, hold_s: float = 30.0) ->
         degraded = store_events(topo, i).get("degraded_disk")
     restored = time.perf_counter()
     cleared = None
-    while time.perf_counter() - restored < 30.0:  # the tier shows healthy again once a write to it succeeds
+    while time.perf_counter() - restored < 30.0:  # the tier shows healthy again by itself (the store's probe)
         if not store_events(topo, i).get("degraded_disk"):
             cleared = round(time.perf_counter() - restored, 2)
             break
-        time.sleep(0.5)
-    time.sleep(max(0.0, 5.0 - (time.perf_counter() - restored)))  # and after: still within budget
+        time.sleep(0.25)
     stop.set()
     sampler.join()
     return {"target": f"server{i}", "restored": restored, "how": how, "server": i,
@@ -174,7 +224,9 @@ def mem_fs_full(topo: Topology, rng: random.Random, hold_s: float = 30.0, fs_mb:
             **{f"{k}_during": events.get(k, 0) - first.get(k, 0) for k in ("inserts", "refused", "errors", "evictions")}}
 
 
-FAULTS = {f.__name__: f for f in (corrupt_entry, disk_unwritable, mem_fs_full)}
+FAULTS = {f.__name__: f for f in (corrupt_entry, corrupt_then_evict, disk_unwritable, mem_fs_full)} | \
+    {"sigstop_router": chaos.sigstop_router, "kill_denoise_stub": chaos.kill_denoise_stub}
+FROM_INJECTION = ("kill_denoise_stub",)  # recovery runs from the fault itself: it has no end the system waits for
 
 
 # -- judging --------------------------------------------------------------------------------------------------
@@ -208,53 +260,90 @@ def served_corrupt(topo: Topology, records, images: dict, reqs, t_inject: float,
 def row(fault: str, case: dict, corrupt_served: int = 0, **extra) -> dict:
     return {"fault": fault, "sent": case["sent"], "ok": case["ok"],
             "errors": sum(case["failed_by_code"].values()), "lost": case["lost"], "corrupt_served": corrupt_served,
-            "recovery_s": case["time_to_recover_s"], "errors_by_code": case["failed_by_code"],
+            "recovery_s": case.get("recovery_s"), "errors_by_code": case["failed_by_code"],
             "p95_before_s": case["p95_before_s"], "p95_during_s": case["p95_during_s"],
             "p95_after_s": case["p95_after_s"], "detail": case["fault_detail"], **extra}
 
 
-def recovery_s(recs, restored: float | None) -> float | None:
-    """Seconds from the fault's end to the first request answered from the cache after it."""
-    if restored is None:
-        return None
-    done = [r.done_s for r in recs if r.error is None and r.cache_hit and r.submit_s >= restored]
-    return round(min(done) - restored, 2) if done else None
+def recovery(case: dict, recs, fault: str) -> dict:
+    """``recovery_s`` and the hit rates around the fault: from the fault's end (``FROM_INJECTION``: the fault
+    itself) until the later of full strength reached (``strength.weak_spots`` empty, polled during the case) and
+    the hit rate back (10 requests in a row within 10 % of the rate before the fault)."""
+    d = case["fault_detail"]
+    start = case["injected_at_s"] if fault in FROM_INJECTION or not d.get("restored") else d["restored"]
+    before = strength.hit_rate(recs, 0.0, case["injected_at_s"])
+    strong = case.get("recovered_at_s")
+    back = None if before is None else strength.hit_rate_back_at(recs, start, 0.9 * before)
+    ends = [strong, back]
+    recovery_s = None if None in ends else round(max(0.0, max(ends) - start), 2)
+    after = None if recovery_s is None else strength.hit_rate(recs, start + recovery_s)
+    return {"recovery_s": recovery_s, "full_strength_after_s": None if strong is None else round(strong - start, 2),
+            "hit_rate_back_after_s": None if back is None else round(back - start, 2),
+            "hit_rate_before": before, "hit_rate_after": after}
 
 
 def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: int, hold_s: float,
               templates: int) -> dict:
     sink: dict = {}
-    fns = {"corrupt_entry": corrupt_entry, "disk_unwritable": lambda t, r: disk_unwritable(t, r, hold_s),
+    fns = {**FAULTS, "disk_unwritable": lambda t, r: disk_unwritable(t, r, hold_s),
            "mem_fs_full": lambda t, r: mem_fs_full(t, r, hold_s)}
-    case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink, templates=templates)
+    started_wall = time.time()
+    case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink, templates=templates,
+                          recovered=lambda: not strength.weak_spots(topo))
     d, recs = case["fault_detail"], sink["records"]
-    case["time_to_recover_s"] = recovery_s(recs, d.get("restored"))
+    case.update(recovery(case, recs, fault))
     injected = "error" not in d
-    if fault == "corrupt_entry":
+    met = {"fault_injected": injected, "zero_lost": case["lost"] == 0, "no_errors": not case["failed_by_code"],
+           "recovered_within_30s": case["recovery_s"] is not None and case["recovery_s"] < 30,
+           "hit_rate_back": case["hit_rate_after"] is not None and case["hit_rate_before"] is not None and
+           case["hit_rate_after"] >= 0.9 * case["hit_rate_before"]}
+    rates = {k: case[k] for k in ("hit_rate_before", "hit_rate_after", "full_strength_after_s",
+                                  "hit_rate_back_after_s")}
+    if fault in ("corrupt_entry", "corrupt_then_evict"):
         checked, bad = served_corrupt(topo, recs, sink["images"], sink["requests"], case["injected_at_s"])
-        detected = store_events(topo, d.get("server", 0)).get("corrupt", 0) - d.get("corrupt_before", 0)
+        i = d.get("server", 0)
+        detected = store_events(topo, i).get("corrupt", 0) - d.get("corrupt_before", 0)
         restarted = sum(bool(r.extra.get("cache_corrupt")) for r in recs)
+        extra = {}
+        if fault == "corrupt_then_evict":
+            victims = d.get("victims", [])
+            extra = {"victims": len(set(victims)), "found_at_eviction": found_at_eviction(topo, i, victims,
+                                                                                          started_wall),
+                     "carried_to_disk": carried_to_disk(topo, i, victims)}
+            met["none_carried_to_disk"] = extra["carried_to_disk"] == 0
         return row(fault, case, bad, hits_checked=checked, detected_by_service=detected,
-                   requests_recomputed=restarted,
-                   met={"fault_injected": injected, "zero_lost": case["lost"] == 0, "no_corrupt_served": bad == 0,
-                        "detected": detected > 0})
+                   requests_recomputed=restarted, **extra, **rates,
+                   met={**met, "no_corrupt_served": bad == 0, "detected": detected > 0})
     if fault == "disk_unwritable":
-        return row(fault, case, met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
-                                     "mem_within_budget": not d.get("over_budget", True),
-                                     "degraded_shown": bool(d.get("degraded_shown"))})
+        return row(fault, case, **rates, met={**met, "mem_within_budget": not d.get("over_budget", True),
+                                              "degraded_shown": bool(d.get("degraded_shown")),
+                                              "degraded_cleared": d.get("degraded_cleared_after_s") is not None})
     if fault == "mem_fs_full":
         lo, hi = (t - sink["t0"] for t in (d.get("window") or [0, 0]))
-
-        def hit_rate(sel):
-            got = [bool(r.cache_hit) for r in recs if r.error is None and sel(r.submit_s)]
-            return round(float(np.mean(got)), 3) if got else None
-
-        before, during = hit_rate(lambda t: t < lo), hit_rate(lambda t: lo <= t <= hi)
-        return row(fault, case, hit_rate_before=before, hit_rate_during=during,
-                   met={"fault_injected": injected, "zero_lost": case["lost"] == 0,
-                        "entries_kept_coming": d.get("inserts_during", 0) > 0,
-                        "hits_kept": during is not None and before is not None and during >= 0.5 * before})
+        during = strength.hit_rate(recs, lo, hi)
+        return row(fault, case, hit_rate_during=during, **rates,
+                   met={**met, "entries_kept_coming": d.get("inserts_during", 0) > 0,
+                        "hits_kept": during is not None and case["hit_rate_before"] is not None and
+                        during >= 0.5 * case["hit_rate_before"]})
+    if fault == "sigstop_router":
+        return row(fault, case, **rates, met=met)
+    if fault == "kill_denoise_stub":
+        return row(fault, case, how=d.get("how"), **rates, met=met)
     raise ValueError(fault)
+
+
+def warm(topo: Topology, templates: int, seed: int = 0) -> None:
+    """One request per template through the router, one at a time: every template cached before the faults, so
+    each case's hit rate before is the system's, not its first misses'."""
+    from maskedit_client import EditClient
+
+    from . import workload
+
+    assets = runner.Assets(256)
+    r = workload.poisson(1.0, 1, n_templates=templates, seed=seed)[0]
+    with EditClient(topo.url) as client:
+        for t in range(templates):
+            client.edit(assets.template(t), assets.mask(r), r.prompt, seed=r.seed, steps=r.steps)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -284,8 +373,10 @@ def main(argv=None) -> None:
     ap.add_argument("--faults", default=",".join(names), help=f"comma-separated, from {', '.join(names)}")
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--rate", type=float, default=2.0)
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load per fault")
-    ap.add_argument("--hold", type=float, default=30.0, help="seconds a storage fault lasts")
+    ap.add_argument("--duration", type=float, default=100.0, help="seconds of load per fault (the fault in its "
+                    "first half, then time to recover and to measure the hit rate after)")
+    ap.add_argument("--hold", type=float, default=20.0, help="seconds a storage fault lasts")
+    ap.add_argument("--note", default="", help="about the host during the run (recorded with the load average)")
     ap.add_argument("--mem-mb", type=int, default=4, help="each instance's memory-tier budget (small: evictions)")
     ap.add_argument("--templates", type=int, default=12, help="templates the load cycles through (churn)")
     ap.add_argument("--seed", type=int, default=0)
@@ -296,22 +387,27 @@ def main(argv=None) -> None:
     if [f for f in faults if f not in names]:
         ap.error(f"--faults: choose from {names}")
     env = {"MASKEDIT_CACHE_MEM_BYTES": str(args.mem_mb << 20)}
-    rows, t_start = [], time.time()
+    rows, t_start, load = [], time.time(), [os.getloadavg()]
     # The router's OpenAI port off: its default (7003) may be taken on a shared host.
     with running_topology(args.instances, args.out, env, router_args=["--openai-port", "0"]) as topo:
+        warm(topo, args.templates, args.seed)
         for k, fault in enumerate(faults):
             print(f"[{k + 1}/{len(faults)}] {fault} at {args.rate} req/s for {args.duration:g} s", flush=True)
             if fault == "idle_streams":
                 r = fault_streams.idle_streams(topo, rate=args.rate, duration_s=args.duration, seed=args.seed + k)
             else:
                 r = run_fault(topo, fault, args.rate, args.duration, args.seed + k, args.hold, args.templates)
+            r["load_average"] = [round(x, 2) for x in os.getloadavg()]
+            load.append(os.getloadavg())
             rows.append(r)
             print(json.dumps({k2: v for k2, v in r.items() if k2 not in ("detail",)}, default=str), flush=True)
             chaos._settle(topo)
         leftovers = topo.leftovers()
     result = {"command": "python -m loadgen.faults " + " ".join(argv if argv is not None else sys.argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-              "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "device": "cpu", "dtype": "float32"},
+              "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "device": "cpu", "dtype": "float32",
+                       "note": args.note, "load_average_1m": {"min": round(min(x[0] for x in load), 2),
+                                                              "max": round(max(x[0] for x in load), 2)}},
               "instances": args.instances, "rate": args.rate, "duration_s": args.duration, "hold_s": args.hold,
               "mem_mb": args.mem_mb, "rows": rows, "leftovers_after_shutdown": leftovers,
               "all_met": all(all(r.get("met", {}).values()) for r in rows) and not any(leftovers.values())}

@@ -1,8 +1,11 @@
 """`python -m loadgen.overload` (`make overload`): open-loop load at twice capacity, straight to one server and
-through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second.
+through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second. Then a
+flood: 160 requests within a second straight at one server (no router in front), each answered or refused within
+10 s of its arrival, none lost.
 
     python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
     python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
+    python -m loadgen.overload --phases flood      # the flood alone (figures about correctness: any host)
 
 Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
 refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from maskedit.settings import REPO_ROOT
+from maskedit_common import backend_guard
 
 from . import capacity
 from .topology import running_topology
@@ -68,6 +72,49 @@ def judge(recs: list, summary: dict, rate: float, cap: float) -> dict:
 
 
 ADMISSION_OFF = ["--admission-wait-s", "0"]
+
+
+def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within_s: float = 10.0, seed: int = 3,
+          headers: dict | None = None, deadline_ms: int | None = None) -> tuple[list, dict]:
+    """``n`` requests within ``spread_s`` (Poisson arrivals) straight at ``url``, as a client with no router in
+    front would send them: each must be answered (a result) or refused (RESOURCE_EXHAUSTED) within ``within_s`` of
+    its arrival. ``late``: answered after that; ``lost``: no answer at all (2 minutes after the last send).
+    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (the
+    scheduler then refuses what it cannot finish in time, DEADLINE_EXCEEDED)."""
+    from maskedit_client import EditClient
+
+    from . import records, runner, workload
+
+    load_before = os.getloadavg()
+    reqs = workload.poisson(n / spread_s, n, steps=steps, seed=seed, deadline_ms=deadline_ms)
+    with EditClient(url, headers=headers, retry=False) as c:
+        recs, wall = runner.run(c, reqs, runner.Assets(256), timeout_s=120.0, progress=True)
+    s = records.summarize(recs, wall)
+    answered = [r.answered_after_s for r in recs if r.error_code != runner.LOST and r.answered_after_s is not None]
+    refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    ok = [r.latency_s for r in recs if r.latency_s is not None]
+    refusals = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED") if deadline_ms else ("RESOURCE_EXHAUSTED",)
+    other = {k: v for k, v in s["errors"].items() if k not in (*refusals, runner.LOST)}
+    late = sum(a > within_s for a in answered)
+    by: dict[str, list] = {}
+    for r in recs:
+        if r.error_code == "RESOURCE_EXHAUSTED":
+            src = "triton_queue" if "Exceeds maximum queue size" in (r.error or "") else refusal_source(r.error)
+            by.setdefault(src, []).append(r.answered_after_s)
+    out = {
+        "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "deadline_ms": deadline_ms,
+        "ok": len(ok), "refused": len(refused), "deadline_exceeded": s["errors"].get("DEADLINE_EXCEEDED", 0),
+        "other_errors": other, "late": late, "lost": s["lost"],
+        "answered_max_s": round(max(answered), 3) if answered else None,
+        "ok_max_s": round(max(ok), 3) if ok else None, "ok_p95_s": s["p95_s"],
+        "refusal_max_s": round(max(refused), 3) if refused else None,
+        "refusal_p99_s": round(float(np.percentile(refused, 99)), 3) if refused else None,
+        "refused_by": {k: {"n": len(v), "max_s": round(max(v), 3)} for k, v in sorted(by.items())},
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "met": {"all_within": late == 0 and s["lost"] == 0 and len(answered) == n, "nothing_lost": s["lost"] == 0,
+                "only_refusals": not other},
+    }
+    return recs, out
 
 
 def ab(topo, rate: float, duration_s: float, pairs: int, steps: int) -> list[dict]:
@@ -127,10 +174,16 @@ def plot(result: dict, runs: dict, path: Path) -> None:
             ax.scatter(*zip(*ok), s=6, label="served: latency")
         if ref:
             ax.scatter(*zip(*ref), s=6, c="red", label="refused: time to RESOURCE_EXHAUSTED")
-        ax.axhline(1.0, ls="--", c="gray", lw=0.8)
-        j = result["targets"][name]
-        ax.set(xlabel="send time (s)", ylabel="seconds", title=f"{name}: {j['rate']} req/s = 2x capacity {j['capacity']}; "
-               f"{j['ok']} ok, {j['refused']} refused, {j['lost']} lost")
+        if name == "flood":
+            j = result["flood"]
+            ax.axhline(j["within_s"], ls="--", c="gray", lw=0.8)
+            ax.set(xlabel="send time (s)", ylabel="seconds", title=f"flood: {j['sent']} requests in {j['spread_s']:g} s "
+                   f"at one server; {j['ok']} ok, {j['refused']} refused, {j['late']} late, {j['lost']} lost")
+        else:
+            ax.axhline(1.0, ls="--", c="gray", lw=0.8)
+            j = result["targets"][name]
+            ax.set(xlabel="send time (s)", ylabel="seconds", title=f"{name}: {j['rate']} req/s = 2x capacity "
+                   f"{j['capacity']}; {j['ok']} ok, {j['refused']} refused, {j['lost']} lost")
         ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -152,8 +205,21 @@ def main(argv=None) -> None:
     ap.add_argument("--ab-pairs", type=int, default=0, help="then this many pairs of runs through the router at 2x "
                     "its capacity with its own admission on and off, interleaved (what it costs or gains)")
     ap.add_argument("--ab-duration", type=float, default=45.0, help="seconds per run of a pair")
+    ap.add_argument("--phases", default="server,router,flood", help="which to run, of server (2x capacity straight "
+                    "at one server), router (2x capacity through the router), flood (below)")
+    ap.add_argument("--flood", type=int, default=160, help="requests of the flood straight at one server")
+    ap.add_argument("--flood-spread-s", type=float, default=1.0, help="the flood's requests arrive within this")
+    ap.add_argument("--flood-within-s", type=float, default=10.0, help="each must be answered or refused within this")
+    ap.add_argument("--flood-steps", type=int, default=None, help="denoising steps of the flood's requests (default: "
+                    "--steps)")
+    ap.add_argument("--flood-deadline-ms", type=int, default=None, help="DEADLINE_MS on each of the flood's requests "
+                    "(default: none, as the probe that found the problem sent them)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - {"server", "router", "flood"}
+    if unknown:
+        ap.error(f"--phases: unknown {', '.join(sorted(unknown))} (server, router, flood)")
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
     started = time.time()
     result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
@@ -165,6 +231,8 @@ def main(argv=None) -> None:
     with running_topology(args.instances, args.out, env, shlex.split(args.router_args)) as topo:
         for name, url, probe in (("server", topo.servers[0].grpc_url, args.probe_rate / args.instances),
                                  ("router", topo.url, args.probe_rate)):
+            if name not in phases:
+                continue
             print(f"{name}: capacity at {probe:g} req/s offered", flush=True)
             _, s = capacity.run_at(url, probe, args.probe_s, steps=args.steps, seed=1)
             cap = capacity.capacity([s])
@@ -176,13 +244,25 @@ def main(argv=None) -> None:
                 result["targets"][name]["router_refusals_at_backend"] = router_outcomes(topo)
             runs[name] = recs
             print(json.dumps(result["targets"][name]), flush=True)
+        if "flood" in phases:
+            server = topo.servers[0]
+            key = server.backend_key
+            print(f"flood: {args.flood} requests within {args.flood_spread_s:g} s straight at {server.grpc_url}",
+                  flush=True)
+            recs, result["flood"] = flood(server.grpc_url, args.flood, args.flood_spread_s,
+                                          args.flood_steps or args.steps, args.flood_within_s,
+                                          headers=dict(backend_guard.grpc_metadata(key)),
+                                          deadline_ms=args.flood_deadline_ms)
+            runs["flood"] = recs
+            print(json.dumps(result["flood"]), flush=True)
         if args.ab_pairs:
             rate = result["targets"]["router"]["rate"]
             print(f"router admission on / off: {args.ab_pairs} pairs at {rate:g} req/s", flush=True)
             result["router_ab"] = ab(topo, rate, args.ab_duration, args.ab_pairs, args.steps)
         topo.remember()
     result["leftovers_after_shutdown"] = topo.leftovers()
-    result["all_met"] = all(all(t["met"].values()) for t in result["targets"].values())
+    result["all_met"] = all(all(t["met"].values()) for t in [*result["targets"].values(),
+                                                             *([result["flood"]] if "flood" in result else [])])
     args.result.parent.mkdir(parents=True, exist_ok=True)
     args.result.write_text(json.dumps(result, indent=1))
     plot(result, runs, args.result.with_suffix(".png"))

@@ -1,5 +1,5 @@
-"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, overload and
-soak results (perf_profiles/results/{chaos,overload,soak}.json)."""
+"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, faults,
+overload and soak results (perf_profiles/results/{chaos,faults,overload,overload_flood*,soak}.json)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,27 @@ def chaos(r: dict) -> str:
                               f"all targets met: {r['all_met']}. `{r['command']}`, started {r['started']}.")
 
 
+def faults(r: dict) -> str:
+    """``make faults``: per fault, how every request ended, what was served, and recovery to full strength."""
+    rows = ["| fault | sent | ok | errors | lost | corrupt served | recovery s (full strength / hits back) | "
+            "hit rate before / after | load average | targets met |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        rec = f"{_f(x.get('recovery_s'), 1)} ({_f(x.get('full_strength_after_s'), 1)} / " \
+              f"{_f(x.get('hit_rate_back_after_s'), 1)})" if "full_strength_after_s" in x else _f(x.get("recovery_s"), 2)
+        rates = f"{_f(x.get('hit_rate_before'))} / {_f(x.get('hit_rate_after'))}" if "hit_rate_before" in x else "–"
+        missed = [k for k, v in x.get("met", {}).items() if not v]
+        rows.append(f"| `{x['fault']}` | {x['sent']} | {x['ok']} | {x['errors']} | {x['lost']} | "
+                    f"{x['corrupt_served']} | {rec} | {rates} | {_f((x.get('load_average') or [None])[0], 1)} | "
+                    f"{'all' if not missed else 'not ' + ', '.join(missed)} |")
+    left = sum(len(v) for v in r["leftovers_after_shutdown"].values())
+    load = r["host"].get("load_average_1m") or {}
+    return "\n".join(rows) + (f"\n\n{r['instances']} instances, {r['rate']} req/s open loop through the router, "
+                              f"{r['duration_s']:g} s per fault (storage faults held {r['hold_s']:g} s), memory tier "
+                              f"{r['mem_mb']} MB; load average {load.get('min')}-{load.get('max')} "
+                              f"({r['host'].get('note') or 'no note'}); after shutdown {left} processes/regions/ports "
+                              f"left; all targets met: {r['all_met']}. `{r['command']}`, started {r['started']}.")
+
+
 def overload(r: dict) -> str:
     rows = ["| target | capacity (req/s) | offered (req/s) | sent | ok | served (req/s) | refused (RESOURCE_EXHAUSTED) | "
             "refused by: n (slowest s) | other errors | lost | refusal max / P99 (s) | refused within 1 s | "
@@ -45,7 +66,9 @@ def overload(r: dict) -> str:
                     f"{_f(t['refusal_p99_s'], 3)} | {_f(t['refused_within_1s'] and 100 * t['refused_within_1s'], 1)} % | "
                     f"{_f(t['ok_p95_s'])} |")
     text = "\n".join(rows) + (f"\n\n{r['steps']} denoising steps, denoise queue {r['max_queue']}; all targets met: "
-                              f"{r['all_met']}. `{r['command']}`, started {r['started']}.")
+                              f"{r['all_met']}. `{r['command']}`, started {r['started']}.") if r["targets"] else ""
+    if r.get("flood"):
+        text += ("\n\n" if text else "") + flood(r)
     if r.get("router_ab"):
         ab = ["| pair | router admission | sent | ok | served (req/s) | refused | refused by: n (slowest s) | lost | "
               "refusal max (s) | refused within 1 s | P95 served (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -59,6 +82,22 @@ def overload(r: dict) -> str:
                  "arrivals within a pair):\n\n" + "\n".join(ab) + "\n\nServed per second, mean: " +
                  " / ".join(f"{m} {sum(v) / len(v):.2f}" for m, v in means.items() if v) + ".")
     return text
+
+
+def flood(r: dict) -> str:
+    f = r["flood"]
+    by = ", ".join(f"{k} {v['n']} ({v['max_s']:.2f})" for k, v in f.get("refused_by", {}).items()) or "–"
+    la = f["load_average"]
+    deadline = (f", DEADLINE_MS {f['deadline_ms']} ({f['deadline_exceeded']} answered DEADLINE_EXCEEDED)"
+                if f.get("deadline_ms") else "")
+    return ("| flood | sent | ok | refused | refused by: n (slowest s) | other errors | late | lost | answered max (s) | "
+            "refusal max / P99 (s) | served max / P95 (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+            f"| {f['sent']} in {f['spread_s']:g} s at one server | {f['sent']} | {f['ok']} | {f['refused']} | {by} | "
+            f"{_codes(f['other_errors'])} | {f['late']} | {f['lost']} | {_f(f['answered_max_s'], 3)} | "
+            f"{_f(f['refusal_max_s'], 3)} / {_f(f['refusal_p99_s'], 3)} | {_f(f['ok_max_s'], 3)} / {_f(f['ok_p95_s'])} |"
+            f"\n\n{f['steps']} denoising steps{deadline}, denoise queue {r['max_queue']}, late: answered after "
+            f"{f['within_s']:g} s; load average before {la['before']}, after {la['after']} (1, 5, 15 min); met: "
+            f"{f['met']}. `{r['command']}`, started {r['started']}.")
 
 
 def soak(r: dict) -> str:
@@ -93,7 +132,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    for name, fn in (("chaos", chaos), ("overload", overload), ("soak", soak)):
+    floods = sorted(p.stem for p in args.results.glob("overload_flood*.json"))
+    for name, fn in (("chaos", chaos), ("faults", faults), ("overload", overload), *((f, overload) for f in floods),
+                     ("soak", soak)):
         p = args.results / f"{name}.json"
         if p.exists():
             print(f"### {name} ({p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p})\n")

@@ -1,6 +1,7 @@
 """The system chaos and soak runs drive: supervised Triton instances (the lab's ``cluster.running_backends``) and
-the router as its own process (``python -m maskedit_router``), so the router can be killed and restarted like
-any other part. Everything is stopped by pid on the way out and checked for leftovers."""
+the router as its own process (``python -m maskedit_router``, which starts it as every launcher does), so the router
+can be killed and restarted like any other part. With API keys on the backends are guarded as the lab cluster's
+(``cluster.backend_env``). Everything is stopped by pid on the way out and checked for leftovers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from maskedit import admission
 from maskedit.launcher import free_port
-from maskedit_lab.cluster import running_backends
+from maskedit_common.settings import load_settings
+from maskedit_lab.cluster import backend_env, running_backends
 from maskedit_lab.supervisor import Supervisor
 
 from . import procs
@@ -121,9 +123,19 @@ class Topology:
         return bool(h) and all(b.get("in_rotation") for b in h["backends"])
 
     # -- what is left -----------------------------------------------------------------------------------
-    def leftovers(self) -> dict:
+    def leftovers(self, settle_s: float = 30.0) -> dict:
         """Processes, /dev/shm regions and listening ports of any generation that should be gone: those of
-        parts no longer running (call after a recovery, or after everything stopped)."""
+        parts no longer running (call after a recovery, or after everything stopped). What is still there is looked
+        at again for up to ``settle_s``: a killed process of 500 MB takes seconds to exit on a loaded host (seen:
+        stubs still exiting right after shutdown at load average 12-22), and one that never goes is reported."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            left = self._leftovers()
+            if not any(left.values()) or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.5)
+
+    def _leftovers(self) -> dict:
         boards = self.servers[0].settings.service.admission_dir  # the same for every server
         live_pgids = {s.proc.pid for s in self.servers if s.proc is not None}
         live_shm = {s.shm_prefix for s in self.servers if s.proc is not None}
@@ -159,7 +171,8 @@ def _exit_on_signal(signum, frame):
 def running_topology(instances: int, out: Path, env: dict | None = None, router_args: list | None = None,
                      keys: bool = False):
     """``instances`` supervised Triton servers and the router process in front of them (``keys``: with a key
-    file; the load's key in ``topo.api_key``). SIGTERM and SIGINT end
+    file; the load's key in ``topo.api_key``; the backends then take calls from the router only, and so whenever
+    API keys are on: ``cluster.backend_env``). SIGTERM and SIGINT end
     the run through the clean-up (a background job starts with SIGINT ignored; the servers live in their own
     sessions and would outlive a plain kill of this process)."""
     out = Path(out)
@@ -167,8 +180,12 @@ def running_topology(instances: int, out: Path, env: dict | None = None, router_
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    router_args = list(router_args or [])
+    env = {**(env or {}), **backend_env(out, env, keys=keys or "--api-keys-file" in router_args)}
+    key = load_settings({**os.environ, **env}).security.backend_key_file  # the router reads the rest of them itself
+    router_args = (["--backend-key-file", str(key)] if key else []) + router_args
     try:
-        with _running(instances, out, env, router_args or []) as topo:
+        with _running(instances, out, env, router_args) as topo:
             if keys:
                 with topo.keys_on():
                     yield topo

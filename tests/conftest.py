@@ -1,6 +1,4 @@
-import os
 import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,25 +9,19 @@ from maskedit import samples
 from maskedit.denoise import ModelRunner
 from maskedit.engine import DenoiseEngine
 from maskedit.local import run_job
+from maskedit.scratch import SCRATCH_VARS, make_scratch
 from maskedit.settings import load_settings
 from maskedit.build_model import build
 from maskedit_client import encode_image
 
 # Where the suite's stores, cancel markers and admission files go unless a test names its own: a directory of
-# this run's, removed at its end, so tests never write into (or read from) the host's serving defaults under
-# /dev/shm/maskedit-$UID and ~/.cache/maskedit. Servers the tests start inherit it through the environment.
-_SCRATCH_VARS = {"MASKEDIT_CACHE_MEM_DIR": "activations", "MASKEDIT_CACHE_DISK_DIR": "disk",
-                 "MASKEDIT_CANCEL_DIR": "cancel", "MASKEDIT_ADMISSION_DIR": "admission",
-                 "MASKEDIT_LORA_HOST_DIR": "adapters"}
-
-
+# this run's (``maskedit.scratch``), removed at its end, so tests never write into (or read from) the host's serving
+# defaults under /dev/shm/maskedit-$UID and ~/.cache/maskedit. Servers the tests start inherit it through the
+# environment.
 def pytest_configure(config):
     if getattr(config, "_maskedit_scratch", None) is not None:
         return
-    ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    config._maskedit_scratch = Path(tempfile.mkdtemp(prefix="maskedit-tests-", dir=ram))
-    for var, name in _SCRATCH_VARS.items():
-        os.environ[var] = str(config._maskedit_scratch / name)
+    config._maskedit_scratch = make_scratch("maskedit-tests-", SCRATCH_VARS, override=True)
 
 
 def pytest_unconfigure(config):
@@ -89,3 +81,16 @@ def atol(settings, exact: float) -> float:
 def exact_here(settings) -> bool:
     """Bit-exact comparisons with stock Diffusers hold for float32 on the CPU."""
     return settings.torch_device == "cpu" and settings.dtype == "float32"
+
+
+@pytest.fixture(scope="session")
+def adapters(settings):
+    """The model's LoRA adapter library (what the servers read by default): written as ``make model`` writes it
+    when the model directory has none."""
+    from maskedit_common.loras import library_names
+
+    if not library_names(settings.adapters):
+        from maskedit.build_model import build_adapters
+
+        build_adapters(settings.model_dir)
+    return settings.adapters

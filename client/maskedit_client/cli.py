@@ -1,6 +1,6 @@
 """`maskedit-edit`: edit one image through a running server.
 
-    maskedit-edit --template photo.jpg --mask mask.png --prompt "a red dress" --out result.png
+    maskedit-edit --template photo.jpg --mask mask.png --prompt "a red dress" --out out/result.png
 """
 
 from __future__ import annotations
@@ -38,8 +38,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
     ap.add_argument("--raw", action="store_true", help="return the model's output without keeping the template")
-    ap.add_argument("--out", type=Path, default=Path("result.png"))
-    ap.add_argument("--timeout", type=float, default=600.0)
+    # the stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters")
+    ap.add_argument("--strength", type=float, help="0..1: run the schedule's last steps from the noised template")
+    ap.add_argument("--padding-mask-crop", type=int, metavar="PX",
+                    help="edit a crop around the mask (this many pixels wider) at the model's size, paste it back")
+    ap.add_argument("--guidance-rescale", type=float, help="SDXL: rescale the guided noise prediction (0..1)")
+    ap.add_argument("--true-cfg-scale", type=float, help="Flux inpainting: true CFG with --negative-prompt (> 1)")
+    ap.add_argument("--output-format", choices=("png", "jpeg", "webp"), help="the result's encoding (default png)")
+    ap.add_argument("--output-quality", type=int, help="JPEG / WebP quality, 1..100")
+    ap.add_argument("--out", type=Path, default=None, help="default: result.<output format>")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds the edit may take (retries included)")
+    ap.add_argument("--connect-timeout", type=float, default=5.0,
+                    help="seconds to wait for a first connection before failing with its likely cause")
     ap.add_argument("--deadline-ms", type=int, help="fail fast (DEADLINE_EXCEEDED) if it cannot finish in time")
     ap.add_argument("--temporal", metavar="JSON", help='temporal reuse (step-to-step caching), e.g. '
                     '\'{"policy": "fbcache", "threshold": 0.08}\' or \'{"policy": "steps", "steps": [0, 1, 2, 4, 6]}\'')
@@ -88,13 +98,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
-        with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file) as client:
+        with EditClient(args.url, timeout_s=args.timeout, api_key=api_key, ca_file=args.ca_file,
+                        connect_timeout_s=args.connect_timeout) as client:
             result = client.edit(args.template, args.mask, args.prompt, seed=args.seed, steps=args.steps,
                                  guidance=args.guidance, raw_output=args.raw, on_progress=progress,
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
                                  loras=[_lora_arg(a) for a in args.lora] or None, controls=controls or None,
                                  control_images=list(args.control_image) or None, temporal=args.temporal,
-                                 reference_images=list(args.reference_image) or None)
+                                 reference_images=list(args.reference_image) or None,
+                                 strength=args.strength, padding_mask_crop=args.padding_mask_crop,
+                                 guidance_rescale=args.guidance_rescale, true_cfg_scale=args.true_cfg_scale,
+                                 output_format=args.output_format, output_quality=args.output_quality)
     except EditError as e:
         close_bar(False)
         text = str(e)  # the server's message already starts with its code (and the field at fault)
@@ -105,8 +119,10 @@ def main(argv=None) -> int:
         print(f"error: could not edit via {args.url}: {e}", file=sys.stderr)
         return 1
     close_bar(True)
-    args.out.write_bytes(result.png)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
+    out = args.out or Path(f"result.{'jpg' if args.output_format == 'jpeg' else args.output_format or 'png'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(result.png)
+    print(f"wrote {out} in {time.perf_counter() - t0:.2f}s; {json.dumps(result.info)}")
     return 0
 
 

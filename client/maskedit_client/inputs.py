@@ -57,7 +57,10 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
                 guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                 use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                 progress: bool = False, negative_prompt: str | None = None, loras=None, controls=None,
-                control_images=None, temporal=None, reference_images=None) -> list[grpcclient.InferInput]:
+                control_images=None, temporal=None, reference_images=None, strength: float | None = None,
+                padding_mask_crop: int | None = None, guidance_rescale: float | None = None,
+                true_cfg_scale: float | None = None, output_format: str | None = None,
+                output_quality: int | None = None) -> list[grpcclient.InferInput]:
     """The input tensors of one edit (the arguments as ``EditClient.submit`` documents them); an argument left at
     its default sends no tensor, so the server's default applies."""
     inputs = [bytes_input("TEMPLATE", encode_image(template)), bytes_input("MASK", encode_image(mask)),
@@ -94,4 +97,17 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
         inputs.append(scalar_input("DEADLINE_MS", int(deadline_ms), "INT64", np.int64))
     if progress:
         inputs.append(scalar_input("PROGRESS", True, "BOOL", np.bool_))
+    # the stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters")
+    if strength is not None:
+        inputs.append(scalar_input("STRENGTH", float(strength), "FP64", np.float64))
+    if padding_mask_crop is not None:
+        inputs.append(scalar_input("PADDING_MASK_CROP", int(padding_mask_crop), "INT32", np.int32))
+    if guidance_rescale is not None:
+        inputs.append(scalar_input("GUIDANCE_RESCALE", guidance_rescale, "FP32", np.float32))
+    if true_cfg_scale is not None:
+        inputs.append(scalar_input("TRUE_CFG_SCALE", true_cfg_scale, "FP32", np.float32))
+    if output_format is not None:
+        inputs.append(bytes_input("OUTPUT_FORMAT", output_format.encode()))
+    if output_quality is not None:
+        inputs.append(scalar_input("OUTPUT_QUALITY", int(output_quality), "INT32", np.int32))
     return inputs

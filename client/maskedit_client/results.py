@@ -18,6 +18,9 @@ _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing req
                              r"|expected number of inputs|shape")
 _TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
 _RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
+# Triton's own refusals in front of the first model (its queue policy: full, or waited too long), which carry no
+# status name: the server is full, as a RESOURCE_EXHAUSTED refusal says (maskedit_common.triton_refusals)
+_TRITON_QUEUE = re.compile(r"Exceeds maximum queue size|Request timeout expired")
 
 
 class EditError(Exception):
@@ -34,6 +37,9 @@ class EditError(Exception):
     def from_server(cls, message: str) -> "EditError":
         m = _CODE.search(message)
         if not m:
+            if _TRITON_QUEUE.search(message):
+                return cls(f"RESOURCE_EXHAUSTED: the server's queue is full (refused before any work): {message}",
+                           "RESOURCE_EXHAUSTED")
             # Triton itself rejected the request before our models saw it: missing tensor, wrong dtype or shape.
             if _TRITON_INVALID.search(message):
                 f = _TRITON_FIELD.search(message)

@@ -29,6 +29,7 @@ class RequestField:
     unit: str = ""  # said after the limits in errors ("ms")
     openai: bool = False  # also a form field of /v1/images/edits (``extra_body``), under ``attr``
     dims: tuple[int, ...] = (1,)  # the Triton input's shape: (1,) one value, (-1,) a list (CONTROL_IMAGES)
+    choices: tuple[str, ...] = ()  # text: the values allowed (lower case; matched case-insensitively)
 
     @property
     def optional(self) -> bool:
@@ -84,6 +85,24 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  "FLUX.1 Kontext): reference images (PNG/JPEG bytes or base64) the edit conditions on beside the "
                  "template, the stock pipeline's image_reference (at most max_reference_images; Kontext: one)",
                  dims=(-1,)),
+    # The stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters").
+    # FP64: the pipelines truncate steps x strength to whole steps, so the user's own double decides the step count
+    RequestField("STRENGTH", "strength", float, "FP64", "how far the masked region moves from the template: the "
+                 "schedule starts at step steps - steps*strength of a noised template (the pipelines' strength)",
+                 default=1.0, lo=0.0, hi=1.0, openai=True),
+    RequestField("PADDING_MASK_CROP", "padding_mask_crop", int, "INT32", "edit a crop around the mask, this many "
+                 "pixels wider each side, at the model's size, and paste it back (the pipelines' padding_mask_crop)",
+                 lo=0, hi=1 << 20, unit=" px", openai=True),
+    RequestField("GUIDANCE_RESCALE", "guidance_rescale", float, "FP32", "SDXL: rescale the guided noise "
+                 "prediction toward the text one's deviation (the pipeline's guidance_rescale)", default=0.0, lo=0.0,
+                 hi=1.0, openai=True),
+    RequestField("TRUE_CFG_SCALE", "true_cfg_scale", float, "FP32", "Flux inpainting (FluxInpaintPipeline): "
+                 "classifier-free guidance with NEGATIVE_PROMPT when above 1 (a second transformer row)",
+                 default=1.0, lo=0.0, hi="max_guidance", openai=True),
+    RequestField("OUTPUT_FORMAT", "output_format", str, "STRING", "the IMAGE's encoding: png, jpeg or webp",
+                 default="png", hi=8, openai=True, choices=("png", "jpeg", "webp")),
+    RequestField("OUTPUT_QUALITY", "output_quality", int, "INT32", "jpeg / webp quality (png: ignored; lossless)",
+                 default=95, lo=1, hi=100, openai=True),
 )
 BY_NAME = {f.name: f for f in REQUEST_FIELDS}
 BY_ATTR = {f.attr: f for f in REQUEST_FIELDS}
@@ -116,6 +135,10 @@ def check(f: RequestField, value, settings):
         value = str(value)
         if hi is not None and len(value) > hi:
             raise FieldError(f"has {len(value)} characters, above the limit of {hi}", f.name)
+        if f.choices:
+            if value.lower() not in f.choices:
+                raise FieldError(f"must be one of {', '.join(f.choices)}, got {value[:40]!r}", f.name)
+            value = value.lower()
         return value
     if f.kind is bool:
         return bool(value)

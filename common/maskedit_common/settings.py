@@ -60,6 +60,9 @@ class CacheSettings:
     disk_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "maskedit" / "activations")
     disk_bytes: int = 32 << 30
     disk_free_fraction: float = 0.5
+    # seconds between the store's recovery probes: a shrunk memory budget grows back, a degraded tier is cleared
+    # once it takes a write again (nothing runs while every tier is healthy at its full budget)
+    probe_s: float = 2.0
     budget_bytes: int = 1 << 30
     # An adapter request on a template recorded only without adapters reuses that recording's rows for its
     # unmasked tokens (approximate: they lack the adapters' effect; docs/lora.md measures it) instead of running a
@@ -103,11 +106,13 @@ class ServiceSettings:
 
 @dataclass(frozen=True)
 class SecuritySettings:
-    """The router's callers: API keys and TLS (docs/security.md). None: off (open, plaintext)."""
+    """The router's callers: API keys and TLS; the backends' one caller: the backend key (docs/security.md). None:
+    off (open, plaintext)."""
 
     api_keys_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    backend_key_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_CACHE_DISK_BYTES", "cache.disk_bytes", _bytes, "bytes of the disk tier", "32 GiB"),
     Var("MASKEDIT_CACHE_DISK_FREE_FRACTION", "cache.disk_free_fraction", float, "the disk tier holds at most this "
         "share of the space its filesystem has"),
+    Var("MASKEDIT_CACHE_PROBE_S", "cache.probe_s", float, "seconds between the store's recovery probes: a memory "
+        "budget shrunk by a full filesystem grows back once the space returns, a degraded tier is cleared once a "
+        "test write succeeds"),
     Var("MASKEDIT_CACHE_BUDGET_BYTES", "cache.budget_bytes", _bytes, "activation bytes recorded per template",
         "1 GiB"),
     Var("MASKEDIT_CACHE_LORA_BASE_REUSE", "cache.lora_base_reuse", _flag, "`1`: a request with LoRA adapters on a "
@@ -358,6 +366,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_TLS_CERT", "security.tls_cert", Path, "PEM certificate (chain) of the router's gRPC and HTTP "
         "ports; with `MASKEDIT_TLS_KEY`: TLS on them", "none"),
     Var("MASKEDIT_TLS_KEY", "security.tls_key", Path, "PEM private key of that certificate", "none"),
+    Var("MASKEDIT_BACKEND_KEY_FILE", "security.backend_key_file", Path, "a file holding the backends' shared secret: "
+        "Triton then refuses every call but health without it in a header, which the router and the endpoint picker "
+        "add (docs/security.md); unset: the backends take any caller (the launchers make one when API keys are on)",
+        "none"),
     # not a setting
     Var("MASKEDIT_PYTHONPATH", "", str, "set by the launcher and the container, not by hand: import paths the "
         "Triton model shims put first on `sys.path` (the stub ignores `PYTHONPATH`); read by the shims before "

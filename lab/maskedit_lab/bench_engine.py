@@ -13,6 +13,11 @@ if every GEMM/attention ran at the speed the stock kernels reach at its shape he
 with weights streamed from memory as in a real step; see ``kernel_ceiling.py``), and fidelity against full
 (SSIM/PSNR of the decoded images, whole image and unmasked region). Writes JSON and a plot.
 
+A second table puts PADDING_MASK_CROP side by side with the uncropped edit on a large template (2048² with a 10 %
+box mask by default: ``--crop-template``, ``--crop-ratio``, ``--crop-pad``; 0 leaves it out): both at the model's
+size, in full and from the cache, with the tokens each computes and the model pixels per template pixel each edits
+the masked region at (the crop's detail).
+
     maskedit-bench-engine                                              # CPU, bench preset -> engine.json
     maskedit-bench-engine --preset flux-dev --device cuda --dtype bfloat16 --steps 8   # -> engine_<gpu>.json
 
@@ -34,14 +39,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from maskedit import samples
 from maskedit.cache.cost_model import device_slug
 from maskedit.decode import Decoder
-from maskedit.local import run_job
+from maskedit.local import denoise_inputs, run_job
+from maskedit.params import parse_params
 from maskedit_common.cost_model import CostModel
 from maskedit_common.flops import edges, ideal_speedup
 
 from . import REPO_ROOT
-from .harness import Harness
+from .harness import Harness, png
 from .kernel_ceiling import KernelTimer
 
 RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -165,6 +172,87 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
     return rows
 
 
+def crop_rows(h: Harness, side: int = 2048, ratio: float = 0.1, pad: int = 32, reps: int = 3) -> list[dict]:
+    """PADDING_MASK_CROP against the uncropped edit of one large template (a ``ratio`` box mask), both registered
+    first: ``full`` (cache off) and ``planner`` (a hit) each. The crop runs at the model's size like the whole
+    template, so its gain is detail (model pixels per template pixel in the mask) and its cost the larger share of
+    its tokens the mask covers (what a hit computes)."""
+    tpl, mask = samples.template(side, side, seed=5), samples.mask(side, side, ratio, "box", seed=5)
+
+    def inputs(crop: bool, register: bool = False, m=mask):
+        params = parse_params(h.settings, "a red dress", steps=h.steps, register=register,
+                              padding_mask_crop=pad if crop else None)
+        return h.pre(png(tpl), png(m), params)
+
+    eng, rt = h.engine("planner")
+    try:  # the template run of each: the whole template (empty mask), the crop (its box comes from the mask)
+        run_job(eng, denoise_inputs(inputs(False, True, np.zeros_like(mask))))
+        run_job(eng, denoise_inputs(inputs(True, True)))
+        rt.flush(timeout=1800)
+    finally:
+        eng.shutdown()
+        rt.close()
+    engines = {m: h.engine(MODES[m][0]) for m in ("full", "planner")}
+    rows, times, jobs = [], {}, {}
+    try:
+        prepared = {v: inputs(v == "crop") for v in ("whole", "crop")}
+        for _ in range(reps):  # interleaved, as the main table
+            for v, p in prepared.items():
+                for m, (e, _) in engines.items():
+                    job = jobs[(v, m)] = run_job(e, denoise_inputs(p))
+                    times.setdefault((v, m), []).append(job.finished_at - job.started_at)
+    finally:
+        for e, r in engines.values():
+            e.shutdown()
+            if r is not None:
+                r.close()
+    base = statistics.median(times[("whole", "full")])
+    for (v, m), job in jobs.items():
+        p, jc = prepared[v], job.cache
+        width = (p.crop[2] - p.crop[0]) if p.crop else side
+        d = statistics.median(times[(v, m)])
+        rows.append({
+            "case": "padding_mask_crop", "variant": v, "mode": m, "template": side, "mask_area": ratio,
+            "pad": pad if v == "crop" else None, "crop": list(p.crop) if p.crop else None, "denoise_s": round(d, 5),
+            "speedup_vs_whole_full": round(base / d, 3), "tokens": int(p.token_mask.size),
+            "mask_tokens": int(p.token_mask.sum()), "computed_tokens": int(jc.idx_c.numel())
+            if jc is not None and jc.idx_c is not None else int(p.token_mask.size),
+            "cache": jc.status if jc else "off", "model_px_per_template_px": round(p.model_w / width, 3),
+            "steps": h.steps, "device": device_slug(h.runner.device), "dtype": h.settings.dtype})
+    return rows
+
+
+def crop_table(rows: list[dict]) -> str:
+    lines = ["| template | variant | mode | denoise s | vs whole full | tokens | mask tokens | computed | cache "
+             "| model px / template px |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['template']}² {r['mask_area']:.0%} | {r['variant']}"
+                     f"{'' if r['pad'] is None else ' pad ' + str(r['pad'])} | {r['mode']} | {r['denoise_s']:.3f} | "
+                     f"{r['speedup_vs_whole_full']:.2f} | {r['tokens']} | {r['mask_tokens']} | {r['computed_tokens']}"
+                     f" | {r['cache']} | {r['model_px_per_template_px']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot_crop(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['variant']} {r['mode']}" for r in rows]
+    bars = ax.bar(labels, [r["denoise_s"] for r in rows], color=["C0" if r["variant"] == "whole" else "C1" for r in rows])
+    for b, r in zip(bars, rows):
+        ax.annotate(f"{r['computed_tokens']} tok\n{r['model_px_per_template_px']:.2f} px/px",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    t = rows[0]
+    ax.margins(y=0.2)
+    ax.set(ylabel="denoise s / image", title=f"padding_mask_crop on a {t['template']}² template, "
+           f"{t['mask_area']:.0%} mask ({t['device']}, {t['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -223,10 +311,19 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-gib", type=float, default=8.0, help="activation bytes recorded per template (Y first, "
                     "then keys/values); FLUX.1 size at 8 steps needs ~11.5 GiB for Y in every block, twice that for KV")
     ap.add_argument("--out", type=Path, default=None, help="default: results/engine.json, engine_<gpu>.json on a GPU")
+    ap.add_argument("--crop-template", type=int, default=2048, help="side of the PADDING_MASK_CROP table's template "
+                    "(0: no such table)")
+    ap.add_argument("--crop-ratio", type=float, default=0.1, help="its mask's share of the template")
+    ap.add_argument("--crop-pad", type=int, default=32, help="its PADDING_MASK_CROP")
     args = ap.parse_args(argv)
     t0 = time.time()
     rows = run(args.ratios, reps=args.reps, steps=args.steps, preset=args.preset, device=args.device,
                dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
+    cropped = []
+    if args.crop_template:
+        h = Harness.create(None, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype,
+                           budget_bytes=int(args.budget_gib * (1 << 30)))
+        cropped = crop_rows(h, args.crop_template, args.crop_ratio, args.crop_pad, args.reps)
     hw = rows[0]["device"] if rows else "cpu"
     name = "engine" if args.preset in ("bench", "flux-dev", "flux-width") else f"engine_{args.preset}"
     out = args.out or RESULTS / (f"{name}.json" if hw == "cpu" else f"{name}_{hw}.json")
@@ -235,9 +332,12 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "preset": args.preset,
             "device": hw, "dtype": rows[0]["dtype"] if rows else None,
             "gpu": torch.cuda.get_device_name() if hw != "cpu" else None}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": cropped}, indent=1))
     plot(rows, out.with_suffix(".png"))
     print(markdown_table(rows))
+    if cropped:
+        plot_crop(cropped, out.with_name(out.stem + "_crop.png"))
+        print(crop_table(cropped))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -142,8 +142,12 @@ def _metrics(servers) -> list[dict[tuple, float]]:
     out = []
     for s in servers:
         text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).read().decode()
-        out.append({(x.name, *x.labels.values()): x.value
-                    for family in text_string_to_metric_families(text) for x in family.samples})
+        m: dict[tuple, float] = {}
+        for family in text_string_to_metric_families(text):
+            for x in family.samples:  # summed over the model processes that count the same thing
+                key = (x.name, *(v for k, v in x.labels.items() if k not in ("model", "store")))
+                m[key] = m.get(key, 0.0) + x.value
+        out.append(m)
     return out
 
 

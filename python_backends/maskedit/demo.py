@@ -1,8 +1,8 @@
 """`make demo`: serve the embedded default model with a real tritonserver and edit a sample template.
 
-Builds the tiny model if missing, starts tritonserver on free ports, sends three edits (small, medium and
-large masks) through the gRPC client, writes results and a contact sheet to ``out/``, prints the
-per-request latency and stops the server.
+Builds the tiny model if missing, writes the example inputs (``samples.write_examples``) to ``out/``, starts
+tritonserver on free ports, sends three edits (small, medium and large masks) through the gRPC client, writes
+results and a contact sheet to ``out/``, prints the per-request latency and stops the server.
 """
 
 from __future__ import annotations
@@ -11,19 +11,18 @@ import argparse
 import time
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from . import samples
 from .launcher import TritonServer
+from .scratch import SCRATCH_VARS, run_scratch
 from .build_model import main as build_model
 from .settings import REPO_ROOT, load_settings
 
-EDITS = [  # (name, mask shape, mask area ratio, prompt)
-    ("small_box", "box", 0.05, "a yellow sun hat"),
-    ("medium_blob", "blob", 0.2, "a mountain lake with pine trees"),
-    ("large_person", "person", 0.4, "a green jacket and white trousers"),
-]
+PROMPTS = {"small_box": "a yellow sun hat", "medium_blob": "a mountain lake with pine trees",
+           "large_person": "a green jacket and white trousers"}  # one per example mask (samples.EXAMPLE_MASKS)
 
 
 def contact_sheet(rows: list[tuple[Image.Image, Image.Image, Image.Image, str]]) -> Image.Image:
@@ -51,21 +50,21 @@ def main(argv=None) -> None:
     if not (settings.model_dir / "model_index.json").exists():
         print(f"building the tiny {args.family} model in {settings.model_dir}")
         build_model([str(settings.model_dir), "--family", args.family])
-    args.out.mkdir(parents=True, exist_ok=True)
-    tpl = samples.template()
-    tpl.save(args.out / "template.png")
+    tpl = samples.write_examples(args.out, args.seed)  # template, masks and edges.png: the docs' inputs too
 
     print("starting tritonserver ...", flush=True)
     t0 = time.perf_counter()
-    with TritonServer(log_path=args.out / "tritonserver.log") as server:
+    # Its store (both tiers), cancel markers, admission board and adapter cache in one directory removed at the end:
+    # the demo leaves nothing behind but out/.
+    with run_scratch(SCRATCH_VARS), TritonServer(log_path=args.out / "tritonserver.log") as server:
         print(f"ready in {time.perf_counter() - t0:.1f}s: gRPC {server.grpc_url}, HTTP {server.http_url}")
         rows, lines = [], []
         with EditClient(server.grpc_url) as client:
             # Warm up, and record the template's activations so the edits below compute only their masks.
             client.register_template(tpl)
-            for name, shape, ratio, prompt in tqdm(EDITS, desc="edits", unit="edit"):
-                m = samples.mask(*tpl.size, ratio, shape, seed=args.seed)
-                Image.fromarray(m).save(args.out / f"mask_{name}.png")
+            for name, _, _ in tqdm(samples.EXAMPLE_MASKS, desc="edits", unit="edit"):
+                prompt = PROMPTS[name]
+                m = np.asarray(Image.open(args.out / f"mask_{name}.png"))
                 r = client.edit(tpl, m, prompt, seed=args.seed)
                 r.image.save(args.out / f"result_{name}.png")
                 rows.append((tpl, Image.fromarray(m), r.image.convert("RGB"), f"{name}: {prompt}"))

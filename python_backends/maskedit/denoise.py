@@ -44,6 +44,11 @@ class DenoiseInputs:
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
     controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)
+    # STRENGTH < 1: the schedule's step it starts at (the stock ``get_timesteps``' ``t_start``); it runs
+    # ``steps - first_step`` steps, the stock schedule's last ones
+    first_step: int = 0
+    guidance_rescale: float = 0.0  # SDXL's ``guidance_rescale``
+    true_cfg_scale: float = 1.0  # FluxInpaintPipeline's true classifier-free guidance (with a negative text row)
     temporal: Any = None  # its temporal reuse: a ``maskedit_common.temporal.TemporalSpec`` or its dict (None: off)
     # In-context edit models: reference image tokens beyond the template, (R, C) in the family's layout, and each
     # image's token grid (rows, cols) (``ModelFamily.prepare_references``); None / () without any.
@@ -96,9 +101,26 @@ class DenoiseJob:
     control_cache: tuple = ()  # its controls' ``JobCache`` each, where cached beside it (``cache.controlnet``)
     temporal: Any = None  # its ``maskedit.temporal.TemporalState`` once admitted (None: no temporal reuse)
 
+    def __post_init__(self):
+        self.step_index = self.first_step  # a strength < 1 edit starts into the schedule
+
     @property
     def steps(self) -> int:
         return self.inputs.steps
+
+    @property
+    def first_step(self) -> int:
+        return getattr(self.inputs, "first_step", 0)
+
+    @property
+    def run_steps(self) -> int:
+        """Steps this request runs (the stock pipeline's ``len(timesteps)`` after ``strength``)."""
+        return self.inputs.steps - self.first_step
+
+    @property
+    def run_index(self) -> int:
+        """Its place in the steps it runs (the stock loop's ``i``: ControlNet windows and progress count these)."""
+        return self.step_index - self.first_step
 
     @property
     def deadline(self) -> float | None:
@@ -225,12 +247,13 @@ class ModelRunner:
         elif job.decision is None and ((job.inputs.loras and (not self.family.adapters_in_masked_path
                                                               or self.settings.lora_early_start))
                                        or (job.inputs.controls and not self._controls_cached())
-                                       or not self.family.runs_cached(job.inputs)):
+                                       or not self.family.runs_cached(job.inputs)
+                                       or getattr(job.inputs, "true_cfg_scale", 1.0) > 1):
             # This family's cached (masked) block paths do not add adapter deltas or ControlNet residuals (or its
             # ControlNets run in the ``controlnet`` model, out of the cache's reach), or cannot serve this request
             # at all (``ModelFamily.runs_cached``): such a request runs in full.
             # Under early start its first steps may run without its adapters: never recorded under (or served from)
-            # its adapter set's key.
+            # its adapter set's key. TRUE_CFG_SCALE's negative row would need entries of its own text: in full.
             from .cache.decision import CacheDecision
 
             job.decision = CacheDecision("off", job.inputs.cache_key)
@@ -249,6 +272,8 @@ class ModelRunner:
         self.load_adapters(job)
         self.load_controls(job)
         self.family.prepare_job(self, job)
+        if job.inputs.first_step and hasattr(job.scheduler, "set_begin_index"):
+            job.scheduler.set_begin_index(job.inputs.first_step)  # as the stock get_timesteps sets it
         self._admit_cache(job)
         temporal.admit(self, job)  # after the cache decision: a template run computes every block
 
@@ -267,7 +292,7 @@ class ModelRunner:
         if self.cache is not None:
             self.cache.corrupt(job, error)
         job.restarts += 1
-        job.step_index, job.latents, job.cache, job.tensors = 0, None, None, None
+        job.step_index, job.latents, job.cache, job.tensors = job.first_step, None, None, None
         job.decision = None
         if job.restarts > 1 and self.cache is not None:
             from .cache.decision import CacheDecision
@@ -339,6 +364,8 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has shape {tuple(x.reference.shape)}; its grids {list(x.reference_grids)} and "
                                f"LATENTS' width {x.latents.shape[1]} need ({grids}, {x.latents.shape[1]})",
                                "REFERENCE")
+    if not 0 <= x.first_step < x.steps:
+        raise InvalidInput(f"leaves no step to run: it starts at step {x.first_step} of {x.steps}", "STRENGTH")
 
 
 def _plain_split(group: list[DenoiseJob], adapters_masked: bool, controls_masked: bool = False

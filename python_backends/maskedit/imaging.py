@@ -16,8 +16,8 @@ from maskedit_common.wire import maybe_base64  # shared with the router
 
 from .errors import InvalidInput
 
-__all__ = ["ASPECT_TOLERANCE", "binary_mask", "composite", "decode_image", "encode_png", "maybe_base64", "model_size",
-           "soft_mask", "token_mask"]
+__all__ = ["ASPECT_TOLERANCE", "binary_mask", "composite", "decode_image", "encode_image", "encode_png", "maybe_base64",
+           "model_size", "soft_mask", "token_mask"]
 
 # Aspect ratios closer than this are "the same" when a mask is resized onto its template.
 ASPECT_TOLERANCE = 0.01
@@ -112,7 +112,19 @@ def composite(template: np.ndarray, generated: np.ndarray, alpha: np.ndarray) ->
 
 
 def encode_png(rgb: np.ndarray | Image.Image) -> bytes:
+    return encode_image(rgb)
+
+
+def encode_image(rgb: np.ndarray | Image.Image, fmt: str = "png", quality: int = 95) -> bytes:
+    """The response image in OUTPUT_FORMAT (png, jpeg, webp; Pillow's encoders) at OUTPUT_QUALITY (jpeg, webp)."""
     img = rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb)
     buf = io.BytesIO()
-    img.save(buf, format="PNG", compress_level=1)  # fast: PNG encoding is on the response path
+    if fmt == "png":
+        img.save(buf, format="PNG", compress_level=1)  # fast: PNG encoding is on the response path
+    elif fmt == "jpeg":
+        img.save(buf, format="JPEG", quality=int(quality))
+    elif fmt == "webp":
+        img.save(buf, format="WEBP", quality=int(quality))
+    else:
+        raise InvalidInput(f"must be png, jpeg or webp, got {fmt!r:.40}", "OUTPUT_FORMAT")
     return buf.getvalue()

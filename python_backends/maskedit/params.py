@@ -34,6 +34,13 @@ class EditParams:
     loras: tuple = ()  # LoRA adapters (``maskedit_common.loras.LoraRef``: name, scale), parsed from LORAS' JSON
     controls: tuple = ()  # ControlNets (``maskedit_common.controls.ControlSpec``), parsed from CONTROLS' JSON
     temporal: TemporalSpec = OFF  # temporal reuse (``maskedit_common.temporal``), parsed from TEMPORAL's JSON
+    # The stock pipelines' own parameters (docs/api.md, "Diffusers parameters")
+    strength: float = 1.0  # the schedule starts steps - steps * strength into a noised template
+    padding_mask_crop: int | None = None  # edit a crop around the mask (None: the whole template)
+    guidance_rescale: float = 0.0  # SDXL's rescale of the guided noise prediction
+    true_cfg_scale: float = 1.0  # FluxInpaintPipeline's classifier-free guidance with the negative prompt
+    output_format: str = "png"  # the IMAGE's encoding: png, jpeg, webp
+    output_quality: int = 95  # jpeg / webp quality
 
 
 assert {f.attr for f in PARAMS} == set(EditParams.__dataclass_fields__), "EditParams and the schema must agree"

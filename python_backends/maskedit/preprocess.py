@@ -25,6 +25,7 @@ from .controlnets.job import ControlInput
 from .controlnets.library import ControlNetLibrary
 from .errors import InvalidInput
 from .params import EditParams
+from .schedule import first_step
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class PreparedEdit:
     base_cache_key: str = ""  # with adapters: the key the same request has without them (``lora_base_reuse``)
     loras: tuple = ()  # its adapters checked against the library: ``ResolvedRef`` (name, scale, digest)
     controls: tuple = ()  # its ControlNets: ``controlnets.job.ControlInput`` (spec + the family's prepared image)
+    first_step: int = 0  # STRENGTH < 1: the schedule step it starts at (``schedule.first_step``)
+    crop: tuple | None = None  # PADDING_MASK_CROP: (x1, y1, x2, y2) of the template the model edits, else None
     # Model tensors; empty (0 rows) when the mask is empty and the model is skipped.
     latents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (tokens, C) packed
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
@@ -63,6 +66,13 @@ class PreparedEdit:
     @property
     def empty_mask(self) -> bool:
         return not self.token_mask.any()
+
+    @property
+    def true_cfg_scale(self) -> float:
+        """TRUE_CFG_SCALE as the denoiser applies it: with a negative row only (``FluxInpaintPipeline``'s
+        ``do_true_cfg``), else 1 (none)."""
+        p = self.params
+        return p.true_cfg_scale if p.true_cfg_scale > 1 and p.negative_prompt else 1.0
 
     @property
     def skip_model(self) -> bool:
@@ -104,34 +114,49 @@ class Preprocessor:
             if n_tokens > s.max_sequence_length:
                 raise InvalidInput(
                     f"is {n_tokens} tokens long, above the model's limit of {s.max_sequence_length}", field)
-        if params.negative_prompt and not self.family.negative_prompt:
+        if params.negative_prompt and not self.family.uses_negative_prompt(params):
+            hint = " unless TRUE_CFG_SCALE is above 1" if "true_cfg_scale" in self.family.served_options() else ""
             raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (their guidance is "
-                               "embedded: there is no negative row); leave it out", "NEGATIVE_PROMPT")
+                               f"embedded: there is no negative row{hint}); leave it out", "NEGATIVE_PROMPT")
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
         controls = self._decode_controls(params.controls, control_images)
         references = self._decode_references(reference_images)
+        first = first_step(self.family.pipeline_class(), params.steps, params.strength)
+        self.family.check_options(params)
+        if params.padding_mask_crop is not None and params.controls:
+            # the ControlNet pipelines crop the control images too, each its own way: not served yet (docs/api.md)
+            raise InvalidInput("is not served with CONTROLS yet (the control images would need the crop too); "
+                               "leave one of them out", "PADDING_MASK_CROP")
         w, h = self.family.model_size(*tpl.size, s)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
-        mask_t = self.pipe.mask_processor.preprocess(mask_img, height=h, width=w)  # (1,1,h,w) in {0,1}
+        # PADDING_MASK_CROP: the stock pipelines' crop around the mask, widened to the model's aspect, resized to the
+        # model's size ("fill"); the result is pasted back at the crop by decoding (``Decoder.finish``)
+        crop = self.pipe.mask_processor.get_crop_region(mask_img, w, h, pad=params.padding_mask_crop) \
+            if params.padding_mask_crop is not None and binary.any() else None
+        fit = {"crops_coords": crop, "resize_mode": "fill"} if crop is not None else {}
+        mask_t = self.pipe.mask_processor.preprocess(mask_img, height=h, width=w, **fit)  # (1,1,h,w) in {0,1}
         tokens = imaging.token_mask(mask_t[0, 0].numpy(), self.patch)
         prepared = PreparedEdit(
             params=params, model_w=w, model_h=h, template_rgb=template_rgb,
             alpha=imaging.soft_mask(binary, s.feather_px), token_mask=tokens,
             template_hash=hashlib.sha256(template_rgb.tobytes()).hexdigest()[:32], was_base64=was_b64, loras=loras,
+            first_step=first, crop=None if crop is None else tuple(int(v) for v in crop),
         )
         if params.use_cache:
+            # STRENGTH: where the family blends the template back every step, not in the key (an entry serves every
+            # edit starting at its first step or later, ``cache.decision.fits``); elsewhere the first step is.
+            # The crop is: its pixels are the model's template. The reference images are: their rows are the entry's.
+            start = 0 if self.family.blends_unmasked else first
             ref_digests = [image_digest(img) for img in references]
-            prepared.cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
-                                           params.guidance, params.template_seed, self.scheduler_config, s.dtype,
-                                           adapters=[(r.name, r.scale, r.digest) for r in loras],
-                                           controls=self._control_identities(controls),
-                                           references=ref_digests)
+            key = lambda **kw: cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,  # noqa: E731
+                                         params.guidance, params.template_seed, self.scheduler_config, s.dtype,
+                                         references=ref_digests, crop=prepared.crop, first_step=start, **kw)
+            prepared.cache_key = key(adapters=[(r.name, r.scale, r.digest) for r in loras],
+                                     controls=self._control_identities(controls))
             if loras:
-                prepared.base_cache_key = cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,
-                                                    params.guidance, params.template_seed, self.scheduler_config,
-                                                    s.dtype, references=ref_digests)
+                prepared.base_cache_key = key()
         if prepared.skip_model:
             return prepared  # nothing to edit: the template comes back without running the model
         if self.store is not None and prepared.cache_key:
@@ -139,7 +164,7 @@ class Preprocessor:
             if prepared.base_cache_key and s.cache.lora_base_reuse:
                 self.store.prefetch(prepared.base_cache_key)
 
-        init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w).to(dtype=torch.float32)
+        init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w, **fit).to(dtype=torch.float32)
         t = self.family.prepare(self.pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, s)
         prepared.controls = tuple(
             ControlInput(spec, _np(self.family.prepare_control_image(self.pipe, img, w, h, s)))

@@ -75,6 +75,24 @@ RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's queue in front of a model: at most ``max_size`` requests wait; the next is refused at once by Triton
+    ("Exceeds maximum queue size", before the model does any work). No timeout: Triton's timeout refusal ("Request
+    timeout expired") names no request id, so a client with several requests on one stream could not tell whose it
+    is (tried: every one of them was lost to the client)."""
+
+    max_size: int
+
+
+# The ensemble's first step: a request that cannot be admitted is refused in front of pre-processing (image decoding,
+# the VAE and text encoders), never after it, and the refusal's time does not grow with a flood: 16 wait at most, so
+# the longest wait is 16 pre-processings (~0.1-0.6 s each here; a few ms each for requests its early admission check
+# refuses while the denoise queue is full, ``maskedit.admission``). One that passes then meets the denoise queue's
+# bound (MASKEDIT_MAX_QUEUE).
+PREPROCESS_QUEUE = QueuePolicy(max_size=16)
+
+
+@dataclass(frozen=True)
 class Model:
     name: str
     inputs: list[T]
@@ -82,11 +100,12 @@ class Model:
     decoupled: bool = False
     instances: int = 1
     parameters: dict = field(default_factory=dict)
+    queue: QueuePolicy | None = None  # None: Triton's default, an unbounded queue without timeout
 
 
 def models() -> list[Model]:
     return [
-        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1),
+        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1, queue=PREPROCESS_QUEUE),
         Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
         Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
         Model("cancel", [T("REQUEST_IDS", "STRING", (-1,))], [T("CANCELLED", "INT32", (1,))]),
@@ -112,6 +131,9 @@ def render_model(m: Model, kind: str) -> str:
         parts.append("model_transaction_policy {\n  decoupled: true\n}")
     parts += [_tensors("input", m.inputs), _tensors("output", m.outputs)]
     parts.append(f"instance_group [\n  {{\n    count: {m.instances}\n    kind: KIND_{kind.upper()}\n  }}\n]")
+    if m.queue is not None:  # a dynamic_batching block is where Triton keeps a queue policy (no batching: size 0)
+        parts.append(f"dynamic_batching {{\n  default_queue_policy {{\n    max_queue_size: {m.queue.max_size}\n"
+                     "  }\n}")
     for k, v in m.parameters.items():
         parts.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}')
     return "\n".join(parts) + "\n"

@@ -1,4 +1,4 @@
-"""Synthetic templates and masks: the demo's inputs and the load generator's mask shapes.
+"""Synthetic templates and masks: the demo's and the docs' example inputs and the load generator's mask shapes.
 
 Masks come in the three shapes real edit traffic has (InstGenIE's workloads): boxes (object replacement),
 blobs (retouching), person-shaped regions (virtual try-on), each scaled to a requested area ratio.
@@ -7,6 +7,7 @@ blobs (retouching), person-shaped regions (virtual try-on), each scaled to a req
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -88,3 +89,29 @@ SHAPES = {"box": box_mask, "blob": blob_mask, "person": person_mask}
 
 def mask(width: int, height: int, ratio: float, shape: str = "blob", seed: int = 0) -> np.ndarray:
     return SHAPES[shape](width, height, ratio, np.random.default_rng(seed))
+
+
+# The example inputs of README and docs/: (name, mask shape, area ratio); `make demo` edits each.
+EXAMPLE_MASKS = [("small_box", "box", 0.05), ("medium_blob", "blob", 0.2), ("large_person", "person", 0.4)]
+
+
+def write_examples(out: str | Path, seed: int = 7) -> Image.Image:
+    """Write the examples' inputs to ``out`` (``make demo`` and ``make serve`` write them to out/): template.png,
+    mask_<name>.png (white = edit) and edges.png (the template's canny edge map, a ControlNet control image, as the
+    server's ``canny`` preprocessor makes it). Returns the template."""
+    from .controlnets.preprocessors import canny
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tpl = template()
+    tpl.save(out / "template.png")
+    for name, shape, ratio in EXAMPLE_MASKS:
+        Image.fromarray(mask(*tpl.size, ratio, shape, seed=seed)).save(out / f"mask_{name}.png")
+    canny(tpl).save(out / "edges.png")
+    return tpl
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_examples(sys.argv[1] if len(sys.argv) > 1 else "out")

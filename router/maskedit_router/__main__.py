@@ -14,10 +14,12 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tritonclient.grpc import service_pb2_grpc
 
+from maskedit_common import backend_guard
 from maskedit_common.cost_model import CostModel
 from maskedit_common.logs import JsonFormatter
 from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
@@ -35,7 +37,7 @@ from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
 from .backend import CHANNEL_OPTIONS
 from .server import Router
 from .tenancy import FairQueue
-from .tls import TlsFiles
+from .tls import TlsFiles, handshake_failed
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
 
@@ -58,7 +60,8 @@ def default_profile() -> Path:
 def build(addrs, policy="predicted", profile: Path | None = None, resolution: int | None = None,
           admission_wait_s: float = 0.6, retry_budget_s: float = 30.0, load_factor: float = 1.25,
           vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64,
-          lora_load_ms: float = policies.LORA_LOAD_MS, max_inflight: int = 256, max_inflight_per_backend: int = 32):
+          lora_load_ms: float = policies.LORA_LOAD_MS, max_inflight: int = 256, max_inflight_per_backend: int = 32,
+          backend_key: str | None = None):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
@@ -67,7 +70,8 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
     ``weighted`` (``policies.WeightedScorers``); ``mem_templates`` / ``disk_templates`` are the backends' store
     capacities in entries, which the router's shadow of each store uses; ``lora_load_ms`` the cold load of one LoRA
     adapter a backend was not recently routed; ``max_inflight`` / ``max_inflight_per_backend`` bound the requests in
-    flight (more are refused with RESOURCE_EXHAUSTED)."""
+    flight (more are refused with RESOURCE_EXHAUSTED); ``backend_key`` the key every call to a backend carries
+    (``backend_guard``)."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
@@ -75,7 +79,8 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
     est = policies.Estimator(cost, lora_load_ms=lora_load_ms)
     router = Router(addrs, policies.make(policy, est, load_factor=load_factor, vnodes=vnodes, weights=weights), est,
                     resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s,
-                    max_inflight=max_inflight, max_inflight_per_backend=max_inflight_per_backend)
+                    max_inflight=max_inflight, max_inflight_per_backend=max_inflight_per_backend,
+                    backend_key=backend_key)
     router.store_capacity = (mem_templates, disk_templates)
     for b in router.backends.values():
         b.load.mem_templates, b.load.disk_templates = mem_templates, disk_templates
@@ -195,6 +200,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-cert", type=Path, default=sec.tls_cert, help="PEM certificate of the gRPC, HTTP and "
                     "OpenAI ports (default: MASKEDIT_TLS_CERT); with --tls-key they serve TLS only")
     ap.add_argument("--tls-key", type=Path, default=sec.tls_key, help="its PEM private key (MASKEDIT_TLS_KEY)")
+    ap.add_argument("--backend-key-file", type=Path, default=sec.backend_key_file, help="the backends' shared "
+                    "secret (default: MASKEDIT_BACKEND_KEY_FILE): sent on every call to a backend and set by the "
+                    "endpoint picker on what the gateway sends on, for Tritons started with it (they refuse calls "
+                    "without it)")
     ap.add_argument("--fair-share-slots", type=int, default=0, help="edits the router lets into each backend at "
                     "once (its batch, about); more wait in the router's fair queue and go in weighted fair order "
                     "of their tenants (key-file weights) (0: off, no queue in the router)")
@@ -207,75 +216,131 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
-    try:
-        limits = StreamLimits(args.max_streams, args.max_streams_per_connection, args.stream_idle_timeout_s)
-        picker_limits = StreamLimits(args.picker_max_streams, args.picker_max_streams, args.picker_idle_timeout_s)
-        http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
-        weights = policies.parse_weights(args.weights)
-        policies.WeightedScorers(weights)  # checked at start
-        if args.chwbl_load_factor < 1:
-            raise ValueError(f"--chwbl-load-factor: must be >= 1, got {args.chwbl_load_factor}")
-        tls = TlsFiles.of(args.tls_cert, args.tls_key)
-        keyring = Keyring(args.api_keys_file)  # a bad file stops the start here, naming its line
-    except ValueError as e:
-        parser().error(str(e))
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter("router"))
-    logging.getLogger("maskedit").addHandler(handler)
-    logging.getLogger("maskedit").setLevel(logging.INFO)
+@dataclass
+class RunningRouter:
+    """A router started by ``start``: its parts, and ``stop()``."""
 
-    def read_backends():
-        if args.backends:
-            return discovery.from_list(args.backends)
-        if args.backends_dns:
-            return discovery.from_dns(args.backends_dns)
-        return discovery.from_file(args.backends_file)
+    args: argparse.Namespace
+    router: Router
+    keyring: Keyring
+    port: int  # the bound gRPC port
+    server: object
+    httpd: object
+    checker: HealthChecker
+    watcher: AdmissionWatcher | None
+    openai: OpenAIServer | None
+    ext_proc: tuple | None
 
-    router = build(read_backends(), args.policy, args.profile, args.resolution, args.admission_wait_s,
+    @property
+    def url(self) -> str:
+        return f"{self.args.host}:{self.port}"
+
+    def describe(self) -> dict:
+        a = self.args
+        return {"router": self.url, "http": a.http_port, "policy": a.policy, "admission_wait_s": a.admission_wait_s,
+                "api_keys": self.keyring.enabled, "tls": bool(a.tls_cert), "backend_key": bool(a.backend_key_file),
+                "fair_share_slots": a.fair_share_slots, "openai": self.openai.port if self.openai else None,
+                "ext_proc": self.ext_proc[1] if self.ext_proc else None, "backends": list(self.router.backends)}
+
+    def stop(self) -> None:
+        self.keyring.stop()
+        self.checker.stop()
+        if self.router.fair is not None:
+            self.router.fair.stop()
+        if self.watcher:
+            self.watcher.stop()
+        if self.ext_proc:
+            self.ext_proc[0].stop(grace=5).wait(10)
+        if self.openai:
+            self.openai.stop()
+        self.server.stop(grace=5).wait(10)
+        if self.httpd:
+            self.httpd.shutdown()
+
+
+def _log_to_stderr() -> None:
+    """The router's JSON log lines on stderr, once per process, unless the process set up its logging already (a
+    test runner, an embedding program): then its handlers get them."""
+    root = logging.getLogger("maskedit")
+    configured = logging.getLogger().handlers or root.handlers
+    if not configured:
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter("router"))
+        root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
+def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter:
+    """Start the router as ``args`` (``parser()``'s) say: the one place a router is started, by
+    ``python -m maskedit_router`` and by every launcher (``make serve INSTANCES=N``, the lab cluster, the load and
+    chaos tools), so the settings' API keys, TLS and backend key apply everywhere. ``health``: the health checker's
+    intervals (tests). A bad setting raises ValueError naming it (never a key)."""
+    limits = StreamLimits(args.max_streams, args.max_streams_per_connection, args.stream_idle_timeout_s)
+    picker_limits = StreamLimits(args.picker_max_streams, args.picker_max_streams, args.picker_idle_timeout_s)
+    http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
+    weights = policies.parse_weights(args.weights)
+    policies.WeightedScorers(weights)  # checked at start
+    if args.chwbl_load_factor < 1:
+        raise ValueError(f"--chwbl-load-factor: must be >= 1, got {args.chwbl_load_factor}")
+    tls = TlsFiles.of(args.tls_cert, args.tls_key)
+    keyring = Keyring(args.api_keys_file)  # a bad file stops the start here, naming its line
+    backend_key = backend_guard.read(args.backend_key_file) if args.backend_key_file else None
+    _log_to_stderr()
+    log = logging.getLogger("maskedit.router")
+
+    router = build(read_backends(args), args.policy, args.profile, args.resolution, args.admission_wait_s,
                    args.retry_budget_s, args.chwbl_load_factor, args.chwbl_vnodes, weights, args.store_mem_templates,
-                   args.store_disk_templates, args.lora_load_ms, args.max_inflight, args.max_inflight_per_backend)
+                   args.store_disk_templates, args.lora_load_ms, args.max_inflight, args.max_inflight_per_backend,
+                   backend_key)
     keyring.metrics = router.metrics
     if args.fair_share_slots > 0:
         router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),
                                 args.fair_queue_wait_s, fair=not args.fifo_queue, on_wait=router.metrics.queue_wait)
     server, port, httpd = serve(router, args.port, args.http_port, args.host, limits, keyring, tls)
     keyring.start()
-    log = logging.getLogger("maskedit.router")
-    log.info(keyring.describe())  # never the keys
+    log.info(keyring.describe())  # never the keys; without a key file: the one line saying it is open
     log.info("TLS on the gRPC, HTTP and OpenAI ports from %s" % args.tls_cert if tls else
              "no TLS: the ports serve plaintext (put a TLS-terminating proxy in front, or set --tls-cert/--tls-key)")
-    HealthChecker(router).start()
+    if backend_key:
+        log.info("backend key on: every call to a backend carries it (backends started with it refuse callers "
+                 "without it)")
+    elif keyring.enabled:
+        log.warning("API keys on, but no backend key: a caller that reaches a backend's ports directly is served "
+                    "without a key (set MASKEDIT_BACKEND_KEY_FILE for the router and the backends; docs/security.md)")
+    checker = HealthChecker(router, **(health or {})).start()
     watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
     openai = OpenAIServer(f"127.0.0.1:{server.loopback_port or port}", args.openai_port, args.host,
                           limits=http_limits, metrics=router.metrics, keyring=keyring,
-                          ssl_context=tls.ssl_context() if tls else None).start() if args.openai_port else None
+                          ssl_context=tls.ssl_context(lambda e: handshake_failed(router.metrics, "openai", e))
+                          if tls else None).start() if args.openai_port else None
     picker = EndpointPicker(router, args.target_port, args.http_target_port, keyring)
     ext_proc = serve_picker(picker, args.ext_proc_port, args.host, picker_limits) if args.ext_proc_port else None
-    print(json.dumps({"router": f"{args.host}:{port}", "http": args.http_port, "policy": args.policy,
-                      "admission_wait_s": args.admission_wait_s, "api_keys": keyring.enabled, "tls": bool(tls),
-                      "fair_share_slots": args.fair_share_slots,
-                      "openai": openai.port if openai else None, "ext_proc": ext_proc[1] if ext_proc else None,
-                      "backends": list(router.backends)}), flush=True)
+    return RunningRouter(args, router, keyring, port, server, httpd, checker, watcher, openai, ext_proc)
+
+
+def read_backends(args) -> list[str]:
+    if args.backends:
+        return discovery.from_list(args.backends)
+    if args.backends_dns:
+        return discovery.from_dns(args.backends_dns)
+    return discovery.from_file(args.backends_file)
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        running = start(args)
+    except ValueError as e:
+        parser().error(str(e))
+    print(json.dumps(running.describe()), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     while not stop.wait(5.0):
         if args.backends_file or args.backends_dns:
-            router.set_backends(read_backends())
-    keyring.stop()
-    if router.fair is not None:
-        router.fair.stop()
-    if watcher:
-        watcher.stop()
-    if ext_proc:
-        ext_proc[0].stop(grace=5).wait(10)
-    if openai:
-        openai.stop()
-    server.stop(grace=5).wait(10)
-    if httpd:
-        httpd.shutdown()
+            running.router.set_backends(read_backends(args))
+    running.stop()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ long its queue: what waits there will be served, and refusing it would turn away
    the cost measured just before said 0.05. So any edit still in front of the check, except the oldest (which may
    be in it right now), that has waited ``wait_s`` is refused by the router with RESOURCE_EXHAUSTED and cancelled
    on the backend (the ``cancel`` model; pre-processing drops a cancelled request before any work). Every refusal
-   through the router then comes within about ``wait_s`` plus one poll, however slow the backend is.
+   through the router then comes within about ``wait_s`` plus one poll, however slow the backend is. (The stream
+   session moves it to another backend instead when one has room: ``_StreamSession.expire``.)
 
 The backend's own check still decides whether the denoise queue has room; this keeps the queue in front of that
 check short, so its refusals come quickly too, while keeping pre-processing busy: what it serves is unchanged, what
@@ -40,7 +41,9 @@ are not the router's (the health probe, other clients) mark the router's oldest 
 at worst one is exempt from the backstop; a decision learnt from an answer that the count never shows (a request Triton rejected
 before pre-processing) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
 past the check; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running) is
-admitted as before and nothing on it expires. (A first version counted only ``sent - finished``: when younger
+admitted as before and nothing on it expires. After the router itself was stopped (``stall``), its counts are as
+old as the stall and every wait it measured includes it: each gauge starts again from the next poll, as after a
+backend's restart (a resumed router once refused what the stall alone had made look stuck). (A first version counted only ``sent - finished``: when younger
 requests were refused at the check and answered before the next poll, the count-based window slid back onto older,
 admitted requests, and the router refused those — late, and wrongly.)
 """
@@ -56,6 +59,8 @@ from typing import Callable
 
 import grpc
 from tritonclient.grpc import service_pb2
+
+from .stall import StallDetector
 
 log = logging.getLogger("maskedit.router")
 
@@ -173,6 +178,12 @@ class AdmissionGauge:
         if self.undecided == 0:
             self.moved_at = now
 
+    def resumed(self) -> None:
+        """The router was stopped: what it counted is stale and its waits include the stall. Until the next poll
+        the backend is treated as never observed (admitted, nothing expires); that poll starts the count again,
+        everything in flight taken as past the check."""
+        self.decided = None
+
     def past_check(self) -> int:
         """The router's edits on this backend past its check and not answered yet."""
         return len(self.entries) - self.undecided
@@ -279,6 +290,7 @@ class AdmissionWatcher:
         self._stop = threading.Event()
         self._inflight: dict[str, object] = {}  # backend address -> its statistics call in flight
         self._missing: set[str] = set()  # backends without the model (logged once)
+        self.stall = StallDetector(interval_s, name="admission")
         self._thread = threading.Thread(target=self._run, daemon=True, name="router-admission")
 
     def start(self) -> "AdmissionWatcher":
@@ -289,7 +301,12 @@ class AdmissionWatcher:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            stopped, stalled = self.stall.wait(self._stop)
+            if stopped:
+                return
+            if stalled:
+                self.r.admission_resumed()
             self.poll()
             for b in list(self.r.backends.values()):
                 self.r.expire_admissions(b)

@@ -10,9 +10,13 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import collections
+
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from maskedit_common import backend_guard
 
 from .admission import AdmissionGauge
 from .features import EditFeatures
@@ -31,6 +35,42 @@ def backend_fault(message: str) -> bool:
     return bool(BACKEND_FAULT.search(message or ""))
 
 
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class KeyHeader(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the backend key (``backend_guard``) to every call on a channel: a guarded Triton refuses calls
+    without it."""
+
+    def __init__(self, key: str):
+        self.md = backend_guard.grpc_metadata(key)
+
+    def _details(self, d):
+        md = [m for m in (d.metadata or ()) if m[0] != backend_guard.GRPC_HEADER] + list(self.md)
+        return _Details(d.method, d.timeout, md, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def backend_channel(addr: str, key: str | None = None) -> grpc.Channel:
+    """A channel to the Triton at ``addr``; with ``key``, every call on it carries the backend key."""
+    channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(channel, KeyHeader(key)) if key else channel
+
+
 class Backend:
     """One Triton instance as the router sees it. It is in rotation when it is healthy (the health checker's
     latest verdict) and its circuit breaker is closed. The breaker opens on a definite fault (a dead stub answered,
@@ -39,9 +79,9 @@ class Backend:
     when a real request succeeds on it (the health checker's probe request, once the backend says ready again):
     a restarted backend is not trusted because it answers readiness, only once it has served an edit."""
 
-    def __init__(self, addr: str, failure_threshold: int = 3, admission: dict | None = None):
+    def __init__(self, addr: str, failure_threshold: int = 3, admission: dict | None = None, key: str | None = None):
         self.addr = addr
-        self.channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.channel = backend_channel(addr, key)  # ``key``: the backend key, sent on every call
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.load = BackendLoad(addr)
         self.failures, self.threshold = 0, failure_threshold

@@ -84,8 +84,10 @@ class Estimator:
         self.temporal_fractions[label] = fraction if prev is None else prev + alpha * (fraction - prev)
 
     def request_ms(self, f: EditFeatures, cached: bool) -> float:
-        return self.scale * self._unscaled_ms(f.mask_ratio, f.tokens, f.steps or self.default_steps, cached) * \
-            self.computed_fraction(f)
+        """Its denoising: the steps it runs (STRENGTH: ~strength x steps) at its tokens (PADDING_MASK_CROP: the crop's
+        grid, ``features.mask_tokens``), at its temporal policy's computed fraction."""
+        steps = f.run_steps if f.steps is not None else max(1, int(round(self.default_steps * f.strength)))
+        return self.scale * self._unscaled_ms(f.mask_ratio, f.tokens, steps, cached) * self.computed_fraction(f)
 
     def _unscaled_ms(self, ratio: float, tokens: int, steps: int, cached: bool) -> float:
         key = (round(ratio, 4), tokens, steps, cached)

@@ -27,6 +27,12 @@ class EditFeatures:
     # its temporal reuse (``TEMPORAL``: a ``maskedit_common.temporal.TemporalSpec``), None when it sends none (the
     # backends' default applies)
     temporal: object = None
+    strength: float = 1.0  # STRENGTH: it runs about strength x steps of the schedule
+
+    @property
+    def run_steps(self) -> int | None:
+        """Steps it runs: ~strength x steps (the pipelines round it a step either way)."""
+        return None if self.steps is None else max(1, int(round(self.steps * self.strength)))
 
     @property
     def runs_edit(self) -> bool:
@@ -50,7 +56,7 @@ def _scalar(request, index: int, raw: bool, dtype) -> float | None:
         a = np.frombuffer(request.raw_input_contents[index], dtype=dtype)
         return a[0].item() if a.size else None
     c = request.inputs[index].contents
-    for field in ("int_contents", "int64_contents", "fp32_contents", "bool_contents"):
+    for field in ("int_contents", "int64_contents", "fp32_contents", "fp64_contents", "bool_contents"):
         vals = getattr(c, field)
         if len(vals):
             return vals[0]
@@ -62,25 +68,57 @@ def grid_tokens(resolution: int) -> int:
     return (resolution // TOKEN_PX) ** 2
 
 
-def mask_tokens(mask: bytes, resolution: int = 1024) -> np.ndarray:
+def crop_box(binary: np.ndarray, pad: int) -> tuple[int, int, int, int] | None:
+    """PADDING_MASK_CROP's crop (x1, y1, x2, y2) of a mask (True = edit): its bounding box ``pad`` pixels wider, then
+    widened to the image's aspect ratio, as the stock pipelines' ``get_crop_region`` (whose model size keeps that
+    aspect here). None for an empty mask (nothing to crop around)."""
+    ys, xs = np.nonzero(binary)
+    if ys.size == 0:
+        return None
+    h, w = binary.shape
+    x1, y1 = max(int(xs.min()) - pad, 0), max(int(ys.min()) - pad, 0)
+    x2, y2 = min(int(xs.max()) + 1 + pad, w), min(int(ys.max()) + 1 + pad, h)
+    if (x2 - x1) / (y2 - y1) > w / h:  # too wide for the image's aspect: taller, centred, kept inside it
+        y1, y2 = _widen(y1, y2, int((x2 - x1) * h / w), h)
+    else:
+        x1, x2 = _widen(x1, x2, int((y2 - y1) * w / h), w)
+    return x1, y1, x2, y2
+
+
+def _widen(lo: int, hi: int, want: int, limit: int) -> tuple[int, int]:
+    grow = max(0, want - (hi - lo))
+    lo, hi = lo - grow // 2, hi + grow - grow // 2
+    if hi > limit:
+        lo, hi = lo - (hi - limit), limit
+    if lo < 0:
+        lo, hi = 0, min(limit, hi - lo)
+    return lo, hi
+
+
+def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> np.ndarray:
     """Edited tokens of an encoded mask (white = edit, thresholded at 128) on a grid like the model's, flattened
-    row-major as the model orders image tokens: a token counts if any pixel of its cell is edited."""
+    row-major as the model orders image tokens: a token counts if any pixel of its cell is edited. ``pad``
+    (PADDING_MASK_CROP): the grid is the crop's, which the model edits at its full size."""
     from PIL import Image
 
     from maskedit_common.wire import maybe_base64
 
     raw, _ = maybe_base64(mask)
     img = Image.open(io.BytesIO(raw)).convert("L")
-    w, h = img.size
+    binary = np.asarray(img) >= 128
+    box = crop_box(binary, pad) if pad is not None else None
+    if box is not None:
+        x1, y1, x2, y2 = box
+        binary = binary[y1:y2, x1:x2]
+    h, w = binary.shape
     scale = (resolution * resolution / (w * h)) ** 0.5
     gw, gh = max(1, round(w * scale / TOKEN_PX)), max(1, round(h * scale / TOKEN_PX))
-    binary = Image.fromarray(((np.asarray(img) >= 128) * 255).astype(np.uint8))
-    return np.asarray(binary.resize((gw, gh), Image.BOX)).reshape(-1) > 0
+    return np.asarray(Image.fromarray(binary.astype(np.uint8) * 255).resize((gw, gh), Image.BOX)).reshape(-1) > 0
 
 
-def mask_ratio(mask: bytes, resolution: int = 1024) -> tuple[float, int]:
+def mask_ratio(mask: bytes, resolution: int = 1024, pad: int | None = None) -> tuple[float, int]:
     """(fraction of image tokens the mask touches, image tokens) on the grid of ``mask_tokens``."""
-    t = mask_tokens(mask, resolution)
+    t = mask_tokens(mask, resolution, pad)
     return float(t.mean()), int(t.size)
 
 
@@ -91,21 +129,35 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
     names = {t.name: i for i, t in enumerate(request.inputs)}
     template = _tensor_bytes(request, names["TEMPLATE"], raw) if "TEMPLATE" in names else None
     steps = _scalar(request, names["STEPS"], raw, np.int32) if "STEPS" in names else None
+    strength, pad = 1.0, None
+    try:  # malformed: the backend will say so; costed as a whole edit meanwhile
+        if "STRENGTH" in names:
+            got = _scalar(request, names["STRENGTH"], raw, np.float64)
+            strength = min(1.0, max(0.0, float(got))) if got is not None and np.isfinite(got) else 1.0
+        if "PADDING_MASK_CROP" in names:
+            pad = _scalar(request, names["PADDING_MASK_CROP"], raw, np.int32)
+            pad = None if pad is None or pad < 0 else int(pad)
+    except Exception:
+        strength, pad = 1.0, None
     extra = b""
-    for name, dt in (("STEPS", np.int32), ("GUIDANCE", np.float32), ("TEMPLATE_SEED", np.int64)):
+    for name, dt in (("STEPS", np.int32), ("GUIDANCE", np.float32), ("TEMPLATE_SEED", np.int64),
+                     ("PADDING_MASK_CROP", np.int32)):
         if name in names:
             extra += f"{name}={_scalar(request, names[name], raw, dt)};".encode()
-    key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
     ratio, tokens = 1.0, grid_tokens(resolution)
     if "MASK" in names:
+        mask = _tensor_bytes(request, names["MASK"], raw) or b""
         try:
-            ratio, tokens = mask_ratio(_tensor_bytes(request, names["MASK"], raw) or b"", resolution)
+            ratio, tokens = mask_ratio(mask, resolution, pad)
+            if pad is not None:  # a cropped edit's entry is its crop's (the backend keys it on the crop)
+                extra += hashlib.sha1(mask).digest()[:8]
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
+    key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
     names = adapter_names(request)
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None,
                         deadline_s=deadline_s(request), loras=len(names), adapters=names,
-                        temporal=temporal_spec(request, steps))
+                        temporal=temporal_spec(request, steps), strength=strength)
 
 
 def temporal_spec(request, steps):

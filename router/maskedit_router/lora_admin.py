@@ -5,10 +5,14 @@ request. So loading is installing: the adapter at ``lora_path`` (inside one of `
 resolved; nothing else is opened) is copied into the library as ``<lora_name>/`` through a hidden staging
 directory and one atomic rename, and every instance, every model process and ``/v1/models`` see it on their next
 look; unloading renames it out (into hidden staging) and deletes it. Only adapters installed this way carry the
-marker file ``.runtime-adapter.json`` and may be unloaded: the files an operator put in the library stay. The
-backends open library files only, and check each adapter fully (Diffusers' loaders) on its first use; here the
-file's safetensors header is read to refuse what is plainly not an adapter. Writers on one host serialise on a lock
-file in the library; router replicas on other hosts need the library on a shared volume (docs/lora.md).
+marker file ``.runtime-adapter.json`` and may be unloaded: the files an operator put in the library stay. Only
+regular files are opened (``maskedit_common.regular_files``: a FIFO, device or socket named ``*.safetensors`` is
+refused without blocking). An adapter is answered 200 only once it is fully checked: its safetensors header read
+here (what is plainly not an adapter is refused at once), then the staged copy run through the backends' own loader
+against the served model (``ChildCheck``: every tensor parsed, each module's shape checked against the family's
+denoiser, finite weights), so a truncated file or one made for another model is refused naming ``lora_path`` instead
+of failing at its first use. Writers on one host serialise on a lock file in the library; router replicas on other
+hosts need the library on a shared volume (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -19,12 +23,17 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from maskedit_common.loras import NAME, library_names
+from maskedit_common.regular_files import NotRegularFile, open_regular
 
 MARKER = ".runtime-adapter.json"  # not a .safetensors file: the backends' library ignores it
 LOCK = ".adapters.lock"
@@ -45,18 +54,28 @@ def _bad(param: str, message: str, status: int = 400) -> AdminError:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _check_header(path: Path) -> None:
-    """A safetensors file whose tensors include LoRA factors (the backend checks the rest on first use)."""
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        raw = fh.read(n) if 0 < n <= MAX_HEADER else b""
+def _copy(fh, dest: Path) -> str:
+    """Copy the open file ``fh`` from its start to ``dest``; the sha256 of what was copied."""
+    h = hashlib.sha256()
+    fh.seek(0)
+    with open(dest, "wb") as out:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+            out.write(chunk)
+    return h.hexdigest()
+
+
+def _check_header(fh, path: Path) -> None:
+    """The open file ``fh`` is a safetensors file whose tensors include LoRA factors (``ChildCheck`` does the rest)."""
+    head = fh.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    raw = fh.read(n) if 0 < n <= MAX_HEADER else b""
     try:
         keys = [k for k in json.loads(raw) if k != "__metadata__"] if len(raw) == n else None
     except (UnicodeDecodeError, ValueError):
@@ -67,11 +86,55 @@ def _check_header(path: Path) -> None:
         raise _bad("lora_path", f"{path.name} holds no LoRA weights (no tensor name contains 'lora')")
 
 
-class AdapterAdmin:
-    """Installs adapters from ``roots`` into the library ``library``; ``reserved`` names are the base models'."""
+class ChildCheck:
+    """The full check of an adapter file: the backends' loader run on it in a child process
+    (``python -m maskedit.adapters.check``, the image ships it) with the router's settings (``MASKEDIT_MODEL_DIR``
+    names the served model, hence the family and the shapes). Answers are kept by the file's sha256: the same bytes
+    are checked once. Fails closed: no answer (the check cannot run here, or took longer than ``timeout_s``) refuses
+    the load."""
 
-    def __init__(self, library: Path, roots=(), reserved=()):
+    COMMAND = (sys.executable, "-m", "maskedit.adapters.check")
+
+    def __init__(self, command=COMMAND, timeout_s: float = 300.0):
+        self.command, self.timeout_s = tuple(command), timeout_s
+        self._known: dict[str, str | None] = {}  # sha256 -> None (a good adapter) or why not
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Path, digest: str) -> None:
+        """Raises ``AdminError`` (400 naming ``lora_path`` for a bad adapter, 503 when it cannot be checked)."""
+        with self._lock:
+            known = self._known.get(digest, ...)
+        if known is ...:
+            known = self._run(path)
+            with self._lock:
+                self._known[digest] = known
+        if known is not None:
+            raise _bad("lora_path", f"{path.name} is not an adapter the served model can run: {known}")
+
+    def _run(self, path: Path) -> str | None:
+        try:
+            p = subprocess.run([*self.command, str(path)], capture_output=True, text=True, timeout=self.timeout_s,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise AdminError(503, f"the adapter check did not finish within {self.timeout_s:g} s; load it again",
+                             None) from None
+        except OSError as e:
+            raise AdminError(503, f"the adapter check cannot run here ({e.strerror})", None) from None
+        try:
+            out = json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise AdminError(503, f"the adapter check failed to run (exit {p.returncode}: {tail})", None) from None
+        return None if out.get("ok") else str(out.get("error", "rejected"))[:400]
+
+
+class AdapterAdmin:
+    """Installs adapters from ``roots`` into the library ``library``; ``reserved`` names are the base models';
+    ``check`` (path, sha256) -> None or raises ``AdminError``: the full check of a staged adapter (``ChildCheck``)."""
+
+    def __init__(self, library: Path, roots=(), reserved=(), check: Callable[[Path, str], None] | None = None):
         self.library, self.roots, self.reserved = Path(library), tuple(Path(r) for r in roots), set(reserved)
+        self.check = check or ChildCheck()
 
     # -- checks ---------------------------------------------------------------------------------------
     def _name(self, name) -> str:
@@ -83,8 +146,9 @@ class AdapterAdmin:
         return name
 
     def source(self, lora_path) -> Path:
-        """The adapter's ``.safetensors`` file at ``lora_path`` (a directory holding one, or the file), resolved
-        and inside a configured root, or a 400 naming ``lora_path``. Only path names are looked at until then."""
+        """The adapter's ``.safetensors`` file at ``lora_path`` (a directory holding one, or the file), resolved,
+        inside a configured root and a regular file, or a 400 naming ``lora_path``. Only path names and ``stat`` are
+        looked at: nothing is opened."""
         if not isinstance(lora_path, str) or not lora_path.strip() or "\x00" in lora_path:
             raise _bad("lora_path", "must be a path to an adapter directory or .safetensors file")
         if not self.roots:
@@ -108,7 +172,8 @@ class AdapterAdmin:
         elif not (real.is_file() and real.suffix == ".safetensors"):
             raise _bad("lora_path", f"{lora_path[:200]!r} is not an adapter directory or .safetensors file"
                        + ("" if real.exists() else " (it does not exist)"))
-        _check_header(real)
+        if not real.is_file():  # a FIFO, device or socket named *.safetensors in an adapter directory
+            raise _bad("lora_path", f"{real.name} in {lora_path[:200]!r} is not a regular file")
         return real
 
     # -- the two endpoints ----------------------------------------------------------------------------
@@ -117,20 +182,25 @@ class AdapterAdmin:
             raise AdminError(400, 'the body must be a JSON object {"lora_name": ..., "lora_path": ...}', None)
         name = self._name(body.get("lora_name"))
         src = self.source(body.get("lora_path"))
-        digest = _sha256(src)
         with self._locked():
-            existing = self._installed_digest(name)
-            if existing is not None:
-                if existing == digest:
-                    return {"lora_name": name, "status": "already loaded", "digest": digest[:16]}
-                raise _bad("lora_name", f"adapter {name!r} exists with other weights; unload it first (or pick "
-                           "another name)")
             stage = self.library / f".staging-{name}-{uuid.uuid4().hex[:8]}"
             stage.mkdir()
             try:
-                shutil.copyfile(src, stage / src.name)
-                if _sha256(stage / src.name) != digest:
-                    raise _bad("lora_path", f"{src.name} changed while it was copied; load it again")
+                try:
+                    with open_regular(src) as fh:  # checked on the open file: what is read is what was checked
+                        _check_header(fh, src)
+                        digest = _copy(fh, stage / src.name)  # the staged bytes are the ones hashed and checked
+                except NotRegularFile as e:
+                    raise _bad("lora_path", str(e)) from None
+                except OSError as e:
+                    raise _bad("lora_path", f"{src.name} cannot be read ({e.strerror})") from None
+                existing = self._installed_digest(name)
+                if existing is not None:
+                    if existing == digest:
+                        return {"lora_name": name, "status": "already loaded", "digest": digest[:16]}
+                    raise _bad("lora_name", f"adapter {name!r} exists with other weights; unload it first (or pick "
+                               "another name)")
+                self.check(stage / src.name, digest)  # fully: parsed, shapes against the served model
                 (stage / MARKER).write_text(json.dumps({"name": name, "source": str(src), "sha256": digest,
                                                         "loaded_at": time.time()}))
                 try:
@@ -167,7 +237,10 @@ class AdapterAdmin:
         files = sorted(d.glob("*.safetensors")) if d.is_dir() else [self.library / f"{name}.safetensors"]
         real = files[0].resolve() if len(files) == 1 else None
         lib = self.library.resolve()
-        return _sha256(real) if real is not None and lib in real.parents else "unreadable"
+        try:
+            return _sha256(real) if real is not None and lib in real.parents else "unreadable"
+        except OSError:  # not a regular file (a FIFO placed in the library), or unreadable
+            return "unreadable"
 
     @contextmanager
     def _locked(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -22,8 +22,11 @@ class RouterMetrics:
                                     registry=r, buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
         self.error = Histogram("maskedit_router_prediction_error_ratio", "|observed - predicted| / observed",
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
-        self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend", ["backend"],
-                               registry=r)
+        self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend, by the "
+                               "backend they left (none: no backend was up) and why: failed (it failed or was found "
+                               "down before the request streamed anything), refused (its queue was full), waited (left "
+                               "waiting in front of its admission check while it refused)",
+                               ["backend", "why"], registry=r)
         self.model_scale = Gauge("maskedit_router_model_scale", "observed / profile-predicted latency (online fit)",
                                  registry=r)
         self.model_stale = Gauge("maskedit_router_model_stale", "1 while the cost model's recent error is too large "
@@ -45,6 +48,13 @@ class RouterMetrics:
         self.idle = Counter("maskedit_router_streams_idle_closed_total", "streams ended for sending nothing with "
                             "nothing in flight for the idle timeout, by port (router, picker, http)", ["port"],
                             registry=r)
+        self.stalls = Counter("maskedit_router_stalls_total", "times the router found it had itself been stopped "
+                              "(SIGSTOP, a frozen host): its loops discount the gap", registry=r)
+        self.stalled_seconds = Counter("maskedit_router_stalled_seconds_total", "seconds the router was stopped",
+                                       registry=r)
+        self.client_disconnects = Counter("maskedit_router_client_disconnects_total", "HTTP clients that went away "
+                                          "before their answer was written, by port (http: metrics, health and "
+                                          "Triton's HTTP/REST; openai)", ["port"], registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
 
@@ -64,6 +74,9 @@ class RouterMetrics:
         self.auth_failures = Counter("maskedit_router_auth_failures_total", "calls refused for their key, by port "
                                      "and reason: unauthenticated (none or unknown), forbidden (role)",
                                      ["port", "reason"], registry=r)
+        self.tls_failures = Counter("maskedit_router_tls_handshake_failures_total", "connections whose TLS "
+                                    "handshake failed (a plaintext client, an untrusted certificate, a scanner), by "
+                                    "port", ["port"], registry=r)
         self.keyfile_reloads = Counter("maskedit_router_keyfile_reloads_total", "reloads of the API key file by "
                                        "outcome (ok; error: the old keys stay)", ["outcome"], registry=r)
 
@@ -78,6 +91,9 @@ class RouterMetrics:
 
     def queue_wait(self, tenant, seconds: float, granted: bool) -> None:
         self.tenant_wait.labels(tenant.name).observe(seconds)
+
+    def tls_failed(self, port: str) -> None:
+        self.tls_failures.labels(port).inc()
 
     def auth_failed(self, port: str, reason: str) -> None:
         self.auth_failures.labels(port, reason).inc()
@@ -98,8 +114,8 @@ class RouterMetrics:
         self.model_scale.set(scale)
         self.model_stale.set(1 if stale else 0)
 
-    def retried(self, backend: str) -> None:
-        self.retries.labels(backend).inc()
+    def retried(self, backend: str, why: str = "failed") -> None:
+        self.retries.labels(backend, why).inc()
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
@@ -112,6 +128,13 @@ class RouterMetrics:
 
     def refused_late(self, backend: str, where: str) -> None:
         self.refused_on_behalf.labels(backend, where).inc()
+
+    def stalled(self, seconds: float) -> None:
+        self.stalls.inc()
+        self.stalled_seconds.inc(seconds)
+
+    def client_gone(self, port: str) -> None:
+        self.client_disconnects.labels(port).inc()
 
     def admission(self, backend: str, wait_s: float) -> None:
         self.admission_wait.labels(backend).set(wait_s)
@@ -138,16 +161,24 @@ RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 
 
 def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.0.1",
-               kserve=None, keyring=None, ssl_context=None) -> ThreadingHTTPServer:
+               kserve=None, keyring=None, ssl_context=None):
     """``/metrics`` (Prometheus) and ``/health`` (JSON: 200 when at least one backend is in rotation); with ``kserve``
     (``kserve_http.KServeHttp``) also Triton's HTTP/REST protocol under ``/v2``, whose routes (but
     ``/v2/health/*``) need an API key when ``keyring`` has a key file; TLS with ``ssl_context``."""
     from .auth import Forbidden, Keyring, Unauthenticated
+    from .client_gone import DISCONNECTS, HttpServer, note
     from .kserve_http import HttpError
 
     keyring = keyring or Keyring()
 
     class Handler(BaseHTTPRequestHandler):
+        def handle_one_request(self):
+            try:
+                super().handle_one_request()
+            except DISCONNECTS as e:  # the client gave up (a scraper's or health checker's timeout): counted
+                self.close_connection = True
+                note(metrics, "http", getattr(self, "path", ""), e)
+
         def _authorized(self) -> tuple | None:
             """The gRPC metadata carrying the caller's key on; None when refused (401 / 403 sent)."""
             value = self.headers.get("Authorization")
@@ -222,8 +253,9 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
                 hint = retry_after(str(e)) if e.status == 429 else None
                 self._send(e.status, "application/json", json.dumps({"error": str(e)}).encode(),
                            {"Retry-After": hint} if hint else None)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+            except DISCONNECTS as e:
+                self.close_connection = True
+                note(metrics, "http", self.path, e)
             finally:
                 kserve.slots.release()
 
@@ -239,8 +271,7 @@ def serve_http(port: int, metrics: RouterMetrics, health_fn, host: str = "127.0.
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
+    httpd = HttpServer((host, port), Handler, metrics)
     if ssl_context is not None:  # the handshake happens on the request's own thread, not in accept()
         httpd.socket = ssl_context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=httpd.serve_forever, daemon=True, name="router-http").start()

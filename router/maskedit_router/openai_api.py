@@ -31,6 +31,7 @@ from .auth import Forbidden, Keyring, Unauthenticated, bearer
 from .limits import HttpLimits
 from .lora_admin import AdapterAdmin, AdminError
 from .metrics import retry_after
+from . import client_gone
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
 
@@ -44,7 +45,8 @@ MAX_CLIENTS = 256  # upstream clients kept, one per API key in use (each carries
 
 
 async def read_form(request: web.Request) -> dict:
-    """Every field of a multipart/form-data body: file parts as bytes, the others as str (``image[]`` as a list)."""
+    """Every field of a multipart/form-data body: file parts as bytes, the others as str; a field named ``...[]`` or
+    sent more than once as a list of its values, in order."""
     if not request.content_type.startswith("multipart/form-data"):
         raise ApiError(400, f"expected a multipart/form-data body, got {request.content_type or 'none'}", None,
                        "invalid_content_type")
@@ -56,8 +58,9 @@ async def read_form(request: web.Request) -> dict:
                 raise ApiError(400, "a form part has no name", None, "invalid_body")
             data = await part.read()
             value = bytes(data) if part.filename is not None else data.decode("utf-8", errors="strict")
-            if part.name.endswith("[]"):
-                form.setdefault(part.name, []).append(value)
+            if part.name.endswith("[]") or part.name in form:  # a list, or a field sent again (the openai
+                prev = form.get(part.name, [])                  # package's ``controls[][name]`` per object)
+                form[part.name] = [*(prev if isinstance(prev, list) else [prev]), value]
             else:
                 form[part.name] = value
     except (ValueError, HttpProcessingError) as e:  # a malformed multipart body (UnicodeDecodeError included)
@@ -66,10 +69,13 @@ async def read_form(request: web.Request) -> dict:
     return form
 
 
-def _resized_png(png: bytes, size: tuple[int, int]) -> bytes:
-    img = Image.open(io.BytesIO(png))
+def _resized(data: bytes, size: tuple[int, int], fmt: str = "png", quality: int = 95) -> bytes:
+    """The result at the form's ``size``, encoded again as the backend encoded it (``output_format``)."""
+    img = Image.open(io.BytesIO(data))
     buf = io.BytesIO()
-    img.resize(size, Image.LANCZOS).save(buf, format="PNG")
+    save = {"png": ("PNG", {}), "jpeg": ("JPEG", {"quality": quality}), "webp": ("WEBP", {"quality": quality})}
+    name, kw = save.get(fmt, save["png"])
+    img.resize(size, Image.LANCZOS).save(buf, format=name, **kw)
     return buf.getvalue()
 
 
@@ -110,9 +116,17 @@ class OpenAIFrontend:
 
     @web.middleware
     async def _errors(self, request, handler):
-        """Every error in OpenAI's shape, aiohttp's own (404, 405, 413) included."""
+        """Every error in OpenAI's shape, aiohttp's own (404, 405, 413) included. A client that went away mid-request
+        cancels its handler (its edits are cancelled with it): counted, one line."""
         try:
             return await handler(request)
+        except asyncio.CancelledError:
+            if request.transport is None or request.transport.is_closing():
+                client_gone.note(self.metrics, "openai", request.path, "cancelled")
+            raise
+        except client_gone.DISCONNECTS as e:  # gone while its body was read: nobody to answer (nginx's 499)
+            client_gone.note(self.metrics, "openai", request.path, e)
+            return web.Response(status=499, reason="Client Closed Request")
         except ApiError as e:
             hint = retry_after(e.message) if e.status == 429 else None
             headers = {"Retry-After": hint} if hint else {}
@@ -255,14 +269,15 @@ class OpenAIFrontend:
             raise
         data = []
         for r in results:
-            png = _resized_png(r.png, job.size) if job.size else r.png
-            data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "edit_info": r.info})
+            fmt = job.output_format or "png"
+            out = _resized(r.png, job.size, fmt, job.output_quality or 95) if job.size else r.png
+            data.append({"b64_json": base64.b64encode(out).decode(), "revised_prompt": None, "edit_info": r.info})
         w, h = job.size or Image.open(io.BytesIO(results[0].png)).size
         log.info("openai edit", extra={"fields": {
             "n": job.n, "user": job.user, "tenant": request[TENANT].name, "size": f"{w}x{h}", "latency_s": round(time.perf_counter() - t0, 3),
             "cache": [r.info.get("cache") for r in results], "ignored": job.ignored}})
-        return web.json_response({"created": int(time.time()), "data": data, "output_format": "png",
-                                  "size": f"{w}x{h}"})
+        return web.json_response({"created": int(time.time()), "data": data,
+                                  "output_format": job.output_format or "png", "size": f"{w}x{h}"})
 
     def _submit(self, client: EditClient, job: EditJob, seed):
         return client.submit(job.image, job.mask, job.prompt, seed=seed, steps=job.steps,
@@ -272,7 +287,10 @@ class OpenAIFrontend:
                                   loras=[(r.name, r.scale) for r in job.lora] or None,
                                   controls=[c.as_dict() for c in job.controls] or None,
                                   control_images=job.control_images or None, temporal=job.temporal,
-                                  reference_images=job.reference_images or None)
+                                  reference_images=job.reference_images or None,
+                                  strength=job.strength, padding_mask_crop=job.padding_mask_crop,
+                                  guidance_rescale=job.guidance_rescale, true_cfg_scale=job.true_cfg_scale,
+                                  output_format=job.output_format, output_quality=job.output_quality)
 
     def _cancel(self, client: EditClient, futures) -> None:
         pending = [f for f in futures if not f.done()]

@@ -13,6 +13,7 @@ pixels are the edit area (as OpenAI does); an image without any is an error nami
 from __future__ import annotations
 
 import io
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from maskedit_common.settings import Settings
 MAX_N = 10  # OpenAI's own limit for n
 MAX_SIDE = math.isqrt(Settings.max_input_pixels)  # the side of the server's default input limit (4096)
 # Accepted for compatibility and not used: they do not change what an inpainting model computes here.
-IGNORED = {"quality", "input_fidelity", "safety_identifier", "output_compression", "user"}
+IGNORED = {"quality", "input_fidelity", "safety_identifier", "user"}
 # Only the tensors' own ranges are checked here: the server checks the limits (and says them) as for any client.
 INT_EXTRAS = {f.attr: INT_RANGE[f.dtype] for f in OPENAI_EXTRAS if f.kind is int}
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -79,6 +80,13 @@ class EditJob:
     # ``image[]``'s images after the first (the template): an in-context edit model's reference images, sent as
     # REFERENCE_IMAGES (FLUX.2 [klein] takes several, FLUX.1 Kontext one; others refuse them by name)
     reference_images: list = field(default_factory=list)
+    # the stock inpainting pipelines' own parameters (docs/api.md) and the result's encoding
+    strength: float | None = None
+    padding_mask_crop: int | None = None
+    guidance_rescale: float | None = None
+    true_cfg_scale: float | None = None
+    output_format: str | None = None  # png, jpeg, webp (OpenAI's own field)
+    output_quality: int | None = None  # jpeg / webp; OpenAI's ``output_compression`` (0-100) sets it too
     model: str | None = None
     user: str | None = None
     ignored: list = field(default_factory=list)
@@ -93,6 +101,8 @@ def _text(form: dict, name: str) -> str | None:
     v = form.get(name)
     if v is None:
         return None
+    if isinstance(v, list):
+        raise bad(name, f"is given {len(v)} times; send it once")
     if isinstance(v, bytes):
         try:
             v = v.decode("utf-8")
@@ -226,6 +236,7 @@ def _extra(form: dict, f):
 
 def parse(form: dict, models: list[str]) -> EditJob:
     """An ``EditJob`` from the form's fields, or ``ApiError`` naming the field at fault."""
+    form = fold_nested(form)
     unknown = sorted(set(form) - KNOWN)
     if unknown:
         raise bad(unknown[0], "is not a parameter of this endpoint (see docs/openai.md)", "unknown_parameter")
@@ -244,9 +255,8 @@ def parse(form: dict, models: list[str]) -> EditJob:
     if fmt not in (None, "", "b64_json"):
         raise bad("response_format", f"only b64_json is supported (this server keeps no images to link to), "
                                      f"got {fmt[:40]!r}")
-    out_fmt = _text(form, "output_format")
-    if out_fmt not in (None, "", "png"):
-        raise bad("output_format", f"only png is supported, got {out_fmt[:40]!r}")
+    if _text(form, "output_compression") not in (None, "") and _text(form, "output_quality") not in (None, ""):
+        raise bad("output_compression", "was sent besides output_quality; send one of them")
     if _bool(form, "stream"):
         raise bad("stream", "streaming is not supported by this endpoint")
     background = _text(form, "background")
@@ -257,7 +267,10 @@ def parse(form: dict, models: list[str]) -> EditJob:
         n=_int(form, "n", 1, MAX_N) or 1, size=parse_size(_text(form, "size"), image),
         model=model or None, user=_text(form, "user"), ignored=sorted(k for k in form if k in IGNORED - {"user"}),
         **{f.attr: _extra(form, f) for f in OPENAI_EXTRAS})
-    lora = _text(form, "lora")
+    if job.output_quality is None:  # OpenAI's name: its 0-100 level is the encoder's quality (100: the least loss)
+        compression = _int(form, "output_compression", 0, 100)
+        job.output_quality = None if compression is None else max(1, compression)
+    lora = form.get("lora") if isinstance(form.get("lora"), (dict, list)) else _text(form, "lora")
     if lora:
         try:  # an object or a list of {"name", "scale"} (vLLM-Omni's shape); the server checks its own limits
             job.lora = parse_loras(lora, max_loras=64, max_scale=float("inf"))
@@ -274,9 +287,8 @@ def _controls(form: dict) -> tuple[tuple, list]:
     """``controls``: the CONTROLS JSON (docs/controlnet.md), whose objects may carry their control image as base64
     in ``"image"`` (what the OpenAI SDK's ``extra_body`` can send); else the images are ``control_image`` file parts
     (``control_image[]`` repeated), in order. The server checks names, limits and the images."""
-    import json
-
-    text = _text(form, "controls")
+    text = form.get("controls")
+    text = text if isinstance(text, (dict, list)) else _text(form, "controls")
     files = form.get("control_image[]", form.get("control_image"))
     files = [] if files is None else files if isinstance(files, list) else [files]
     images = [f if isinstance(f, bytes) else f.encode() for f in files]
@@ -285,14 +297,14 @@ def _controls(form: dict) -> tuple[tuple, list]:
             raise bad("control_image", "was sent without controls naming a ControlNet for it")
         return (), []
     try:
-        value = json.loads(text)
+        value = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as e:
         raise bad("controls", f"is not valid JSON ({e.msg} at character {e.pos})") from None
     items = [value] if isinstance(value, dict) else value
     if isinstance(items, list) and any(isinstance(it, dict) and "image" in it for it in items):
         if images:
             raise bad("control_image", "was sent besides images inside controls; send the images one way")
-        images = [str(it.pop("image", "")).encode() if isinstance(it, dict) else b"" for it in items]
+        images = [_image_text(it.pop("image", "")) if isinstance(it, dict) else b"" for it in items]
     try:
         specs = parse_controls(items, max_controls=64, max_scale=float("inf"))
     except ControlSpecError as e:
@@ -300,7 +312,94 @@ def _controls(form: dict) -> tuple[tuple, list]:
     return specs, images
 
 
-KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "stream",
+def _image_text(v) -> bytes:
+    """A control image inside ``controls``: base64 text (JSON, or a form field), or a file part's own bytes."""
+    return v if isinstance(v, bytes) else str(v).encode()
+
+
+# -- extra_body's nested values as form fields ------------------------------------------------------------------
+# The openai package sends ``extra_body`` inside a multipart form as bracketed fields (its ``_qs`` "brackets"
+# format): ``{"lora": {"name": "a", "scale": 0.8}}`` as ``lora[name]``, ``lora[scale]``; a list of objects as
+# ``controls[][name]`` repeated (one value per object, grouped by key); a list of names as ``lora[]``; a list inside
+# an object as ``temporal[steps][]``. Other form clients number the entries: ``controls[0][name]``. These fold back
+# into the value the JSON text would carry.
+NESTED = ("lora", "controls", "temporal")
+JSON_TEXT = ("temporal",)  # sent on as JSON text (the TEMPORAL tensor's form); the others are parsed here
+TEXT_KEYS = {"name", "policy", "mode", "preprocess", "image"}  # strings in the JSON shape; other leaves are numbers
+_BRACKETED = re.compile(r"^([A-Za-z_]+)((?:\[[^\[\]]*\])+)$")
+_KEY = re.compile(r"\[([^\[\]]*)\]")
+_SHAPES = {("k",): "object", ("k", "[]"): "object", ("[]",): "names", ("i",): "names", ("[]", "k"): "columns",
+           ("i", "k"): "numbered"}
+
+
+def fold_nested(form: dict) -> dict:
+    """``form`` with each nested field's bracketed parts folded into one value (a dict, or a list of dicts or
+    names) under the field's name; other fields unchanged. Errors name the field."""
+    parts: dict[str, list] = {}
+    out = {}
+    for key, value in form.items():
+        m = _BRACKETED.match(key)
+        if m and m.group(1) in NESTED:
+            parts.setdefault(m.group(1), []).append((_KEY.findall(m.group(2)), key, value))
+        else:
+            out[key] = value
+    for name, items in parts.items():
+        if name in out:
+            raise bad(name, f"was sent both as {name} and as {items[0][1]}; send it one way")
+        out[name] = _fold(name, items)
+        if name in JSON_TEXT:
+            out[name] = json.dumps(out[name])
+    return out
+
+
+def _leaf(key: str, value):
+    """A form value as the JSON shape has it: text under ``TEXT_KEYS``, else the number (or true / false) it spells;
+    what spells neither stays text, for the field's parser to name."""
+    if not isinstance(value, str) or key in TEXT_KEYS:
+        return value
+    try:
+        v = json.loads(value)
+    except ValueError:
+        return value
+    return v if isinstance(v, (int, float, bool)) else value
+
+
+def _one(name: str, field: str, value):
+    if isinstance(value, list):
+        raise bad(name, f"{field} is given {len(value)} times; send it once")
+    return value
+
+
+def _fold(name: str, items: list):
+    shapes = {tuple("i" if k.isdigit() else "[]" if k == "" else "k" for k in path) for path, _, _ in items}
+    kinds = {_SHAPES.get(shape) for shape in shapes}
+    if len(kinds) != 1 or None in kinds or (len(shapes) > 1 and kinds != {"object"}):
+        raise bad(name, f"form fields {', '.join(sorted(k for _, k, _ in items))} mix shapes or nest too deep: "
+                        f"send {name}[key], {name}[][key] or {name}[0][key] fields, or {name} as JSON text")
+    kind = kinds.pop()
+    if kind == "object":  # one object (a list under a key: ``temporal[steps][]``)
+        return {path[0]: [_leaf(path[0], v) for v in (value if isinstance(value, list) else [value])]
+                if len(path) == 2 else _leaf(path[0], _one(name, field, value)) for path, field, value in items}
+    if kind == "names":  # a list of names, ``lora[]`` or numbered
+        if len(items) == 1 and items[0][0] == [""]:
+            return items[0][2] if isinstance(items[0][2], list) else [items[0][2]]
+        return [v for _, v in sorted((int(path[0]), _one(name, field, value)) for path, field, value in items)]
+    if kind == "numbered":  # numbered objects
+        objs: dict[int, dict] = {}
+        for (i, key), field, value in items:
+            objs.setdefault(int(i), {})[key] = _leaf(key, _one(name, field, value))
+        return [objs[i] for i in sorted(objs)]
+    # columns: a list of objects, each key's values in object order; only equal counts say which is whose
+    columns = {path[1]: value if isinstance(value, list) else [value] for path, _, value in items}
+    n = max(len(v) for v in columns.values())
+    uneven = sorted(k for k, v in columns.items() if len(v) != n)
+    if uneven:
+        raise bad(name, f"{name}[][{uneven[0]}] has {len(columns[uneven[0]])} values for {n} entries: give every "
+                        f"object of the list the same keys, or send {name} as JSON text")
+    return [{k: _leaf(k, v[i]) for k, v in columns.items()} for i in range(n)]
+
+
+KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_format", "output_format", "output_compression", "stream",
          "background", "lora", "controls", "control_image", "control_image[]"} | IGNORED | {
     f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).

@@ -37,6 +37,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from maskedit_common import backend_guard
 from maskedit_common.tenant_wire import HEADERS as TENANT_HEADERS, TENANT_HEADER, WEIGHT_HEADER, weight_text
 
 from . import grpc_health, picker_body
@@ -255,6 +256,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         set (keys on); ``body_length``: the body was rewritten to that length."""
         sets = [(DESTINATION, x.endpoint)]
         removes = list(TENANT_HEADERS)  # only the picker names a tenant; open mode: nobody does on this path
+        # The backend key: only the picker sets it (gRPC reads Triton's prefixed name, HTTP the plain one).
+        removes += [backend_guard.HEADER, backend_guard.GRPC_HEADER]
+        if self.r.backend_key:
+            sets += [(backend_guard.HEADER, self.r.backend_key), (backend_guard.GRPC_HEADER, self.r.backend_key)]
         if self.keyring.enabled:
             removes.append("authorization")  # keys stay at the gateway
             if x.tenant is not None:

@@ -29,7 +29,7 @@ _GENERATE = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/generate(?:_str
 _INFER_METHODS = ("/inference.GRPCInferenceService/ModelInfer", "/inference.GRPCInferenceService/ModelStreamInfer")
 # JSON input name -> the tensor type the ensemble declares (the generate endpoint converts by the model's config)
 _SCALARS = {"SEED": "int64_contents", "STEPS": "int_contents", "GUIDANCE": "fp32_contents",
-            "TEMPLATE_SEED": "int64_contents"}
+            "TEMPLATE_SEED": "int64_contents", "STRENGTH": "fp64_contents", "PADDING_MASK_CROP": "int_contents"}
 NO_WORK = EditFeatures(None, 0.0, 0, None)  # health, metadata and other calls that run no edit
 
 
@@ -87,7 +87,7 @@ def json_features(path: str, body: bytes, resolution: int) -> EditFeatures:
         v = doc.get(name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             t = req.inputs.add(name=name, shape=[1])
-            getattr(t.contents, kind).append(float(v) if kind == "fp32_contents" else int(v))
+            getattr(t.contents, kind).append(float(v) if kind.startswith("fp") else int(v))
     return _edit_features(req, resolution)
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from maskedit_common import backend_guard
+from maskedit_common.settings import load_settings
 
 from .health import probe
 from .backend import Backend
@@ -18,8 +22,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("addr", help="Triton gRPC address, e.g. 127.0.0.1:8001")
     ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--backend-key-file", type=Path, default=load_settings().security.backend_key_file,
+                    help="the backend key, for a guarded Triton (default: MASKEDIT_BACKEND_KEY_FILE)")
     args = ap.parse_args(argv)
-    backend = Backend(args.addr)
+    try:
+        key = backend_guard.read(args.backend_key_file) if args.backend_key_file else None
+    except ValueError as e:
+        ap.error(str(e))
+    backend = Backend(args.addr, key=key)
     try:
         ok = probe(backend, args.timeout)
     finally:

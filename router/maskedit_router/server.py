@@ -28,6 +28,7 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from maskedit_client.retry import Backoff, Timer
+from maskedit_common.triton_refusals import as_refusal
 
 from .admission import RefusalLog
 from .auth import ANONYMOUS
@@ -46,7 +47,9 @@ log = logging.getLogger("maskedit.router")
 class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
-                 resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0):
+                 resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0,
+                 backend_key: str | None = None):
+        self.backend_key = backend_key  # sent on every call to a backend (``backend_guard``); None: they are open
         self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
         self.store_capacity = (16, 64)  # template entries in a backend's memory and disk tiers (its store's shadow)
         self.backends = {a: self._backend(a) for a in addrs}
@@ -100,7 +103,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 self.backends.pop(a).close()
 
     def _backend(self, addr: str) -> Backend:
-        b = Backend(addr, admission=self.admission)
+        b = Backend(addr, admission=self.admission, key=self.backend_key)
         b.load.mem_templates, b.load.disk_templates = self.store_capacity
         return b
 
@@ -110,16 +113,24 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             return [b for b in self.backends.values() if b.available(now) and b.addr not in exclude]
 
     # -- routing and accounting ---------------------------------------------------------------------
-    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None) -> Ticket:
+    def route(self, f: EditFeatures, exclude=(), key: str | None = None, on_expire=None,
+              room_only: bool = False) -> Ticket:
         """A backend for ``f``. ``key`` (a request id unique in the router) enters an edit the router sends itself
         in the chosen backend's admission gauge; ``on_expire`` refuses it on its stream (returns whether it did)
-        if it waits too long in front of the backend's check."""
+        if it waits too long in front of the backend's check. ``room_only``: only a backend with room — one that has
+        not refused anything lately (``AdmissionGauge.refusing``) and is below its in-flight limit — for a request
+        another backend just refused; none: ``NoBackend`` (its refusal stands; in an overload, where every backend
+        refuses, a second wait in front of another check would only make the refusal late)."""
         t0 = time.perf_counter()
         cands = self.available(exclude)
         if not cands:
             raise NoBackend(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
         now = time.monotonic()
         with self._lock:
+            if room_only:
+                cands = [b for b in cands if b.load.inflight < self.max_per_backend and not b.admission.refusing(now)]
+                if not cands:
+                    raise NoBackend(grpc.StatusCode.RESOURCE_EXHAUSTED, "no other backend has room")
             total = sum(b.load.inflight for b in self.backends.values())
             if total >= self.max_inflight:
                 raise self._refuse("inflight_total", f"router has {total} requests in flight")
@@ -156,6 +167,12 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             wait = backend.admission.predicted_wait_s()
         self.metrics.admission(backend.addr, wait)
         self.expire_admissions(backend, now)
+
+    def admission_resumed(self) -> None:
+        """The router was stopped (``AdmissionWatcher``'s stall): every gauge counts again from its next poll."""
+        with self._lock:
+            for b in self.backends.values():
+                b.admission.resumed()
 
     def expire_admissions(self, backend: Backend, now: float | None = None) -> None:
         """Refuse, and cancel on ``backend``, the edits that have waited the admission wait in front of its check
@@ -244,10 +261,14 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(self.retry_budget_s, remaining if remaining is not None else 1e9)
         attempt = 0
+        refusal = None  # (backend, its RESOURCE_EXHAUSTED): tried on the others with room, else the caller's answer
         while True:
             try:
-                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}")
+                t = self.route(f, exclude=tried, key=f"{self._prefix}-u{next(self._ids)}",
+                               room_only=refusal is not None)
             except NoBackend as e:
+                if refusal is not None:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal[1])
                 delay = None
                 if e.code == grpc.StatusCode.UNAVAILABLE and context.is_active():
                     delay = self.backoff.next(attempt, deadline, time.monotonic())
@@ -257,6 +278,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 time.sleep(delay)  # a worker held while it waits: a unary call in flight
                 tried = set()  # after a wait, any backend back in rotation may take it
                 continue
+            if refusal is not None:
+                self.metrics.retried(refusal[0], "refused")
             call = t.backend.stub.ModelInfer.future(request, timeout=_timeout(context, 600.0))
             context.add_callback(call.cancel)  # the client gave up: so does the backend call
             with self._lock:
@@ -274,15 +297,19 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
                 tried.add(t.backend.addr)
             except grpc.RpcError as e:
                 self.release(t, ok=False)
-                if "RESOURCE_EXHAUSTED" in (e.details() or ""):
+                details = as_refusal(e.details() or "")  # Triton's own queue refusals read as refusals
+                if "RESOURCE_EXHAUSTED" in details:  # its queue is full: alive, not a failure; try one with room
                     with self._lock:
                         t.backend.admission.backend_refused(time.monotonic())
-                fault = backend_fault(e.details())
+                    refusal = (t.backend.addr, details)
+                    tried.add(t.backend.addr)
+                    continue
+                fault = backend_fault(details)
                 if e.code() != grpc.StatusCode.UNAVAILABLE and not fault:
-                    context.abort(e.code(), e.details())
+                    context.abort(e.code(), details)
                 # never reached a live model: try another backend
                 if fault:
-                    self.backend_broken(t.backend, e.details())
+                    self.backend_broken(t.backend, details)
                 else:
                     t.backend.failed()
                 tried.add(t.backend.addr)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import grpc
 from tritonclient.grpc import service_pb2
 
+from maskedit_common.triton_refusals import as_refusal
+
 from .auth import ANONYMOUS
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
 from .features import EditFeatures, deadline_s, edit_info, extract, grid_tokens, set_deadline_ms
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from .server import Router
 
 log = logging.getLogger("maskedit.router")
+REFUSED = "RESOURCE_EXHAUSTED"  # a backend's refusal at its admission check (the Python backend sends it as text)
 
 
 @dataclass
@@ -133,7 +136,7 @@ class _StreamSession:
 
     def _send(self, p: _Pending, rid: str, f: EditFeatures, exclude) -> None:
         try:
-            p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid))
+            self._place(p, rid, f, exclude)
         except NoBackend as e:
             if e.code == grpc.StatusCode.UNAVAILABLE and self._retry_later(p, rid, f):
                 return
@@ -141,13 +144,32 @@ class _StreamSession:
             self._end(p, "refused" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error")
             self.out.put(_error(p.client_id, f"{e.code.name}: {e}{retried}"))
             self._maybe_finish()
-            return
+
+    def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude, room_only: bool = False) -> None:
+        """Route ``p`` and send it on this session's stream to its backend (raises ``NoBackend``)."""
+        p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid), room_only=room_only)
         with self.lock:
             self.pending[rid] = p
             bs = self.streams.get(p.ticket.backend.addr)
             if bs is None or bs.broken:
                 bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
         bs.send(p.request)
+
+    def _elsewhere(self, p: _Pending, rid: str, backend: Backend, why: str = "refused") -> bool:
+        """``backend`` refused ``p`` (RESOURCE_EXHAUSTED: its queue is full) before anything of it reached the
+        client: send it to another backend with room (``Router.route``'s ``room_only``). After a router restart or
+        stall the clients' retried burst meets one backend's full queue while another has room; refusing it then
+        turned away work with capacity free. False when no other backend has room (every one is full or refusing, or
+        refused it already): the client gets the refusal."""
+        if not self.context.is_active():
+            return False
+        p.tried.add(backend.addr)
+        try:
+            self._place(p, rid, p.ticket.features, p.tried, room_only=True)
+        except NoBackend:
+            return False
+        self.r.metrics.retried(backend.addr, why)
+        return True
 
     def _retry_later(self, p: _Pending, rid: str, f: EditFeatures) -> bool:
         """No backend can take ``p`` now: route it again after a backoff, if it has streamed nothing and its
@@ -176,6 +198,8 @@ class _StreamSession:
         self._send(p, rid, f, exclude=())  # after a wait, any backend back in rotation may take it
 
     def on_response(self, backend: Backend, resp) -> None:
+        if resp.error_message:  # Triton's own queue refusals read as the refusals they are
+            resp.error_message = as_refusal(resp.error_message)
         rid = resp.infer_response.id
         if not rid and resp.error_message:
             m = re.search(r"request id: ([\w-]+)", resp.error_message)
@@ -188,12 +212,19 @@ class _StreamSession:
         if final or error:
             self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
         with self.lock:  # taken off at once when it ends: the router's admission timeout may not refuse it too
-            p = self.pending.pop(rid, None) if final or error else self.pending.get(rid)
+            p = self._waiting_on(backend, rid, take=final or error)
             if p is not None and not (final or error):
                 p.responded = True  # a progress response, relayed below
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
+        released = False
+        if error and not p.responded and REFUSED in resp.error_message:
+            self.r.release(p.ticket, ok=False)
+            released = True
+            if self._elsewhere(p, rid, backend):  # its refusal is not relayed: another backend has it now
+                self._retire(backend)
+                return
         resp.infer_response.id = p.client_id
         if error:
             resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
@@ -202,8 +233,9 @@ class _StreamSession:
             self.out.put(resp)
             p.responded = True
         if final or error:
-            info = edit_info(resp.infer_response) if p.temporal is not None and not error else None
-            self.r.release(p.ticket, ok=not error, info=info, temporal=p.temporal)
+            if not released:
+                info = edit_info(resp.infer_response) if p.temporal is not None and not error else None
+                self.r.release(p.ticket, ok=not error, info=info, temporal=p.temporal)
             self._end(p, "error" if error else "ok")
             self._retire(backend)
             self._maybe_finish()
@@ -218,15 +250,29 @@ class _StreamSession:
         if bs is not None:
             bs.close()
 
+    def _waiting_on(self, backend: Backend, rid: str, take: bool) -> _Pending | None:
+        """``rid``'s request if it is waiting on ``backend`` (taken off the pending set with ``take``); None for an
+        answer from a backend it was moved away from (left waiting there, sent to another: the first one's answer,
+        "cancelled", a refusal or a late result, is not its client's). Under ``self.lock``."""
+        p = self.pending.get(rid)
+        if p is None or p.ticket.backend is not backend:
+            return None
+        if take:
+            del self.pending[rid]
+        return p
+
     def expire(self, rid: str) -> bool:
-        """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check.
-        Refused on the client's stream now, unless it has ended or streamed meanwhile (then past the check)."""
+        """The router's admission timeout: ``rid`` has waited too long in front of its backend's admission check
+        (while that backend refuses). Moved to a backend with room if one has (the first drops it: cancelled), else
+        refused on the client's stream now; nothing, if it has ended or streamed meanwhile (then past the check)."""
         with self.lock:
             p = self.pending.get(rid)
             if p is None or p.responded:
                 return False
             del self.pending[rid]
         self.r.release(p.ticket, ok=False)
+        if self._elsewhere(p, rid, p.ticket.backend, why="waited"):
+            return True
         self._end(p, "refused")
         waited = time.monotonic() - p.ticket.t0
         self.out.put(_error(p.client_id, f"RESOURCE_EXHAUSTED: waited {waited:.2f} s in front of backend "
@@ -240,7 +286,7 @@ class _StreamSession:
         requests end as if its stream broke (those inside the dead stub would never be answered), and this one is
         retried elsewhere if the client has had nothing from it yet."""
         with self.lock:
-            p = self.pending.pop(rid, None)
+            p = self._waiting_on(backend, rid, take=True)
         self.r.backend_broken(backend, message)
         if p is not None:
             self._lost(p, rid, backend, message)

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 from maskedit.launcher import TritonServer
@@ -17,7 +19,7 @@ def server(settings, tmp_path_factory):
     s = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(settings.model_dir),
         "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"), "MASKEDIT_CACHE_DISK_DIR": str(d / "disk")})
-    s.start(timeout=300)
+    s.start()
     yield s
     s.stop()
 
@@ -30,13 +32,27 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def adapters(settings):
-    """The model's LoRA adapter library (what the servers read by default): written as ``make model`` writes it
-    when the model directory has none."""
-    from maskedit_common.loras import library_names
+def controlnets(settings):
+    """The model's ControlNet library (what the servers read by default, at request time): written as ``make
+    model`` writes it when the model directory has none."""
+    from maskedit_common.controls import library_names
 
-    if not library_names(settings.adapters):
-        from maskedit.build_model import build_adapters
+    if not library_names(settings.controlnets):
+        from maskedit.build_model import build_controlnets
 
-        build_adapters(settings.model_dir)
-    return settings.adapters
+        build_controlnets(settings.model_dir)
+    return settings.controlnets
+
+
+@contextlib.contextmanager
+def chaos_cluster(settings, tmp_path_factory, name: str, max_queue: int):
+    """Two supervised instances and the router process (``loadgen.topology``) for the chaos and overload cases. One
+    request per denoise step: the denoise queue (``max_queue``), not pre-processing (the tiny model's bottleneck on
+    a small CPU), limits a server. After shutdown nothing may be left: no process, region or port."""
+    from loadgen.topology import running_topology
+
+    env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_MAX_QUEUE": str(max_queue),
+           "MASKEDIT_MAX_BATCH": "1", "MASKEDIT_CACHE_MEM_BYTES": str(64 << 20)}
+    with running_topology(2, tmp_path_factory.mktemp(name), env) as t:
+        yield t
+    assert not any(t.leftovers().values()), t.leftovers()

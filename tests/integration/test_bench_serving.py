@@ -20,7 +20,7 @@ def baseline(settings, tmp_path_factory):
     stock.render(d / "repo")
     env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir),
            "MASKEDIT_PYTHONPATH": bench_serving.lab_pythonpath()}
-    with TritonServer(d / "repo", env=env, log_path=d / "server.log").start(timeout=300) as s:
+    with TritonServer(d / "repo", env=env, log_path=d / "server.log").start() as s:
         c = bench_serving.BaselineClient(s.grpc_url)
         yield c
         c.close()

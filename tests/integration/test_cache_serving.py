@@ -61,7 +61,43 @@ def test_cache_metrics_on_the_metrics_port(client, server):
     hits = re.search(r'maskedit_cache_requests_total\{outcome="hit"\} (\d+)', text)
     assert hits and int(hits.group(1)) >= 1
     assert re.search(r'maskedit_cache_bytes\{tier="mem"\} \d', text)
-    inserts = re.search(r'maskedit_cache_events_total\{event="inserts"\} (\d+)', text)
+    inserts = re.search(r'maskedit_cache_events_total\{event="inserts",model="masked_denoise",store="activations"\} '
+                        r'(\d+)', text)
     assert inserts and int(inserts.group(1)) >= 1  # entries written by the earlier tests' template runs
     cpu = re.search(r'maskedit_cache_write_cpu_seconds_total\{kind="record"\} ([0-9.e+-]+)', text)
     assert cpu and float(cpu.group(1)) > 0  # and the CPU those writes took
+
+
+def _corrupt_events(server) -> dict[str, float]:
+    """``maskedit_cache_events_total{event="corrupt"}`` per counting process (model)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^maskedit_cache_events_total\{event="corrupt",model="(\w+)",store="activations"\} ([0-9.e+]+)$', text, re.M)}
+
+
+def test_a_corrupt_entry_found_by_pre_processing_is_counted_in_the_shared_metric(client, server):
+    """Pre-processing promotes a disk entry while its request queues and verifies it first; a corrupt one is
+    discarded there. It used to be logged only: the corrupt counter was exported by the denoise process alone."""
+    from pathlib import Path
+
+    tpl = samples.template(256, 256, seed=43)
+    mask = samples.mask(256, 256, 0.1, "box", seed=4)
+    mem, disk = Path(server.env["MASKEDIT_CACHE_MEM_DIR"]), Path(server.env["MASKEDIT_CACHE_DISK_DIR"])
+    others = set(mem.glob("*.safetensors"))  # other tests' entries: left alone
+    client.register_template(tpl, steps=2)
+    assert _edit_until_hit(client, tpl, mask, steps=2).info["cache_hit"]
+    before = _corrupt_events(server)
+    ours = set(mem.glob("*.safetensors")) - others
+    assert ours
+    for p in ours:  # evicted, and then damaged on disk
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2:len(raw) // 2 + 4096] = bytes(4096)
+        (disk / p.name).write_bytes(bytes(raw))
+        p.unlink()
+    r = client.edit(tpl, mask, "a hat", steps=2)
+    assert not r.info["cache_hit"]  # a miss: the corrupt entry is never used
+    deadline = time.time() + 3 * 5 + 10  # pre-processing's metrics refresh on a timer (MASKEDIT_METRICS_SYNC_S)
+    while time.time() < deadline and _corrupt_events(server).get("preprocess", 0) <= before.get("preprocess", 0):
+        time.sleep(0.5)
+    after = _corrupt_events(server)
+    assert after.get("preprocess", 0) > before.get("preprocess", 0), (before, after)

@@ -47,7 +47,7 @@ def _serving(d, model, **env):
     s = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(model), "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"),
         "MASKEDIT_CACHE_DISK_DIR": str(d / "disk"), "MASKEDIT_CONTROLNET_PLACEMENT": "triton", **env})
-    s.start(timeout=300)
+    s.start()
     try:
         with EditClient(s.grpc_url) as client:
             yield client

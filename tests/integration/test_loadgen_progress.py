@@ -31,10 +31,14 @@ def test_progress_is_reported_per_step(client, template_img, box_mask):
 
 
 def test_hopeless_deadline_fails_fast(client, template_img, box_mask):
+    """Refused before any step runs (no step's progress came), not after denoising: that is what "fast" means here,
+    whatever the host's load; the wall-clock bound only tells it from a run of all 100 steps."""
+    steps = []
     t0 = time.perf_counter()
     with pytest.raises(EditError) as e:
-        client.edit(template_img, box_mask, "a hat", steps=100, deadline_ms=1, use_cache=False)
-    assert e.value.code == "DEADLINE_EXCEEDED" and time.perf_counter() - t0 < 5
+        client.edit(template_img, box_mask, "a hat", steps=100, deadline_ms=1, use_cache=False,
+                    on_progress=lambda i, n: steps.append(i))
+    assert e.value.code == "DEADLINE_EXCEEDED" and steps == [] and time.perf_counter() - t0 < 30
     assert client.edit(template_img, box_mask, "a hat", steps=2).image  # still serving
 
 

@@ -1,6 +1,7 @@
 """End to end through a real tritonserver with tritonclient: parity with stock Diffusers, endpoints, HTTP."""
 
 import base64
+import io
 import json
 import urllib.request
 from concurrent.futures import wait
@@ -152,3 +153,42 @@ def test_http_generate_with_base64_images(server, client, template_img, box_mask
     assert base64.b64decode(json.loads(text[len("data: "):].strip())["IMAGE"]) == grpc_png
     status, text = _post(server, "/v2/models/edit/generate", {**body, "PROMPT": ""})
     assert status == 400 and "PROMPT" in json.loads(text)["error"]
+
+
+def test_the_diffusers_parameters_through_triton(server, client, stock, settings, template_img, box_mask):
+    """STRENGTH equals stock Flux Fill through the ensemble; PADDING_MASK_CROP and OUTPUT_FORMAT give what the
+    stages in one process give (their parity with stock: tests/unit/maskedit/test_stock_parameters.py); the HTTP
+    generate endpoint carries them and a bad value is a 400 naming it."""
+    from maskedit.local import LocalEditor
+
+    r = client.edit(template_img, box_mask, "a red hat", seed=11, steps=10, guidance=20.0, raw_output=True,
+                    template_seed=11, use_cache=False, strength=0.45)
+    ref = stock(prompt="a red hat", image=template_img, mask_image=Image.fromarray(box_mask), height=256,
+                width=256, num_inference_steps=10, guidance_scale=20.0, strength=0.45,
+                max_sequence_length=settings.max_sequence_length,
+                generator=torch.Generator("cpu").manual_seed(11)).images[0]
+    assert np.abs(np.asarray(r.image).astype(int) - np.asarray(ref).astype(int)).max() <= 1
+    assert (r.info["strength"], r.info["first_step"], r.info["crop"]) == (0.45, 5, None)
+    big, mask = samples.template(512, 512, seed=4), np.zeros((512, 512), np.uint8)
+    mask[200:260, 300:380] = 255
+    kw = dict(seed=3, steps=3, use_cache=False, padding_mask_crop=16)
+    got = client.edit(big, mask, "a hat", **kw)
+    assert got.info["crop"] is not None
+    ed = LocalEditor(settings)
+    try:
+        local = np.asarray(Image.open(io.BytesIO(ed.edit(png(big), png(mask), "a hat", **kw)[0])), int)
+    finally:
+        ed.close()
+    served = np.asarray(got.image, int)
+    assert np.abs(served - local).max() <= 1 and (served == local).mean() > 0.999  # as the test above
+    webp = client.edit(big, mask, "a hat", output_format="webp", output_quality=90, **kw)
+    assert webp.png.startswith(b"RIFF") and webp.info["output_format"] == "webp"
+    body = {"TEMPLATE": base64.b64encode(png(template_img)).decode(), "MASK": base64.b64encode(png(box_mask)).decode(),
+            "PROMPT": "a red hat", "SEED": 5, "STEPS": 4, "STRENGTH": 0.5, "OUTPUT_FORMAT": "jpeg"}
+    status, text = _post(server, "/v2/models/edit/generate", body)
+    assert status == 200, text
+    assert base64.b64decode(json.loads(text)["IMAGE"]).startswith(b"\xff\xd8\xff")
+    status, text = _post(server, "/v2/models/edit/generate", {**body, "STRENGTH": 0.0})
+    assert status == 400 and "STRENGTH" in json.loads(text)["error"]
+    status, text = _post(server, "/v2/models/edit/generate", {**body, "OUTPUT_FORMAT": "gif"})
+    assert status == 400 and "OUTPUT_FORMAT" in json.loads(text)["error"]

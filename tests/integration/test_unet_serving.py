@@ -25,7 +25,7 @@ def sdxl_server(tmp_path_factory):
     server = TritonServer(log_path=d / "tritonserver.log", env={
         "MASKEDIT_MODEL_DIR": str(model), "MASKEDIT_CACHE_MEM_DIR": str(d / "shm"),
         "MASKEDIT_CACHE_DISK_DIR": str(d / "disk")})
-    server.start(timeout=300)
+    server.start()
     client = EditClient(server.grpc_url)
     try:
         yield model, client, server

@@ -1,6 +1,6 @@
 """The adapter library: a directory of adapters, each ``<name>/`` (Diffusers / PEFT: one ``.safetensors`` file,
 e.g. ``pytorch_lora_weights.safetensors`` as ``save_lora_weights`` writes it) or ``<name>.safetensors`` (kohya /
-A1111). Requests name adapters; a name is never a path, and only files directly in the directory (or in its
+A1111). Requests name adapters; a name is never a path, and only regular files directly in the directory (or in its
 adapter subdirectories) are opened."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maskedit_common.loras import FIELD, NAME, LoraRef, library_names
+from maskedit_common.regular_files import NotRegularFile, open_regular
 
 from ..errors import InvalidInput
 
@@ -67,6 +68,8 @@ class AdapterLibrary:
         real = path.resolve()
         if root not in real.parents:  # a symlink out of the library: never followed
             raise InvalidInput(f"adapter {name!r} is not inside the adapter library", FIELD)
+        if not real.is_file():  # stat only: a FIFO, device or socket is refused without being opened
+            raise InvalidInput(f"adapter {name!r}: {real.name} is not a regular file", FIELD)
         return real, fmt
 
     def file(self, name: str) -> AdapterFile:
@@ -77,9 +80,12 @@ class AdapterLibrary:
             digest = self._digests.get(key)
         if digest is None:
             h = hashlib.sha256()
-            with open(path, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+            try:
+                with open_regular(path) as fh:  # a FIFO or device named *.safetensors never blocks the reader
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+            except NotRegularFile as e:
+                raise InvalidInput(f"adapter {name!r}: {e}", FIELD) from None
             digest = h.hexdigest()[:16]
             with self._lock:
                 self._digests[key] = digest

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import hashlib
 
+from ..controlnets.job import run_position
 from .modes import FULL
 
 
@@ -45,9 +46,12 @@ def split_budget(total: int, weights: list[int]) -> list[int]:
     return [int(total * w // whole) for w in weights]
 
 
-def control_key(base_key: str, index: int) -> str:
-    """The entry of control ``index`` of a request whose (base) key, which covers all its controls, is ``base_key``."""
-    return hashlib.sha256(f"{base_key}:controlnet:{index}".encode()).hexdigest()[:40]
+def control_key(base_key: str, index: int, first: int = 0) -> str:
+    """The entry of control ``index`` of a request whose (base) key, which covers all its controls, is ``base_key``;
+    ``first``: the schedule step it first acts at (its window is counted in the steps a STRENGTH < 1 edit runs, so
+    its active steps move with the strength; 0 keeps the key of a full-schedule window starting at 0)."""
+    tail = f":{first}" if first else ""
+    return hashlib.sha256(f"{base_key}:controlnet:{index}{tail}".encode()).hexdigest()[:40]
 
 
 class _ControlRows:
@@ -102,7 +106,8 @@ class ControlNetCaches:
             if steps is None:
                 rows.append(_ControlRows(job, job.inputs, JobCache("off")))
                 continue
-            x = self._inputs(job, steps, control_key(jc.key, k))
+            moved = steps[0] if getattr(job.inputs, "first_step", 0) else 0  # STRENGTH < 1: its window moved
+            x = self._inputs(job, steps, control_key(jc.key, k, moved))
             p = _ControlRows(job, x, first=steps[0], budget=budgets[k + 1])
             c = self.runtime(active.model).admit(p)
             if c.status == "hit" and self.base.hooks.controlnet_reads_every_block:
@@ -115,8 +120,9 @@ class ControlNetCaches:
         """Per control of ``job``: the steps it acts on if it is cached (its ControlNet runs here, in a form the
         base hooks cache, at some step), else None."""
         out = []
-        for active in getattr(job, "controls", ()):
-            steps = [i for i in range(job.steps) if active.scale_at(i, job.steps) != 0]
+        first = getattr(job.inputs, "first_step", 0)
+        for active in getattr(job, "controls", ()):  # schedule steps; the window counts the steps the edit runs
+            steps = [i for i in range(first, job.steps) if active.scale_at(*run_position(job, i)) != 0]
             ok = steps and active.model is not None and self.base.hooks.caches_controlnet(active.model)
             out.append(steps if ok else None)
         return out
@@ -125,6 +131,8 @@ class ControlNetCaches:
     def _inputs(job, steps: list[int], key: str | None):
         x = copy.copy(job.inputs)
         x.cache_key, x.steps = key, len(steps)  # its entry: its active steps only
+        if hasattr(x, "first_step"):
+            x.first_step = 0  # counted from its first active step (``_ControlRows.step_index``)
         if hasattr(x, "base_cache_key"):
             x.base_cache_key = None  # never the base's rows (``lora_base_reuse``): another model's
         return x
@@ -133,7 +141,9 @@ class ControlNetCaches:
         """The request's recording budget split between the base denoiser (first) and each control (0 for one not
         cached), by the bytes each would record."""
         plans = self.plans(job) if plans is None else plans
-        weights = [sum(self.base.hooks.block_bytes(job.inputs, self.base.itemsize))]
+        from .runtime import recorded_steps
+
+        weights = [sum(self.base.hooks.block_bytes(recorded_steps(job.inputs), self.base.itemsize))]
         for active, steps in zip(job.controls, plans):
             if steps is None:
                 weights.append(0)
@@ -150,7 +160,8 @@ class ControlNetCaches:
         """After a step (``job.step_index`` already moved on): a control's view moves on where the step ran it."""
         for job in jobs:
             for k, p in enumerate(self.rows(job)):
-                if p.cache.status != "off" and job.controls[k].scale_at(job.step_index - 1, job.steps) != 0:
+                if p.cache.status != "off" and \
+                        job.controls[k].scale_at(*run_position(job, job.step_index - 1)) != 0:
                     self._owner(p).after_step([p])
 
     def finish(self, job, ok: bool) -> None:

@@ -46,10 +46,12 @@ class CacheDecision:
         return max(1, int(self.computed.sum())) if self.status == "hit" else n
 
 
-def fits(meta: dict, n: int, steps: int, dim: int, blocks: int) -> bool:
-    """Was the entry recorded for this request's shape (tokens, steps) and this model (width, depth)?"""
+def fits(meta: dict, n: int, steps: int, dim: int, blocks: int, first_step: int = 0) -> bool:
+    """Was the entry recorded for this request's shape (tokens, steps) and this model (width, depth), from its
+    first step or earlier? (A STRENGTH < 1 edit runs the schedule's last steps: an entry recorded from an earlier
+    step of the same schedule holds rows at each of its timesteps, ``first_step`` in ``docs/caching.md``.)"""
     return meta.get("tokens") == n and meta.get("steps") == steps and meta.get("dim") == dim and \
-        meta.get("blocks") == blocks
+        meta.get("blocks") == blocks and meta.get("first_step", 0) <= first_step
 
 
 def latent_grid(x, n: int) -> tuple[int, int]:
@@ -62,13 +64,18 @@ def latent_grid(x, n: int) -> tuple[int, int]:
 def _entry(key: str, x, store: ActivationStore, live_runs: LiveRuns, dim: int, blocks: int, count: bool, n: int):
     """The stored entry of ``key`` that fits ``x`` (``n`` tokens), else a template run of it in progress here, else
     None."""
+    first = getattr(x, "first_step", 0)
     entry = store.open(key, count=count)
-    if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks):
-        log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
+    if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks, first):
+        if fits(entry.meta, n, x.steps, dim, blocks, entry.meta.get("first_step", 0)):
+            log.info("activation entry %s starts at step %s, after this request's %s: recording from it", key,
+                     entry.meta.get("first_step"), first)
+        else:
+            log.warning("activation entry %s does not fit this request (tokens/steps/dim); ignoring it", key)
         entry = None
     if entry is None:
         live = live_runs.get(key)
-        if live is not None and fits(live.meta, n, x.steps, dim, blocks):
+        if live is not None and fits(live.meta, n, x.steps, dim, blocks, first):
             entry = live
     return entry
 

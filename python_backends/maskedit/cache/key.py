@@ -6,6 +6,10 @@ schedule), the guidance (embedded in every block's modulation), the seed of the 
 (``TEMPLATE_SEED``, which also seeds the VAE sampling of the template) and the compute dtype. All of it
 goes into the key; a request whose settings differ misses and runs in full (and records a new entry).
 
+STRENGTH (a schedule starting at a later step) is in it through its first step, except for families whose pipeline
+blends the template back outside the mask every step: there an entry recorded from an earlier step serves it
+(docs/caching.md, "Strength"). PADDING_MASK_CROP is, through the crop box.
+
 Not in the key, by design (InstGenIE's approximation): the prompt and the mask. Unmasked activations are
 reused across prompts and masks of the same template; tokens the recording request itself edited are
 marked invalid in the entry and are always recomputed.
@@ -37,12 +41,15 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
               template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=(),
-              references=()) -> str:
+              references=(), crop=None, first_step: int = 0) -> str:
     """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
     are never valid under another (none: the key of a plain request, unchanged). ``controls``: its ControlNets in
     order, ``control_identity`` each: the residuals change every block's input, so no two control sets share.
     ``references``: its reference images in order (``image_digest`` each), beyond the template: an in-context edit
-    model attends to their tokens, and their rows are the entry's (reference rows)."""
+    model attends to their tokens, and their rows are the entry's (reference rows).
+    ``crop``: PADDING_MASK_CROP's (x1, y1, x2, y2) of the template: the model's template is that crop.
+    ``first_step``: STRENGTH's first step where the unmasked tokens' trajectory depends on it (0: none, or a family
+    that blends the template back every step: docs/caching.md, "Strength")."""
     fields = {
         "model": fingerprint, "template": template_hash, "size": [model_w, model_h], "steps": steps,
         "guidance": round(float(guidance), 6), "template_seed": int(template_seed), "dtype": dtype,
@@ -54,6 +61,10 @@ def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, 
         fields["controls"] = [list(c) for c in controls]
     if references:
         fields["references"] = [str(r) for r in references]
+    if crop is not None:
+        fields["crop"] = [int(v) for v in crop]
+    if first_step:
+        fields["first_step"] = int(first_step)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 

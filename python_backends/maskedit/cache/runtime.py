@@ -18,6 +18,7 @@ dtype (a bf16 model's entries are half the bytes of float32 ones).
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ class JobCache:
     computed: np.ndarray | None = None  # UNet hits: latent pixels computed (host), and per-level indices
     level_idx: dict | None = None
     base_reuse: bool = False  # an adapter request reading the rows recorded without adapters (approximate)
+    first: int = 0  # the schedule step its entry's first rows are at (STRENGTH < 1: ``recorded_steps``)
 
     def ready(self, step: int) -> bool:
         """Are this hit's rows for ``step`` there? Always for a stored entry; for a follower once the run has
@@ -82,6 +84,19 @@ class JobCache:
                 "computed_tokens": int(self.idx_c.numel()) if self.idx_c is not None else None,
                 "healed_tokens": int(self.heal.size) if self.patch is not None and self.patch.complete else 0,
                 "cache_corrupt": self.recovered is not None, "cache_base_reuse": self.base_reuse}
+
+
+def recorded_steps(x):
+    """``x`` as a template run records it: a STRENGTH < 1 run (``first_step`` > 0) records rows for the steps it runs
+    only, and its entry says where they start (``meta["first_step"]``); later edits starting at that step or after
+    read the rows at their own steps' timesteps (the schedule is the same: the stock ``get_timesteps`` takes its
+    last steps)."""
+    first = getattr(x, "first_step", 0)
+    if not first:
+        return x
+    x = copy.copy(x)
+    x.steps, x.first_step = x.steps - first, 0
+    return x
 
 
 class CacheRuntime:
@@ -173,7 +188,7 @@ class CacheRuntime:
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
         jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=self.hooks.text_len(x),
                       live=d.entry.recorder if d.follows else None, computed=np.asarray(d.computed, bool),
-                      base_reuse=d.base)
+                      base_reuse=d.base, first=int(d.entry.meta.get("first_step", 0)))
         idx_c = np.flatnonzero(d.computed)
         jc.idx_c = torch.from_numpy(idx_c).to(dev)
         jc.idx_u = torch.from_numpy(np.flatnonzero(~d.computed)).to(dev)
@@ -183,8 +198,8 @@ class CacheRuntime:
             [b in m["y_blocks"] for b in range(len(self.kinds))], [b in m["kv_blocks"] for b in range(len(self.kinds))],
             self.hooks.plan_blocks(x, d.computed, m)))
         jc.needs_output = self.hooks.needs_output(jc.modes)
-        if d.heal is not None:
-            self._maybe_heal(jc, x, d.heal, idx_c)
+        if d.heal is not None and jc.first == getattr(x, "first_step", 0):  # a heal rewrites every step's rows
+            self._maybe_heal(jc, recorded_steps(x), d.heal, idx_c)
         return jc
 
     def _maybe_heal(self, jc: JobCache, x, heal: np.ndarray, idx_c: np.ndarray) -> None:
@@ -200,7 +215,7 @@ class CacheRuntime:
     def _start_recording(self, job, key: str) -> JobCache:
         if not self.record:
             return JobCache("off", key=key)
-        x = job.inputs
+        x = recorded_steps(job.inputs)
         per_y = self.hooks.block_bytes(x, self.itemsize)
         budget = self._budget(job)
         y_blocks, kv_blocks = [], []
@@ -214,14 +229,17 @@ class CacheRuntime:
                 budget -= 2 * per_y[b]
         rec, layout = self.hooks.recorder(x, y_blocks, kv_blocks, self.dtype, self.device)
         valid = ~self.hooks.cache_mask(x)  # tokens this request edits are not template context
-        meta = {"tokens": int(valid.size), "steps": x.steps, "dim": self.dim, "blocks": len(self.kinds),
+        first = getattr(job.inputs, "first_step", 0)
+        meta = {"tokens": int(valid.size), "steps": job.inputs.steps, "dim": self.dim, "blocks": len(self.kinds),
                 "n_dual": self.hooks.n_dual, "y_blocks": y_blocks, "kv_blocks": kv_blocks,
                 "valid_tokens": int(valid.sum()), "reference_tokens": self.hooks.reference_tokens(x), **layout}
+        if first:
+            meta["first_step"] = first
         # The run's entry while it records: followers read it; once complete it is what the store saves.
         live = LiveEntry(meta, {**rec.tensors(), "valid": valid}, rec)
         if not self.live_runs.start(key, live):  # a run of this key (or a re-registration) is in progress
             return JobCache("off", key=key)
-        return JobCache("record", key=key, entry=live, recorder=rec, valid=valid)
+        return JobCache("record", key=key, entry=live, recorder=rec, valid=valid, first=first)
 
     def _budget(self, job) -> int:
         """The bytes this template run may record: the configured budget, or its share of it where the request's
@@ -240,11 +258,12 @@ class CacheRuntime:
         views, hits = [], []
         for job in jobs:
             jc: JobCache = job.cache
+            row = job.step_index - jc.first  # the entry's rows start at its first step
             if jc.status == "record":
                 views.append(self.hooks.view(job, jc, recorder=jc.recorder))
-            elif jc.status == "hit" and jc.ready(job.step_index):
-                views.append(self.hooks.view(job, jc, rows=self.loader.rows(jc, job.step_index)))
-                hits.append((jc, job.step_index))
+            elif jc.status == "hit" and jc.ready(row):
+                views.append(self.hooks.view(job, jc, rows=self.loader.rows(jc, row)))
+                hits.append((jc, row))
             else:
                 if jc.status == "hit":  # a follower ahead of the run it follows: this step in full
                     jc.full_steps += 1

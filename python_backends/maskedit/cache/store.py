@@ -1,7 +1,7 @@
 """The activation store: a host-memory tier shared by processes, LRU-evicted to a disk tier.
 
-(Over 400 lines on purpose: the tiers' budgets, eviction and promotion share one inter-process lock and the same
-fault handling; the file format, checksums and tier health live in their own modules.)
+(Over 400 lines on purpose: the tiers' budgets, eviction, promotion and their recovery share one inter-process lock
+and the same fault handling; the file format, checksums and tier health live in their own modules.)
 
 Each entry is one safetensors file (``entry_file``: one template's recorded activations plus JSON metadata with a
 checksum per chunk). The memory tier is a directory on a RAM filesystem (``/dev/shm`` by default), so every Triton
@@ -22,7 +22,10 @@ Storage faults (``TierHealth``): budgets hold whatever the filesystems do. Room 
 that cannot move to an unwritable or full disk tier is dropped instead of kept over budget; a memory tier that
 cannot make room refuses new entries; ``ENOSPC`` shrinks the memory tier's budget to what its filesystem held, and
 the budget never starts above the filesystem's free space. Errors in background work are caught, logged once per
-kind with context, counted, and shown as a degraded tier until that tier's next success.
+kind with context, counted, and shown as a degraded tier until that tier's next success. Recovery (``probe``, run
+every few seconds by each process): a shrunk budget grows back to the configured one once its filesystem has the
+room again, and a degraded tier is cleared once a probe write succeeds, not only at its next real write. Eviction
+verifies an entry before copying it to the disk tier: a corrupt one is discarded, never carried on.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .. import logs
-from . import entry_file, integrity, tmp_files
+from . import entry_file, integrity, tier_health, tmp_files
 from .entry_file import Entry, MappedArrays, as_tensor, open_file
 from .file_lock import locked
 from .integrity import CorruptEntry
@@ -76,6 +79,7 @@ class StoreStats:
     dropped: int = 0  # evicted from the disk tier (gone), or from memory when the disk tier could not take them
     refused: int = 0  # new entries not written: the memory tier could not make room for them
     errors: int = 0  # storage errors caught (a tier that could not write, delete or copy)
+    recovered: int = 0  # a degraded tier healthy again (a real write or a probe), a shrunk budget back in full
     # CPU seconds of the background writes (a template run's entry, a heal's rewrite): work that competes with the
     # denoise loop for the host's cores, reported so capacity models can charge it.
     record_cpu_s: float = 0.0
@@ -96,6 +100,7 @@ class ActivationStore:
         self._mapped: dict[tuple, Entry] = {}  # entries this process has mapped, by (path, inode, size, mtime_ns)
         self._promoting: dict[str, threading.Thread] = {}
         self._mu = threading.Lock()
+        self.configured_mem_bytes = int(mem_bytes)  # what a shrunk budget grows back to (``probe``)
         self.mem_bytes = self._fit_to_filesystem(int(mem_bytes))
         self._sweep_tmp()
         self._fit_on_open()
@@ -128,15 +133,54 @@ class ActivationStore:
     def _fit_to_filesystem(self, budget: int) -> int:
         """The memory tier's budget: the configured one, never above what its filesystem can hold (free space plus
         what the tier holds already); a RAM filesystem smaller than the budget would otherwise fill and freeze."""
-        try:
-            room = shutil.disk_usage(self.mem_dir).free + sum(s.st_size for _, s in self.entries("mem"))
-        except OSError:
+        room = self._mem_room()
+        if room is None:
             return budget
         if room < budget:
             logs.event(log, "activation memory tier budget reduced to its filesystem's free space",
                        logging.WARNING, configured=budget, budget=room, dir=str(self.mem_dir))
             return room
         return budget
+
+    def _mem_room(self) -> int | None:
+        """What the memory tier's filesystem can hold for it: its free space plus the tier's entries."""
+        try:
+            return shutil.disk_usage(self.mem_dir).free + sum(s.st_size for _, s in self.entries("mem"))
+        except OSError:
+            return None
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def probe(self) -> None:
+        """Bring back what a storage fault took once the fault is gone (called every few seconds): a memory budget
+        shrunk after ENOSPC grows back towards the configured one as its filesystem has room again (in full when
+        it has room for all of it), and a degraded tier whose probe write succeeds is healthy again. Costs nothing
+        while every tier is healthy at its full budget. Never raises."""
+        if self.mem_bytes < self.configured_mem_bytes:
+            self._regrow_budget()
+        for tier, d in (("mem", self.mem_dir), ("disk", self.disk_dir)):
+            if not [op for op in self.health.failing(tier) if op != tier_health.BUDGET]:
+                continue
+            try:
+                tier_health.probe_write(d)
+                if tier == "mem" and not self.evict():  # and it is within its budget (an entry it could not delete)
+                    continue
+            except OSError:
+                continue
+            self.health.probed_ok(tier)
+
+    def _regrow_budget(self) -> None:
+        room = self._mem_room()
+        if room is None:
+            return
+        target = self.configured_mem_bytes if room >= self.configured_mem_bytes else int(room * _ENOSPC_SHRINK)
+        if target <= self.mem_bytes:
+            return
+        before, self.mem_bytes = self.mem_bytes, target
+        full = target >= self.configured_mem_bytes
+        logs.event(log, "activation memory tier budget restored" if full else "activation memory tier budget grown",
+                   budget=target, before=before, configured=self.configured_mem_bytes, room=room)
+        if full:
+            self.health.ok("mem", tier_health.BUDGET, how="probe")
 
     # -- paths and locking --------------------------------------------------------------------------
     def _path(self, tier_dir: Path, key: str) -> Path:
@@ -183,6 +227,7 @@ class ActivationStore:
                 "record_cpu_s": s.record_cpu_s, "heal_cpu_s": s.heal_cpu_s, "mem_bytes": b["mem"],
                 "disk_bytes": b["disk"], "mem_entries": len(self.entries("mem")),
                 "disk_entries": len(self.entries("disk")), "mem_budget": self.mem_bytes,
+                "mem_budget_configured": self.configured_mem_bytes, "recovered": s.recovered,
                 "degraded": dict(self.health.degraded)}
 
     # -- reads --------------------------------------------------------------------------------------
@@ -305,6 +350,9 @@ class ActivationStore:
                 self.mem_bytes = min(self.mem_bytes, max(0, int((held + free) * _ENOSPC_SHRINK)))
                 logs.event(log, "activation memory tier budget shrunk after ENOSPC", logging.WARNING,
                            budget=self.mem_bytes, held=held, free=free)
+                # degraded until ``probe`` finds the room again and the budget is back in full
+                self.health.failed("mem", tier_health.BUDGET, e, count=False, budget=self.mem_bytes,
+                                   configured=self.configured_mem_bytes)
         self.health.ok(tier, "write")
         self.health.ok("mem", "admit")
         self.stats.inserts += 1
@@ -346,11 +394,12 @@ class ActivationStore:
         for p, s in mem:
             if total + room <= self.mem_bytes:
                 break
-            if self._to_disk(p):
+            moved = self._to_disk(p)
+            if moved == "disk":
                 self.stats.evictions += 1
-            else:
+            elif moved == "dropped":
                 self.stats.dropped += 1
-            if not self._remove(p, "mem"):
+            if not self._remove(p, "mem"):  # (a corrupt one is gone already: discarded and counted)
                 continue
             total -= s.st_size
         self._trim_disk()
@@ -368,14 +417,28 @@ class ActivationStore:
         self.health.ok(tier, "delete")
         return True
 
-    def _to_disk(self, p: Path) -> bool:
+    def _to_disk(self, p: Path) -> str:
+        """Copy memory entry ``p`` to the disk tier, verified first: ``disk`` (copied), ``dropped`` (the disk tier
+        could not take it), ``gone`` (moved by another process meanwhile) or ``corrupt`` (discarded: counted and logged, never carried to disk, where it would be
+        found only at its promotion)."""
+        try:
+            st = p.stat()
+            open_file(p, verify=True)
+        except FileNotFoundError:  # another process moved it meanwhile
+            return "gone"
+        except (CorruptEntry, ValueError) as e:
+            self._discard(p, (str(p), st.st_ino, st.st_size, st.st_mtime_ns), f"found at eviction: {e}", "mem")
+            return "corrupt"
+        except OSError as e:
+            self.health.failed("mem", "read", e, entry=p.name)
+            return "dropped"
         try:
             self._copy_atomic(p, self.disk_dir / p.name)
         except OSError as e:
             self.health.failed("disk", "write", e, entry=p.name)
-            return False
+            return "dropped"
         self.health.ok("disk", "write")
-        return True
+        return "disk"
 
     def _trim_disk(self) -> None:
         disk = sorted(self.entries("disk"), key=lambda e: e[1].st_atime_ns)

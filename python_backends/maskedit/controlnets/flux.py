@@ -173,7 +173,7 @@ def step_residuals(group: list, controls_of, latents, timestep, guidance, pooled
     for i, j in enumerate(group):
         controls = controls_of(j)
         for k, (active, mode, ctrl) in enumerate(controls):
-            s = active.scale_at(j.step_index, j.steps)
+            s = active.scale_for(j)  # the stock loop counts the steps it runs
             if s != 0:
                 uses.setdefault(active.model, []).append(Use(i, k, ctrl, s, mode))
         shapes.append(structure([a.model for a, _, _ in controls]))

@@ -77,7 +77,7 @@ def start(provider, group: list, controls_of, latents, timestep, guidance, poole
     for i, job in enumerate(group):
         active = []
         for control, _, cond in controls_of(job):
-            s = control.scale_at(job.step_index, job.steps)
+            s = control.scale_for(job)
             if s != 0:  # outside its window the pipeline adds its zeros
                 active.append((dataclasses.replace(control, image=cond[0]), s))
         if not active:

@@ -26,6 +26,17 @@ class ActiveControl:
     def scale_at(self, step: int, steps: int) -> float:
         return self.spec.scale_at(step, steps)
 
+    def scale_for(self, job) -> float:
+        """Its conditioning scale at ``job``'s current step (0 outside its window)."""
+        return self.spec.scale_at(*run_position(job))
+
+
+def run_position(job, step: int | None = None) -> tuple[int, int]:
+    """(index, count) of ``job``'s step (default: its current one) among the steps it runs: a STRENGTH < 1 edit runs
+    the schedule's last steps, and the stock pipelines count ControlNet windows over those (``len(timesteps)``)."""
+    first = getattr(job.inputs, "first_step", 0)
+    return (job.step_index if step is None else step) - first, job.steps - first
+
 
 def to_wire(controls) -> tuple[np.ndarray, list[dict]]:
     """``ControlInput``s as the ``CONTROL_COND`` rows (one per control, float32; (0, 0) for none) and the

@@ -49,6 +49,10 @@ class ModelFamily(ABC):
     denoiser: ClassVar[str] = "transformer"  # the denoiser's component / subfolder name
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)  # left out of processes that do not encode
     negative_prompt: ClassVar[bool] = False  # does the family use a negative prompt (classifier-free guidance)?
+    # Does its stock pipeline put the template (noised to the next timestep) back outside the mask after every step?
+    # Then an unmasked token's input at a timestep does not depend on the step the schedule started at, and one
+    # entry serves every STRENGTH (docs/caching.md, "Strength"); otherwise the first step is in the cache key.
+    blends_unmasked: ClassVar[bool] = False
 
     def __init__(self, model_dir: str | Path, pipeline_class: str):
         self.model_dir = Path(model_dir)
@@ -110,6 +114,30 @@ class ModelFamily(ABC):
         """The reference images (PIL RGB, at least one) as (tokens (R, C), each image's token grid (rows, cols)),
         handled as the stock pipeline handles its reference argument at model size ``w`` x ``h``."""
         raise NotImplementedError(f"{self.name} takes no reference images")
+
+    # -- the stock pipelines' options (docs/api.md, "Diffusers parameters") -------------------------------
+    def served_options(self) -> frozenset[str]:
+        """Which of the options only some stock pipelines have this family serves (``guidance_rescale``,
+        ``true_cfg_scale``): those its stock pipeline's ``__call__`` takes."""
+        return frozenset()
+
+    def uses_negative_prompt(self, params) -> bool:
+        """Does this request's NEGATIVE_PROMPT change its result? (A family without classifier-free guidance
+        refuses one rather than ignoring it.)"""
+        return self.negative_prompt
+
+    def check_options(self, params) -> None:
+        """Refuse an option this family's stock pipeline does not have, set to a value that would change the result
+        (``InvalidInput`` naming its field): silently ignoring it would give another image than the user asked for."""
+        from ..errors import InvalidInput
+
+        served = self.served_options()
+        # each option's value at or below which the stock pipelines that have it do nothing with it
+        for attr, field, idle in (("guidance_rescale", "GUIDANCE_RESCALE", 0.0),
+                                  ("true_cfg_scale", "TRUE_CFG_SCALE", 1.0)):
+            if attr not in served and getattr(params, attr, idle) > idle:
+                raise InvalidInput(f"is not a parameter of {self.pipeline_class_name}; leave it at {idle:g} or "
+                                   "below", field)
 
     # -- the denoise loop (stage 2) ---------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:

@@ -24,7 +24,7 @@ class _Row:
 
     def __init__(self, job):
         self.job, self.state = job, job.temporal
-        self.step = job.step_index
+        self.step = _loop_step(job)
         self.reuse: bool | None = self.state.static_decision(self.step)  # None: decided after the first blocks
         self.staged = Staged()
         self.x0 = None  # image input of block 0 at its columns (threshold rows)
@@ -223,7 +223,7 @@ def commit(ctx: StepContext | None, jobs: list) -> None:
         if st is None:
             continue
         r = rows.get(id(job))
-        step = job.step_index - 1  # the family's step advanced it
+        step = _loop_step(job) - 1  # the family's step advanced it
         st.commit(step, r.staged if r is not None else Staged(COMPUTED))
 
 
@@ -234,7 +234,7 @@ def loads(jobs: list, hooks):
     skips = {}
     for j in jobs:
         st, jc = j.temporal, getattr(j, "cache", None)
-        if st is None or jc is None or jc.status != "hit" or not st.static_decision(j.step_index):
+        if st is None or jc is None or jc.status != "hit" or not st.static_decision(_loop_step(j)):
             continue
         features = getattr(hooks, "features", False)
         lo, hi = hooks.inner_blocks(st.first, st.tail) if features else (st.first, st.tail)
@@ -249,3 +249,9 @@ def loads(jobs: list, hooks):
         return [k for k in kinds if s[2] and b == s[1] and k == "y"]
 
     return keep
+
+
+def _loop_step(job) -> int:
+    """The step in the loop the request runs, as the stock pipeline's loop (and cache-dit's step count) number it:
+    a STRENGTH < 1 edit's first step is 0 there, whatever schedule step it starts at."""
+    return job.step_index - getattr(job.inputs, "first_step", 0)

@@ -130,7 +130,9 @@ def admit(runner, job) -> None:
     """Give ``job`` its temporal state (or none) once it is admitted and its cache decision carried out. A bad
     spec for this model fails this request only (``InvalidInput`` naming TEMPORAL)."""
     raw = job.inputs.temporal
-    spec = raw if isinstance(raw, TemporalSpec) else _parse(raw, job.inputs.steps)
+    # a step mask's indices count the steps it runs (STRENGTH < 1: the schedule's last ones), as the loop counts them
+    runs = job.inputs.steps - getattr(job.inputs, "first_step", 0)
+    spec = raw if isinstance(raw, TemporalSpec) else _parse(raw, runs)
     if not spec.on:
         job.temporal = None
         return

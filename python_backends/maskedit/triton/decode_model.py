@@ -32,7 +32,9 @@ class TritonPythonModel:
             if not info.get("skip_model"):
                 generated = self.decoder.decode_latents(io.array(request, "DENOISED"), int(size[0]), int(size[1]))
             image = self.decoder.finish(generated, io.array(request, "TEMPLATE_RGB_OUT"),
-                                        io.array(request, "ALPHA_OUT"), info["raw_output"], info["base64"])
+                                        io.array(request, "ALPHA_OUT"), info["raw_output"], info["base64"],
+                                        crop=info.get("crop"), fmt=info.get("output_format", "png"),
+                                        quality=info.get("output_quality", 95))
             info["decode_s"] = round(time.perf_counter() - t0, 6)
             logs.event(self.log, "edit done", **{k: info.get(k) for k in
                        ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s")})

@@ -25,7 +25,7 @@ from ..scheduler import BatchScheduler
 from ..settings import load_settings
 from . import controlnet_bls, io
 from .adapter_metrics import AdapterMetrics
-from .cache_setup import CacheMetrics, cache_runtime
+from .cache_setup import CacheMetrics, cache_runtime, keep_recovering
 from .controlnet_metrics import ControlNetMetrics
 from .temporal_metrics import TemporalMetrics
 
@@ -50,7 +50,9 @@ class TritonPythonModel:
         self.cancels = CancelBoard(s.service.cancel_dir)
         self._sweeper = self.cancels.sweep_every(s.service.cancel_sweep_s)
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
-        self.metrics = CacheMetrics(runner.cache.store if runner.cache else None)
+        store = runner.cache.store if runner.cache else None
+        self.metrics = CacheMetrics(store, adapter_stats=runner.adapters.stats)
+        self._probe = keep_recovering(store, s.cache)  # a budget shrunk by a full filesystem grows back, and so on
         self.control_metrics = ControlNetMetrics(runner)
         self.temporal_metrics = TemporalMetrics()
         self._metrics_sync = self.metrics.sync_every(s.service.metrics_sync_s)
@@ -90,6 +92,8 @@ class TritonPythonModel:
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
             temporal=info.get("temporal"),
+            first_step=int(info.get("first_step") or 0), guidance_rescale=float(info.get("guidance_rescale") or 0.0),
+            true_cfg_scale=float(info.get("true_cfg_scale") or 1.0),
             **reference_fields(io.array(request, "REFERENCE"), io.array(request, "REFERENCE_GRIDS")),
         )
 
@@ -131,7 +135,7 @@ class TritonPythonModel:
 
         def progress(job: DenoiseJob):  # small non-final responses; vae_decode passes them through undecoded
             sender.send(self._result(np.zeros((0, 0), np.float32), size, empty_relay,
-                                     {"progress": [job.step_index, job.steps], "skip_model": True}))
+                                     {"progress": [job.run_index, job.run_steps], "skip_model": True}))
 
         empty_relay = {"TEMPLATE_RGB_OUT": np.zeros((0, 0, 3), np.uint8), "ALPHA_OUT": np.zeros((0, 0), np.uint8)}
         rid = request.request_id()
@@ -152,6 +156,8 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.set()
         self._metrics_sync.set()
+        if self._probe is not None:
+            self._probe.set()
         self._adapter_sync.set()
         self.engine.shutdown(timeout=self.settings.service.shutdown_grace_s)
         provider = self.engine.runner._control_provider

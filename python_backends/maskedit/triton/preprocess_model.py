@@ -19,7 +19,7 @@ from ..preprocess import Preprocessor
 from ..settings import load_settings
 from . import io
 from .adapter_metrics import AdapterMetrics
-from .cache_setup import cache_store
+from .cache_setup import StoreMetrics, cache_store, keep_recovering
 from .prompt_cache_metrics import PromptCacheMetrics
 
 
@@ -28,7 +28,9 @@ class TritonPythonModel:
         self.settings = load_settings()
         self.log = logs.setup("preprocess", self.settings.service.log_level)
         io.limit_threads(args, self.settings.service, default=1)
-        self.pre = Preprocessor(self.settings, store=cache_store(self.settings.cache, self.log))
+        store = cache_store(self.settings.cache, self.log)
+        self.pre = Preprocessor(self.settings, store=store)
+        self._probe = keep_recovering(store, self.settings.cache)  # its own view of the tiers' health recovers too
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
         self.cancels = CancelBoard(self.settings.service.cancel_dir)
         # Adapters a request names are converted into the host tier of the adapter cache in the background.
@@ -40,6 +42,9 @@ class TritonPythonModel:
             self._adapter_sync = self.adapter_metrics.sync_every(self.settings.service.metrics_sync_s)
         prompts = self.pre.family.prompt_cache(self.settings)  # encoded prompts kept by the family, if any
         self.prompt_metrics = PromptCacheMetrics(prompts) if prompts is not None else None
+        # what it finds (a corrupt disk entry at promotion, a corrupt adapter entry) counted in the same metrics
+        self.store_metrics = StoreMetrics(store, "preprocess", self.prefetch.stats if self.prefetch else None)
+        self._store_sync = self.store_metrics.sync_every(self.settings.service.metrics_sync_s)
         logs.event(self.log, "ready", model_dir=str(self.settings.model_dir), resolution=self.settings.resolution)
 
     def execute(self, requests):
@@ -51,6 +56,9 @@ class TritonPythonModel:
     def finalize(self):
         if self.adapter_metrics is not None:
             self._adapter_sync.set()
+        self._store_sync.set()
+        if self._probe is not None:
+            self._probe.set()
 
     def _one(self, request):
         t0 = time.perf_counter()
@@ -89,6 +97,10 @@ class TritonPythonModel:
             "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
             "tenant": tenant, "tenant_weight": weight,
+            # the stock pipelines' options (docs/api.md): what the denoiser and the decoder do with them
+            "strength": params.strength, "first_step": p.first_step, "crop": list(p.crop) if p.crop else None,
+            "guidance_rescale": params.guidance_rescale, "true_cfg_scale": p.true_cfg_scale,
+            "output_format": params.output_format, "output_quality": params.output_quality,
         }
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({

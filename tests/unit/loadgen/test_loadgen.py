@@ -149,3 +149,31 @@ def test_the_soak_judges_memory_outside_the_store_entries_a_process_has_mapped(t
     assert check["bound_entries"] == 64 + 4 + 64 and check["within_bound"] and check["peak_mb"] == {
         "s/stub:masked_denoise": 60.0}
     assert not soak.store_mapped_check(samples, 100 << 10, batching)["within_bound"]
+
+
+def test_the_flood_counts_every_request_answered_late_or_lost_and_who_refused(monkeypatch):
+    """``make overload``'s flood straight at one server: answered within 10 s (a result or a refusal), late, lost;
+    refusals by Triton's queue in front of pre-processing told from the backend's own."""
+    from loadgen import overload, records, report, runner
+
+    def rec(i, done, error=None, code=None):
+        return records.Record(index=i, template=0, mask_ratio=0.2, arrival_s=0.0, submit_s=0.0, done_s=done,
+                              error=error, error_code=code)
+
+    recs = [rec(0, 2.0), rec(1, 0.05, "RESOURCE_EXHAUSTED: the server's queue is full (refused before any work): "
+                                     "in ensemble 'edit', [request id: a-1] Exceeds maximum queue size",
+                               "RESOURCE_EXHAUSTED"),
+            rec(2, 12.0, "UNAVAILABLE: RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)", "RESOURCE_EXHAUSTED"),
+            rec(3, None), rec(4, 3.0)]
+    recs[3].error, recs[3].error_code = "no result", runner.LOST
+    sent = []
+    monkeypatch.setattr(runner, "run", lambda c, reqs, *a, **k: sent.append(len(reqs)) or (recs, 20.0))
+    _, f = overload.flood("127.0.0.1:1", n=5, spread_s=1.0, steps=2, within_s=10.0)
+    assert sent == [5]
+    assert (f["ok"], f["refused"], f["late"], f["lost"]) == (2, 2, 1, 1)
+    assert f["refused_by"] == {"backend": {"n": 1, "max_s": 12.0}, "triton_queue": {"n": 1, "max_s": 0.05}}
+    assert f["met"] == {"all_within": False, "nothing_lost": False, "only_refusals": True}
+    assert len(f["load_average"]["before"]) == 3
+    text = report.overload({"targets": {}, "steps": 8, "max_queue": 8, "all_met": False, "command": "c",
+                            "started": "s", "flood": f})
+    assert "| 5 in 1 s at one server | 5 | 2 | 2 |" in text and "triton_queue 1 (0.05)" in text

@@ -36,3 +36,13 @@ def test_ensemble_wiring_is_closed():
     assert {t.name for t in pre.inputs} == {t.name for t in repository.EDIT_INPUTS}
     assert {t.name for t in dec.outputs} == {t.name for t in repository.EDIT_OUTPUTS}
     assert den.decoupled and not pre.decoupled and not dec.decoupled
+
+
+def test_preprocess_refuses_in_front_of_its_work_when_its_queue_is_full():
+    """Triton's queue policy on the ensemble's first step (a bound, no timeout: Triton's timeout refusal names no
+    request id); the other stages keep Triton's default queue."""
+    text = repository.render("cpu")["preprocess/config.pbtxt"]
+    assert f"max_queue_size: {repository.PREPROCESS_QUEUE.max_size}" in text and "timeout" not in text
+    assert "max_batch_size: 0" in text  # no batching: the block holds the policy only
+    assert all("default_queue_policy" not in t for rel, t in repository.render("cpu").items()
+               if not rel.startswith("preprocess/"))

@@ -70,9 +70,11 @@ NON_DEFAULT = {
     "MASKEDIT_CANCEL_SWEEP_S": ("7", "service.cancel_sweep_s", 7.0),
     "MASKEDIT_ADMISSION_DIR": ("/a", "service.admission_dir", Path("/a")),
     "MASKEDIT_METRICS_SYNC_S": ("1", "service.metrics_sync_s", 1.0),
+    "MASKEDIT_CACHE_PROBE_S": ("0.5", "cache.probe_s", 0.5),
     "MASKEDIT_API_KEYS_FILE": ("/k/keys.txt", "security.api_keys_file", Path("/k/keys.txt")),
     "MASKEDIT_TLS_CERT": ("/k/tls.crt", "security.tls_cert", Path("/k/tls.crt")),
     "MASKEDIT_TLS_KEY": ("/k/tls.key", "security.tls_key", Path("/k/tls.key")),
+    "MASKEDIT_BACKEND_KEY_FILE": ("/k/backend.key", "security.backend_key_file", Path("/k/backend.key")),
 }
 
 

@@ -1,10 +1,14 @@
 """Runtime adapter loading (``lora_admin``, the OpenAI port's ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter``): only paths inside the configured roots (symlinks resolved), installed into the library
-the backends read (their ``AdapterLibrary`` finds it with the same bytes), identical reloads are no-ops, conflicts
-400, unknown unloads 404, the operator's own adapters stay; admin keys only on the HTTP routes."""
+``/v1/unload_lora_adapter``): only paths inside the configured roots (symlinks resolved) and only regular files (a
+FIFO is refused without blocking), each adapter fully checked against the served model before it is installed (a
+truncated file or one made for another model is refused naming ``lora_path``), installed into the library the
+backends read (their ``AdapterLibrary`` finds it with the same bytes), identical reloads are no-ops, conflicts 400,
+unknown unloads 404, the operator's own adapters stay; admin keys only on the HTTP routes."""
 
 import json
 import os
+import shutil
+import threading
 import urllib.error
 import urllib.request
 
@@ -13,31 +17,38 @@ import pytest
 from safetensors.numpy import save_file
 
 from maskedit.adapters.library import AdapterLibrary
+from maskedit.errors import InvalidInput
 from maskedit_common.loras import LoraRef, library_names
 from maskedit_router.auth import Keyring
-from maskedit_router.lora_admin import MARKER, AdapterAdmin, AdminError
+from maskedit_router.lora_admin import MARKER, AdapterAdmin, AdminError, ChildCheck
 from maskedit_router.openai_api import OpenAIServer
 
 USER, ADMIN = "sk-user-0123456789abcdef", "sk-admin-0123456789abcdef"
 
 
-def _adapter(path, seed=0):
-    rng = np.random.default_rng(seed)
+@pytest.fixture(scope="module")
+def check():
+    """The real check (the backends' loader in a child process, against the tiny model), shared by the module's
+    tests: each adapter's bytes are checked once."""
+    return ChildCheck()
+
+
+def _adapter(adapters, path, which):
+    """A copy of the tiny model's adapter ``which`` (real LoRA factors for its denoiser) at ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"transformer.x.lora_A.weight": rng.standard_normal((4, 8), dtype=np.float32),
-               "transformer.x.lora_B.weight": rng.standard_normal((8, 4), dtype=np.float32)}, str(path))
+    shutil.copyfile(adapters / which / "pytorch_lora_weights.safetensors", path)
     return path
 
 
 @pytest.fixture
-def lib(tmp_path):
+def lib(tmp_path, adapters, check):
     library, src = tmp_path / "loras", tmp_path / "incoming"
-    _adapter(library / "static" / "pytorch_lora_weights.safetensors", seed=9)
-    _adapter(src / "style-a" / "pytorch_lora_weights.safetensors", seed=1)
-    _adapter(src / "style-b.safetensors", seed=2)
+    _adapter(adapters, library / "static" / "pytorch_lora_weights.safetensors", "attn-r64")
+    _adapter(adapters, src / "style-a" / "pytorch_lora_weights.safetensors", "attn-r4")
+    _adapter(adapters, src / "style-b.safetensors", "attn-mlp-r8")
     (tmp_path / "secret").mkdir()
-    _adapter(tmp_path / "secret" / "x.safetensors", seed=3)
-    return AdapterAdmin(library, [src], reserved=["edit"]), library, src, tmp_path
+    _adapter(adapters, tmp_path / "secret" / "x.safetensors", "attn-mlp-r16")
+    return AdapterAdmin(library, [src], reserved=["edit"], check=check), library, src, tmp_path
 
 
 def _refused(fn, body, status, param):
@@ -131,3 +142,61 @@ def test_the_openai_port_serves_them_to_admin_keys_only_and_lists_the_change(lib
         assert status == 404 and err["error"]["param"] == "lora_name"
     finally:
         api.stop()
+
+
+def _in_time(fn, timeout_s=20.0):
+    """``fn()``'s outcome, failing (not hanging) if it blocks."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"blocked for {timeout_s} s"
+    return out
+
+
+def test_a_fifo_named_like_an_adapter_is_refused_without_blocking(lib):
+    admin, library, src, _ = lib
+    (src / "piped").mkdir()
+    os.mkfifo(src / "piped" / "x.safetensors")  # open() would wait for a writer forever
+    os.mkfifo(src / "direct.safetensors")
+    for path in ("piped", "direct.safetensors"):
+        out = _in_time(lambda: admin.load({"lora_name": "p", "lora_path": path}))
+        e = out.get("error")
+        assert isinstance(e, AdminError) and e.status == 400 and e.param == "lora_path", out
+        assert "regular file" in str(e) or "not an adapter" in str(e), str(e)
+    # the backends' library: a FIFO placed there is refused by name, never opened
+    os.mkfifo(library / "fifo.safetensors")
+    out = _in_time(lambda: AdapterLibrary(library).file("fifo"))
+    assert isinstance(out.get("error"), InvalidInput) and "LORAS" in str(out["error"]), out
+    (library / "dirfifo").mkdir()
+    os.mkfifo(library / "dirfifo" / "w.safetensors")
+    out = _in_time(lambda: AdapterLibrary(library).file("dirfifo"))
+    assert isinstance(out.get("error"), InvalidInput) and "regular file" in str(out["error"]), out
+    assert "p" not in library_names(library)  # nothing installed
+
+
+def test_an_adapter_is_fully_checked_before_it_is_loaded(lib, adapters):
+    """A truncated file whose header is intact, and an adapter whose shapes are another model's, pass the header
+    check and are refused by the full one, naming ``lora_path``; the real adapter they came from loads."""
+    admin, library, src, _ = lib
+    good = (adapters / "attn-r4" / "pytorch_lora_weights.safetensors").read_bytes()
+    (src / "truncated.safetensors").write_bytes(good[:-1000])
+    msg = _refused(admin.load, {"lora_name": "t", "lora_path": "truncated.safetensors"}, 400, "lora_path")
+    assert "truncated" in msg or "corrupt" in msg, msg
+    rng = np.random.default_rng(0)
+    save_file({"transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight": rng.standard_normal(
+        (4, 48), dtype=np.float32), "transformer.single_transformer_blocks.0.attn.to_q.lora_B.weight":
+        rng.standard_normal((32, 4), dtype=np.float32)}, str(src / "other-model.safetensors"))
+    msg = _refused(admin.load, {"lora_name": "o", "lora_path": "other-model.safetensors"}, 400, "lora_path")
+    assert "shapes" in msg, msg
+    assert library_names(library) == ["static"]
+    assert not [p for p in os.listdir(library) if p.startswith(".staging")]
+    (src / "whole.safetensors").write_bytes(good)  # the control: the same adapter, whole
+    assert admin.load({"lora_name": "w", "lora_path": "whole.safetensors"})["status"] == "loaded"

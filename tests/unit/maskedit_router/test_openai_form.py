@@ -60,11 +60,22 @@ def test_n_seeds_and_extras():
     assert parse(_form(), ["edit"]).seeds() == [None]  # one edit: the server's default seed
 
 
+def test_the_diffusers_parameters_and_the_output_format_are_read():
+    job = parse(_form(strength="0.6", padding_mask_crop="32", guidance_rescale="0.7", true_cfg_scale="4",
+                      output_format="webp", output_compression="80"), ["edit"])
+    assert (job.strength, job.padding_mask_crop, job.guidance_rescale, job.true_cfg_scale) == (0.6, 32, 0.7, 4.0)
+    assert (job.output_format, job.output_quality) == ("webp", 80)
+    plain = parse(_form(), ["edit"])
+    assert plain.strength is None and plain.output_format is None and plain.output_quality is None
+
+
 @pytest.mark.parametrize("change,param,status", [
     (dict(image=None), "image", 400), (dict(prompt=None), "prompt", 400), (dict(n="0"), "n", 400),
     (dict(n="x"), "n", 400), (dict(size="10x10"), "size", 400), (dict(size="200x100"), "size", 400),
     (dict(response_format="url"), "response_format", 400), (dict(model="dall-e-2"), "model", 404),
-    (dict(stream="true"), "stream", 400), (dict(strength="1"), "strength", 400),
+    (dict(stream="true"), "stream", 400), (dict(eta="1"), "eta", 400), (dict(strength="x"), "strength", 400),
+    (dict(output_compression="101"), "output_compression", 400),
+    (dict(output_compression="50", output_quality="50"), "output_compression", 400),
     (dict(seed="-1", n="1"), None, None),  # passes the form: the server says the limit
 ])
 def test_form_errors_name_the_field(change, param, status):
@@ -138,3 +149,72 @@ def test_images_after_the_first_are_reference_images():
     assert job.image == TPL and job.reference_images == [a, b]
     assert parse(_form(), ["edit"]).reference_images == []
     assert PARAM_OF_TENSOR["REFERENCE_IMAGES"] == "image"
+
+
+def _as_openai_sends(extra: dict) -> dict:
+    """``extra_body`` as the openai package puts it into a multipart form (its own serializer), read back as the
+    endpoint's ``read_form`` reads it: a field sent more than once as a list of its values."""
+    import openai
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="-")
+    try:
+        return client._serialize_multipartform(extra)
+    finally:
+        client.close()
+
+
+def test_the_openai_packages_own_encoding_of_nested_extra_body_fields():
+    import base64
+
+    from maskedit_common.controls import ControlSpec
+    from maskedit_common.loras import LoraRef
+
+    one = _as_openai_sends({"lora": {"name": "attn-r4", "scale": 0.8}})
+    assert set(one) == {"lora[name]", "lora[scale]"}  # what a JSON-string-only endpoint refused
+    assert parse(_form(**one), ["edit"]).lora == (LoraRef("attn-r4", 0.8),)
+    several = _as_openai_sends({"lora": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": -0.25}]})
+    assert parse(_form(**several), ["edit"]).lora == (LoraRef("a", 0.5), LoraRef("b", -0.25))
+    names = _as_openai_sends({"lora": ["a", "b"]})
+    assert parse(_form(**names), ["edit"]).lora == (LoraRef("a", 1.0), LoraRef("b", 1.0))
+    a, b = png(np.zeros((32, 32, 3), np.uint8)), png(np.full((32, 32, 3), 255, np.uint8))
+    controls = [{"name": "canny", "scale": 0.8, "start": 0.0, "end": 1.0, "image": base64.b64encode(a).decode()},
+                {"name": "union", "scale": 1.0, "start": 0.2, "end": 0.9, "image": base64.b64encode(b).decode()}]
+    job = parse(_form(**_as_openai_sends({"controls": controls})), ["edit"])
+    assert job.controls == (ControlSpec("canny", 0.8), ControlSpec("union", 1.0, 0.2, 0.9))
+    assert job.control_images == [base64.b64encode(x) for x in (a, b)]
+
+
+def test_temporal_from_the_openai_package_goes_on_as_json_text():
+    import json
+
+    from maskedit_common.temporal import parse as parse_temporal
+
+    for spec in ({"policy": "fbcache", "threshold": 0.08}, {"policy": "dbcache", "threshold": 0.1, "fn": 1, "bn": 0},
+                 {"policy": "steps", "steps": [0, 2, 5]}):
+        job = parse(_form(**_as_openai_sends({"temporal": spec})), ["edit"])
+        assert json.loads(job.temporal) == spec  # numbers as numbers, the list as a list
+        parse_temporal(job.temporal, 8)  # what the server reads it with
+    assert parse(_form(temporal='{"policy": "off"}'), ["edit"]).temporal == '{"policy": "off"}'  # text: unchanged
+
+
+def test_numbered_form_fields_and_their_errors():
+    from maskedit_common.controls import ControlSpec
+    from maskedit_common.loras import LoraRef
+
+    numbered = {"controls[1][name]": "depth", "controls[0][name]": "canny", "controls[1][start]": "0.5",
+                "control_image[]": [TPL, TPL]}
+    job = parse(_form(**numbered), ["edit"])  # entries in index order; keys may differ between entries
+    assert job.controls == (ControlSpec("canny"), ControlSpec("depth", 1.0, 0.5)) and len(job.control_images) == 2
+    assert parse(_form(**{"lora[0][name]": "x", "lora[0][scale]": "2"}), ["edit"]).lora == (LoraRef("x", 2.0),)
+    bad_cases = [
+        ({"controls[][name]": ["canny", "depth"], "controls[][scale]": "0.5"}, "controls[][scale] has 1 values"),
+        ({"lora": '{"name": "a"}', "lora[name]": "b"}, "send it one way"),
+        ({"lora[name]": "a", "lora[scale]": "high"}, "scale must be a number"),
+        ({"lora[0][x][y]": "a"}, "nest too deep"),
+        ({"prompt": ["a", "b"]}, "prompt: is given 2 times"),
+    ]
+    for fields, text in bad_cases:
+        with pytest.raises(ApiError) as e:
+            parse(_form(**fields), ["edit"])
+        assert e.value.status == 400 and text in e.value.message, (fields, e.value.message)
+        assert e.value.param == next(iter(fields)).split("[")[0]

@@ -20,12 +20,16 @@ TPL, MASK = png(samples.template(256, 256, seed=1)), png(samples.mask(256, 256, 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
-def _grpc_body(steps=4, loras=None) -> bytes:
+def _grpc_body(steps=4, loras=None, strength=None, crop=None) -> bytes:
     req = service_pb2.ModelInferRequest(model_name="edit")
     for name, value in (("TEMPLATE", TPL), ("MASK", MASK), ("PROMPT", b"a hat")) + ((("LORAS", loras),) if loras
                                                                                        else ()):
         req.inputs.add(name=name, datatype="BYTES", shape=[1]).contents.bytes_contents.append(value)
     req.inputs.add(name="STEPS", datatype="INT32", shape=[1]).contents.int_contents.append(steps)
+    if strength is not None:
+        req.inputs.add(name="STRENGTH", datatype="FP64", shape=[1]).contents.fp64_contents.append(strength)
+    if crop is not None:
+        req.inputs.add(name="PADDING_MASK_CROP", datatype="INT32", shape=[1]).contents.int_contents.append(crop)
     msg = req.SerializeToString()
     return b"\x00" + struct.pack(">I", len(msg)) + msg
 
@@ -38,6 +42,11 @@ def test_json_and_grpc_bodies_of_one_edit_have_the_same_features():
     assert g == j and g.template_key and g.steps == 4 and 0.2 < g.mask_ratio < 0.35
     assert picker_body.json_features("/v2/models/edit/generate", json.dumps({**doc, "STEPS": 5}).encode(),
                                      256).template_key != g.template_key  # steps key the cache
+    # the stock pipelines' parameters read alike from both
+    g = picker_body.grpc_features(STREAM, picker_body.first_grpc_message(_grpc_body(strength=0.5, crop=8)), 256)
+    j = picker_body.json_features("/v2/models/edit/generate", json.dumps(
+        {**doc, "STRENGTH": 0.5, "PADDING_MASK_CROP": 8}).encode(), 256)
+    assert g == j and g.strength == 0.5 and g.run_steps == 2 and g.mask_ratio > 0.5  # the crop's grid
 
 
 def test_the_picker_and_the_router_read_the_adapters_a_request_names():

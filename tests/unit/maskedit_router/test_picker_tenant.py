@@ -132,3 +132,24 @@ def test_every_tritonserver_we_start_forwards_the_tenant_headers():
     assert all(f'"{a}"' in dockerfile for a in TRITON_ARGS)
     assert re.match(FORWARD_PATTERN, "x-maskedit-tenant") and re.match(FORWARD_PATTERN, "x-maskedit-tenant-weight")
     assert not re.match(FORWARD_PATTERN, "x-maskedit-tenantx") and not re.match(FORWARD_PATTERN, "authorization")
+
+
+def test_the_picker_sets_the_backend_key_and_strips_a_clients_copy(tmp_path):
+    """Guarded backends (``backend_guard``): what the gateway sends on carries the backend key under both names (gRPC
+    reads Triton's prefixed one, HTTP the plain one); a client's own copies are dropped. Without a key the picker
+    sets none and still drops them."""
+    from maskedit_common import backend_guard
+    from maskedit_router.__main__ import build
+
+    key = "b" * 32
+    forged = [(backend_guard.HEADER, "guess-0123456789abcdef"), (backend_guard.GRPC_HEADER, "guess-0123456789abcdef")]
+    for backend_key in (key, None):
+        r = build(["10.0.0.1:8001"], resolution=256, backend_key=backend_key)
+        try:
+            headers, _ = run(EndpointPicker(r, keyring=keyring(tmp_path)), STREAM, "application/grpc", _grpc_body(),
+                             [("authorization", f"Bearer {KEY}"), *forged])
+        finally:
+            for b in r.backends.values():
+                b.close()
+        sent = sorted((k, v) for k, v in headers if "backend-key" in k)
+        assert sent == ([(backend_guard.GRPC_HEADER, key), (backend_guard.HEADER, key)] if backend_key else [])

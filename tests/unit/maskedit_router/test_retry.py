@@ -216,7 +216,7 @@ def test_the_router_fails_a_request_at_its_deadline_when_no_backend_comes_back(s
     t0 = time.monotonic()
     session.submit(_deadline_request("mine"))  # no DEADLINE_MS: the router's retry budget (1 s)
     err = session.out.get(timeout=5)
-    assert 0.7 < time.monotonic() - t0 < 2.0
+    assert 0.7 < time.monotonic() - t0 < 4.0  # at the 1 s budget (a busy host's scheduling aside), not held on
     assert err.infer_response.id == "mine" and err.error_message.startswith("UNAVAILABLE: no healthy backend")
     assert "retried" in err.error_message and not session.busy()
 

@@ -275,6 +275,9 @@ def test_a_backend_refusal_reaches_its_own_caller_through_the_router(session):
     addr, rid = _Stream.sent[1]
     full = "in ensemble 'edit', RESOURCE_EXHAUSTED: denoise queue is full (1 waiting); retry later"
     session.on_response(session.r.backends[addr], _response(rid, full, final=True))
+    other, again = _Stream.sent[2]  # tried on the other backend first (test_refused_elsewhere.py): full there too
+    assert again == rid and other != addr
+    session.on_response(session.r.backends[other], _response(rid, full, final=True))
     client, futs = _client_with_pending(["c-0", "c-1"])
     try:
         for resp in _drain(session.out):

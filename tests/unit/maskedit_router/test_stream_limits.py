@@ -134,7 +134,7 @@ def test_idle_streams_beyond_the_old_thread_pool_do_not_starve_a_new_request(rou
     assert router["backend"].got.get(timeout=5)  # routed to the backend
     router["backend"].release.set()
     assert next(responses).infer_response.id == "mine"
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 8.0  # the starved request waited 20 s; a busy host needs some slack
     c = router["connect"]()
     more = [_stream(c) for _ in range(9)]  # 150 open: the limit
     assert _wait(lambda: router["router"].metrics.streams_open.labels("router")._value.get() == 150)
@@ -143,7 +143,7 @@ def test_idle_streams_beyond_the_old_thread_pool_do_not_starve_a_new_request(rou
     with pytest.raises(grpc.RpcError) as e:
         next(refused)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams 150" in e.value.details()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # refused, not left open (an uncapped stream would wait for its request)
     for q_, _ in idle + more:
         q_.put(None)
 
@@ -177,7 +177,7 @@ def test_an_idle_stream_is_ended_but_one_with_a_request_in_flight_is_not(router)
     with pytest.raises(grpc.RpcError) as e:
         next(idle)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stream_idle_timeout_s" in e.value.details()
-    assert 0.8 < time.monotonic() - t0 < 3.0
+    assert 0.8 < time.monotonic() - t0 < 5.0  # at the 1 s idle timeout, not before (a busy host may be late)
     time.sleep(1.5)  # the busy one outlives the idle timeout while its request is in flight
     router["backend"].release.set()
     assert next(busy).infer_response.id == "slow"

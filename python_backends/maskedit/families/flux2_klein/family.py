@@ -37,6 +37,7 @@ class Flux2KleinFamily(ModelFamily):
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "klein-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py adds the adapter deltas
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
     temporal_reuse: ClassVar[bool] = True  # cache.py's hooks skip a reusing row's middle blocks
     max_reference_images: ClassVar[int] = 4  # ``image_reference`` takes a list (the deployment may cap it lower)
 
@@ -80,7 +81,8 @@ class Flux2KleinFamily(ModelFamily):
                                "(klein base models); use 1.0 or a distilled klein model", "GUIDANCE")
         t = P.prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h,
                               params.prompt, params.seed, params.template_seed, params.steps,
-                              settings.max_sequence_length, settings.torch_device)
+                              settings.max_sequence_length, settings.torch_device,
+                              strength=getattr(params, "strength", 1.0))
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
                         pooled_embeds=torch.zeros(1, dtype=t["latents"].dtype))
 

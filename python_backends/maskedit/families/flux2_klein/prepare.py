@@ -24,6 +24,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
 from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...schedule import first_step
 from ..latent_blend import initial_latents, step_and_blend
 from ..per_row import per_row
 from .tiny import TEXT_LAYERS
@@ -31,13 +32,15 @@ from .tiny import TEXT_LAYERS
 REF_T = 10  # the reference image's time coordinate (``_prepare_image_ids``' scale)
 
 
-def make_scheduler(config: dict, steps: int, image_seq_len: int, device="cpu") -> FlowMatchEulerDiscreteScheduler:
-    """One request's scheduler, set as ``__call__`` step 5 sets it (strength 1.0: from the first timestep)."""
+def make_scheduler(config: dict, steps: int, image_seq_len: int, device="cpu",
+                   first: int = 0) -> FlowMatchEulerDiscreteScheduler:
+    """One request's scheduler, set as ``__call__`` step 5 sets it (``get_timesteps``: from the strength's first
+    step, 0 at 1.0)."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
     mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=steps)
     retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-    scheduler.set_begin_index(0)
+    scheduler.set_begin_index(first)
     return scheduler
 
 
@@ -71,7 +74,7 @@ def text_ids(length: int, device) -> torch.Tensor:
 @torch.no_grad()
 def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: torch.Tensor, token_mask: np.ndarray,
                     w: int, h: int, prompt: str, seed: int, template_seed: int, steps: int,
-                    max_sequence_length: int, device) -> dict:
+                    max_sequence_length: int, device, strength: float = 1.0) -> dict:
     """``latents`` (1, N, C), ``cond`` (1, N, 2C+1) = [reference latents | noise | blend mask], ``prompt_embeds``
     (1, L, D). One generator seeded with ``template_seed`` is consumed as the pipeline consumes its generator
     (the noise only); tokens of ``token_mask`` then take noise drawn from ``seed``."""
@@ -82,8 +85,9 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     dtype = prompt_embeds.dtype
     patch = pipe.vae_scale_factor * 2
     gh, gw = h // patch, w // patch
-    scheduler = make_scheduler(scheduler_config, steps, gh * gw, device)
-    t0 = scheduler.timesteps[:1].repeat(1)
+    first = first_step(type(pipe), steps, strength)  # get_timesteps: STRENGTH runs the schedule's last steps
+    scheduler = make_scheduler(scheduler_config, steps, gh * gw, device, first=first)
+    t0 = scheduler.timesteps[first:first + 1].repeat(1)
     c = pipe.latent_channels * 4  # patchified channels (the transformer's in_channels)
     # prepare_latents: encode (argmax: no draw), draw the noise, noise the image latents at the first timestep.
     image_latents = pipe._encode_vae_image(image=image.to(device=pipe.vae.device, dtype=dtype), generator=generator)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from ..base import Geometry, ModelFamily, Prepared
 from ..flux_controls import FluxControls
@@ -45,6 +46,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "flux-cn-tiny"
     controls_in_masked_path: ClassVar[bool] = True  # maskedit.cache.controlnet
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
     temporal_reuse: ClassVar[bool] = True  # the Flux block hooks skip a reusing row's middle blocks
 
     def pipeline_class(self):
@@ -54,6 +56,21 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
     def pipeline_kwargs(self) -> dict:
         return {"controlnet": None}  # ControlNets are the request's, from the library
+
+    # -- the stock pipelines' options ------------------------------------------------------------------------
+    def served_options(self) -> frozenset[str]:
+        return frozenset({"true_cfg_scale"})  # FluxInpaintPipeline's (requests without controls)
+
+    def uses_negative_prompt(self, params) -> bool:
+        return getattr(params, "true_cfg_scale", 1.0) > 1 and not params.controls
+
+    def check_options(self, params) -> None:
+        super().check_options(params)
+        if getattr(params, "true_cfg_scale", 1.0) > 1 and params.controls:
+            from ...errors import InvalidInput
+
+            raise InvalidInput("is a parameter of FluxInpaintPipeline, not of FluxControlNetInpaintPipeline: leave "
+                               "it at 1 with CONTROLS", "TRUE_CFG_SCALE")
 
     # -- components ---------------------------------------------------------------------------------------
     def load_denoiser(self, settings):
@@ -109,9 +126,15 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
         t = prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h, params.prompt,
                             params.seed, params.template_seed, params.steps, settings.max_sequence_length,
-                            settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()))
-        return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
-                        pooled_embeds=t["pooled"][0])
+                            settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()),
+                            strength=getattr(params, "strength", 1.0))
+        text, pooled = t["prompt_embeds"][0], t["pooled"][0]
+        if getattr(params, "true_cfg_scale", 1.0) > 1 and params.negative_prompt:  # do_true_cfg: the negative rows
+            neg, neg_pooled, _ = pipe.encode_prompt(prompt=params.negative_prompt, prompt_2=None,
+                                                    device=settings.torch_device, num_images_per_prompt=1,
+                                                    max_sequence_length=settings.max_sequence_length)
+            text, pooled = torch.cat([text, neg[0]]), torch.cat([pooled, neg_pooled[0]])
+        return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=text, pooled_embeds=pooled)
 
     # -- denoising ------------------------------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:

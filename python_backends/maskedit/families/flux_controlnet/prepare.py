@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...schedule import make_scheduler
+from ...schedule import first_step, make_scheduler
 from ..latent_blend import initial_latents
 
 
@@ -62,7 +62,7 @@ def control_latents(vae_config, posterior: torch.Tensor, eps: torch.Tensor) -> t
 @torch.no_grad()
 def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: torch.Tensor, tokens: np.ndarray,
                     w: int, h: int, prompt: str, seed: int, template_seed: int, steps: int, max_sequence_length: int,
-                    device, n_controls: int = 0) -> dict:
+                    device, n_controls: int = 0, strength: float = 1.0) -> dict:
     """``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its mask
     processor, ``tokens`` (N,) bool: the tokens the edit touches; ``n_controls``: the request's control images."""
     generator = torch.Generator("cpu").manual_seed(template_seed)
@@ -75,9 +75,10 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     draw = lambda g: randn_tensor((1, lc, lh, lw), generator=g, device=torch.device(device), dtype=dtype)  # noqa
     # Step 5: each control image's VAE sample draws first (the images are resized to the model size).
     eps = [pack(draw(generator)) for _ in range(n_controls)]
-    # Step 6 (strength 1.0: from the first timestep) and step 7, prepare_latents.
-    scheduler = make_scheduler(scheduler_config, steps, len(tokens), device)
-    t0 = scheduler.timesteps[:1]
+    # Step 6 (get_timesteps: STRENGTH runs the schedule's last steps) and step 7, prepare_latents.
+    first = first_step(type(pipe), steps, strength)
+    scheduler = make_scheduler(scheduler_config, steps, len(tokens), device, first=first)
+    t0 = scheduler.timesteps[first:first + 1]
     image_latents = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=generator)
     noise = draw(generator)
     own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and tokens.any() else None

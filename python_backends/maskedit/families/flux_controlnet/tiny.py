@@ -9,19 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...controlnets import flux_build
+from ...controlnets.flux_build import TINY_NETS, Net  # noqa: F401  (tests build their own Nets)
 from ...presets import denoiser, flux1_parts, generate, visible_init, write_model
 
 LIBRARY = "controlnets"  # the ControlNet library's folder beside the model (the default library directory)
-
-
-@dataclass(frozen=True)
-class Net:
-    """One generated ``FluxControlNetModel`` (InstantX layout: no input hint block, the control image goes through
-    the VAE and is packed like the latents)."""
-
-    num_layers: int  # double-stream blocks
-    num_single_layers: int
-    num_mode: int | None = None  # a union ControlNet's control modes (InstantX's Union has 7)
 
 
 @dataclass(frozen=True)
@@ -42,12 +34,6 @@ class Preset:
     generated_transformer: bool = False
     text_ff: int = 0
 
-
-TINY_NETS = {
-    "canny": Net(num_layers=1, num_single_layers=2),
-    "depth": Net(num_layers=2, num_single_layers=1),
-    "union": Net(num_layers=1, num_single_layers=1, num_mode=7),
-}
 
 PRESETS = {
     # Tests and the demo: FLUX.1-dev's structure (in 4 x latent channels, guidance embedded) at 256 px = 256 tokens.
@@ -74,32 +60,13 @@ def transformer_config(p: Preset) -> dict:
 
 
 def controlnet(p: Preset, net: Net, seed: int):
-    """A seeded ``FluxControlNetModel`` for ``p``'s transformer. ControlNets start with zeroed output projections;
-    random ones (a stronger init for the residual projections) make every ControlNet change the result, as
-    trained ones do."""
-    import torch
-    from diffusers import FluxControlNetModel
-
-    torch.manual_seed(seed)
-    cfg = transformer_config(p)
-    cfg.pop("out_channels")
-    model = FluxControlNetModel(**{**cfg, "num_layers": net.num_layers, "num_single_layers": net.num_single_layers},
-                                num_mode=net.num_mode)
-    visible_init(model)
-    with torch.no_grad():
-        for proj in [*model.controlnet_blocks, *model.controlnet_single_blocks]:
-            proj.weight.normal_(0.0, 0.1)
-    return model
+    """A seeded ``FluxControlNetModel`` for ``p``'s transformer (``controlnets.flux_build``)."""
+    return flux_build.controlnet(transformer_config(p), 4 * p.latent_channels, net, seed)
 
 
 def build_library(lib: Path, p: Preset, seed: int = 0) -> list[Path]:
     """``lib/<name>/`` for each of the preset's ControlNets (``save_pretrained``); those already there are kept."""
-    out = []
-    for i, (name, net) in enumerate(sorted(p.controlnets.items())):
-        if not (Path(lib) / name / "config.json").is_file():
-            controlnet(p, net, seed + 1 + i).save_pretrained(Path(lib) / name)
-        out.append(Path(lib) / name)
-    return out
+    return flux_build.write_library(lib, transformer_config(p), 4 * p.latent_channels, p.controlnets, seed)
 
 
 def build(out_dir: str | Path, preset: str = "flux-cn-tiny", seed: int = 0) -> Path:

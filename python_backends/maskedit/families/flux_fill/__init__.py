@@ -65,6 +65,16 @@ class FluxFill(FluxControls, ModelFamily):
 
         return control_latents(pipe, image, w, h)
 
+    def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
+        """The tiny ControlNet library (``controlnets.flux_build``: canny, depth, union) fitted to this model's
+        transformer: a ControlNet here sees the noisy latents only, so it takes the transformer's output width."""
+        from diffusers import FluxTransformer2DModel
+
+        from ...controlnets import flux_build
+
+        cfg = FluxTransformer2DModel.load_config(self.model_dir, subfolder="transformer")
+        return flux_build.write_library(Path(out), cfg, cfg["out_channels"], flux_build.TINY_NETS, seed)
+
     def prepare_job(self, runner, job) -> None:
         from .step import prepare_job
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...schedule import make_scheduler
+from ...schedule import first_step, make_scheduler
 from ..base import Prepared
 
 
@@ -28,20 +28,22 @@ def prepare(pipe, scheduler_config: dict, init_image, mask_t, tokens, w: int, h:
         max_sequence_length=settings.max_sequence_length,
     )
     dtype = prompt_embeds.dtype
-    # FluxFillPipeline.prepare_latents: encode the image (consumes the generator), draw noise, scale it.
-    scheduler = make_scheduler(scheduler_config, params.steps, len(tokens), device)
+    # get_timesteps (STRENGTH: the schedule's last steps), then FluxFillPipeline.prepare_latents: encode the image
+    # (consumes the generator), draw noise, noise the image to the first timestep run.
+    first = first_step(type(pipe), params.steps, getattr(params, "strength", 1.0))
+    scheduler = make_scheduler(scheduler_config, params.steps, len(tokens), device, first=first)
+    t0 = scheduler.timesteps[first:first + 1]
     latent_h, latent_w = 2 * (h // patch), 2 * (w // patch)
     c = pipe.vae.config.latent_channels
     image = init_image.to(device=device, dtype=dtype)
     image_latents = pipe._encode_vae_image(image=image, generator=generator)
     noise = randn_tensor((1, c, latent_h, latent_w), generator=generator, device=torch.device(device), dtype=dtype)
-    latents = scheduler.scale_noise(image_latents, scheduler.timesteps[:1], noise)
+    latents = scheduler.scale_noise(image_latents, t0, noise)
     latents = pipe._pack_latents(latents, 1, c, latent_h, latent_w)
     if params.seed != params.template_seed:
         own = randn_tensor((1, c, latent_h, latent_w), generator=torch.Generator("cpu").manual_seed(params.seed),
                            device=torch.device(device), dtype=dtype)
-        own = pipe._pack_latents(scheduler.scale_noise(image_latents, scheduler.timesteps[:1], own), 1, c,
-                                 latent_h, latent_w)
+        own = pipe._pack_latents(scheduler.scale_noise(image_latents, t0, own), 1, c, latent_h, latent_w)
         rows = torch.from_numpy(tokens).to(latents.device)
         latents[:, rows] = own[:, rows]
     # FluxFillPipeline.__call__ step 6: masked image latents + packed mask as the conditioning channels.

@@ -19,6 +19,7 @@ class QwenImageEditFamily(ModelFamily):
     denoiser: ClassVar[str] = "transformer"
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
     negative_prompt: ClassVar[bool] = True  # true classifier-free guidance (``true_cfg_scale`` = GUIDANCE)
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "qwen-edit-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py's layers run under the adapters' row owners
@@ -96,10 +97,19 @@ class QwenImageEditFamily(ModelFamily):
         pos = encode(params.prompt)
         neg = encode(params.negative_prompt) if params.guidance > 1 and params.negative_prompt else None
         t = P.prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h, params.seed,
-                              params.template_seed, params.steps, pos, settings.torch_device)
+                              params.template_seed, params.steps, pos, settings.torch_device,
+                              strength=getattr(params, "strength", 1.0))
         rows = pos[0] if neg is None else torch.cat([pos[0], neg[0]])
         counts = torch.tensor([pos.shape[1], 0 if neg is None else neg.shape[1]], dtype=torch.float32)
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=rows, pooled_embeds=counts)
+
+    def check_options(self, params) -> None:
+        if getattr(params, "true_cfg_scale", 1.0) > 1:  # the stock pipeline's true_cfg_scale is GUIDANCE here
+            from ...errors import InvalidInput
+
+            raise InvalidInput("is served as GUIDANCE by QwenImageEditInpaintPipeline models (its true_cfg_scale); "
+                               "leave it at 1", "TRUE_CFG_SCALE")
+        super().check_options(params)
 
     # -- denoising ------------------------------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:

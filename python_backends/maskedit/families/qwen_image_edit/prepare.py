@@ -25,10 +25,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint import (calculate_dimensions, calculate_shift,
                                                                            retrieve_timesteps)
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...schedule import first_step
 from ..latent_blend import initial_latents
 
 PIPELINE_AREA_SIDE = 1024  # the stock pipeline's area is always 1024 x 1024 pixels
@@ -41,14 +43,16 @@ def model_size(width: int, height: int, resolution: int, multiple: int) -> tuple
     return max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple)
 
 
-def make_scheduler(config: dict, steps: int, image_seq_len: int, device="cpu") -> FlowMatchEulerDiscreteScheduler:
-    """One request's scheduler, set as ``__call__`` step 4 sets it (strength 1.0: from the first timestep)."""
+def make_scheduler(config: dict, steps: int, image_seq_len: int, device="cpu",
+                   first: int = 0) -> FlowMatchEulerDiscreteScheduler:
+    """One request's scheduler, set as ``__call__`` step 4 sets it (``get_timesteps``: from STRENGTH's first step,
+    0 at 1.0)."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     cfg = scheduler.config
     mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                          cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
     retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    scheduler.set_begin_index(0)  # get_timesteps at strength 1.0
+    scheduler.set_begin_index(first)
     return scheduler
 
 
@@ -67,15 +71,16 @@ def latent_grid(pipe, w: int, h: int) -> tuple[int, int]:
 @torch.no_grad()
 def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: torch.Tensor, token_mask: np.ndarray,
                     w: int, h: int, seed: int, template_seed: int, steps: int, embeds: torch.Tensor,
-                    device) -> dict:
+                    device, strength: float = 1.0) -> dict:
     """``latents`` (1, N, C), ``cond`` (1, N, 3C) = [reference latents | noise | blend mask]. One generator seeded
     with ``template_seed`` is consumed as ``__call__`` consumes its generator (the VAE's sample, then the noise);
     tokens of ``token_mask`` then take the noise a generator seeded with ``seed`` gives at the same draw."""
     dtype = embeds.dtype
     z = pipe.latent_channels
     lh, lw = latent_grid(pipe, w, h)
-    scheduler = make_scheduler(scheduler_config, steps, (lh // 2) * (lw // 2), device)
-    t0 = scheduler.timesteps[:1].repeat(1)
+    first = first_step(type(pipe), steps, strength)  # get_timesteps: STRENGTH runs the schedule's last steps
+    scheduler = make_scheduler(scheduler_config, steps, (lh // 2) * (lw // 2), device, first=first)
+    t0 = scheduler.timesteps[first:first + 1].repeat(1)
     generator = torch.Generator("cpu").manual_seed(template_seed)
     # prepare_latents: encode (sampled: the first draw), the noise (the second), noised at the first timestep.
     image_latents = pipe._encode_vae_image(image=image.unsqueeze(2).to(device=device, dtype=dtype),

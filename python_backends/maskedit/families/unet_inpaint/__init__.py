@@ -33,6 +33,9 @@ class UNetInpaint(ModelFamily):
             return {}
         return {"safety_checker": None, "requires_safety_checker": False}  # edits are composited into the template
 
+    def served_options(self) -> frozenset[str]:
+        return frozenset({"guidance_rescale"}) if "XL" in self.pipeline_class_name else frozenset()
+
     def lora_loader_kwargs(self, denoiser) -> dict:
         return {"unet_config": denoiser.config}  # as load_lora_weights passes it: kohya's SGM block numbers
 

@@ -81,7 +81,7 @@ def start_residuals(provider, group: list, steps_inputs: list[dict]) -> list:
     computes them now, through Triton they are in flight on return): one ``Pending`` or None per request."""
     pending = []
     for job, inputs in zip(group, steps_inputs):
-        active = [(c, c.scale_at(job.step_index, job.steps)) for c in job.controls]
+        active = [(c, c.scale_for(job)) for c in job.controls]
         active = [(c, s) for c, s in active if s != 0]  # outside its start / end: the pipelines add its zeros
         pending.append(provider.start(job, active, inputs) if active else None)
     return pending

@@ -1,12 +1,14 @@
 """Stage 1 for SD 2 / SDXL inpainting: an edit's tensors for the 9-channel inpainting UNet.
 
-Mirrors ``StableDiffusionInpaintPipeline.__call__`` / ``StableDiffusionXLInpaintPipeline.__call__`` at
-``strength=1.0`` (the masked region is generated from noise) and calls the pipeline's own methods
+Mirrors ``StableDiffusionInpaintPipeline.__call__`` / ``StableDiffusionXLInpaintPipeline.__call__`` (at
+``strength=1.0`` the masked region is generated from noise; below it from the template noised to the schedule's
+first step run) and calls the pipeline's own methods
 (``encode_prompt``, ``mask_processor``, ``prepare_mask_latents``) with one generator consumed in the same order
 (noise, then the masked image's VAE sample), so the served result equals stock Diffusers for the same seed.
 
 The tensors travel in the same four slots as Flux's, one row per latent pixel (row-major):
-- ``latents`` (N, 4): the initial noise, scaled by the scheduler's ``init_noise_sigma``;
+- ``latents`` (N, 4): the initial noise, scaled by the scheduler's ``init_noise_sigma`` (strength < 1: the
+  template's latents with the noise added at the first timestep run);
 - ``cond`` (N, 5): the latent-size mask and the masked image's latents (what the UNet's extra input channels get);
 - ``prompt_embeds`` (R*77, D): with classifier-free guidance (guidance > 1, R = 2) the negative prompt's rows, then
   the prompt's, as the pipeline concatenates them; R = 1 without;
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ...schedule import first_step
 from ..base import Prepared
 
 UNET_LATENT_CHANNELS = 4
@@ -54,9 +57,9 @@ def check_unet_scheduler(config: dict) -> None:
     make_unet_scheduler(config, 4)
 
 
-def make_unet_scheduler(config: dict, steps: int, device="cpu"):
-    """The request's own scheduler (its class from the model directory), set as the pipelines set it at strength 1
-    (``retrieve_timesteps`` then ``get_timesteps``: every timestep, begin index 0)."""
+def make_unet_scheduler(config: dict, steps: int, device="cpu", first: int = 0):
+    """The request's own scheduler (its class from the model directory), set as the pipelines set it
+    (``retrieve_timesteps`` then ``get_timesteps``: begin index at the strength's first step, 0 at 1.0)."""
     import diffusers
 
     cls = getattr(diffusers, config["_class_name"])
@@ -66,7 +69,7 @@ def make_unet_scheduler(config: dict, steps: int, device="cpu"):
         raise ValueError(f"scheduler {config['_class_name']} runs {len(scheduler.timesteps)} timesteps for {steps} "
                          "steps; serve a one-timestep-per-step scheduler (Euler, DDIM, DPM-Solver, ...)")
     if hasattr(scheduler, "set_begin_index"):
-        scheduler.set_begin_index(0)
+        scheduler.set_begin_index(first)
     return scheduler
 
 
@@ -93,15 +96,27 @@ def prepare_unet(pipe, scheduler_config: dict, init_image: torch.Tensor, mask_t:
     else:
         pos, neg = pipe.encode_prompt(params.prompt, device, 1, cfg, params.negative_prompt or None)
     dtype = pos.dtype
-    scheduler = make_unet_scheduler(scheduler_config, params.steps, device)
+    strength = getattr(params, "strength", 1.0)
+    first = first_step(type(pipe), params.steps, strength)  # get_timesteps: STRENGTH runs the last steps
+    scheduler = make_unet_scheduler(scheduler_config, params.steps, device, first=first)
     generator = torch.Generator("cpu").manual_seed(params.template_seed)
     shape = (1, UNET_LATENT_CHANNELS, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor)
-    # prepare_latents at strength 1: noise (the generator's first draw) scaled by the scheduler's initial sigma.
+    # prepare_latents: at strength 1 noise (the generator's first draw) scaled by the scheduler's initial sigma;
+    # below it the image's VAE sample draws first, then the noise, added at the first timestep run.
+    image_latents = None
+    if strength != 1.0:
+        image_latents = pipe._encode_vae_image(image=init_image.to(device=device, dtype=dtype), generator=generator)
+    t0 = scheduler.timesteps[first:first + 1]
+
+    def start(noise):
+        return noise * scheduler.init_noise_sigma if image_latents is None else \
+            scheduler.add_noise(image_latents, noise, t0)
+
     latents = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
-    latent_rows = to_rows(latents * scheduler.init_noise_sigma)
+    latent_rows = to_rows(start(latents))
     if params.seed != params.template_seed:  # the edit's own noise on the tokens it changes
-        own = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(params.seed),
-                           device=torch.device(device), dtype=dtype) * scheduler.init_noise_sigma
+        own = start(randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(params.seed),
+                                 device=torch.device(device), dtype=dtype))
         rows = torch.from_numpy(token_mask).to(latents.device)
         latent_rows[rows] = to_rows(own)[rows]
     masked_image = init_image * (mask_t < 0.5)

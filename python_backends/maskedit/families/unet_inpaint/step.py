@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint import rescale_noise_cfg
 
 from ...errors import InvalidInput
 from .cache import UNetCacheHooks, per_unet_row
@@ -127,6 +128,9 @@ def step_group(runner, group: list, ctx=None) -> None:
         if r > 1:
             uncond, cond_pred = pred.chunk(2)
             pred = uncond + job.inputs.guidance * (cond_pred - uncond)
+            rescale = getattr(job.inputs, "guidance_rescale", 0.0)
+            if rescale > 0:  # SDXL's guidance_rescale (its family refuses it for SD 2, whose pipeline lacks it)
+                pred = rescale_noise_cfg(pred, cond_pred, guidance_rescale=rescale)
         lat = job.scheduler.step(pred, t, from_rows(job.latents, h, w), return_dict=False)[0]
         job.latents = lat.permute(0, 2, 3, 1).reshape(1, h * w, -1)
         job.step_index += 1

@@ -18,14 +18,17 @@ STEPS = 3  # the stock comparisons' steps and image size
 SIZE = 128
 
 
-def model_with_library(root: Path, preset: str, library: bool = True) -> Settings:
+def model_with_library(root: Path, preset: str, library: bool = True, merge: str = "never") -> Settings:
     """Settings of ``preset`` built at ``root/model`` (the suite's dtype and device), its LoRA host tier at
-    ``root/lora-host`` (never the host's shared default); ``library``: with the seeded adapters of ``make model``."""
+    ``root/lora-host`` (never the host's shared default); ``library``: with the seeded adapters of ``make model``.
+    ``merge``: the same-set calls' path (``MASKEDIT_LORA_MERGE``), pinned: ``auto`` chooses it from timings measured
+    at run time, so on a busy host two runs of one request could take different paths and round differently;
+    tests that compare numbers must know which path each side took (test_merge sets the merger's mode per case)."""
     base = load_settings()
     d = root / "model"
     build(d, preset)
     s = load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DTYPE": base.dtype, "MASKEDIT_DEVICE": base.device,
-                       "MASKEDIT_LORA_HOST_DIR": str(root / "lora-host")})
+                       "MASKEDIT_LORA_HOST_DIR": str(root / "lora-host"), "MASKEDIT_LORA_MERGE": merge})
     if library:
         fam = family_for(d)
         write_library(d, fam, fam.load_denoiser(s))

@@ -61,7 +61,7 @@ def test_merged_equals_stock_fuse_lora(preset, editor, request):
     try:
         _, p, job = served_edit(preset, ed, tpl, mask, list(TWO))
     finally:
-        m.mode = "auto"
+        m.mode = ed.settings.lora_merge  # the editor's pinned path (lora_models.model_with_library)
     assert m.stats["merged_calls"] > before["merged_calls"]
     pipe = stock_pipeline(ed.settings, list(TWO))
     pipe.fuse_lora(adapter_names=[n for n, _ in TWO])
@@ -87,7 +87,7 @@ def _run(ed, inputs, mode, budget=merge.DEFAULT_BUDGET, clear=True):
         while not all(j.done for j in jobs):
             ed.runner.step([j for j in jobs if not j.done])
     finally:
-        m.mode, m.budget = "auto", merge.DEFAULT_BUDGET
+        m.mode, m.budget = ed.settings.lora_merge, merge.DEFAULT_BUDGET
     return [j.result() for j in jobs], {k: m.stats[k] - before[k] for k in before}
 
 

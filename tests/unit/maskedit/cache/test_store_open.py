@@ -102,8 +102,9 @@ def test_reopened_with_a_smaller_disk_budget_it_drops_the_oldest_disk_entries(tm
         intact(tmp_path, k)
 
 
-def test_a_corrupt_entry_demoted_on_open_is_never_served(tmp_path):
-    """Demotion copies bytes as they are; promotion verifies them, as for any disk entry."""
+def test_a_corrupt_entry_demoted_on_open_is_discarded_not_carried_to_disk(tmp_path):
+    """Demotion verifies an entry before it copies it (issue 47: it copied bytes as they were, and only promotion
+    found them): a corrupt one is discarded and counted there, never served."""
     first, _ = filled(tmp_path)
     path = first.mem_dir / "a.safetensors"  # the least recently used: the one demoted
     st = path.stat()
@@ -112,8 +113,8 @@ def test_a_corrupt_entry_demoted_on_open_is_never_served(tmp_path):
     path.write_bytes(bytes(raw))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     s = store(tmp_path, mem=sum(p.stat().st_size for p in first.mem_dir.glob("*.safetensors")) - 1)
-    assert s.locate("a") == "disk" and s.stats.evictions == 1
-    assert s.open("a") is None and s.stats.corrupt == 1 and s.locate("a") is None
+    assert s.locate("a") is None and s.stats.corrupt == 1 and s.stats.evictions == 0
+    assert s.open("a") is None and s.stats.corrupt == 1
     for k in ("b", "c", "d"):
         intact(tmp_path, k)
 

@@ -4,6 +4,7 @@ not, with and without true classifier-free guidance; its sizing, seeds, prompt c
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint import calculate_dimensions
 
 from maskedit.errors import InvalidInput
@@ -176,3 +177,28 @@ def test_real_size_preset_is_qwen_image_edit_sized(tmp_path):
     assert all(p.dtype == torch.bfloat16 and p.device.type == "meta" for p in model.parameters())
     pipe = load_pipeline(load_settings({"MASKEDIT_MODEL_DIR": str(d), "MASKEDIT_DEVICE": "cpu"}))
     assert pipe.text_encoder.config.text_config.hidden_size == 3584 and pipe.vae_scale_factor == 8
+
+
+@pytest.mark.parametrize("strength", [0.1, 0.45])
+def test_strength_equals_the_stock_pipeline(model, strength):
+    """STRENGTH: the schedule's last steps from the template noised to the first (``get_timesteps``), as the
+    engine runs them (a job starting at that step, its scheduler's begin index there)."""
+    from maskedit.schedule import first_step
+
+    family, pipe = model
+    img, mask = template(seed=5), box_mask()
+    p = params(seed=3, steps=10)
+    p.strength = strength
+    prep, tokens, size = prepared(family, pipe, img, mask, p)
+    j, run_ = job(prep, tokens, size, 10), runner(family, pipe)
+    first = first_step(type(pipe), 10, strength)
+    family.prepare_job(run_, j)
+    j.scheduler.set_begin_index(first)
+    j.step_index = first
+    with torch.no_grad():
+        while j.step_index < j.steps:
+            family.step(run_, [j], None)
+    ref = pipe(image=img, prompt="a red hat", mask_image=Image.fromarray(mask),
+               strength=strength, num_inference_steps=10, true_cfg_scale=1.0,
+               generator=torch.Generator("cpu").manual_seed(3), output_type="latent").images
+    assert torch.equal(j.latents, ref)
