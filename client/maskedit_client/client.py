@@ -328,17 +328,19 @@ class EditClient:
     def register_template(self, template, prompt: str = "a photo", steps: int | None = None,
                           guidance: float | None = None, template_seed: int | None = None,
                           timeout_s: float | None = None, strength: float | None = None, mask=None,
-                          padding_mask_crop: int | None = None) -> EditResult:
+                          padding_mask_crop: int | None = None, reference_images=None) -> EditResult:
         """Warm the activation cache for ``template`` before traffic: runs the template once (no edit) and
         records its activations for the given steps/guidance/template seed. Later edits with the same
         settings compute only their masked tokens. ``strength``: for models whose entries are keyed on it
         (Flux Fill, SD 2 / SDXL: docs/caching.md, "Strength"); ``mask`` + ``padding_mask_crop``: an entry for the
-        crop the edits with that mask will use (the mask's own tokens are recorded as edited)."""
+        crop the edits with that mask will use (the mask's own tokens are recorded as edited); ``reference_images``:
+        an in-context edit model's entry for edits with these reference images (they are in the key)."""
         if mask is None:
             img = Image.open(io.BytesIO(encode_image(template)))
             mask = np.zeros((img.size[1], img.size[0]), np.uint8)
         fut = self.submit(template, mask, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
-                          register=True, strength=strength, padding_mask_crop=padding_mask_crop)
+                          register=True, strength=strength, padding_mask_crop=padding_mask_crop,
+                          reference_images=reference_images)
         return fut.result(timeout=timeout_s or self.timeout_s)
 
     def cancel(self, *futures: Future) -> int:

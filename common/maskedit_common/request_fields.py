@@ -96,8 +96,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("GUIDANCE_RESCALE", "guidance_rescale", float, "FP32", "SDXL: rescale the guided noise "
                  "prediction toward the text one's deviation (the pipeline's guidance_rescale)", default=0.0, lo=0.0,
                  hi=1.0, openai=True),
-    RequestField("TRUE_CFG_SCALE", "true_cfg_scale", float, "FP32", "Flux inpainting (FluxInpaintPipeline): "
-                 "classifier-free guidance with NEGATIVE_PROMPT when above 1 (a second transformer row)",
+    RequestField("TRUE_CFG_SCALE", "true_cfg_scale", float, "FP32", "Flux inpainting (FluxInpaintPipeline) and "
+                 "FLUX.1 Kontext: classifier-free guidance with NEGATIVE_PROMPT when above 1 (a second transformer row)",
                  default=1.0, lo=0.0, hi="max_guidance", openai=True),
     RequestField("OUTPUT_FORMAT", "output_format", str, "STRING", "the IMAGE's encoding: png, jpeg or webp",
                  default="png", hi=8, openai=True, choices=("png", "jpeg", "webp")),

@@ -172,7 +172,8 @@ class Preprocessor:
         prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
         if references:
-            rows, grids = self.family.prepare_references(self.pipe, references, w, h, s)
+            box = None if crop is None else _scaled(crop, w / tpl.size[0], h / tpl.size[1])
+            rows, grids = self.family.prepare_references(self.pipe, references, w, h, s, crop=box)
             prepared.reference, prepared.reference_grids = _np(rows), np.asarray(grids, np.int32).reshape(-1, 2)
         return prepared
 
@@ -222,6 +223,12 @@ class Preprocessor:
                 raise InvalidInput(f"control {i}: {str(e).removeprefix(IMAGES + ': ')}", IMAGES) from None
             out.append((spec, preprocessors.apply(spec.preprocess, img)))
         return out
+
+
+def _scaled(box, sx: float, sy: float) -> tuple[int, int, int, int]:
+    """A box (x1, y1, x2, y2) of the template in a frame ``sx`` x ``sy`` times its size."""
+    x1, y1, x2, y2 = box
+    return round(x1 * sx), round(y1 * sy), round(x2 * sx), round(y2 * sy)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

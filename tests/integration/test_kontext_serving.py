@@ -55,12 +55,14 @@ def test_served_through_the_router_equals_stock_kontext_inpainting(kontext, temp
 def test_template_then_edits_hit_the_cache_with_reference_rows(kontext):
     model, client, _ = kontext
     tpl, ref = samples.template(256, 256, seed=41), samples.template(256, 256, seed=42)
-    reg = client.edit(tpl, np.zeros((256, 256), np.uint8), "a hat", steps=3, register=True, reference_images=[ref])
-    assert reg.info["cache"] == "record"
+    reg = client.register_template(tpl, "a hat", steps=3, reference_images=[ref])
+    assert reg.info["cache"] == "record" and reg.info["reference_images"] == 1
     miss = client.edit(tpl, samples.mask(256, 256, 0.2, "blob", seed=3), "a hat", steps=3, seed=3)
     assert miss.info["cache"] == "record"  # no reference image: another key
+    # two edits in one running batch; STRENGTH 0.5 from the strength-1 entry (Kontext blends the template back: one
+    # entry serves every strength)
     hits = [client.submit(tpl, samples.mask(256, 256, 0.2, "blob", seed=s), "a hat", steps=3, seed=s,
-                          reference_images=[ref]) for s in (3, 4)]  # two edits in one running batch
+                          reference_images=[ref], strength=strength) for s, strength in ((3, None), (4, 0.5))]
     for f in hits:
         info = f.result(120).info
         assert info["reference_images"] == 1

@@ -110,9 +110,11 @@ class ModelFamily(ABC):
     # entry's rows (``BlockHooks.reference_tokens``). 0: the family takes none (requests naming one are refused).
     max_reference_images: ClassVar[int] = 0
 
-    def prepare_references(self, pipe, images: list, w: int, h: int, settings) -> tuple[Any, tuple]:
+    def prepare_references(self, pipe, images: list, w: int, h: int, settings, crop=None) -> tuple[Any, tuple]:
         """The reference images (PIL RGB, at least one) as (tokens (R, C), each image's token grid (rows, cols)),
-        handled as the stock pipeline handles its reference argument at model size ``w`` x ``h``."""
+        handled as the stock pipeline handles its reference argument at model size ``w`` x ``h``. ``crop``: with
+        PADDING_MASK_CROP, the template's crop box (x1, y1, x2, y2) in a ``w`` x ``h`` frame (the references are
+        taken as aligned with the template), for a stock pipeline that crops its references too."""
         raise NotImplementedError(f"{self.name} takes no reference images")
 
     # -- the stock pipelines' options (docs/api.md, "Diffusers parameters") -------------------------------

@@ -86,8 +86,8 @@ class Flux2KleinFamily(ModelFamily):
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
                         pooled_embeds=torch.zeros(1, dtype=t["latents"].dtype))
 
-    def prepare_references(self, pipe, images: list, w: int, h: int, settings):
-        return P.reference_latents(pipe, images, w, h, settings.torch_device)
+    def prepare_references(self, pipe, images: list, w: int, h: int, settings, crop=None):
+        return P.reference_latents(pipe, images, w, h, settings.torch_device)  # the stock pipeline never crops them
 
     # -- denoising ------------------------------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:

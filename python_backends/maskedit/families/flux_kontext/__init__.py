@@ -10,7 +10,9 @@ mask-aware hooks: FLUX.1's, with reference rows).
 A request is a template, a mask and an instruction prompt, and optionally one reference image (``REFERENCE_IMAGES``,
 the stock pipeline's ``image_reference``, brought to the model size); without one the template is the reference, as
 in the stock pipeline. The reference tokens' rows are cached like the unmasked tokens' (docs/caching.md "Reference
-rows"), and the key names the reference image, so a hit computes the text and the masked noisy tokens only. LoRA
+rows"), and the key names the reference image, so a hit computes the text and the masked noisy tokens only. The
+stock pipeline's ``strength``, ``padding_mask_crop`` (the reference image cropped as the template) and
+``true_cfg_scale`` with a negative prompt (``families.true_cfg``) are served as its. LoRA
 adapters go through the shared adapter path (FLUX.1's hooks add their deltas on the masked path), and temporal reuse
 (``TEMPORAL``) through FLUX.1's hooks too (a residual covers the image stream, or a hit's masked tokens).
 """
@@ -23,6 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..base import Geometry, ModelFamily, Prepared
+from ..true_cfg import with_negative
 from . import tiny
 
 
@@ -36,6 +39,7 @@ class FluxKontextFamily(ModelFamily):
     presets: ClassVar[dict] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "kontext-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # FLUX.1's hooks add the adapter deltas
+    blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
     temporal_reuse: ClassVar[bool] = True  # FLUX.1's hooks skip a reusing row's middle blocks (``maskedit.temporal``)
     max_reference_images: ClassVar[int] = 1  # ``image_reference``: one image
 
@@ -78,15 +82,23 @@ class FluxKontextFamily(ModelFamily):
 
         t = prepare_tensors(pipe, scheduler_config, image, mask, np.asarray(token_mask, bool), w, h, params.prompt,
                             params.seed, params.template_seed, params.steps, settings.max_sequence_length,
-                            settings.torch_device)
-        return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
-                        pooled_embeds=t["pooled"][0])
+                            settings.torch_device, strength=getattr(params, "strength", 1.0))
+        text, pooled = with_negative(pipe, params, t["prompt_embeds"][0], t["pooled"][0], settings)
+        return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=text, pooled_embeds=pooled)
 
-    def prepare_references(self, pipe, images: list, w: int, h: int, settings):
+    def prepare_references(self, pipe, images: list, w: int, h: int, settings, crop=None):
+        """The stock pipeline crops its ``image_reference`` with the template's ``padding_mask_crop`` box."""
         from .prepare import reference_latents
 
-        rows, grid = reference_latents(pipe, images[0], w, h, settings.torch_device)
+        rows, grid = reference_latents(pipe, images[0], w, h, settings.torch_device, crop)
         return rows, (grid,)
+
+    # -- the stock pipeline's options ------------------------------------------------------------------------
+    def served_options(self) -> frozenset[str]:
+        return frozenset({"true_cfg_scale"})  # FluxKontextInpaintPipeline's (true_cfg.py)
+
+    def uses_negative_prompt(self, params) -> bool:
+        return getattr(params, "true_cfg_scale", 1.0) > 1
 
     # -- denoising ------------------------------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:

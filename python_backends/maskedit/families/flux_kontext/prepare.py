@@ -1,6 +1,6 @@
 """A FLUX.1 Kontext inpainting edit's tensors, mirroring ``FluxKontextInpaintPipeline.__call__`` (diffusers 0.42)
 with the pipeline's own methods and one generator consumed in its order, so the served result equals stock Diffusers
-for the same components, inputs and seed (strength 1.0; tested).
+for the same components, inputs and seed (tested, with ``strength``, ``padding_mask_crop`` and ``true_cfg_scale``).
 
 What the pipeline does: the transformer (FLUX.1's, the packed latents only, guidance embedded) sees the noisy
 latents followed by *reference* tokens along the sequence — the reference image's packed VAE latents (``image_reference``)
@@ -24,7 +24,7 @@ import torch
 from diffusers import FluxKontextInpaintPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...schedule import make_scheduler
+from ...schedule import first_step, make_scheduler
 from ..latent_blend import initial_latents
 
 REF_T = 1  # the reference tokens' first position id (``prepare_latents``: ``image_ids[..., 0] = 1``)
@@ -36,11 +36,14 @@ def split_cond(cond: torch.Tensor, c: int):
 
 
 @torch.no_grad()
-def reference_latents(pipe, image, w: int, h: int, device) -> tuple[torch.Tensor, tuple[int, int]]:
+def reference_latents(pipe, image, w: int, h: int, device, crop=None) -> tuple[torch.Tensor, tuple[int, int]]:
     """A reference image (PIL) as ``__call__`` takes ``image_reference`` at the model size without auto-resizing
-    (step 2.1: the image processor's resize, then its pre-processing), encoded as ``prepare_latents`` encodes it (the
-    VAE's mode: no draw) and packed: (R, C) rows and the token grid (rows, cols)."""
-    image = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w).to(dtype=torch.float32)
+    (step 2.1: the image processor's resize, then its pre-processing, which crops it as the template with
+    ``padding_mask_crop``: ``crop`` (x1, y1, x2, y2) at the model size, resized back to it "fill"), encoded as
+    ``prepare_latents`` encodes it (the VAE's mode: no draw) and packed: (R, C) rows and the token grid (rows, cols)."""
+    fit = {"crops_coords": tuple(crop), "resize_mode": "fill"} if crop is not None else {}
+    image = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w, **fit)
+    image = image.to(dtype=torch.float32)
     dtype = pipe.text_encoder_2.dtype if pipe.text_encoder_2 is not None else pipe.vae.dtype
     ref = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=None)
     packed = FluxKontextInpaintPipeline._pack_latents(ref, 1, pipe.latent_channels, ref.shape[2], ref.shape[3])
@@ -50,7 +53,7 @@ def reference_latents(pipe, image, w: int, h: int, device) -> tuple[torch.Tensor
 @torch.no_grad()
 def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: torch.Tensor, tokens: np.ndarray,
                     w: int, h: int, prompt: str, seed: int, template_seed: int, steps: int, max_sequence_length: int,
-                    device) -> dict:
+                    device, strength: float = 1.0) -> dict:
     """``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its mask
     processor, ``tokens`` (N,) bool: the tokens the edit touches. A reference image is encoded apart
     (``reference_latents``: the VAE's mode draws nothing, so the generator's order is the same)."""
@@ -62,10 +65,11 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     lh, lw = 2 * (h // (pipe.vae_scale_factor * 2)), 2 * (w // (pipe.vae_scale_factor * 2))
     pack = lambda x: FluxKontextInpaintPipeline._pack_latents(x, 1, lc, x.shape[2], x.shape[3])  # noqa: E731
     draw = lambda g: randn_tensor((1, lc, lh, lw), generator=g, device=torch.device(device), dtype=dtype)  # noqa
-    # Steps 4-5 (strength 1.0: from the first timestep), prepare_latents: the template encoded with the VAE's mode
-    # (no draw), then the noise.
-    scheduler = make_scheduler(scheduler_config, steps, len(tokens), device)
-    t0 = scheduler.timesteps[:1]
+    # Step 4 (get_timesteps: STRENGTH runs the schedule's last steps), step 5 prepare_latents: the template encoded
+    # with the VAE's mode (no draw), then the noise, noised to the first timestep run.
+    first = first_step(type(pipe), steps, strength)
+    scheduler = make_scheduler(scheduler_config, steps, len(tokens), device, first=first)
+    t0 = scheduler.timesteps[first:first + 1]
     image_latents = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=generator)
     noise = draw(generator)
     own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and tokens.any() else None

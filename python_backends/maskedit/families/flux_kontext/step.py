@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ...schedule import make_scheduler
+from .. import true_cfg
 from ..latent_blend import step_and_blend
 from ..per_row import per_row
 from .cache import KontextCacheHooks
@@ -31,6 +32,7 @@ class KontextTensors:
     img_ids: torch.Tensor  # (N + R, 3)
     txt_ids: torch.Tensor  # (txt, 3)
     guidance: torch.Tensor | None  # (1,) when the transformer embeds guidance
+    negative: tuple | None = None  # TRUE_CFG_SCALE > 1: its negative text (1, txt, D) and pooled (1, D_pooled)
 
 
 def prepare_job(runner, job, pixels_per_token: int) -> None:
@@ -45,10 +47,11 @@ def prepare_job(runner, job, pixels_per_token: int) -> None:
         reference, ref_grid = t(extra), tuple(x.reference_grids[0])
     else:
         reference, ref_grid = split_cond(cond, c)[0], grid
+    text, pooled, negative = true_cfg.split_negative(x, t(x.prompt_embeds), t(x.pooled_embeds))
     job.tensors = KontextTensors(
-        cond=cond, reference=reference, prompt_embeds=t(x.prompt_embeds), pooled=t(x.pooled_embeds),
+        cond=cond, reference=reference, prompt_embeds=text, pooled=pooled, negative=negative,
         img_ids=image_ids(*grid, ref_grid, runner.device, runner.dtype),
-        txt_ids=torch.zeros(x.prompt_embeds.shape[0], 3, device=runner.device, dtype=runner.dtype),
+        txt_ids=torch.zeros(text.shape[1], 3, device=runner.device, dtype=runner.dtype),
         guidance=(torch.full([1], x.guidance, device=runner.device, dtype=torch.float32)
                   if runner.transformer.config.guidance_embeds else None))
     job.scheduler = make_scheduler(runner.scheduler_config, x.steps, x.latents.shape[0], runner.device)
@@ -76,11 +79,13 @@ def step(runner, group: list, ctx) -> None:
     hidden = torch.cat([latents, cat("reference")], dim=1)
     timestep = torch.stack([t.to(latents.device) for t in timesteps]).to(latents.dtype)
     jt = group[0].tensors
+    guidance = cat("guidance") if jt.guidance is not None else None
     forward = lambda: tr(  # noqa: E731
-        hidden_states=hidden, timestep=timestep / 1000, guidance=cat("guidance") if jt.guidance is not None else None,
-        pooled_projections=cat("pooled"), encoder_hidden_states=cat("prompt_embeds"), txt_ids=jt.txt_ids,
-        img_ids=jt.img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+        hidden_states=hidden, timestep=timestep / 1000, guidance=guidance, pooled_projections=cat("pooled"),
+        encoder_hidden_states=cat("prompt_embeds"), txt_ids=jt.txt_ids, img_ids=jt.img_ids,
+        joint_attention_kwargs=None, return_dict=False)[0]
     pred = (KontextCacheHooks.of(tr).run(ctx, forward) if ctx is not None else forward())[:, :n]
+    true_cfg.apply(tr, group, pred, hidden, timestep / 1000, guidance, jt.txt_ids, jt.img_ids)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
         step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c))
