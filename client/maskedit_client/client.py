@@ -79,7 +79,8 @@ class EditClient:
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
-        self._stream_refusal: EditError | None = None  # the stream was refused for its key
+        self._stream_refusal: EditError | None = None  # how the stream ended: its status (a refused key?)
+        self._stream_end = threading.Event()  # set when the open stream's end (and its status) has arrived
 
     def _ensure_stream(self) -> None:
         # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
@@ -91,6 +92,9 @@ class EditClient:
                 broken = self._stream_broken
             if broken:  # its thread has ended or is ending (it reported the break)
                 self._client.stop_stream()
+            with self._lock:
+                self._stream_refusal = None
+            self._stream_end.clear()
             self._client.start_stream(callback=self._on_response, headers=self._headers)
             with self._lock:
                 self._stream_open, self._stream_broken = True, False
@@ -157,9 +161,10 @@ class EditClient:
         with self._lock:
             pending, self._pending = list(self._pending.items()), {}
             self._stream_open, self._stream_broken = False, True
-            # a refusal of the stream itself (no or a wrong API key): what a send racing the end reports too
-            self._stream_refusal = (EditError(f"{code}: {error.message()}", code)
-                                    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else None)
+            # the stream's own status (no or a wrong API key, a restricted protocol): what a send racing the end
+            # reports too, rather than tritonclient's "no longer in valid state"
+            self._stream_refusal = EditError(f"{code}: {error.message()}", code)
+        self._stream_end.set()
         for rid, (fut, state) in pending:
             self._failed(rid, fut, state, EditError(f"{code}: the stream to {self.url} ended before the response "
                                                     f"arrived ({error.message()})", code))
@@ -312,7 +317,8 @@ class EditClient:
             with self._lock:
                 self._pending.pop(rid, None)
                 self._stream_open, self._stream_broken = False, True
-            time.sleep(0.05)  # the stream's own end (its status: a refused key?) may be a moment behind
+            # the stream's own end (its status: a refused key?) may arrive a moment later on a busy host
+            self._stream_end.wait(2.0)
             with self._lock:
                 refusal = self._stream_refusal
             self._failed(rid, fut, state, refusal or EditError(f"UNAVAILABLE: could not send the request: {e}",
