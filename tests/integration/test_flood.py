@@ -6,7 +6,7 @@ pre-processing, with the request's own id (a client with every request on one st
 bound (``maskedit.completion``): a request predicted to be answered after its bound — the work ahead at the step time
 measured now — is refused before any work, one that waited too long is refused when it reaches the front of the
 denoise queue, and one the host turned too slow for ends at its bound. The bound here is the requests' DEADLINE_MS
-(the server's MASKEDIT_LATENCY_BOUND_S is the same check, tightened by it; the session's server keeps its default):
+(the server's MASKEDIT_LATENCY_BOUND_S is the same check, tightened by it; the session's server has a long one):
 several times what one edit takes on this host just before the flood, so that it keeps its meaning on a loaded CI
 host — some of the flood fits in it, all of it does not. Before the time bound, the requests that got past Triton's
 queue were all served, one batch after another: on this host ~20 edits' time, far past it (``make overload``'s flood
@@ -26,8 +26,9 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
         t = time.monotonic()
         c.edit(template_img, box_mask, "a hat", seed=1, steps=STEPS)
         one = time.monotonic() - t
-    # ~20 requests get past Triton's queue (16 wait there), 4 to a batch: ~5 edits' time for all; 3 leaves some out
-    bound_s = max(1.5, 3 * one)
+    # ~20 requests get past Triton's queue (16 wait there), 4 to a batch: ~5 edits' time for all; 4 leaves some out
+    # and, on a host whose load rises 3x as the flood lands (its own pre-processing), still lets the first in
+    bound_s = max(1.5, 4 * one)
     # what lies outside the prediction: the step under way when a request runs out of its bound (a loaded host's
     # steps take up to seconds), decoding and the answer's way back, this client's own sending
     slack_s = max(3.0, bound_s / 2)
@@ -59,9 +60,11 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
     at_queue = [s for code, m, s in outcomes if "Exceeds maximum queue size" in m]
     assert at_queue and max(at_queue) < 5.0, summary  # at once, however long the work in front of it
     by_time = [m for code, m, _ in outcomes if "cannot be answered within" in m or "would delay" in m or
-               "can no longer be answered" in m or "ran out of its bound" in m]
+               "can no longer be answered" in m]
     assert by_time, f"nothing was refused for time: {summary}"
-    assert sum(code == "ok" for code, _, _ in outcomes) >= 1, summary
+    # admitted: served, or ended before a step that would take it past its bound (the host turned slower than
+    # predicted when it was taken): either way answered within it
+    assert any(code == "ok" or "ran out of its bound" in m for code, m, _ in outcomes), summary
     assert max(s for _, _, s in outcomes) <= bound_s + slack_s, summary  # the time bound, served requests too
     # the server still serves
     with EditClient(server.grpc_url, timeout_s=120) as c:
