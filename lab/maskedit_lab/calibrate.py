@@ -32,7 +32,7 @@ from maskedit.denoise import DenoiseJob
 from maskedit.device import SideStream, seconds_between, time_mark
 from maskedit_common.blocks import FULL, KV, Y
 from maskedit_common.cost_model import CostModel, LinearFit, features
-from maskedit_router.features import grid_tokens
+from maskedit_router.placement.features import grid_tokens
 
 from .baselines import FixedPolicy, InlineRowLoader
 from .harness import Harness

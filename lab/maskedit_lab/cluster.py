@@ -27,7 +27,7 @@ from maskedit.scratch import run_scratch
 from maskedit_common import backend_guard
 from maskedit_common.settings import load_settings
 from maskedit_router.__main__ import parser as router_parser, start as start_router
-from maskedit_router.policies import POLICIES
+from maskedit_router.placement.policies import POLICIES
 
 from . import REPO_ROOT
 from .supervisor import RELOADABLE_ARGS, Supervisor

@@ -1,5 +1,5 @@
 """The cold load of one LoRA adapter on a backend, the constant the router's cost model charges
-(``--lora-load-ms``, ``maskedit_router.policies.LORA_LOAD_MS``).
+(``--lora-load-ms``, ``maskedit_router.placement.policies.LORA_LOAD_MS``).
 
 Seeded random adapters (``maskedit.adapters.build``: ranks 4-64, attention only and attention + MLP) are written
 for a model's denoiser into a temporary library; each is loaded cold ``--repeats`` times through the serving path

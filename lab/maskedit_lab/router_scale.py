@@ -42,7 +42,7 @@ import numpy as np
 
 from maskedit.launcher import free_ports
 from maskedit_router.__main__ import default_profile
-from maskedit_router.estimator import LORA_LOAD_MS
+from maskedit_router.placement.estimator import LORA_LOAD_MS
 
 from . import REPO_ROOT
 from .router_sim import TraceWorkload, ideal_service_s
@@ -187,7 +187,7 @@ class Payloads:
     def __init__(self, resolution: int, n_masks: int = 48, seed: int = 5):
         from maskedit import samples
         from maskedit_client import encode_image
-        from maskedit_router.features import mask_ratio
+        from maskedit_router.placement.features import mask_ratio
 
         self.resolution = resolution
         self.base = encode_image(samples.template(resolution, resolution, seed=seed))
@@ -379,8 +379,8 @@ def compare(workers: int, loads: list[float], policies: list[str], n: int, out: 
             time_scale: float, payloads: Payloads, streams: int, lora_library: int, slo_scale: float = 2.0,
             trace_start: int = 10000) -> list[dict]:
     from maskedit_common.cost_model import CostModel
-    from maskedit_router.features import EditFeatures, extract
-    from maskedit_router.policies import Estimator
+    from maskedit_router.placement.features import EditFeatures, extract
+    from maskedit_router.placement.policies import Estimator
 
     from .router_sim_cluster import replay
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from maskedit_common.cost_model import CostModel
 from maskedit_router.__main__ import default_profile
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import POLICIES, BackendLoad, Estimator
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import POLICIES, BackendLoad, Estimator
 
 from . import REPO_ROOT
 from .router_sim_cluster import replay

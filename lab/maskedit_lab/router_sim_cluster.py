@@ -2,15 +2,15 @@
 workers and the router in front of them.
 
 N simulated workers each run step-level continuous batching (max batch 4): a step takes the sum of its requests'
-per-step times from the measured cost-model profile (on this CPU a step's cost grows with the batch), a request
-on a template the worker holds computes only its masked tokens (kv blocks), otherwise the full model, after which
-the worker holds the template (LRU of ``cache_templates``) from the start of that template run, as the engine lets
-later requests follow a run in progress. Given each request's token mask, a worker also tracks which tokens of each
-entry are invalid (the template run's own edit): a hit computes its mask and those, and heals them as the engine
-does (a hit on a stored entry that leaves at least ``heal_min_ratio`` of the tokens' invalid ones unmasked makes
-them valid when it completes). Optionally (``HostModel``) workers share CPU-only hosts with their pre/post-processing,
-as on the machine the validation runs on. The router side is the real policy code (``maskedit_router.policies``)
-with the router's own bookkeeping.
+per-step times from the measured cost-model profile (on this CPU a step's cost grows with the batch), a request on a
+template the worker holds computes only its masked tokens (kv blocks), otherwise the full model, after which the worker
+holds the template (LRU of ``cache_templates``) from the start of that template run, as the engine lets later requests
+follow a run in progress. Given each request's token mask, a worker also tracks which tokens of each entry are invalid
+(the template run's own edit): a hit computes its mask and those, and heals them as the engine does (a hit on a stored
+entry that leaves at least ``heal_min_ratio`` of the tokens' invalid ones unmasked makes them valid when it completes).
+Optionally (``HostModel``) workers share CPU-only hosts with their pre/post-processing, as on the machine the validation
+runs on. The router side is the real policy code (``maskedit_router.placement.policies``) with the router's own
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from maskedit_common.heal import HEAL_MIN_RATIO, after_heal, computed_tokens, heal_candidates, worth_healing
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import BackendLoad, Booking, Estimator, make
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import BackendLoad, Booking, Estimator, make
 
 
 @dataclass

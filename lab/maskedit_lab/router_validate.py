@@ -44,8 +44,8 @@ import numpy as np
 from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
 from maskedit_router.__main__ import default_profile
-from maskedit_router.features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
-from maskedit_router.policies import POLICIES, Estimator
+from maskedit_router.placement.features import EditFeatures, grid_tokens, mask_ratio, mask_tokens
+from maskedit_router.placement.policies import POLICIES, Estimator
 
 from . import REPO_ROOT
 from .router_validate_replay import HEADLINE, compare, plot, ranking, saturation_throughput
@@ -189,7 +189,7 @@ def template_key(assets, r, res: int) -> str:
     from tritonclient.grpc._utils import _get_inference_request
 
     from maskedit_client.inputs import edit_inputs
-    from maskedit_router.features import extract
+    from maskedit_router.placement.features import extract
 
     inputs = edit_inputs(assets.template(r.template), assets.mask(r), r.prompt, seed=r.seed, steps=r.steps,
                          deadline_ms=r.deadline_ms)
@@ -217,7 +217,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
     from loadgen import runner as lg
     from loadgen import workload
     from maskedit_client import EditClient
-    from maskedit_router.policies import make
+    from maskedit_router.placement.policies import make
 
     from .cluster import running_cluster
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from maskedit_common.cost_model import CostModel
 from maskedit_common.settings import load_settings
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import Estimator, Policy
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator, Policy
 
 from .router_sim_cluster import HostModel, replay
 

@@ -45,10 +45,10 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from maskedit_common.cost_model import CostModel
-from maskedit_router.backend import EMPTY_FINAL, FINAL
-from maskedit_router.books import BackendLoad
-from maskedit_router.estimator import LORA_LOAD_MS, Estimator
-from maskedit_router.features import EditFeatures, adapter_names, grid_tokens, mask_ratio
+from maskedit_router.placement.books import BackendLoad
+from maskedit_router.placement.estimator import LORA_LOAD_MS, Estimator
+from maskedit_router.placement.features import EditFeatures, adapter_names, grid_tokens, mask_ratio
+from maskedit_router.proxy.backend import EMPTY_FINAL, FINAL
 
 from . import REPO_ROOT
 from .router_sim_cluster import Worker, batch_shared_ms

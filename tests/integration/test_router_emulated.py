@@ -15,8 +15,8 @@ from maskedit_client import EditClient
 from maskedit_common.cost_model import CostModel
 from maskedit_lab.router_scale import running_emulator, running_router
 from maskedit_router.__main__ import default_profile
-from maskedit_router.features import EditFeatures, mask_ratio
-from maskedit_router.policies import Estimator
+from maskedit_router.placement.features import EditFeatures, mask_ratio
+from maskedit_router.placement.policies import Estimator
 
 SCALE = 0.05
 

@@ -6,8 +6,8 @@ import json
 from maskedit_common.cost_model import CostModel
 from maskedit_lab import calibrate
 from maskedit_router.__main__ import build
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import Estimator
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator
 
 
 def test_the_tiny_models_profile_carries_its_blocks_to_the_router(settings, tmp_path):

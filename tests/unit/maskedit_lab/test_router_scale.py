@@ -9,8 +9,8 @@ from maskedit_common.cost_model import CostModel
 from maskedit_lab import REPO_ROOT
 from maskedit_lab.router_scale import histogram_quantile
 from maskedit_lab.triton_emulator import scaled_profile
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import Estimator
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator
 
 PROFILE = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
 

@@ -6,8 +6,8 @@ import pytest
 
 from maskedit_common.cost_model import CostModel
 from maskedit_lab.router_sim_cluster import HostModel, replay
-from maskedit_router.features import EditFeatures
-from maskedit_router.policies import Estimator
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator
 
 
 @pytest.fixture(scope="module")
