@@ -162,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--store-disk-templates", type=int, default=64, help="and its disk tier")
     ap.add_argument("--lora-load-ms", type=float, default=policies.LORA_LOAD_MS, help="predicted cold load of one "
                     "LoRA adapter on a backend the router has not recently sent it to (docs/lora.md: measured by "
-                    "`python -m maskedit_lab.lora_load`)")
+                    "`python -m maskedit_lab.addons.lora_load`)")
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: MASKEDIT_COST_PROFILE, else the served "
                     "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "

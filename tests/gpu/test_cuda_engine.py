@@ -28,7 +28,7 @@ from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
-from maskedit_lab.baselines import FixedPolicy
+from maskedit_lab.harness.baselines import FixedPolicy
 from tests.conftest import atol, png
 
 ROOT = Path(__file__).resolve().parents[2]

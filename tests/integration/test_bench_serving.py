@@ -10,7 +10,7 @@ from PIL import Image
 
 from maskedit import samples
 from maskedit.launcher import TritonServer
-from maskedit_lab import bench_serving, stock
+from maskedit_lab.serving import bench_serving, stock
 from tests.conftest import png
 
 

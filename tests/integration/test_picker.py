@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 
 from maskedit import samples
 from maskedit_client import EditClient
-from maskedit_lab.cluster import running_cluster
+from maskedit_lab.harness.cluster import running_cluster
 from maskedit_router.gateway.extproc_wire import read_streamed_body, with_metadata_context
 from maskedit_router.gateway.picker import EndpointPicker, serve_picker
 from tests.conftest import png

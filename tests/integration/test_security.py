@@ -19,7 +19,7 @@ from PIL import Image
 
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_lab.cluster import running_backends
+from maskedit_lab.harness.cluster import running_backends
 from maskedit_router.__main__ import build, serve
 from maskedit_router.access.auth import Keyring
 from maskedit_router.access.tls import TlsFiles

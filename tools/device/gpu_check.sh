@@ -27,23 +27,23 @@ case "${1:-tests}" in
   tests)
     python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   calibrate)
-    python3 -m maskedit_lab.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
+    python3 -m maskedit_lab.engine.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
       --out "$OUT/cost_model_flux-dev-flux-fill_h100.json" 2>&1 | tee "$OUT/calibrate.log" ;;
   bench)
     cp "$OUT"/cost_model_*.json perf_profiles/ 2>/dev/null
-    python3 -m maskedit_lab.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
+    python3 -m maskedit_lab.engine.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
       --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
   unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the stock timing
-    python3 -m maskedit_lab.calibrate --preset sdxl --device cuda --dtype bfloat16 --steps 4 \
+    python3 -m maskedit_lab.engine.calibrate --preset sdxl --device cuda --dtype bfloat16 --steps 4 \
       --out "$OUT/cost_model_sdxl_h100.json" 2>&1 | tee "$OUT/calibrate_sdxl.log"
     cp "$OUT/cost_model_sdxl_h100.json" perf_profiles/
-    python3 -m maskedit_lab.bench_engine --preset sdxl --device cuda --dtype bfloat16 --steps "${STEPS_UNET:-30}" \
+    python3 -m maskedit_lab.engine.bench_engine --preset sdxl --device cuda --dtype bfloat16 --steps "${STEPS_UNET:-30}" \
       --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.1 0.2 0.3 0.5} \
       --out "$OUT/engine_sdxl_h100.json" 2>&1 | tee "$OUT/bench_sdxl.log" ;;
   serving)
     python3 -m maskedit.tiny_model models/flux-width-flux-fill --preset flux-width
-    python3 -m maskedit_lab.bench_serving --preset flux-width --device cuda --dtype bfloat16 --steps "$STEPS" \
+    python3 -m maskedit_lab.serving.bench_serving --preset flux-width --device cuda --dtype bfloat16 --steps "$STEPS" \
       --requests "${REQUESTS:-12}" --loads ${LOADS:-0.5 1 2 4} --out "$OUT/serving_h100.json" 2>&1 | tee "$OUT/serving.log" ;;
   *) echo "usage: $0 tests|calibrate|bench|unet|serving"; exit 2 ;;
 esac

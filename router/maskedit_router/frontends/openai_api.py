@@ -30,10 +30,10 @@ from maskedit_client import EditClient, EditError
 from ..access.auth import Forbidden, Keyring, Unauthenticated, bearer
 from ..access.limits import HttpLimits
 from ..access.tenancy import retry_after
+from . import client_gone
 from .lora_admin import AdapterAdmin, AdminError
 from .openai_errors import from_edit_error
 from .openai_form import ApiError, EditJob, parse
-from . import client_gone
 
 log = logging.getLogger("maskedit.router.openai")
 MAX_BODY_BYTES = 96 << 20  # a 4096x4096 template and its mask as PNG, with room

@@ -49,8 +49,8 @@ from ..access.tenancy import OverLimit, retry_after_header
 from ..proxy.aio import AioServer, idle_message
 from ..proxy.backend import NoBackend, Ticket
 from ..proxy.server import Router
-from .extproc_wire import metadata_context, streamed_body
 from . import grpc_health, picker_body
+from .extproc_wire import metadata_context, streamed_body
 
 log = logging.getLogger("maskedit.router.picker")
 DESTINATION = "x-gateway-destination-endpoint"

@@ -15,7 +15,7 @@ from .books import DISK, BackendLoad
 from .features import EditFeatures
 
 # A cold LoRA adapter load (read, Diffusers' conversion, hooks attached) in ms: measured by
-# ``python -m maskedit_lab.lora_load`` (perf_profiles/results/lora_load.json); the router's ``--lora-load-ms``.
+# ``python -m maskedit_lab.addons.lora_load`` (perf_profiles/results/lora_load.json); the router's ``--lora-load-ms``.
 LORA_LOAD_MS = 22.0  # bench-flux-fill, attn-mlp-r16 (3.8 MB), 2-core CPU float32: 22.5 ms
 
 

@@ -1,5 +1,5 @@
 """Routing policies: one implementation used by the router (``--policy``), the endpoint picker (which routes through
-the router) and the simulator (``maskedit_lab.router_sim``).
+the router) and the simulator (``maskedit_lab.routing.sim``).
 
 The default, ``predicted``, predicts each backend's completion latency for the new request (InstGenIE Algorithm 2,
 made explicit), in milliseconds:

@@ -15,7 +15,7 @@ from maskedit.cache.store import ActivationStore
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.cache import Flux2KleinCacheHooks
 from maskedit.families.flux2_klein.tiny import build
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 
 from .klein_util import box_mask, job, load, params, prepared, run, runner, template
 

@@ -11,7 +11,7 @@ from maskedit.cache.rows import Recorder, RowView
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.families.qwen_image_edit.cache import QwenEditCacheHooks
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 
 from .qwen_util import SIZE, box_mask, make, run, runner, template, tiny_model
 

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 
 from maskedit_common.cost_model import CostModel
 from maskedit_common.temporal import computed_fraction, parse
-from maskedit_lab.router_sim_cluster import replay
+from maskedit_lab.routing.sim_cluster import replay
 from maskedit_router.placement.features import EditFeatures, edit_info, extract
 from maskedit_router.placement.policies import Estimator
 

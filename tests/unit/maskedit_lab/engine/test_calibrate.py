@@ -1,0 +1,26 @@
+"""Calibration writes a profile the router predicts with, without importing the model: the model's blocks travel
+in it (Flux here; a UNet's per-level runs are written by the same code)."""
+
+import json
+
+from maskedit_common.cost_model import CostModel
+from maskedit_lab.engine import calibrate
+from maskedit_router.__main__ import build
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator
+
+
+def test_the_tiny_models_profile_carries_its_blocks_to_the_router(settings, tmp_path):
+    out = tmp_path / "profile.json"
+    calibrate.main(["--model-dir", str(settings.model_dir), "--steps", "2", "--out", str(out)])
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["blocks"] == [["dual", 2, 256, 32], ["single", 2, 256, 32]]  # 2 + 2 blocks at 256 tokens
+    assert meta["resolution"] == 256 and meta["grid_tokens"] == 256 and meta["text"] == 64
+    est = Estimator(CostModel.load_file(out))
+    assert est.blocks == [("dual", 2, 1.0, 32), ("single", 2, 1.0, 32)]
+    f = EditFeatures("t", 0.2, 256, 2)
+    assert 0 < est.request_ms(f, cached=True) <= est.request_ms(f, cached=False)
+    router = build(["10.0.0.1:8001"], profile=out)
+    assert router.resolution == 256  # masks measured on the grid the profile was calibrated at
+    for b in router.backends.values():
+        b.close()
