@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,13 @@ render-gpu: $(STAMP)
 
 clean:
 	rm -rf out build
+
+# The GPU machine's scripts on this CPU (docs/gpu.md, "The dry run"): tiny presets, one step, results under $(DRY_OUT).
+DRY_OUT ?= out/device-dry-run
+device-dry-run: model
+	OUT=$(DRY_OUT) PYTHON=$(abspath $(PY)) bash tools/device/gpu_check.sh --dry-run $${MODES:-tests calibrate bench unet serving}
+	PYTHON=$(abspath $(PY)) bash tools/device/triton_pack.sh --dry-run
+	bash tools/device/wheels.sh --dry-run
 
 calibrate: $(STAMP)
 	$(VENV)/bin/maskedit-calibrate

@@ -305,6 +305,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS))
     ap.add_argument("--preset", default="bench", help="model preset (bench; flux-dev: FLUX.1-Fill-dev size, GPU; "
                     "sd2-bench / sdxl-bench: SD 2 / SDXL inpainting layouts on the CPU; sdxl: SDXL's real size, GPU)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: models/<preset's directory> (built if "
+                    "missing)")
     ap.add_argument("--device", default=None, help="cpu, cuda (default: MASKEDIT_DEVICE or auto)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
     ap.add_argument("--budget-gib", type=float, default=8.0, help="activation bytes recorded per template (Y first, "
@@ -316,11 +318,11 @@ def main(argv=None) -> None:
     ap.add_argument("--crop-pad", type=int, default=32, help="its PADDING_MASK_CROP")
     args = ap.parse_args(argv)
     t0 = time.time()
-    rows = run(args.ratios, reps=args.reps, steps=args.steps, preset=args.preset, device=args.device,
-               dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
+    rows = run(args.ratios, reps=args.reps, steps=args.steps, model_dir=args.model_dir, preset=args.preset,
+               device=args.device, dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
     cropped = []
     if args.crop_template:
-        h = Harness.create(None, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype,
+        h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype,
                            budget_bytes=int(args.budget_gib * (1 << 30)))
         cropped = crop_rows(h, args.crop_template, args.crop_ratio, args.crop_pad, args.reps)
     hw = rows[0]["device"] if rows else "cpu"

@@ -60,7 +60,7 @@ def resolve(sink: list) -> list[tuple[int, float]]:
     return [(i, 1000.0 * seconds_between(a, b, wait=True)) for i, a, b in sink]
 
 
-def measure(h: Harness, reps: int = 2) -> tuple[dict, dict, dict]:
+def measure(h: Harness, reps: int = 2, ratios=RATIOS) -> tuple[dict, dict, dict]:
     base = h.register()
     n = base.latents.shape[0]
     text = base.prompt_embeds.shape[0]
@@ -73,7 +73,7 @@ def measure(h: Harness, reps: int = 2) -> tuple[dict, dict, dict]:
     unet = (h.hooks.layout == "per_block")  # a UNet's blocks differ in tokens and width: features per block, as the planner asks
     loads = defaultdict(list)
     try:
-        plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in RATIOS]
+        plan = [(FULL, 1.0)] + [(m, r) for m in (Y, KV) for r in ratios]
         for mode, ratio in tqdm(plan, desc="calibrating", unit="point"):
             x = h.inputs(h.mask(ratio, seed=1)) if mode != FULL else base
             policy = {FULL: "off", Y: FixedPolicy("all_y"), KV: FixedPolicy("all_kv")}[mode]
@@ -183,12 +183,18 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="bench", help="model preset when --model-dir is not given (bench, flux-dev)")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: MASKEDIT_DEVICE or auto)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: MASKEDIT_DTYPE or float32)")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps per point: a warm-up step, then timed ones")
+    ap.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS),
+                    help="mask ratios timed in y and kv mode (at least two: a line through them is the fit)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.steps < 2:  # one step is all warm-up: the profile would hold no block time at all
+        ap.error(f"--steps must be at least 2 (one warm-up step, then the timed ones), got {args.steps}")
+    if len(set(args.ratios)) < 2 or not all(0 < r < 1 for r in args.ratios):
+        ap.error(f"--ratios must be at least two different mask ratios between 0 and 1, got {args.ratios}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype)
-    samples_, loads, structure = measure(h)
+    samples_, loads, structure = measure(h, ratios=args.ratios)
     model = fit(samples_, loads, {**structure,
         "model_dir": str(h.settings.model_dir), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "threads": torch.get_num_threads(), "device": h.settings.torch_device, "resolution": h.settings.resolution,

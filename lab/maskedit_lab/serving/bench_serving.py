@@ -140,9 +140,10 @@ def _server(system: str, env: dict, repo: Path, log_dir: Path) -> TritonServer:
 
 def run(systems=SYSTEMS, preset: str = "tiny", device: str = "cpu", dtype: str = "float32", steps: int = 4,
         requests: int = 16, fractions=(0.5, 1.0, 2.0, 4.0), templates: int = 4, mask_workload: str = "production",
-        timeout_s: float = 300.0) -> dict:
-    """The benchmark in a temporary directory (stores, rendered repositories, server logs), removed at the end."""
-    model_dir = REPO_ROOT / "models" / f"{preset}-flux-fill"
+        timeout_s: float = 300.0, model_dir: Path | None = None) -> dict:
+    """The benchmark in a temporary directory (stores, rendered repositories, server logs), removed at the end.
+    ``model_dir``: where ``preset``'s model is (built there if missing; default ``models/<preset>-flux-fill``)."""
+    model_dir = Path(model_dir or REPO_ROOT / "models" / f"{preset}-flux-fill")
     if not (model_dir / "model_index.json").exists():
         build(model_dir, preset)
     tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-serving-"))
@@ -248,6 +249,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", nargs="*", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="default: models/<preset>-flux-fill (built if missing)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=4)
@@ -260,7 +263,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     t0 = time.time()
     result = run(args.systems, args.preset, args.device, args.dtype, args.steps, args.requests, args.loads,
-                 args.templates, args.workload)
+                 args.templates, args.workload, model_dir=args.model_dir)
     result["meta"]["seconds"] = round(time.time() - t0, 1)
     if args.device == "cuda":
         import torch

@@ -3,6 +3,8 @@ in it (Flux here; a UNet's per-level runs are written by the same code)."""
 
 import json
 
+import pytest
+
 from maskedit_common.cost_model import CostModel
 from maskedit_lab.engine import calibrate
 from maskedit_router.__main__ import build
@@ -24,3 +26,16 @@ def test_the_tiny_models_profile_carries_its_blocks_to_the_router(settings, tmp_
     assert router.resolution == 256  # masks measured on the grid the profile was calibrated at
     for b in router.backends.values():
         b.close()
+
+
+def test_one_step_is_refused_by_name_it_would_time_nothing(capsys):
+    """One step is the warm-up only: the profile came out with no block time at all (found by the device dry run)."""
+    with pytest.raises(SystemExit):
+        calibrate.main(["--steps", "1"])
+    assert "--steps must be at least 2" in capsys.readouterr().err
+
+
+def test_ratios_that_cannot_make_a_line_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        calibrate.main(["--ratios", "0.2", "0.2"])
+    assert "--ratios must be at least two different mask ratios" in capsys.readouterr().err
