@@ -31,6 +31,9 @@ def main(argv=None) -> int:
                          "e.g. --control canny:0.8 or --control union:1:0:0.6:mode=depth")
     ap.add_argument("--control-image", action="append", default=[], type=Path, metavar="FILE",
                     help="the control image of each --control, in order (a map, or a photo with preprocess=canny)")
+    ap.add_argument("--reference-image", action="append", default=[], type=Path, metavar="FILE",
+                    help="in-context edit models (FLUX.2 klein, FLUX.1 Kontext): a reference image the edit "
+                    "conditions on beside the template (repeat for several where the model takes them)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
         print(f"error: {len(controls)} --control but {len(args.control_image)} --control-image: give one image per "
               "control, in order", file=sys.stderr)
         return 2
-    for p in (args.template, args.mask, *args.control_image):
+    for p in (args.template, args.mask, *args.control_image, *args.reference_image):
         if not p.is_file():
             print(f"error: {p} is not a file", file=sys.stderr)
             return 2
@@ -102,6 +105,7 @@ def main(argv=None) -> int:
                                  deadline_ms=args.deadline_ms, negative_prompt=args.negative_prompt,
                                  loras=[_lora_arg(a) for a in args.lora] or None, controls=controls or None,
                                  control_images=list(args.control_image) or None, temporal=args.temporal,
+                                 reference_images=list(args.reference_image) or None,
                                  strength=args.strength, padding_mask_crop=args.padding_mask_crop,
                                  guidance_rescale=args.guidance_rescale, true_cfg_scale=args.true_cfg_scale,
                                  output_format=args.output_format, output_quality=args.output_quality)

@@ -79,7 +79,8 @@ class EditClient:
         self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients (cancel markers use them)
         self._stream_open = False
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
-        self._stream_refusal: EditError | None = None  # the stream was refused for its key
+        self._stream_refusal: EditError | None = None  # how the stream ended: its status (a refused key?)
+        self._stream_end = threading.Event()  # set when the open stream's end (and its status) has arrived
 
     def _ensure_stream(self) -> None:
         # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
@@ -91,6 +92,9 @@ class EditClient:
                 broken = self._stream_broken
             if broken:  # its thread has ended or is ending (it reported the break)
                 self._client.stop_stream()
+            with self._lock:
+                self._stream_refusal = None
+            self._stream_end.clear()
             self._client.start_stream(callback=self._on_response, headers=self._headers)
             with self._lock:
                 self._stream_open, self._stream_broken = True, False
@@ -157,9 +161,10 @@ class EditClient:
         with self._lock:
             pending, self._pending = list(self._pending.items()), {}
             self._stream_open, self._stream_broken = False, True
-            # a refusal of the stream itself (no or a wrong API key): what a send racing the end reports too
-            self._stream_refusal = (EditError(f"{code}: {error.message()}", code)
-                                    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else None)
+            # the stream's own status (no or a wrong API key, a restricted protocol): what a send racing the end
+            # reports too, rather than tritonclient's "no longer in valid state"
+            self._stream_refusal = EditError(f"{code}: {error.message()}", code)
+        self._stream_end.set()
         for rid, (fut, state) in pending:
             self._failed(rid, fut, state, EditError(f"{code}: the stream to {self.url} ended before the response "
                                                     f"arrived ({error.message()})", code))
@@ -253,9 +258,10 @@ class EditClient:
                use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                on_progress: Callable[[int, int], None] | None = None, extra_inputs: list | None = None,
                negative_prompt: str | None = None, loras=None, controls=None, control_images=None,
-               temporal=None, strength: float | None = None, padding_mask_crop: int | None = None,
-               guidance_rescale: float | None = None, true_cfg_scale: float | None = None,
-               output_format: str | None = None, output_quality: int | None = None) -> Future:
+               temporal=None, reference_images=None, strength: float | None = None,
+               padding_mask_crop: int | None = None, guidance_rescale: float | None = None,
+               true_cfg_scale: float | None = None, output_format: str | None = None,
+               output_quality: int | None = None) -> Future:
         """Send one edit; the Future resolves to an ``EditResult`` or raises ``EditError``.
 
         ``on_progress(step, steps)`` asks the server for per-step progress responses and is called for each.
@@ -267,6 +273,9 @@ class EditClient:
         ``control_images`` one image each, in order (paths, bytes or PIL images; sent as ``CONTROL_IMAGES``).
         ``temporal``: temporal reuse, e.g. ``{"policy": "fbcache", "threshold": 0.08}`` or its JSON text (sent as
         ``TEMPORAL``; docs/caching.md); None: the server's default.
+        ``reference_images``: in-context edit models (FLUX.2 [klein], FLUX.1 Kontext): images the edit conditions on
+        beside the template, the stock pipeline's ``image_reference`` (paths, bytes or PIL images; sent as
+        ``REFERENCE_IMAGES``).
         The stock inpainting pipelines' own parameters keep their Diffusers names (docs/api.md): ``strength``,
         ``padding_mask_crop``, ``guidance_rescale``, ``true_cfg_scale``; ``output_format`` (png, jpeg, webp:
         ``EditResult.png`` then holds those bytes) and ``output_quality`` (jpeg, webp)."""
@@ -274,7 +283,8 @@ class EditClient:
                              raw_output=raw_output, template_seed=template_seed, use_cache=use_cache,
                              register=register, deadline_ms=deadline_ms, progress=on_progress is not None,
                              negative_prompt=negative_prompt, loras=loras, controls=controls,
-                             control_images=control_images, temporal=temporal, strength=strength,
+                             control_images=control_images, temporal=temporal,
+                             reference_images=reference_images, strength=strength,
                              padding_mask_crop=padding_mask_crop, guidance_rescale=guidance_rescale,
                              true_cfg_scale=true_cfg_scale, output_format=output_format,
                              output_quality=output_quality)
@@ -307,7 +317,8 @@ class EditClient:
             with self._lock:
                 self._pending.pop(rid, None)
                 self._stream_open, self._stream_broken = False, True
-            time.sleep(0.05)  # the stream's own end (its status: a refused key?) may be a moment behind
+            # the stream's own end (its status: a refused key?) may arrive a moment later on a busy host
+            self._stream_end.wait(2.0)
             with self._lock:
                 refusal = self._stream_refusal
             self._failed(rid, fut, state, refusal or EditError(f"UNAVAILABLE: could not send the request: {e}",
@@ -323,17 +334,19 @@ class EditClient:
     def register_template(self, template, prompt: str = "a photo", steps: int | None = None,
                           guidance: float | None = None, template_seed: int | None = None,
                           timeout_s: float | None = None, strength: float | None = None, mask=None,
-                          padding_mask_crop: int | None = None) -> EditResult:
+                          padding_mask_crop: int | None = None, reference_images=None) -> EditResult:
         """Warm the activation cache for ``template`` before traffic: runs the template once (no edit) and
         records its activations for the given steps/guidance/template seed. Later edits with the same
         settings compute only their masked tokens. ``strength``: for models whose entries are keyed on it
         (Flux Fill, SD 2 / SDXL: docs/caching.md, "Strength"); ``mask`` + ``padding_mask_crop``: an entry for the
-        crop the edits with that mask will use (the mask's own tokens are recorded as edited)."""
+        crop the edits with that mask will use (the mask's own tokens are recorded as edited); ``reference_images``:
+        an in-context edit model's entry for edits with these reference images (they are in the key)."""
         if mask is None:
             img = Image.open(io.BytesIO(encode_image(template)))
             mask = np.zeros((img.size[1], img.size[0]), np.uint8)
         fut = self.submit(template, mask, prompt, steps=steps, guidance=guidance, template_seed=template_seed,
-                          register=True, strength=strength, padding_mask_crop=padding_mask_crop)
+                          register=True, strength=strength, padding_mask_crop=padding_mask_crop,
+                          reference_images=reference_images)
         return fut.result(timeout=timeout_s or self.timeout_s)
 
     def cancel(self, *futures: Future) -> int:

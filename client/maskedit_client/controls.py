@@ -26,10 +26,10 @@ def controls_json(controls) -> str:
     return json.dumps(out)
 
 
-def control_images_input(images, encode_image, infer_input):
+def control_images_input(images, encode_image, infer_input, name: str = "CONTROL_IMAGES"):
     """One ``CONTROL_IMAGES`` tensor (BYTES, shape [n]) of ``images`` (paths, bytes or PIL images, in the order of
-    the controls), each encoded with ``encode_image``."""
+    the controls), each encoded with ``encode_image``; ``name``: another list of images (``REFERENCE_IMAGES``)."""
     data = np.array([encode_image(im) for im in images], dtype=np.object_)
-    t = infer_input("CONTROL_IMAGES", [len(data)], "BYTES")
+    t = infer_input(name, [len(data)], "BYTES")
     t.set_data_from_numpy(data)
     return t

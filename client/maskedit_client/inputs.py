@@ -57,7 +57,7 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
                 guidance: float | None = None, raw_output: bool = False, template_seed: int | None = None,
                 use_cache: bool | None = None, register: bool = False, deadline_ms: int | None = None,
                 progress: bool = False, negative_prompt: str | None = None, loras=None, controls=None,
-                control_images=None, temporal=None, strength: float | None = None,
+                control_images=None, temporal=None, reference_images=None, strength: float | None = None,
                 padding_mask_crop: int | None = None, guidance_rescale: float | None = None,
                 true_cfg_scale: float | None = None, output_format: str | None = None,
                 output_quality: int | None = None) -> list[grpcclient.InferInput]:
@@ -76,6 +76,9 @@ def edit_inputs(template, mask, prompt, seed: int | None = None, steps: int | No
         inputs.append(bytes_input("TEMPORAL", text.encode() if isinstance(text, str) else text))
     if control_images:
         inputs.append(control_images_input(control_images, encode_image, grpcclient.InferInput))
+    if reference_images:
+        inputs.append(control_images_input(reference_images, encode_image, grpcclient.InferInput,
+                                           "REFERENCE_IMAGES"))
     if seed is not None:
         inputs.append(scalar_input("SEED", seed, "INT64", np.int64))
     if steps is not None:

@@ -81,6 +81,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  '{"policy": "fbcache", "threshold": 0.08}; policies fbcache, dbcache, taylorseer, steps, off '
                  '(docs/caching.md, "Temporal reuse"); empty: the server default', default_setting="temporal",
                  hi=4096, openai=True),
+    RequestField("REFERENCE_IMAGES", "reference_images", bytes, "STRING", "in-context edit models (FLUX.2 [klein], "
+                 "FLUX.1 Kontext): reference images (PNG/JPEG bytes or base64) the edit conditions on beside the "
+                 "template, the stock pipeline's image_reference (at most max_reference_images; Kontext: one)",
+                 dims=(-1,)),
     # The stock inpainting pipelines' own parameters (docs/api.md, "Diffusers parameters").
     # FP64: the pipelines truncate steps x strength to whole steps, so the user's own double decides the step count
     RequestField("STRENGTH", "strength", float, "FP64", "how far the masked region moves from the template: the "
@@ -92,8 +96,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("GUIDANCE_RESCALE", "guidance_rescale", float, "FP32", "SDXL: rescale the guided noise "
                  "prediction toward the text one's deviation (the pipeline's guidance_rescale)", default=0.0, lo=0.0,
                  hi=1.0, openai=True),
-    RequestField("TRUE_CFG_SCALE", "true_cfg_scale", float, "FP32", "Flux inpainting (FluxInpaintPipeline): "
-                 "classifier-free guidance with NEGATIVE_PROMPT when above 1 (a second transformer row)",
+    RequestField("TRUE_CFG_SCALE", "true_cfg_scale", float, "FP32", "Flux inpainting (FluxInpaintPipeline) and "
+                 "FLUX.1 Kontext: classifier-free guidance with NEGATIVE_PROMPT when above 1 (a second transformer row)",
                  default=1.0, lo=0.0, hi="max_guidance", openai=True),
     RequestField("OUTPUT_FORMAT", "output_format", str, "STRING", "the IMAGE's encoding: png, jpeg or webp",
                  default="png", hi=8, openai=True, choices=("png", "jpeg", "webp")),

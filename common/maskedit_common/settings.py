@@ -152,6 +152,7 @@ class Settings:
     controlnet_dir: Path | None = None  # the ControlNet library (default: ``<model_dir>/controlnets``)
     max_controls: int = 2  # ControlNets per request
     max_control_scale: float = 4.0  # a control's conditioning scale must lie in [0, max]
+    max_reference_images: int = 4  # reference images per request (in-context edit models; the family caps it too)
     controlnet_placement: str = "inprocess"  # where ControlNets run: in the denoiser's process, or the `controlnet` model
     controlnet_timeout_s: float = 30.0  # a BLS call to the `controlnet` model fails its requests after this
     temporal: str = ""  # default TEMPORAL (temporal reuse policy, JSON; empty: off)
@@ -298,6 +299,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("MASKEDIT_MAX_CONTROLS", "max_controls", int, "ControlNets one request may name in `CONTROLS`"),
     Var("MASKEDIT_MAX_CONTROL_SCALE", "max_control_scale", float, "largest conditioning scale accepted in "
         "`CONTROLS`"),
+    Var("MASKEDIT_MAX_REFERENCE_IMAGES", "max_reference_images", int, "reference images one request may send in "
+        "`REFERENCE_IMAGES` (in-context edit models; a family takes at most its own number: FLUX.1 Kontext one)"),
     Var("MASKEDIT_CONTROLNET_PLACEMENT", "controlnet_placement", str, "where a step's ControlNet residuals are "
         "computed: `inprocess` (the denoiser's process and device) or `triton` (the `controlnet` model, called "
         "through BLS; its own instance group)", choices=CONTROLNET_PLACEMENTS),

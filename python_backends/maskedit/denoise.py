@@ -50,6 +50,17 @@ class DenoiseInputs:
     guidance_rescale: float = 0.0  # SDXL's ``guidance_rescale``
     true_cfg_scale: float = 1.0  # FluxInpaintPipeline's true classifier-free guidance (with a negative text row)
     temporal: Any = None  # its temporal reuse: a ``maskedit_common.temporal.TemporalSpec`` or its dict (None: off)
+    # In-context edit models: reference image tokens beyond the template, (R, C) in the family's layout, and each
+    # image's token grid (rows, cols) (``ModelFamily.prepare_references``); None / () without any.
+    reference: np.ndarray | None = None
+    reference_grids: tuple = ()
+
+
+def reference_fields(reference, grids) -> dict:
+    """``DenoiseInputs``' reference fields from the stage tensors REFERENCE (R, C) and REFERENCE_GRIDS (k, 2)."""
+    if reference is None or not reference.size:
+        return {}
+    return {"reference": reference, "reference_grids": tuple(tuple(int(v) for v in g) for g in grids)}
 
 
 @dataclass(eq=False)  # identity semantics: jobs are tracked in lists, and fields hold arrays
@@ -347,6 +358,12 @@ def _check_shapes(x: DenoiseInputs, pixels_per_token: int) -> None:
             raise InvalidInput(f"has {n} tokens but MODEL_SIZE {x.model_w}x{x.model_h} implies {tokens}", name)
     if x.prompt_embeds.ndim != 2 or x.pooled_embeds.ndim != 1:
         raise InvalidInput("PROMPT_EMBEDS must be (tokens, dim) and POOLED_EMBEDS (dim,)", "PROMPT_EMBEDS")
+    if x.reference is not None:
+        grids = sum(int(h) * int(w) for h, w in x.reference_grids)
+        if x.reference.ndim != 2 or x.reference.shape[0] != grids or x.reference.shape[1] != x.latents.shape[1]:
+            raise InvalidInput(f"has shape {tuple(x.reference.shape)}; its grids {list(x.reference_grids)} and "
+                               f"LATENTS' width {x.latents.shape[1]} need ({grids}, {x.latents.shape[1]})",
+                               "REFERENCE")
     if not 0 <= x.first_step < x.steps:
         raise InvalidInput(f"leaves no step to run: it starts at step {x.first_step} of {x.steps}", "STRENGTH")
 

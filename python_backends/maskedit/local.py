@@ -10,7 +10,7 @@ import threading
 
 from .controlnets.job import from_wire, to_wire
 from .decode import Decoder
-from .denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from .denoise import DenoiseInputs, DenoiseJob, ModelRunner, reference_fields
 from .engine import DenoiseEngine
 from .params import parse_params
 from .preprocess import PreparedEdit, Preprocessor
@@ -26,7 +26,9 @@ def denoise_inputs(p: PreparedEdit) -> DenoiseInputs:
         controls=from_wire(*to_wire(p.controls)),  # through the wire format, as the stages pass them
         temporal=p.params.temporal.as_dict(),  # as the stages pass it
         first_step=p.first_step, guidance_rescale=p.params.guidance_rescale, true_cfg_scale=p.true_cfg_scale,
+        **reference_fields(p.reference, p.reference_grids),
     )
+
 
 
 def run_job(engine: DenoiseEngine, inputs: DenoiseInputs, timeout: float = 600.0) -> DenoiseJob:
@@ -57,9 +59,11 @@ class LocalEditor:
     def edit(self, template: bytes, mask: bytes, prompt: str, seed=None, steps=None, guidance=None,
              raw_output=False, template_seed=None, register=False,
              use_cache=True, negative_prompt=None, loras=None, controls=None,
-             control_images=(), temporal=None, **options) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
+             control_images=(), temporal=None, reference_images=(),
+             **options) -> tuple[bytes, PreparedEdit, DenoiseJob | None]:
         """``controls``: CONTROLS' JSON or a list of its objects; ``control_images``: one encoded image each;
-        ``options``: the other request parameters by their schema names (``strength``, ``padding_mask_crop``, ...)."""
+        ``reference_images``: encoded reference images (in-context edit models); ``options``: the other request
+        parameters by their schema names (``strength``, ``padding_mask_crop``, ...)."""
         if loras is not None and not isinstance(loras, (str, bytes)):  # [(name, scale)] or [{"name", "scale"}]
             loras = json.dumps([d if isinstance(d, dict) else {"name": d[0], "scale": d[1]} for d in loras])
         params = parse_params(self.settings, prompt, seed=seed, steps=steps, guidance=guidance, raw_output=raw_output,
@@ -68,7 +72,7 @@ class LocalEditor:
                               controls=json.dumps(controls) if isinstance(controls, (list, dict)) else controls,
                               temporal=json.dumps(temporal) if isinstance(temporal, dict) else temporal,
                               **options)
-        p = self.pre(template, mask, params, control_images)
+        p = self.pre(template, mask, params, control_images, reference_images)
         finish = lambda img: self.dec.finish(img, p.template_rgb, p.alpha, raw_output, p.was_base64,  # noqa: E731
                                              crop=p.crop, fmt=params.output_format, quality=params.output_quality)
         if p.skip_model:

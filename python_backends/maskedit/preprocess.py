@@ -29,6 +29,7 @@ from .schedule import first_step
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+REFERENCES = "REFERENCE_IMAGES"
 
 
 @dataclass
@@ -54,6 +55,9 @@ class PreparedEdit:
     cond: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # masked-image latents + mask
     prompt_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (txt, D)
     pooled_embeds: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))  # (D_pooled,)
+    # Reference images beyond the template (in-context edit models): their tokens and token grids (rows, cols).
+    reference: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # (R, C)
+    reference_grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # (images, 2)
 
     @property
     def mask_ratio(self) -> float:
@@ -95,8 +99,10 @@ class Preprocessor:
         return self.family.count_prompt_tokens(self.pipe, prompt)
 
     @torch.no_grad()
-    def __call__(self, template: bytes, mask: bytes, params: EditParams, control_images=()) -> PreparedEdit:
-        """``control_images``: the encoded control images (``CONTROL_IMAGES``), one per ``params.controls``."""
+    def __call__(self, template: bytes, mask: bytes, params: EditParams, control_images=(),
+                 reference_images=()) -> PreparedEdit:
+        """``control_images``: the encoded control images (``CONTROL_IMAGES``), one per ``params.controls``;
+        ``reference_images``: the encoded reference images (``REFERENCE_IMAGES``) of an in-context edit model."""
         s = self.settings
         template_raw, was_b64 = imaging.maybe_base64(template)
         mask_raw, _ = imaging.maybe_base64(mask)
@@ -115,6 +121,7 @@ class Preprocessor:
 
         loras = self.adapters.resolve(params.loras) if params.loras else ()
         controls = self._decode_controls(params.controls, control_images)
+        references = self._decode_references(reference_images)
         first = first_step(self.family.pipeline_class(), params.steps, params.strength)
         self.family.check_options(params)
         if params.padding_mask_crop is not None and params.controls:
@@ -140,11 +147,12 @@ class Preprocessor:
         if params.use_cache:
             # STRENGTH: where the family blends the template back every step, not in the key (an entry serves every
             # edit starting at its first step or later, ``cache.decision.fits``); elsewhere the first step is.
-            # The crop is: its pixels are the model's template.
+            # The crop is: its pixels are the model's template. The reference images are: their rows are the entry's.
             start = 0 if self.family.blends_unmasked else first
+            ref_digests = [image_digest(img) for img in references]
             key = lambda **kw: cache_key(self.fingerprint, prepared.template_hash, w, h, params.steps,  # noqa: E731
                                          params.guidance, params.template_seed, self.scheduler_config, s.dtype,
-                                         crop=prepared.crop, first_step=start, **kw)
+                                         references=ref_digests, crop=prepared.crop, first_step=start, **kw)
             prepared.cache_key = key(adapters=[(r.name, r.scale, r.digest) for r in loras],
                                      controls=self._control_identities(controls))
             if loras:
@@ -163,8 +171,32 @@ class Preprocessor:
             for spec, img in controls)
         prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)
+        if references:
+            box = None if crop is None else _scaled(crop, w / tpl.size[0], h / tpl.size[1])
+            rows, grids = self.family.prepare_references(self.pipe, references, w, h, s, crop=box)
+            prepared.reference, prepared.reference_grids = _np(rows), np.asarray(grids, np.int32).reshape(-1, 2)
         return prepared
 
+    def _decode_references(self, images) -> list:
+        """The reference images (PIL RGB), checked: as many as the family and the deployment take, each decodable
+        and of a size the template could have; errors name REFERENCE_IMAGES and the image's index."""
+        images = list(images or ())
+        if not images:
+            return []
+        limit = min(self.family.max_reference_images, self.settings.max_reference_images)
+        if not self.family.max_reference_images:
+            raise InvalidInput(f"is not used by {self.family.pipeline_class_name} models (they take no reference "
+                               "image); leave it out", REFERENCES)
+        if len(images) > limit:
+            raise InvalidInput(f"has {len(images)} images, above the limit of {limit} for this model", REFERENCES)
+        out = []
+        for i, data in enumerate(images):
+            raw, _ = imaging.maybe_base64(data if isinstance(data, bytes) else str(data).encode())
+            try:
+                out.append(imaging.decode_image(raw, REFERENCES, self.settings.max_input_pixels).convert("RGB"))
+            except InvalidInput as e:
+                raise InvalidInput(f"reference {i}: {str(e).removeprefix(REFERENCES + ': ')}", REFERENCES) from None
+        return out
 
     def _control_identities(self, controls) -> list:
         """Each control's part of the cache key (``cache.key.control_identity``)."""
@@ -191,6 +223,12 @@ class Preprocessor:
                 raise InvalidInput(f"control {i}: {str(e).removeprefix(IMAGES + ': ')}", IMAGES) from None
             out.append((spec, preprocessors.apply(spec.preprocess, img)))
         return out
+
+
+def _scaled(box, sx: float, sy: float) -> tuple[int, int, int, int]:
+    """A box (x1, y1, x2, y2) of the template in a frame ``sx`` x ``sy`` times its size."""
+    x1, y1, x2, y2 = box
+    return round(x1 * sx), round(y1 * sy), round(x2 * sx), round(y2 * sy)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

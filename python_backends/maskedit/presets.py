@@ -142,3 +142,50 @@ def write_model(out_dir: str | Path, pipe, serving: dict, generated: str | None 
         write_serving_defaults(tmp, serving)
     return Path(out_dir)
 
+
+
+def denoiser(model_cls, config: dict, generated: bool):
+    """``model_cls(**config)`` with seeded random weights made visible (``visible_init``), or, for a preset whose
+    weights are generated at load time, on the meta device (its config is all that is written)."""
+    import torch
+
+    if generated:
+        with torch.device("meta"):
+            return model_cls(**config)
+    model = model_cls(**config)
+    visible_init(model)
+    return model
+
+
+def flux1_parts(p, seed: int) -> dict:
+    """A FLUX.1 pipeline's components other than the transformer, scaled down: CLIP and T5 encoders with local
+    tokenizers, the VAE (FLUX.1's scaling and shift) and the flow-matching scheduler with dynamic shifting, seeded.
+    ``p``: a preset with ``vae_channels``, ``latent_channels``, ``text_dim`` (T5 width), ``clip_dim``,
+    ``max_sequence_length``, ``resolution`` and ``text_ff`` (T5 feed-forward width, 0: twice the width)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    vocab, merges, pieces = train_tokenizers(vocab_size=512)
+    clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=p.max_sequence_length)
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok), hidden_size=p.clip_dim, intermediate_size=2 * p.clip_dim, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=p.clip_dim,
+        bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=p.text_dim, d_kv=min(64, p.text_dim // 2), d_ff=p.text_ff or 2 * p.text_dim,
+        num_layers=2, num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0))
+    n_down = len(p.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=p.latent_channels, block_out_channels=p.vae_channels,
+        down_block_types=("DownEncoderBlock2D",) * n_down, up_block_types=("UpDecoderBlock2D",) * n_down,
+        layers_per_block=1, norm_num_groups=4, sample_size=p.resolution, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
+        max_shift=1.15)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
+                tokenizer_2=t5_tok)

@@ -44,6 +44,10 @@ PREPARED = [
     # One row per control: the family's prepared control image (``ModelFamily.prepare_control_image``) flattened;
     # its shape and spec travel in REQUEST_INFO's "controls". (0, 0) without controls.
     T("CONTROL_COND", "FP32", (-1, -1)),
+    # An in-context edit model's reference images beyond the template (``ModelFamily.prepare_references``): their
+    # tokens (R, C) and each image's token grid (rows, cols). (0, 0) and (0, 2) without any.
+    T("REFERENCE", "FP32", (-1, -1)),
+    T("REFERENCE_GRIDS", "INT32", (-1, 2)),
 ]
 PASSTHROUGH = [  # what vae_decode needs; it may only take inputs from masked_denoise, so denoise relays them
     T("TEMPLATE_RGB", "UINT8", (-1, -1, 3)),

@@ -73,3 +73,17 @@ def test_openai_edit_and_errors_by_name(klein, template_img, box_mask):
         client.edit(template_img, box_mask, "a hat", steps=2, negative_prompt="blur")
     assert e.value.field == "NEGATIVE_PROMPT"
     assert client.edit(template_img, box_mask, "a hat", steps=2).image.size == (256, 256)
+
+
+def test_reference_images_served_equal_stock(klein, template_img, box_mask):
+    """Two reference images (the stock pipeline's ``image_reference`` list) through the router."""
+    model, client, _, _ = klein
+    refs = [samples.template(256, 256, seed=s) for s in (51, 52)]
+    r = client.edit(template_img, box_mask, "a red hat", seed=5, steps=3, raw_output=True, template_seed=5,
+                    reference_images=refs, use_cache=False)
+    stock = Flux2KleinInpaintPipeline.from_pretrained(model)
+    stock.set_progress_bar_config(disable=True)
+    ref = stock(prompt="a red hat", image=template_img, image_reference=refs, mask_image=Image.fromarray(box_mask),
+                num_inference_steps=3, strength=1.0, guidance_scale=1.0, max_sequence_length=64,
+                generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    assert np.abs(np.asarray(r.image).astype(int) - np.asarray(ref).astype(int)).max() <= 1

@@ -123,8 +123,9 @@ def run(ratios=RATIOS, modes=tuple(MODES), reps: int = 3, steps: int | None = No
         for ratio in tqdm(ratios, desc="mask ratios"):
             mask = h.mask(ratio, seed=int(ratio * 1000))
             x = h.inputs(mask)
-            n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
-            text = h.runner.family.flop_text(text, n)  # tokens every mode computes in full (klein: + references)
+            # n: the rows an entry holds per block, the image tokens and any reference tokens (cached like them)
+            n, text = h.hooks.cache_mask(x).size, x.prompt_embeds.shape[0]
+            text = h.runner.family.flop_text(text, n)  # tokens every mode computes in full
             times = {m: [] for m in modes}
             jobs = {}
             for _ in range(reps):  # interleaved, so drift in machine speed hits every mode alike

@@ -62,7 +62,7 @@ def resolve(sink: list) -> list[tuple[int, float]]:
 
 def measure(h: Harness, reps: int = 2, ratios=RATIOS) -> tuple[dict, dict, dict]:
     base = h.register()
-    n = base.latents.shape[0]
+    n = h.hooks.cache_mask(base).size  # image tokens and any reference tokens: the rows a hit plans over
     text = base.prompt_embeds.shape[0]
     samples_ = defaultdict(list)  # (kind, mode) -> [(features, ms)]
     sink: list = []
@@ -139,7 +139,7 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
     """The model's blocks as the router predicts with them (it imports no model): runs of equal blocks as
     [kind, count, tokens, width] at the calibrated resolution (a UNet's tokens per level, both guidance rows
     counted), the text tokens, and the image tokens of the router's 16-pixel grid at that resolution (its unit)."""
-    n = base.latents.shape[0]
+    n = h.hooks.cache_mask(base).size
     sizes = _unet_sizes(h, base, None, FULL) if (h.hooks.layout == "per_block") else [(n, n)] * len(kinds)
     dims = getattr(h.hooks, "dims", None) or [h.hooks.dim] * len(kinds)
     runs: list[list] = []
@@ -148,7 +148,8 @@ def shape(h: Harness, base, kinds: list[str], text: int) -> dict:
             runs[-1][1] += 1
         else:
             runs.append([kind, 1, int(tokens), int(dim)])
-    return {"blocks": runs, "text": int(text), "grid_tokens": grid_tokens(h.settings.resolution)}
+    return {"blocks": runs, "text": int(text), "grid_tokens": grid_tokens(h.settings.resolution),
+            "reference_tokens": int(h.hooks.reference_tokens(base))}  # among each block's tokens, never masked
 
 
 def _unet_sizes(h: Harness, x, jc, mode: str) -> list[tuple[int, int]]:

@@ -191,6 +191,15 @@ def batch_rows(rows, batch: int, counts=None) -> list[tuple[int, int]]:
     return [(plan.request_of(i, batch), c) for i, c in zip(rows, counts)]
 
 
+def row_of(i: int, batch: int) -> list[tuple[int, int]]:
+    """The segment of row ``i`` of a ``batch``-row layer input called one row at a time: the current layout's
+    (``owners``, one row per request) where one is set, else the call's own row ``i``."""
+    segments = getattr(_local, "owners", None)
+    if segments is not None and len(segments) == batch and all(c == 1 for _, c in segments):
+        return [segments[i]]
+    return batch_rows([i], batch)
+
+
 class LoraDeltaHook(ModelHook):
     def __init__(self, name: str):
         super().__init__()

@@ -61,9 +61,10 @@ def latent_grid(x, n: int) -> tuple[int, int]:
     return x.model_h // side, x.model_w // side
 
 
-def _entry(key: str, x, store: ActivationStore, live_runs: LiveRuns, dim: int, blocks: int, count: bool):
-    """The stored entry of ``key`` that fits ``x``, else a template run of it in progress here, else None."""
-    n, first = x.latents.shape[0], getattr(x, "first_step", 0)
+def _entry(key: str, x, store: ActivationStore, live_runs: LiveRuns, dim: int, blocks: int, count: bool, n: int):
+    """The stored entry of ``key`` that fits ``x`` (``n`` tokens), else a template run of it in progress here, else
+    None."""
+    first = getattr(x, "first_step", 0)
     entry = store.open(key, count=count)
     if entry is not None and not fits(entry.meta, n, x.steps, dim, blocks, first):
         if fits(entry.meta, n, x.steps, dim, blocks, entry.meta.get("first_step", 0)):
@@ -80,31 +81,35 @@ def _entry(key: str, x, store: ActivationStore, live_runs: LiveRuns, dim: int, b
 
 
 def decide(x, store: ActivationStore | None, live_runs: LiveRuns, dim: int, blocks: int,
-           record: bool = True, count: bool = True, coarsest: int = 0, base_reuse: bool = False) -> CacheDecision:
+           record: bool = True, count: bool = True, coarsest: int = 0, base_reuse: bool = False,
+           mask: np.ndarray | None = None) -> CacheDecision:
     """The decision for ``x`` (``DenoiseInputs``). Reads the store and the runs in progress; changes nothing but
     the store's hit/miss counts (``count=False``: a second look for the same request). ``coarsest``: a UNet's
     deepest level with transformer blocks (what a hit may heal depends on it), 0 for Flux. ``base_reuse``: an
-    adapter request without an entry of its own may use its template's entry recorded without adapters."""
+    adapter request without an entry of its own may use its template's entry recorded without adapters. ``mask``:
+    per token the entry holds rows of, edited by this request? (``BlockHooks.cache_mask``: the image tokens and any
+    reference tokens; default ``x.token_mask``)."""
     key = x.cache_key
     if store is None or not key:
         return CacheDecision("off")
-    n = x.latents.shape[0]
+    own = np.asarray(x.token_mask if mask is None else mask, bool)
+    n = own.size
     if x.register:
         return CacheDecision("record" if record else "off", key)
-    entry = _entry(key, x, store, live_runs, dim, blocks, count)
+    entry = _entry(key, x, store, live_runs, dim, blocks, count, n)
     base = False
     if entry is None and base_reuse and getattr(x, "base_cache_key", None):
-        entry = _entry(x.base_cache_key, x, store, live_runs, dim, blocks, count)
+        entry = _entry(x.base_cache_key, x, store, live_runs, dim, blocks, count, n)
         base = entry is not None
         if base:
             key = x.base_cache_key
     if entry is None:
         return CacheDecision("record" if record else "off", key)
     invalid = ~np.asarray(entry.arrays["valid"], dtype=bool)
-    own = np.asarray(x.token_mask, bool)
     computed = computed_tokens(own, invalid)
     if computed.all():
         return CacheDecision("full", x.cache_key if base else key, None if base else entry)
     return CacheDecision("hit", key, entry, computed=computed, base=base,
                          heal=None if isinstance(entry, LiveEntry) or base else  # never heal a base entry
-                         heal_candidates(own, invalid, latent_grid(x, n) if coarsest else None, coarsest))
+                         heal_candidates(own, invalid, latent_grid(x, x.latents.shape[0]) if coarsest else None,
+                                         coarsest))

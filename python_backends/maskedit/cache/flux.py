@@ -60,11 +60,6 @@ class FluxCacheHooks(TokenRowHooks):
         self._attach(transformer, list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks),
                      MaskedBlockHook)
 
-    @staticmethod
-    def temporal_cols(view, n_img: int):
-        """The image tokens a hit computes (what its temporal residuals cover: ``maskedit.temporal``)."""
-        return view.idx_c
-
     @property
     def dim(self) -> int:
         return self.transformer.inner_dim if hasattr(self.transformer, "inner_dim") else \

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import numpy as np
 from diffusers.hooks import HookRegistry
 
 from ..device import SideStream
@@ -36,6 +37,21 @@ class BlockHooks:
     @property
     def context(self):
         return getattr(self._local, "ctx", None)
+
+    # -- the tokens an entry holds rows of ----------------------------------------------------------------
+    def reference_tokens(self, x) -> int:
+        """Tokens the denoiser sees after the request's image tokens whose rows the cache records and reuses like
+        those of unmasked tokens: an in-context edit model's reference image tokens (FLUX.2 [klein], FLUX.1
+        Kontext; docs/caching.md, "Reference rows"). 0: none (the default)."""
+        return 0
+
+    def cache_mask(self, x) -> np.ndarray:
+        """Per token an entry holds rows of (the request's image tokens, then its reference tokens): does the
+        request edit it? Reference tokens never are edited: they are template context, and the key names their
+        images."""
+        own = np.asarray(x.token_mask, bool)
+        r = self.reference_tokens(x)
+        return np.concatenate([own, np.zeros(r, bool)]) if r else own
 
     def run(self, ctx, fn: Callable):
         """Call ``fn`` (the model's forward) with ``ctx`` active on this thread."""

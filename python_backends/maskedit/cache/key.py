@@ -40,11 +40,13 @@ def model_fingerprint(model_dir: Path, version: str = "") -> str:
 
 
 def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, steps: int, guidance: float,
-              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=(), crop=None,
-              first_step: int = 0) -> str:
+              template_seed: int, scheduler_config: dict, dtype: str, adapters=(), controls=(),
+              references=(), crop=None, first_step: int = 0) -> str:
     """``adapters``: the request's LoRA set, (name, scale, file digest) each: activations recorded under one set
     are never valid under another (none: the key of a plain request, unchanged). ``controls``: its ControlNets in
     order, ``control_identity`` each: the residuals change every block's input, so no two control sets share.
+    ``references``: its reference images in order (``image_digest`` each), beyond the template: an in-context edit
+    model attends to their tokens, and their rows are the entry's (reference rows).
     ``crop``: PADDING_MASK_CROP's (x1, y1, x2, y2) of the template: the model's template is that crop.
     ``first_step``: STRENGTH's first step where the unmasked tokens' trajectory depends on it (0: none, or a family
     that blends the template back every step: docs/caching.md, "Strength")."""
@@ -57,6 +59,8 @@ def cache_key(fingerprint: str, template_hash: str, model_w: int, model_h: int, 
         fields["adapters"] = [[str(n), round(float(s), 6), str(d)] for n, s, d in adapters]
     if controls:
         fields["controls"] = [list(c) for c in controls]
+    if references:
+        fields["references"] = [str(r) for r in references]
     if crop is not None:
         fields["crop"] = [int(v) for v in crop]
     if first_step:

@@ -141,12 +141,20 @@ class TokenRowHooks(BlockHooks):
         return int(x.prompt_embeds.shape[0])
 
     def block_bytes(self, x, itemsize: int) -> list[int]:
-        """Per block, the bytes of a template run's recorded outputs (keys and values: twice that)."""
-        return [x.steps * int(x.latents.shape[0]) * self.dim * itemsize] * len(self.blocks)
+        """Per block, the bytes of a template run's recorded outputs (keys and values: twice that): a row per
+        image token and per reference token."""
+        return [x.steps * self.cache_mask(x).size * self.dim * itemsize] * len(self.blocks)
 
     def recorder(self, x, y_blocks: list[int], kv_blocks: list[int], dtype, device) -> tuple["Recorder", dict]:
         """A template run's recorder and what its entry's metadata adds."""
-        return Recorder(x.steps, int(x.latents.shape[0]), self.dim, self.dim, y_blocks, kv_blocks, dtype, device), {}
+        return Recorder(x.steps, self.cache_mask(x).size, self.dim, self.dim, y_blocks, kv_blocks, dtype,
+                        device), {}
+
+    @staticmethod
+    def temporal_cols(view: RowView, n_img: int):
+        """The image-stream tokens a hit computes, what its temporal residuals cover (``maskedit.temporal``): its
+        masked ones (``idx_c``; reference rows come from the entry like unmasked ones)."""
+        return view.idx_c
 
     def plan_blocks(self, x, computed, meta: dict):
         """Per-block (tokens, computed, width) for the planner when blocks differ; None: all alike."""

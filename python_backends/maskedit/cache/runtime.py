@@ -82,7 +82,8 @@ class CacheRuntime:
             return CacheDecision("off")
         try:
             return decide(x, self.store, self.live_runs, self.dim, len(self.kinds), self.record, count,
-                          coarsest=getattr(self.hooks, "coarsest", 0), base_reuse=self.lora_base_reuse)
+                          coarsest=getattr(self.hooks, "coarsest", 0), base_reuse=self.lora_base_reuse,
+                          mask=self.hooks.cache_mask(x))
         except Exception:
             log.exception("activation cache unusable for %s; running in full", x.cache_key)
             return CacheDecision("off", x.cache_key)
@@ -121,7 +122,7 @@ class CacheRuntime:
         if d.status in ("off", "full"):
             return JobCache(d.status, key=d.key, entry=d.entry)
         x = job.inputs
-        n, text = x.latents.shape[0], x.prompt_embeds.shape[0]
+        n, text = d.computed.size, x.prompt_embeds.shape[0]  # n: image tokens and any reference tokens
         dev = job.latents.device if job.latents is not None else "cpu"
         valid = np.asarray(d.entry.arrays["valid"], dtype=bool)
         jc = JobCache("hit", key=d.key, entry=d.entry, valid=valid, text_len=self.hooks.text_len(x),
@@ -166,11 +167,11 @@ class CacheRuntime:
                 kv_blocks.append(b)
                 budget -= 2 * per_y[b]
         rec, layout = self.hooks.recorder(x, y_blocks, kv_blocks, self.dtype, self.device)
-        valid = ~np.asarray(x.token_mask, bool)  # tokens this request edits are not template context
+        valid = ~self.hooks.cache_mask(x)  # tokens this request edits are not template context
         first = getattr(job.inputs, "first_step", 0)
-        meta = {"tokens": int(x.latents.shape[0]), "steps": job.inputs.steps, "dim": self.dim,
-                "blocks": len(self.kinds), "n_dual": self.hooks.n_dual, "y_blocks": y_blocks, "kv_blocks": kv_blocks,
-                "valid_tokens": int(valid.sum()), **layout}
+        meta = {"tokens": int(valid.size), "steps": job.inputs.steps, "dim": self.dim, "blocks": len(self.kinds),
+                "n_dual": self.hooks.n_dual, "y_blocks": y_blocks, "kv_blocks": kv_blocks,
+                "valid_tokens": int(valid.sum()), "reference_tokens": self.hooks.reference_tokens(x), **layout}
         if first:
             meta["first_step"] = first
         # The run's entry while it records: followers read it; once complete it is what the store saves.

@@ -19,6 +19,7 @@ REGISTRY = {
     "flux2_klein": "maskedit.families.flux2_klein:Flux2KleinFamily",
     "flux_controlnet": "maskedit.families.flux_controlnet:FluxControlNetFamily",
     "qwen_image_edit": "maskedit.families.qwen_image_edit:QwenImageEditFamily",
+    "flux_kontext": "maskedit.families.flux_kontext:FluxKontextFamily",
 }
 
 

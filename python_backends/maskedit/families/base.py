@@ -35,6 +35,10 @@ class Prepared:
     cond: Any
     prompt_embeds: Any
     pooled_embeds: Any
+    # An in-context edit model's reference images beyond the template (``ModelFamily.prepare_references``): their
+    # tokens (R, C) in the family's layout and each image's token grid (rows, cols); None / () without any.
+    reference: Any = None
+    reference_grids: tuple = ()
 
 
 class ModelFamily(ABC):
@@ -96,6 +100,22 @@ class ModelFamily(ABC):
         """The tensors of one edit, mirroring the stock pipeline's ``__call__`` so results equal it for the same
         seed. ``image`` (1, 3, h, w) from the pipeline's image processor, ``mask`` (1, 1, h, w) in {0, 1} from its
         mask processor, ``token_mask`` (tokens,) bool: the tokens the edit touches."""
+
+    # -- reference images (in-context edit models) -------------------------------------------------------
+    # A request may carry up to ``max_reference_images`` images (``REFERENCE_IMAGES``; the deployment's
+    # ``max_reference_images`` caps it too) beside its template: the stock pipeline's reference argument
+    # (``image_reference``). Pre-processing decodes them (errors name the field), puts them in the cache key, and
+    # turns them into the denoiser's reference tokens with ``prepare_references``; they reach the family's
+    # ``prepare_job`` as ``DenoiseInputs.reference`` / ``reference_grids``, and its cache hooks count them among the
+    # entry's rows (``BlockHooks.reference_tokens``). 0: the family takes none (requests naming one are refused).
+    max_reference_images: ClassVar[int] = 0
+
+    def prepare_references(self, pipe, images: list, w: int, h: int, settings, crop=None) -> tuple[Any, tuple]:
+        """The reference images (PIL RGB, at least one) as (tokens (R, C), each image's token grid (rows, cols)),
+        handled as the stock pipeline handles its reference argument at model size ``w`` x ``h``. ``crop``: with
+        PADDING_MASK_CROP, the template's crop box (x1, y1, x2, y2) in a ``w`` x ``h`` frame (the references are
+        taken as aligned with the template), for a stock pipeline that crops its references too."""
+        raise NotImplementedError(f"{self.name} takes no reference images")
 
     # -- the stock pipelines' options (docs/api.md, "Diffusers parameters") -------------------------------
     def served_options(self) -> frozenset[str]:

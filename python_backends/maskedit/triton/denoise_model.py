@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import logs
-from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner
+from ..denoise import DenoiseInputs, DenoiseJob, ModelRunner, reference_fields
 from ..admission import QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..controlnets.job import from_wire
@@ -94,6 +94,7 @@ class TritonPythonModel:
             temporal=info.get("temporal"),
             first_step=int(info.get("first_step") or 0), guidance_rescale=float(info.get("guidance_rescale") or 0.0),
             true_cfg_scale=float(info.get("true_cfg_scale") or 1.0),
+            **reference_fields(io.array(request, "REFERENCE"), io.array(request, "REFERENCE_GRIDS")),
         )
 
         def done(job: DenoiseJob):

@@ -70,9 +70,10 @@ class TritonPythonModel:
             tenant, weight = tenant_of(request.parameters())  # set by the router after it checked the caller's key
             self.board.check(tenant, weight)  # the denoise queue is full: refused before any work, at once
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
-            images = io.array(request, "CONTROL_IMAGES")
+            images, refs = io.array(request, "CONTROL_IMAGES"), io.array(request, "REFERENCE_IMAGES")
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,
-                         () if images is None else list(images.reshape(-1)))
+                         () if images is None else list(images.reshape(-1)),
+                         () if refs is None else list(refs.reshape(-1)))
         except Exception as e:
             self.log.warning("rejected request: %s", e)
             return io.error_response(e, request.request_id())
@@ -92,6 +93,7 @@ class TritonPythonModel:
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
             "temporal": params.temporal.as_dict(),
+            "reference_images": int(p.reference_grids.shape[0]),
             "raw_output": params.raw_output, "base64": p.was_base64,
             "preprocess_s": round(time.perf_counter() - t0, 6), "request_id": request.request_id(),
             "tenant": tenant, "tenant_weight": weight,
@@ -106,5 +108,6 @@ class TritonPythonModel:
             "TOKEN_MASK": p.token_mask.astype(bool), "MODEL_SIZE": np.array([p.model_w, p.model_h], np.int32),
             "STEPS_RESOLVED": np.array([params.steps], np.int32),
             "GUIDANCE_RESOLVED": np.array([params.guidance], np.float32), "CONTROL_COND": control_rows,
+            "REFERENCE": p.reference, "REFERENCE_GRIDS": p.reference_grids,
             "TEMPLATE_RGB": p.template_rgb, "ALPHA": p.alpha, "REQUEST_INFO": info,
         })

@@ -287,6 +287,7 @@ class OpenAIFrontend:
                                   loras=[(r.name, r.scale) for r in job.lora] or None,
                                   controls=[c.as_dict() for c in job.controls] or None,
                                   control_images=job.control_images or None, temporal=job.temporal,
+                                  reference_images=job.reference_images or None,
                                   strength=job.strength, padding_mask_crop=job.padding_mask_crop,
                                   guidance_rescale=job.guidance_rescale, true_cfg_scale=job.true_cfg_scale,
                                   output_format=job.output_format, output_quality=job.output_quality)

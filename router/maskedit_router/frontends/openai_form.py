@@ -77,6 +77,9 @@ class EditJob:
     lora: tuple = ()  # LoRA adapters: ``maskedit_common.loras.LoraRef`` (name, scale), sent as LORAS
     controls: tuple = ()  # ControlNets: ``maskedit_common.controls.ControlSpec``, sent as CONTROLS
     control_images: list = field(default_factory=list)  # one encoded image (or base64) per control: CONTROL_IMAGES
+    # ``image[]``'s images after the first (the template): an in-context edit model's reference images, sent as
+    # REFERENCE_IMAGES (FLUX.2 [klein] takes several, FLUX.1 Kontext one; others refuse them by name)
+    reference_images: list = field(default_factory=list)
     # the stock inpainting pipelines' own parameters (docs/api.md) and the result's encoding
     strength: float | None = None
     padding_mask_crop: int | None = None
@@ -142,12 +145,21 @@ def _bool(form: dict, name: str) -> bool | None:
     raise bad(name, f"must be true or false, got {v[:40]!r}")
 
 
+def _images(form: dict) -> list[bytes]:
+    """``image`` / ``image[]``: the template, then any reference images (the server checks how many it takes)."""
+    for name in ("image", "image[]"):
+        v = form.get(name)
+        if v is not None:
+            return [x if isinstance(x, bytes) else x.encode() for x in (v if isinstance(v, list) else [v])]
+    return []
+
+
 def _file(form: dict, *names: str) -> bytes | None:
     for name in names:
         v = form.get(name)
-        if isinstance(v, list):  # image[]: one image is supported
+        if isinstance(v, list):  # mask[]: one mask
             if len(v) != 1:
-                raise bad("image", f"one image is supported, got {len(v)}")
+                raise bad(name.removesuffix("[]"), f"one file is supported, got {len(v)}")
             v = v[0]
         if v is not None:
             return v if isinstance(v, bytes) else v.encode()
@@ -228,7 +240,8 @@ def parse(form: dict, models: list[str]) -> EditJob:
     unknown = sorted(set(form) - KNOWN)
     if unknown:
         raise bad(unknown[0], "is not a parameter of this endpoint (see docs/openai.md)", "unknown_parameter")
-    image = _file(form, "image", "image[]")
+    images = _images(form)
+    image = images[0] if images else None
     if not image:
         raise bad("image", "is required: the image (PNG, JPEG or WebP) to edit", "missing_required_parameter")
     prompt = _text(form, "prompt")
@@ -264,6 +277,7 @@ def parse(form: dict, models: list[str]) -> EditJob:
         except LoraSpecError as e:
             raise bad("lora", str(e)) from None
     job.controls, job.control_images = _controls(form)
+    job.reference_images = images[1:]
     if job.seed is not None and job.seed + job.n - 1 > INT_EXTRAS["seed"][1]:
         raise bad("seed", f"seed + n - 1 must be at most {INT_EXTRAS['seed'][1]}")
     return job
@@ -390,4 +404,5 @@ KNOWN = {"image", "image[]", "mask", "prompt", "model", "n", "size", "response_f
     f.attr for f in OPENAI_EXTRAS}
 # Server-side names of the ensemble's inputs -> the form field a client sets (errors name the latter).
 PARAM_OF_TENSOR = {"TEMPLATE": "image", "MASK": "mask", "PROMPT": "prompt", "LORAS": "lora", "CONTROLS": "controls",
-                   "CONTROL_IMAGES": "control_image", **{f.name: f.attr for f in OPENAI_EXTRAS}}
+                   "CONTROL_IMAGES": "control_image", "REFERENCE_IMAGES": "image",
+                   **{f.name: f.attr for f in OPENAI_EXTRAS}}

@@ -50,10 +50,12 @@ class Estimator:
         # tokens, a UNet's per level with both guidance rows) is predicted without importing it. A profile
         # without them: ``dual`` + ``single`` Flux blocks of width ``dim`` at the image's tokens.
         meta = self.cost.meta
+        self.reference = 0.0  # an in-context edit model's reference tokens per image token: never masked
         if meta.get("blocks") and meta.get("grid_tokens"):
             self.blocks = [(str(k), int(cnt), tokens / meta["grid_tokens"], int(d)) for k, cnt, tokens, d in
                            meta["blocks"]]
             self.text = int(meta.get("text", self.text))
+            self.reference = meta.get("reference_tokens", 0) / meta["grid_tokens"]
         else:
             self.blocks = [("dual", self.dual, 1.0, self.dim), ("single", self.single, 1.0, self.dim)]
         self._memo: dict = {}
@@ -96,7 +98,7 @@ class Estimator:
         for kind, count, share, dim in self.blocks:
             n = max(1, int(round(share * tokens)))
             # (a UNet's coarser levels see a mask a little dilated; the online refit absorbs that)
-            c = max(1, int(round(ratio * n)))
+            c = max(1, int(round(ratio * (n - self.reference * tokens))))
             full = self.cost.block_ms(kind, "full", n, n, self.text, dim)
             # The engine's planner never runs a block from the cache slower than computing it in full: a fit
             # extrapolated past its calibrated sizes must not make a cache hit look dearer than a miss.

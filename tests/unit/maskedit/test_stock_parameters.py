@@ -1,7 +1,8 @@
-"""The stock inpainting pipelines' own parameters (``strength``, ``padding_mask_crop``, ``guidance_rescale``) served
-in every family equal the stock pipeline's result for the same value, at the edges too (strength 0.1 and 1.0, crop
-padding 0 and larger than the image), alone and batched with a request that does not set them; bad values are
-refused naming their field, as the stock pipelines refuse them. docs/api.md has the table of every parameter."""
+"""The stock inpainting pipelines' own parameters (``strength``, ``padding_mask_crop``, ``guidance_rescale``,
+``true_cfg_scale``) served in every family equal the stock pipeline's result for the same value, at the edges too
+(strength 0.1 and 1.0, crop padding 0 and larger than the image), alone and batched with a request that does not set
+them; bad values are refused naming their field, as the stock pipelines refuse them. docs/api.md has the table of
+every parameter."""
 
 import io
 import time
@@ -22,8 +23,15 @@ from maskedit.settings import load_settings
 from tests.conftest import exact_here, png
 
 STEPS = 10  # strength 0.1 leaves one step in every family (SD 2 / SDXL truncate steps x strength)
-FAMILIES = ("tiny", "sd2-tiny", "sdxl-tiny", "klein-tiny", "flux-cn-tiny")
-GUIDANCE = {"tiny": 12.0, "sd2-tiny": 7.5, "sdxl-tiny": 7.5, "klein-tiny": 1.0, "flux-cn-tiny": 3.5}
+FAMILIES = ("tiny", "sd2-tiny", "sdxl-tiny", "klein-tiny", "flux-cn-tiny", "kontext-tiny")
+GUIDANCE = {"tiny": 12.0, "sd2-tiny": 7.5, "sdxl-tiny": 7.5, "klein-tiny": 1.0, "flux-cn-tiny": 3.5,
+            "kontext-tiny": 2.5}
+# The pipelines that blend the template back outside the mask every step: one cache entry serves every strength
+BLENDS = ("klein-tiny", "flux-cn-tiny", "kontext-tiny")
+# The pipelines that run at the image's own size: their templates are at the model's size here
+OWN_SIZE = ("klein-tiny", "kontext-tiny")
+# The pipelines with true classifier-free guidance (FluxInpaintPipeline for flux_controlnet without controls)
+TRUE_CFG = ("flux-cn-tiny", "kontext-tiny")
 
 
 @dataclass
@@ -36,7 +44,7 @@ class Served:
 
     @property
     def flux(self) -> bool:
-        return self.preset in ("tiny", "klein-tiny", "flux-cn-tiny")
+        return self.preset in ("tiny", "klein-tiny", "flux-cn-tiny", "kontext-tiny")
 
 
 def stock_pipeline(s, family):
@@ -68,6 +76,8 @@ def served(request, tmp_path_factory, settings):
 def stock(sv: Served, tpl, mask, seed=5, steps=STEPS, **kw):
     """The stock pipeline's PIL image for the same inputs (the served model size is the template's)."""
     extra = {"max_sequence_length": sv.settings.max_sequence_length} if sv.flux else {}
+    if sv.preset == "kontext-tiny":  # at the model's size, not one of Kontext's preferred resolutions
+        extra.update(max_area=sv.size * sv.size, _auto_resize=False)
     return sv.pipe(prompt="a red hat", image=tpl, mask_image=Image.fromarray(mask), height=sv.size, width=sv.size,
                    num_inference_steps=steps, guidance_scale=GUIDANCE[sv.preset],
                    generator=torch.Generator("cpu").manual_seed(seed), **extra, **kw).images[0]
@@ -147,12 +157,12 @@ def test_a_strength_edit_batched_with_one_that_does_not_set_it(served):
 
 
 def test_strength_is_in_the_cache_key_unless_the_pipeline_blends_the_template_back(served):
-    """docs/caching.md, "Strength": klein and Flux ControlNet inpainting put the template back outside the mask every
-    step, so one entry serves every strength; Flux Fill and SD 2 / SDXL key on the first step."""
+    """docs/caching.md, "Strength": klein, Kontext and Flux ControlNet inpainting put the template back outside the mask
+    every step, so one entry serves every strength; Flux Fill and SD 2 / SDXL key on the first step."""
     tpl, mask = scene(served)
     key = lambda strength: served.editor.pre(png(tpl), png(mask), parse_params(  # noqa: E731
         served.settings, "x", steps=STEPS, strength=strength)).cache_key
-    assert (key(0.45) == key(1.0)) == (served.preset in ("klein-tiny", "flux-cn-tiny"))
+    assert (key(0.45) == key(1.0)) == (served.preset in BLENDS)
     assert key(1.0) == key(0.9999) or served.preset in ("sd2-tiny", "sdxl-tiny")  # 0.9999 runs 9 steps there
 
 
@@ -176,11 +186,15 @@ def test_a_strength_that_leaves_no_step_is_refused_as_the_stock_pipeline_refuses
 def stock_cropped(sv: Served, tpl, mask, pad: int, seed=5, **kw):
     """The stock pipeline with ``padding_mask_crop``. ``FluxFillPipeline`` has none: its inputs cropped and resized
     by the steps the other pipelines take (``get_crop_region``, the processors' "fill" resize) and its output pasted
-    back by ``apply_overlay``, as theirs."""
-    if sv.preset != "tiny":
-        return stock(sv, tpl, mask, seed=seed, padding_mask_crop=pad, **{"strength": 1.0, **kw})
+    back by ``apply_overlay``, as theirs. ``FluxKontextInpaintPipeline`` returns the crop at the model's size: pasted
+    back the same way."""
     pipe, m = sv.pipe, Image.fromarray(mask)
     crop = pipe.mask_processor.get_crop_region(m, sv.size, sv.size, pad=pad)
+    if sv.preset == "kontext-tiny":
+        out = stock(sv, tpl, mask, seed=seed, padding_mask_crop=pad, **{"strength": 1.0, **kw})
+        return pipe.image_processor.apply_overlay(m, tpl, out, crop)
+    if sv.preset != "tiny":
+        return stock(sv, tpl, mask, seed=seed, padding_mask_crop=pad, **{"strength": 1.0, **kw})
     fit = dict(height=sv.size, width=sv.size, crops_coords=crop, resize_mode="fill")
     image, mask_t = pipe.image_processor.preprocess(tpl, **fit), pipe.mask_processor.preprocess(m, **fit)
     out = pipe(prompt="a red hat", image=image, mask_image=mask_t, height=sv.size, width=sv.size,
@@ -191,9 +205,9 @@ def stock_cropped(sv: Served, tpl, mask, pad: int, seed=5, **kw):
 
 
 def crop_scene(sv: Served):
-    """A template twice the model's size with a small mask (klein's pipeline runs at the image's own size: at the
-    model's there)."""
-    return scene(sv, scale=1 if sv.preset == "klein-tiny" else 2, seed=3)
+    """A template twice the model's size with a small mask (klein's and Kontext's pipelines run at the image's own
+    size: at the model's there)."""
+    return scene(sv, scale=1 if sv.preset in OWN_SIZE else 2, seed=3)
 
 
 @pytest.mark.parametrize("pad", [0, 24, 100_000])
@@ -214,7 +228,7 @@ def test_a_cropped_edit_with_strength_batched_with_an_uncropped_one(served):
     requests = [(dict(padding_mask_crop=16, strength=0.45), 3), ({}, 4)]
     cropped, whole = batched(served, tpl, mask, requests)
     same(served, cropped, stock_cropped(served, tpl, mask, 16, seed=3, strength=0.45), grey=1)
-    ref = stock(served, tpl, mask, seed=4, strength=1.0) if served.preset == "klein-tiny" else None
+    ref = stock(served, tpl, mask, seed=4, strength=1.0) if served.preset in OWN_SIZE else None
     if ref is not None:  # at the model's size: the stock output composited
         same(served, whole, np.where(mask[..., None] > 0, np.asarray(ref), np.asarray(tpl)), grey=1)
 
@@ -261,7 +275,7 @@ def test_output_format(served, fmt, magic):
 def test_true_cfg_scale_equals_flux_inpainting_and_is_refused_where_the_pipeline_lacks_it(served):
     tpl, mask = scene(served)
     neg = dict(true_cfg_scale=4.0, negative_prompt="blurry")
-    if served.preset != "flux-cn-tiny":
+    if served.preset not in TRUE_CFG:
         with pytest.raises(InvalidInput) as e:
             ours(served, tpl, mask, true_cfg_scale=4.0)
         assert e.value.field == "TRUE_CFG_SCALE" and "not a parameter of" in str(e.value)
@@ -278,12 +292,30 @@ def test_true_cfg_scale_equals_flux_inpainting_and_is_refused_where_the_pipeline
     with pytest.raises(InvalidInput) as e:  # stock would ignore it (true_cfg_scale 1): refused, not dropped
         ours(served, tpl, mask, negative_prompt="blurry")
     assert e.value.field == "NEGATIVE_PROMPT" and "TRUE_CFG_SCALE" in str(e.value)
+    if served.preset != "flux-cn-tiny":
+        return
     from types import SimpleNamespace
 
     with pytest.raises(InvalidInput) as e:  # FluxControlNetInpaintPipeline has none
         served.editor.runner.family.check_options(SimpleNamespace(true_cfg_scale=4.0, controls=("edges",)))
     assert e.value.field == "TRUE_CFG_SCALE"
 
+
+
+def test_kontext_crops_its_reference_image_and_guides_over_it_as_the_stock_pipeline(served):
+    """FluxKontextInpaintPipeline crops ``image_reference`` with the template's ``padding_mask_crop`` box, and its
+    true-CFG call sees the reference tokens too: both with a reference image equal the stock pipeline (a crop that
+    left the reference uncropped fails the first)."""
+    if served.preset != "kontext-tiny":
+        pytest.skip("the reference image's crop is FluxKontextInpaintPipeline's")
+    tpl, mask = crop_scene(served)
+    ref = samples.template(served.size, served.size, seed=11)
+    img, p, _ = ours(served, tpl, mask, raw=False, padding_mask_crop=8, reference_images=[png(ref)])
+    same(served, img, stock_cropped(served, tpl, mask, 8, image_reference=ref))
+    assert p.crop is not None and p.reference.shape[0] == p.latents.shape[0]
+    neg = dict(true_cfg_scale=3.0, negative_prompt="blurry", strength=0.45)
+    img, _, _ = ours(served, tpl, mask, reference_images=[png(ref)], **neg)
+    same(served, img, stock(served, tpl, mask, image_reference=ref, **neg))
 
 def test_a_controlnet_window_counts_the_steps_a_strength_edit_runs(served):
     """FluxControlNetInpaintPipeline's control_guidance_start / end are fractions of the steps it runs after

@@ -58,7 +58,7 @@ def test_the_python_client_sends_every_parameter_as_the_schema_types_it(monkeypa
     values = {"seed": 3, "steps": 4, "guidance": 2.5, "raw_output": True, "template_seed": 5, "use_cache": False,
               "register": True, "deadline_ms": 1000, "negative_prompt": "blur",
               "loras": [("style", 0.5)], "controls": [("edges", 0.5, 0.0, 0.5)], "control_images": [png, png],
-              "temporal": {"policy": "fbcache", "threshold": 0.08},
+              "temporal": {"policy": "fbcache", "threshold": 0.08}, "reference_images": [png],
               "strength": 0.6, "padding_mask_crop": 32, "guidance_rescale": 0.7, "true_cfg_scale": 4.0,
               "output_format": "jpeg", "output_quality": 80}
     c.submit(png, png, "a hat", on_progress=lambda *a: None, **values)

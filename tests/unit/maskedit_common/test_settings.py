@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "MASKEDIT_MAX_LORA_SCALE": ("1.5", "max_lora_scale", 1.5),
     "MASKEDIT_CONTROLNET_DIR": ("/c", "controlnet_dir", Path("/c")),
     "MASKEDIT_MAX_CONTROLS": ("3", "max_controls", 3),
+    "MASKEDIT_MAX_REFERENCE_IMAGES": ("2", "max_reference_images", 2),
     "MASKEDIT_CONTROLNET_PLACEMENT": ("triton", "controlnet_placement", "triton"),
     "MASKEDIT_CONTROLNET_TIMEOUT_S": ("2.5", "controlnet_timeout_s", 2.5),
     "MASKEDIT_TEMPORAL": ('{"policy": "fbcache", "threshold": 0.1}', "temporal",

@@ -27,35 +27,37 @@ Tensor slots (``Prepared`` / ``DenoiseInputs``; N tokens = (h/16) * (w/16), C = 
   re-noises them with; ``m`` in [0, 1] is > 0 only on tokens of ``token_mask``.
 - ``prompt_embeds`` (L, 3 * Qwen3 hidden) with L = ``max_sequence_length``.
 - ``pooled_embeds`` (1,): zeros (unused).
+- ``reference`` (k N, C), optional (``REFERENCE_IMAGES``, the pipeline's ``image_reference`` list): further reference
+  images' packed latents, pre-processed together at the model size (``resize_mode="crop"``), after the template's
+  tokens with time coordinates 20, 30, ... (``prepare.reference_latents``, ``prepare.latent_ids``).
 Seeds: one generator seeded with TEMPLATE_SEED draws the noise as the pipeline does; tokens of ``token_mask``
 then take noise drawn from SEED (in ``latents`` and in ``cond``'s noise), so unmasked tokens and the reference
 tokens depend only on the template, TEMPLATE_SEED and the settings in the cache key, as for Flux Fill.
 
 The step: one transformer call per group (same resolution and text length) on ``[latents; reference]`` with the
 ids above, the noise prediction of the first N tokens, each job's own scheduler step, then the blend. The
-timestep embedding and modulation layers run per batch row (``prepare._PerRow``) so a batched call equals the
+timestep embedding and modulation layers run per batch row (``families.per_row``) so a batched call equals the
 stock one-request call bit for bit on the CPU.
 
 The mask-aware path
 -------------------
 Klein fits it. Every block is token-wise (norms, shared per-request modulation, projections, SwiGLU MLPs) except
 one bidirectional softmax attention over ``[text; noisy; reference]`` with rotary positions per token: exactly
-what the gathered computation of ``maskedit.families.flux_fill.cache`` reproduces (queries for the computed tokens, keys/values
-of cached tokens from recorded rows or their recorded inputs, rotary tables gathered by sequence position). And the
-blend makes unmasked noisy tokens follow the template's trajectory *exactly* (their inputs at every step are the
-template run's), which Flux Fill only approximates. Mapping:
-- the runtime's tokens are the N noisy tokens (``idx_c`` / ``idx_u``, entries of N rows per block, keys/values
-  recorded with rotary at sequence position ``L + i``) — the contract ``CacheRuntime`` already has, unchanged;
-- reference tokens are always computed, like text tokens. They are identical across requests on a template, but
-  their activations attend to the noisy tokens, so they are template context only approximately; caching them
-  would halve the work again (a hit computes L + |masked| + N tokens of L + 2N), but needs entries of 2N rows;
-- ``noctx`` attends to text, the computed noisy tokens and the reference tokens;
-- cached noisy rows the last block does not write would still reach the output projection; the blend multiplies
-  their prediction by ``m = 0``, so the runtime's ``needs_output`` (last block always written) keeps them finite.
-What the runtime would need to change to do better: (1) entries of ``rows_per_token * N`` rows (or a hook-given
-count) so reference tokens can be cached; (2) the cost model / planner assume a sequence of L + N tokens with
-all of N computable; here it is L + 2N with N always computed, so its per-block choices are estimates; (3) the
-packed (mixed-resolution) path is not implemented (the family groups by resolution).
+what the gathered computation of ``maskedit.families.flux_fill.cache`` reproduces (queries for the computed tokens,
+keys/values of cached tokens from recorded rows or their recorded inputs, rotary tables gathered by sequence
+position). And the blend makes unmasked noisy tokens follow the template's trajectory *exactly* (their inputs at
+every step are the template run's), which Flux Fill only approximates. Mapping:
+- the cache's tokens are the N noisy tokens then the reference tokens (``Flux2KleinCacheHooks.reference_tokens``:
+  the runtime's *reference rows*, docs/caching.md): entries of N + R rows per block, ``idx_c`` / ``idx_u`` over
+  both, keys/values recorded with rotary at sequence position ``L + i``. References are never edited: a hit
+  computes the text and its masked noisy tokens (L + |masked| of L + N + R). A reference token's rows depend on the
+  noisy tokens through attention, as an unmasked token's do: reusing them under another mask or prompt is the same
+  approximation (measured in ``klein-bench``'s results);
+- ``noctx`` attends to the text and the computed noisy tokens only;
+- cached rows the last block does not write would still reach the output projection; the blend multiplies
+  their prediction by ``m = 0`` (reference rows' predictions are dropped), so the runtime's ``needs_output`` (last
+  block always written) keeps them finite.
+The packed (mixed-resolution) path is not implemented (the family groups by resolution and references).
 """
 
 from .family import Flux2KleinFamily, KleinTensors

@@ -1,25 +1,25 @@
 """Mask-aware computation of FLUX.2 [klein] transformer blocks, in the contract of ``maskedit.families.flux_fill.cache``.
 
 Same ``StepContext`` and modes (``maskedit.cache.modes``), ``RowView`` / ``Recorder`` and the runtime's hook
-methods (``maskedit.cache.rows.TokenRowHooks``: kinds from ``n_dual``, width, heads, entry sizes of N rows per
-block), so ``maskedit.cache.runtime.CacheRuntime`` drives these hooks unchanged.
+methods (``maskedit.cache.rows.TokenRowHooks``: kinds from ``n_dual``, width, heads), so
+``maskedit.cache.runtime.CacheRuntime`` drives these hooks unchanged.
 
-The sequence differs from Flux Fill's: text, then the N noisy image tokens, then N *reference* tokens (the template's
-clean latents, appended by the pipeline; the mask is not a model input). The runtime addresses the N noisy tokens
-(one per latents row): ``idx_c`` / ``idx_u`` index them, entries record their block outputs and keys/values (rotary
-applied at their sequence positions ``L + i``). Reference tokens are always computed, like the text: they are
-the same for every request on a template, but their activations depend (through attention) on the noisy tokens, and
-recording them would need 2N rows per block where the runtime makes entries of N (see the family's docstring).
+The sequence differs from Flux Fill's: text, then the N noisy image tokens, then the *reference* tokens (the
+template's clean latents, N of them, and any further reference images'; appended by the pipeline, the mask is not a
+model input). The cache addresses every token after the text (``reference_tokens``: the reference rows, recorded and
+reused like unmasked noisy ones, docs/caching.md "Reference rows"): entries hold N + R rows per block, ``idx_c`` /
+``idx_u`` index the image stream ``[noisy; reference]`` and keys/values are recorded with rotary at sequence
+position ``L + i``. A hit computes the text and its masked noisy tokens only.
 
 Per row and block (mode of that block for that request):
-- ``full``: the block's own forward (a recording row also records its noisy rows and their keys/values);
-- ``y``: text, computed noisy tokens and reference tokens go through the block; keys/values of cached noisy tokens
-  are projected from their cached input rows; their output rows come from the entry;
+- ``full``: the block's own forward (a recording row also records every image-stream row and its keys/values);
+- ``y``: text and computed tokens go through the block; keys/values of cached tokens (noisy and reference) are
+  projected from their cached input rows; their output rows come from the entry;
 - ``kv``: as ``y``, keys/values of cached tokens from the entry;
-- ``noctx``: computed tokens attend to text, computed noisy and reference tokens only.
-Attention keys keep the full sequence's order (text, noisy 0..N-1, reference 0..N-1), so a hit on the recording
+- ``noctx``: computed tokens attend to the text and to each other only.
+Attention keys keep the full sequence's order (text, noisy 0..N-1, reference 0..R-1), so a hit on the recording
 request's own mask reproduces the template run bit for bit in float32 on the CPU (tested). Packed (mixed
-resolution) calls are not supported: the family groups requests by resolution.
+resolution) calls are not supported: the family groups requests by resolution and references.
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ class Flux2KleinCacheHooks(TokenRowHooks):
     def dim(self) -> int:
         return self.transformer.inner_dim
 
-    @staticmethod
-    def temporal_cols(view, n_img: int):
-        """The image-stream tokens a hit computes (what its temporal residuals cover, ``maskedit.temporal``): its
-        computed noisy tokens and every reference token."""
-        return _gathered_img(view, n_img // 2)
+    def reference_tokens(self, x) -> int:
+        """The template's N latents ride along as reference tokens, then any further reference images' tokens."""
+        extra = getattr(x, "reference", None)
+        return int(x.latents.shape[0]) + (0 if extra is None else int(extra.shape[0]))
 
     def call_text_len(self) -> int:
         """Text tokens of the call in progress (set by the first double-stream block: single-stream blocks get text
@@ -128,11 +127,10 @@ class KleinBlockHook(ModelHook):
                 rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
                 if rec is None:
                     continue
-                n = _n_image(hidden, L, dual)
-                rec.put_y(b, h[j, :n] if dual else h[j, L:L + n])
+                rec.put_y(b, h[j] if dual else h[j, L:])
                 if rec.wants_kv(b):
                     with delta.owners(delta.batch_rows([i], batch)):
-                        k, v = noisy_kv(module, dual, hidden[i:i + 1], a, i, rope, L)
+                        k, v = image_kv(module, dual, hidden[i:i + 1], a, i, rope, L)
                     rec.put_kv(b, k[0], v[0])
         for i in masked_rows:
             with delta.owners(delta.batch_rows([i], batch)):  # every layer below sees this one row
@@ -155,8 +153,8 @@ def _row(mod: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _n_image(hidden: torch.Tensor, L: int, dual: bool) -> int:
-    """N noisy tokens: the image part holds N noisy then N reference tokens."""
-    return (hidden.shape[1] if dual else hidden.shape[1] - L) // 2
+    """Tokens of the image stream (the noisy tokens, then the reference tokens): the rows an entry holds."""
+    return hidden.shape[1] if dual else hidden.shape[1] - L
 
 
 def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
@@ -191,32 +189,14 @@ def _kv(block, dual: bool, normed: torch.Tensor):
     return attn.norm_k(_heads(kv[..., :inner], hd)), _heads(kv[..., inner:], hd)
 
 
-def noisy_kv(block, dual: bool, hidden: torch.Tensor, a: dict, i: int, rope, L: int):
-    """Keys (rotary applied) and values of every noisy token of batch row ``i`` (``hidden`` its (1, S, D))."""
+def image_kv(block, dual: bool, hidden: torch.Tensor, a: dict, i: int, rope, L: int):
+    """Keys (rotary applied) and values of every image-stream token (noisy and reference) of batch row ``i``
+    (``hidden`` its (1, S, D))."""
     n = _n_image(hidden, L, dual)
     x = hidden[:, :n] if dual else hidden[:, L:L + n]
     k, v = _kv(block, dual, _norm_in(block, dual, a, i, x))
     pos = torch.arange(n, device=hidden.device) + L
     return apply_rotary_emb(k, (rope[0][pos], rope[1][pos]), sequence_dim=1), v
-
-
-def _gathered_img(vw: RowView, n: int) -> torch.Tensor:
-    """Image-stream indices a hit computes: its computed noisy tokens, then every reference token."""
-    key = ("klein-img", n)
-    if key not in vw._memo:
-        vw._memo[key] = torch.cat([vw.idx_c, torch.arange(n, 2 * n, device=vw.idx_c.device)])
-    return vw._memo[key]
-
-
-def _gathered(vw: RowView, L: int, n: int, rope, device):
-    """(image-stream indices computed: the computed noisy tokens then every reference token, their sequence
-    positions with the text first, rotary tables there); once per request and step."""
-    key = ("klein", L, n)
-    if key not in vw._memo:
-        img = _gathered_img(vw, n)
-        pos = torch.cat([torch.arange(L, device=device), img + L])
-        vw._memo[key] = (img, pos, (rope[0][pos], rope[1][pos]))
-    return vw._memo[key]
 
 
 def masked_row(block, dual: bool, b: int, i: int, vw: RowView, hidden, a: dict, rope, L: int, out, out_txt):
@@ -225,8 +205,7 @@ def masked_row(block, dual: bool, b: int, i: int, vw: RowView, hidden, a: dict, 
     hd = attn.head_dim
     dev = hidden.device
     n = _n_image(hidden, L, dual)
-    img, pos, cs = _gathered(vw, L, n, rope, dev)
-    n_c = int(vw.idx_c.numel())
+    img, pos, cs = vw.gathered(b, L, rope, n, dev)  # the computed image-stream tokens; [text; those] positions
     mode = vw.modes[b]
     x = hidden[i:i + 1, img] if dual else hidden[i:i + 1, pos]  # dual: image stream only; single: [text; computed]
     normed = _norm_in(block, dual, a, i, x)
@@ -253,11 +232,11 @@ def masked_row(block, dual: bool, b: int, i: int, vw: RowView, hidden, a: dict, 
     if mode == NOCTX:
         keys, vals = k, v
     elif mode in (Y, KV):
-        keys, vals = k.new_empty((1, L + 2 * n) + k.shape[2:]), v.new_empty((1, L + 2 * n) + v.shape[2:])
-        u = vw.idx_u + L
-        if mode == KV:  # the loader's buffers hold the recorded keys/values (rotary applied) of every noisy token
-            keys[:, u], vals[:, u] = vw.rows(b, "kbuf")[:, u], vw.rows(b, "vbuf")[:, u]
-        else:  # projected from the cached tokens' input rows
+        if mode == KV:  # the loader's (1, L+n) buffers hold every cached token's recorded keys/values (rotary
+            keys, vals = vw.rows(b, "kbuf"), vw.rows(b, "vbuf")  # applied); the computed rows go into them
+        else:  # cached tokens' keys/values projected from their input rows
+            keys, vals = k.new_empty((1, L + n) + k.shape[2:]), v.new_empty((1, L + n) + v.shape[2:])
+            u = vw.idx_u + L
             xu = hidden[i:i + 1, vw.idx_u] if dual else hidden[i:i + 1, u]
             ku, vu = _kv(block, dual, _norm_in(block, dual, a, i, xu))
             keys[:, u], vals[:, u] = apply_rotary_emb(ku, vw.rope_u(rope, L), sequence_dim=1), vu
@@ -277,21 +256,19 @@ def masked_row(block, dual: bool, b: int, i: int, vw: RowView, hidden, a: dict, 
         if xt.dtype == torch.float16:
             xt = xt.clip(-65504, 65504)
         out_txt[i] = xt[0]
-        rows, noisy_out = img, xi[0]
-        computed_noisy = xi[0, :n_c]
+        rows, computed_out, computed = img, xi[0], xi[0]
         start = 0
     else:
         h = torch.cat([o, attn.mlp_act_fn(mlp)], dim=-1)
         xs = x + gate * attn.to_out(h)
         if xs.dtype == torch.float16:
             xs = xs.clip(-65504, 65504)
-        rows, noisy_out = pos, xs[0]
-        computed_noisy = xs[0, L:L + n_c]
+        rows, computed_out, computed = pos, xs[0], xs[0, L:]
         start = L
     if vw.patch is not None:
-        vw.patch.put_y(b, computed_noisy[vw.patch_pos])
+        vw.patch.put_y(b, computed[vw.patch_pos])
     if vw.needs_output[b]:
-        out[i, start:start + n] = vw.rows(b, "y")  # cached noisy rows from the entry; computed ones overwritten below
+        out[i, start:start + n] = vw.rows(b, "y")  # cached rows from the entry; computed ones overwritten below
     elif out is not hidden:
         out[i] = hidden[i]  # cached rows are not read by the next (kv) block; keep the buffer defined
-    out[i, rows] = noisy_out
+    out[i, rows] = computed_out

@@ -21,10 +21,11 @@ class KleinTensors:
     cond: torch.Tensor  # (1, N, 2C+1): reference latents | noise | blend mask
     prompt_embeds: torch.Tensor  # (1, L, D)
     pooled: torch.Tensor | None  # unused (klein has no pooled text)
-    img_ids: torch.Tensor  # (2N, 4): noisy tokens (T=0) then reference tokens (T=10)
+    img_ids: torch.Tensor  # (2N + R, 4): noisy tokens (T=0), the template's (T=10), reference images' (T=20, ...)
     txt_ids: torch.Tensor  # (L, 4)
     guidance: torch.Tensor | None = None  # unused (no guidance embedding)
     rope: tuple | None = None
+    reference: torch.Tensor | None = None  # (1, R, C): reference images' tokens after the template's
 
 
 class Flux2KleinFamily(ModelFamily):
@@ -38,6 +39,7 @@ class Flux2KleinFamily(ModelFamily):
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py adds the adapter deltas
     blends_unmasked: ClassVar[bool] = True  # the pipeline re-noises the template outside the mask every step
     temporal_reuse: ClassVar[bool] = True  # cache.py's hooks skip a reusing row's middle blocks
+    max_reference_images: ClassVar[int] = 4  # ``image_reference`` takes a list (the deployment may cap it lower)
 
     def __init__(self, model_dir, pipeline_class: str = "Flux2KleinInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)
@@ -84,6 +86,9 @@ class Flux2KleinFamily(ModelFamily):
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=t["prompt_embeds"][0],
                         pooled_embeds=torch.zeros(1, dtype=t["latents"].dtype))
 
+    def prepare_references(self, pipe, images: list, w: int, h: int, settings, crop=None):
+        return P.reference_latents(pipe, images, w, h, settings.torch_device)  # the stock pipeline never crops them
+
     # -- denoising ------------------------------------------------------------------------------------------
     def check_scheduler(self, scheduler_config: dict) -> None:
         name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
@@ -97,15 +102,20 @@ class Flux2KleinFamily(ModelFamily):
         n = job.latents.shape[1]
         patch = int(round((x.model_h * x.model_w / n) ** 0.5))
         text = t(x.prompt_embeds).unsqueeze(0)
+        extra = getattr(x, "reference", None)
+        grids = tuple(getattr(x, "reference_grids", ())) if extra is not None else ()
         job.tensors = KleinTensors(cond=t(x.cond).unsqueeze(0), prompt_embeds=text, pooled=None,
-                                   img_ids=P.latent_ids(x.model_h // patch, x.model_w // patch, runner.device),
-                                   txt_ids=P.text_ids(text.shape[1], runner.device))
+                                   img_ids=P.latent_ids(x.model_h // patch, x.model_w // patch, runner.device, grids),
+                                   txt_ids=P.text_ids(text.shape[1], runner.device),
+                                   reference=None if extra is None else t(extra).unsqueeze(0))
         job.scheduler = P.make_scheduler(runner.scheduler_config, x.steps, n, runner.device)
 
     def group_key(self, job):
-        """One call per resolution and text length: the reference tokens double the sequence, and the packed
-        (mixed-resolution) path of ``maskedit.families.flux_fill.cache`` is not implemented for this family."""
-        return tuple(job.tensors.prompt_embeds.shape), job.inputs.model_h, job.inputs.model_w
+        """One call per resolution, reference layout and text length: the reference tokens extend the sequence, and
+        the packed (mixed-resolution) path of ``maskedit.families.flux_fill.cache`` is not implemented for this
+        family."""
+        return (tuple(job.tensors.prompt_embeds.shape), job.inputs.model_h, job.inputs.model_w,
+                tuple(job.tensors.img_ids.shape))
 
     def step(self, runner, group: list, ctx) -> None:
         hooks_of = None
@@ -114,11 +124,6 @@ class Flux2KleinFamily(ModelFamily):
 
             hooks_of = Flux2KleinCacheHooks.of
         P.step_group(runner, group, ctx, hooks_of=hooks_of)
-
-    def flop_text(self, text: int, n: int) -> int:
-        """The N reference tokens are computed in every mode, like the text (an approximation of the FLOP model:
-        klein's MLP ratio is 3 with a gated activation, not Flux's 4)."""
-        return text + n
 
     def cache_hooks(self, denoiser):
         from .cache import Flux2KleinCacheHooks

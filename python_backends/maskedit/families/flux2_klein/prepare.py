@@ -21,12 +21,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
-from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from ...adapters import delta
 from ...schedule import first_step
+from ..latent_blend import initial_latents, step_and_blend
+from ..per_row import per_row
 from .tiny import TEXT_LAYERS
 
 REF_T = 10  # the reference image's time coordinate (``_prepare_image_ids``' scale)
@@ -44,12 +44,27 @@ def make_scheduler(config: dict, steps: int, image_seq_len: int, device="cpu",
     return scheduler
 
 
-def latent_ids(grid_h: int, grid_w: int, device) -> torch.Tensor:
-    """(2N, 4) position ids of ``[noisy; reference]`` tokens, as ``__call__`` combines them."""
+def latent_ids(grid_h: int, grid_w: int, device, reference_grids=()) -> torch.Tensor:
+    """(2N + R, 4) position ids of ``[noisy; template reference; reference images]`` tokens, as ``__call__``
+    combines them (``reference_grids``: the further reference images' token grids, all one size as the pipeline
+    resizes them to its first)."""
     dummy = torch.zeros(1, 1, grid_h, grid_w)
     noisy = Flux2KleinInpaintPipeline._prepare_latent_ids(dummy)
-    ref = Flux2KleinInpaintPipeline._prepare_image_ids([dummy], 1, scale=REF_T)
+    refs = [dummy] + ([torch.zeros(len(reference_grids), 1, *reference_grids[0])] if reference_grids else [])
+    ref = Flux2KleinInpaintPipeline._prepare_image_ids(refs, 1, scale=REF_T)
     return torch.cat([noisy, ref], dim=1)[0].to(device)
+
+
+@torch.no_grad()
+def reference_latents(pipe, images: list, w: int, h: int, device) -> tuple[torch.Tensor, tuple]:
+    """Reference images (PIL) as ``__call__`` takes ``image_reference`` at the model size: pre-processed together
+    (``resize_mode="crop"``), encoded as ``prepare_image_latents`` encodes them (the VAE's mode: no draw) and
+    packed one after another: (k * N, C) rows and each image's token grid."""
+    x = pipe.image_processor.preprocess(images, h, w, resize_mode="crop")
+    dtype = pipe.text_encoder.dtype
+    lat = pipe._encode_vae_image(image=x.to(device=pipe.vae.device, dtype=dtype), generator=None).to(device)
+    packed = pipe._pack_latents(lat)  # (k, N, C)
+    return packed.reshape(-1, packed.shape[-1]), ((lat.shape[2], lat.shape[3]),) * len(images)
 
 
 def text_ids(length: int, device) -> torch.Tensor:
@@ -77,16 +92,11 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     # prepare_latents: encode (argmax: no draw), draw the noise, noise the image latents at the first timestep.
     image_latents = pipe._encode_vae_image(image=image.to(device=pipe.vae.device, dtype=dtype), generator=generator)
     image_latents = image_latents.to(device)
-    noise = randn_tensor((1, c, gh, gw), generator=generator, device=torch.device(device), dtype=dtype)
-    latents = scheduler.scale_noise(image_latents, t0, noise)
-    pack = pipe._pack_latents
-    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
-    if seed != template_seed and token_mask.any():
-        own = randn_tensor((1, c, gh, gw), generator=torch.Generator("cpu").manual_seed(seed),
-                           device=torch.device(device), dtype=dtype)
-        rows = torch.from_numpy(np.flatnonzero(token_mask)).to(noise_p.device)
-        noise_p[:, rows] = pack(own)[:, rows]
-        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    draw = lambda g: randn_tensor((1, c, gh, gw), generator=g, device=torch.device(device), dtype=dtype)  # noqa
+    noise = draw(generator)
+    own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and token_mask.any() else None
+    latents_p, noise_p, image_p = initial_latents(scheduler, t0, image_latents, noise, pipe._pack_latents,
+                                                  token_mask, own)
     # The reference tokens (prepare_image_latents of the encoded image: the same packed latents) and the blend mask
     # (prepare_mask_latents: bilinear to the token grid, packed).
     m = pipe.prepare_mask_latents(mask, 1, 1, h, w, dtype, device)
@@ -98,36 +108,18 @@ def split_cond(cond: torch.Tensor, c: int):
     return cond[..., :c], cond[..., c:2 * c], cond[..., 2 * c:2 * c + 1]
 
 
-class _PerRow(ModelHook):
-    """Calls the module once per batch row. The timestep-embedding and modulation layers see (B, D) inputs; a
-    CPU BLAS computes one row (a GEMV) and several rows (a GEMM) with different summation orders, so a batched
-    call would differ from the stock pipeline's one-request call in the last bit. Per row costs a few tiny GEMVs
-    per step and keeps batched requests exactly equal to unbatched ones."""
-
-    def new_forward(self, module, *args, **kwargs):
-        forward = self.fn_ref.original_forward
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or first.ndim == 0 or first.shape[0] <= 1:
-            return forward(*args, **kwargs)
-        row = lambda a, i: a[i:i + 1] if isinstance(a, torch.Tensor) and a.ndim > 0 else a  # noqa: E731
-        out = []
-        for i in range(first.shape[0]):
-            with delta.owners(delta.batch_rows([i], first.shape[0])):  # an adapter on these layers: row i's
-                out.append(forward(*[row(a, i) for a in args], **{k: row(v, i) for k, v in kwargs.items()}))
-        return torch.cat(out)
-
-
-_ROWWISE = "maskedit_klein_rowwise"
+def _references(job, c: int) -> torch.Tensor:
+    """A job's reference tokens: the template's latents, then its reference images' (1, N + R, C)."""
+    template = split_cond(job.tensors.cond, c)[0]
+    extra = job.tensors.reference
+    return template if extra is None else torch.cat([template, extra], dim=1)
 
 
 def rowwise_modulation(transformer) -> None:
-    """Attach ``_PerRow`` to the transformer's per-request layers (once; plain batch-1 calls are unchanged)."""
-    if getattr(transformer, "_maskedit_rowwise", False):
-        return
-    for m in (transformer.time_guidance_embed, transformer.double_stream_modulation_img,
-              transformer.double_stream_modulation_txt, transformer.single_stream_modulation, transformer.norm_out):
-        HookRegistry.check_if_exists_or_initialize(m).register_hook(_PerRow(), _ROWWISE)
-    object.__setattr__(transformer, "_maskedit_rowwise", True)
+    """Klein's per-request layers one batch row at a time (``families.per_row``; plain batch-1 calls unchanged)."""
+    per_row(transformer, (transformer.time_guidance_embed, transformer.double_stream_modulation_img,
+                          transformer.double_stream_modulation_txt, transformer.single_stream_modulation,
+                          transformer.norm_out))
 
 
 def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
@@ -139,7 +131,7 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     n, c = group[0].latents.shape[1], group[0].latents.shape[2]
     timesteps = [j.scheduler.timesteps[j.step_index] for j in group]
     latents = torch.cat([j.latents for j in group], dim=0)
-    ref = torch.cat([split_cond(j.tensors.cond, c)[0] for j in group], dim=0)
+    ref = torch.cat([_references(j, c) for j in group], dim=0)
     timestep = torch.stack([t.to(latents.device) for t in timesteps]).to(latents.dtype)
     hidden = torch.cat([latents, ref], dim=1).to(tr.dtype)
     text = torch.cat([j.tensors.prompt_embeds for j in group], dim=0)
@@ -150,14 +142,7 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     pred = hooks_of(tr).run(ctx, forward) if ctx is not None else forward()
     pred = pred[:, :n]
     for i, (job, t) in enumerate(zip(group, timesteps)):
-        stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
-        image_latents, noise, m = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c))
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ inpaints by blending latents, with ``FluxControlNetModel`` ControlNets (several 
 ``FluxMultiControlNetModel`` sums them) named per request from the ControlNet library.
 
 Files: ``tiny.py`` (presets ``flux-cn-tiny`` / ``flux-cn-bench`` and their ControlNet libraries), ``prepare.py``
-(request tensors, control images, decoding), ``step.py`` (a request's tensors on the device, the step),
+(request tensors, control images), ``step.py`` (a request's tensors on the device, the step),
 and ``maskedit.controlnets.flux`` (ControlNet residuals batched across requests, merged per request, shared with
 Flux Fill's ControlNet extension).
 
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-import torch
 
 from ..base import Geometry, ModelFamily, Prepared
 from ..flux_controls import FluxControls
+from ..true_cfg import with_negative
 from . import tiny
 
 class FluxControlNetFamily(FluxControls, ModelFamily):
@@ -128,12 +128,7 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
                             params.seed, params.template_seed, params.steps, settings.max_sequence_length,
                             settings.torch_device, n_controls=len(getattr(params, "controls", ()) or ()),
                             strength=getattr(params, "strength", 1.0))
-        text, pooled = t["prompt_embeds"][0], t["pooled"][0]
-        if getattr(params, "true_cfg_scale", 1.0) > 1 and params.negative_prompt:  # do_true_cfg: the negative rows
-            neg, neg_pooled, _ = pipe.encode_prompt(prompt=params.negative_prompt, prompt_2=None,
-                                                    device=settings.torch_device, num_images_per_prompt=1,
-                                                    max_sequence_length=settings.max_sequence_length)
-            text, pooled = torch.cat([text, neg[0]]), torch.cat([pooled, neg_pooled[0]])
+        text, pooled = with_negative(pipe, params, t["prompt_embeds"][0], t["pooled"][0], settings)
         return Prepared(latents=t["latents"][0], cond=t["cond"][0], prompt_embeds=text, pooled_embeds=pooled)
 
     # -- denoising ------------------------------------------------------------------------------------------
@@ -171,9 +166,9 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
     # -- decoding -------------------------------------------------------------------------------------------
     def decode(self, pipe, latents, w: int, h: int):
-        from .prepare import decode
+        from ..latent_blend import decode_flux1
 
-        return decode(pipe, latents, w, h)
+        return decode_flux1(pipe, latents, w, h)
 
     # -- presets --------------------------------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,6 @@
-"""A Flux ControlNet inpainting edit's tensors and its decoding, mirroring ``FluxControlNetInpaintPipeline.__call__``
-(diffusers 0.42) step for step with the pipeline's own methods and one generator consumed in the same order, so the
-served result equals stock Diffusers for the same components, inputs and seed (strength 1.0; tested).
+"""A Flux ControlNet inpainting edit's tensors, mirroring ``FluxControlNetInpaintPipeline.__call__`` (diffusers
+0.42) step for step with the pipeline's own methods and one generator consumed in the same order, so the served
+result equals stock Diffusers for the same components, inputs and seed (strength 1.0; tested).
 
 The order the pipeline draws from its generator: each control image's VAE sample (step 5, in control order), the
 template's VAE sample and the noise (step 7, ``prepare_latents``), then the masked image's VAE sample (step 8,
@@ -25,6 +25,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...schedule import first_step, make_scheduler
+from ..latent_blend import initial_latents
 
 
 def split_cond(cond: torch.Tensor, c: int):
@@ -80,25 +81,10 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     t0 = scheduler.timesteps[first:first + 1]
     image_latents = pipe._encode_vae_image(image=image.to(device=device, dtype=dtype), generator=generator)
     noise = draw(generator)
-    latents = scheduler.scale_noise(image_latents, t0, noise)
-    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
-    if seed != template_seed and tokens.any():  # the edited tokens take their noise from SEED
-        own = draw(torch.Generator("cpu").manual_seed(seed))
-        rows = torch.from_numpy(np.flatnonzero(tokens)).to(noise_p.device)
-        noise_p[:, rows] = pack(own)[:, rows]
-        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    own = draw(torch.Generator("cpu").manual_seed(seed)) if seed != template_seed and tokens.any() else None
+    latents_p, noise_p, image_p = initial_latents(scheduler, t0, image_latents, noise, pack, tokens, own)
     # Step 8, prepare_mask_latents' mask (nearest to the latent grid, repeated over the channels, packed).
     m = torch.nn.functional.interpolate(mask, size=(lh, lw)).to(device=device, dtype=dtype)
     m = pack(m.repeat(1, lc, 1, 1))
     cond = torch.cat([image_p, noise_p, m, *eps], dim=-1)
     return {"latents": latents_p, "cond": cond, "prompt_embeds": prompt_embeds, "pooled": pooled}
-
-
-@torch.no_grad()
-def decode(pipe, latents, w: int, h: int, output_type: str = "pil"):
-    """Packed latents (1, N, C) to an image at model resolution, as the pipeline's post-processing does."""
-    vae = pipe.vae
-    x = pipe._unpack_latents(latents.to(vae.device, vae.dtype), h, w, pipe.vae_scale_factor)
-    x = (x / vae.config.scaling_factor) + vae.config.shift_factor
-    image = vae.decode(x, return_dict=False)[0]
-    return pipe.image_processor.postprocess(image, output_type=output_type)[0]

@@ -22,6 +22,8 @@ from ...controlnets import flux_remote
 from ...controlnets.flux_remote import config_of
 from ...errors import InvalidInput
 from ...schedule import make_scheduler
+from .. import true_cfg
+from ..latent_blend import step_and_blend
 from .prepare import control_latents, split_cond
 
 
@@ -60,12 +62,7 @@ def prepare_job(runner, job, pixels_per_token: int, vae_config: dict, mode_index
                      for k, (a, cfg) in enumerate(zip(active, configs)))
     grid_h, grid_w = x.model_h // pixels_per_token, x.model_w // pixels_per_token
     embeds_guidance = bool(runner.transformer.config.guidance_embeds)
-    text, pooled, negative = t(x.prompt_embeds), t(x.pooled_embeds), None
-    if getattr(x, "true_cfg_scale", 1.0) > 1:  # the negative row's text and pooled embedding follow the prompt's
-        if text.shape[1] % 2 or pooled.shape[1] % 2:
-            raise InvalidInput("has no negative row for TRUE_CFG_SCALE", "PROMPT_EMBEDS")
-        (text, neg_text), (pooled, neg_pooled) = text.chunk(2, dim=1), pooled.chunk(2, dim=1)
-        negative = (neg_text, neg_pooled)
+    text, pooled, negative = true_cfg.split_negative(x, t(x.prompt_embeds), t(x.pooled_embeds))
     job.tensors = ControlTensors(
         cond=cond[..., :3 * c], controls=controls, prompt_embeds=text, pooled=pooled, negative=negative,
         img_ids=FluxControlNetInpaintPipeline._prepare_latent_image_ids(1, grid_h, grid_w, runner.device,
@@ -111,31 +108,8 @@ def step(runner, group: list, ctx) -> None:
             sub = StepContext([ctx.rows[i] for i in idx], ctx.packed, ctx.on_block if n == 0 else None,
                               temporal=ctx.temporal.subset(idx) if ctx.temporal is not None else None)
             pred[sel] = FluxCacheHooks.of(tr).run(sub, forward)
-    _true_cfg(tr, group, pred, latents, timestep, guidance, jt)
+    true_cfg.apply(tr, group, pred, latents, timestep, guidance, jt.txt_ids, jt.img_ids)  # FluxInpaintPipeline's
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
-        stepped = job.scheduler.step(pred[i:i + 1], t, job.latents, return_dict=False)[0]
-        image_latents, noise, m, _ = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c)[:3])
 
-
-def _true_cfg(tr, group: list, pred, latents, timestep, guidance, jt) -> None:
-    """FluxInpaintPipeline's true classifier-free guidance: the rows of requests with a negative text in one more
-    transformer call (every token, outside the activation cache: its entries hold the prompt's rows), then
-    ``neg + true_cfg_scale * (pred - neg)`` per request, as the stock loop combines them."""
-    rows = [i for i, j in enumerate(group) if j.tensors.negative is not None]
-    if not rows:
-        return
-    sel = torch.tensor(rows, device=latents.device)
-    neg = tr(hidden_states=latents[sel], timestep=timestep[sel],
-             guidance=guidance[sel] if guidance is not None else None,
-             pooled_projections=torch.cat([group[i].tensors.negative[1] for i in rows]),
-             encoder_hidden_states=torch.cat([group[i].tensors.negative[0] for i in rows]),
-             txt_ids=jt.txt_ids, img_ids=jt.img_ids, joint_attention_kwargs=None, return_dict=False)[0]
-    for k, i in enumerate(rows):
-        pred[i] = neg[k] + group[i].inputs.true_cfg_scale * (pred[i] - neg[k])

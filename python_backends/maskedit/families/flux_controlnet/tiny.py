@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...controlnets import flux_build
 from ...controlnets.flux_build import TINY_NETS, Net  # noqa: F401  (tests build their own Nets)
-from ...presets import generate, train_tokenizers, visible_init, write_model
+from ...presets import denoiser, flux1_parts, generate, visible_init, write_model
 
 LIBRARY = "controlnets"  # the ControlNet library's folder beside the model (the default library directory)
 
@@ -71,44 +71,12 @@ def build_library(lib: Path, p: Preset, seed: int = 0) -> list[Path]:
 
 def build(out_dir: str | Path, preset: str = "flux-cn-tiny", seed: int = 0) -> Path:
     """A ``FluxControlNetInpaintPipeline`` model directory (no ControlNet in it) and its ControlNet library."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxControlNetInpaintPipeline, \
-        FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+    from diffusers import FluxControlNetInpaintPipeline, FluxTransformer2DModel
 
     p = PRESETS[preset]
-    vocab, merges, pieces = train_tokenizers(vocab_size=512)
-    clip_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
-    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=p.max_sequence_length)
-
-    torch.manual_seed(seed)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(clip_tok), hidden_size=p.clip_dim, intermediate_size=2 * p.clip_dim, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=77, projection_dim=p.clip_dim,
-        bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=p.text_dim, d_kv=min(64, p.text_dim // 2), d_ff=p.text_ff or 2 * p.text_dim,
-        num_layers=2, num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
-        decoder_start_token_id=0))
-    n_down = len(p.vae_channels)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=p.latent_channels, block_out_channels=p.vae_channels,
-        down_block_types=("DownEncoderBlock2D",) * n_down, up_block_types=("UpDecoderBlock2D",) * n_down,
-        layers_per_block=1, norm_num_groups=4, sample_size=p.resolution, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False)
-    config = transformer_config(p)
-    if p.generated_transformer:
-        with torch.device("meta"):
-            transformer = FluxTransformer2DModel(**config)
-    else:
-        transformer = FluxTransformer2DModel(**config)
-        visible_init(transformer)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
-        max_shift=1.15)
-    pipe = FluxControlNetInpaintPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok,
-        transformer=transformer, controlnet=None)
+    parts = flux1_parts(p, seed)  # encoders, VAE, scheduler (seeded first: the transformer's weights follow)
+    transformer = denoiser(FluxTransformer2DModel, transformer_config(p), p.generated_transformer)
+    pipe = FluxControlNetInpaintPipeline(**parts, transformer=transformer, controlnet=None)
     # FLUX.1-dev's usual guidance (embedded, no negative row) and the ControlNet pipelines' default.
     serving = {"resolution": p.resolution, "steps": p.steps, "guidance": 3.5,
                "max_sequence_length": p.max_sequence_length, "preset": preset, "seed": seed}

@@ -39,12 +39,10 @@ stock one-request call bit for bit on the CPU.
 
 The mask-aware path
 -------------------
-As FLUX.2 [klein]'s: the runtime's tokens are the N noisy tokens (entries of N rows per block, keys / values with
-their rotary), and the blend makes unmasked noisy tokens follow the template's trajectory exactly, so their cached
-rows are exact inputs. The reference tokens are computed in every mode, like the text (``cache.computed_image_rows``
-is the one place that says so: family-agnostic cached reference rows would change that function and fill the
-reference keys / values from the entry); so at mask ratio 0.2 a hit computes L + 0.2 N + N of L + 2N tokens, and
-the FLOP ideal is below 1.7x until they are cached. Requests with classifier-free guidance run with the cache off
+As FLUX.2 [klein]'s: the runtime's tokens are the N noisy tokens then the N reference tokens (``reference_tokens``:
+the reference rows of docs/caching.md, entries of 2N rows per block, keys / values with their rotary), and the blend
+makes unmasked noisy tokens follow the template's trajectory exactly, so their cached rows are exact inputs. A hit
+computes the text and its masked noisy tokens only: at mask ratio 0.2, L + 0.2 N of L + 2N tokens. Requests with classifier-free guidance run with the cache off
 (``runs_cached``): the negative call's unmasked rows differ from the positive call's and entries hold one row per
 token. Adapters are added in the masked path (``adapters_in_masked_path``: every projection is its own Linear, so
 the row owners are all the adapters need).

@@ -1,26 +1,23 @@
 """Mask-aware computation of Qwen-Image transformer blocks, in the contract of ``maskedit.cache.flux``.
 
 Same ``StepContext`` and modes (``maskedit.cache.modes``), ``RowView`` / ``Recorder`` and the runtime's hook methods
-(``maskedit.cache.rows.TokenRowHooks``: every block dual-stream, entries of N rows per block), so
-``maskedit.cache.runtime.CacheRuntime`` drives these hooks unchanged.
+(``maskedit.cache.rows.TokenRowHooks``: every block dual-stream), so ``maskedit.cache.runtime.CacheRuntime`` drives
+these hooks unchanged.
 
 Every block is an MMDiT block: an image stream and a text stream, each with its own modulation, norms and MLP, and
-one joint attention over ``[text; image]``. The image stream holds two parts, kept apart here by name:
-
-- the N *noisy* tokens (``noisy``): the runtime's tokens — ``idx_c`` / ``idx_u`` index them, entries record their
-  block outputs and keys / values (rotary applied: frame 0 of the image rotary table at their index);
-- the N *reference* tokens (``reference``): the template's latents the pipeline appends (rotary frame 1). They are
-  always computed here, like the text: the same for every request on a template, but their activations depend on
-  the noisy tokens through attention. ``computed_image_rows`` is the one place that says so; cached reference rows
-  (entries with a reference part) would make it return the masked noisy rows alone and fill the reference keys /
-  values and outputs from the entry as the unmasked noisy ones are filled below.
+one joint attention over ``[text; image]``. The image stream holds the N *noisy* tokens (rotary frame 0 of the
+image rotary table), then the N *reference* tokens, the template's latents the pipeline appends (rotary frame 1).
+The cache addresses the whole image stream: the reference tokens are *reference rows* (``reference_tokens``,
+docs/caching.md "Reference rows"), recorded and reused like unmasked noisy ones, so entries hold 2N rows per block,
+``idx_c`` / ``idx_u`` index ``[noisy; reference]`` (keys / values recorded with rotary at their image row) and a hit
+computes the text and its masked noisy tokens only.
 
 Per row and block (mode of that block for that request):
-- ``full``: the block's own forward (a recording row also records its noisy rows and their keys/values);
-- ``y``: text, computed noisy tokens and reference tokens go through the block; keys/values of cached noisy tokens
-  are projected from their cached input rows; their output rows come from the entry;
-- ``kv``: as ``y``, keys/values of cached noisy tokens from the entry;
-- ``noctx``: computed tokens attend to the text, the computed noisy tokens and the reference tokens only.
+- ``full``: the block's own forward (a recording row also records every image-stream row and its keys/values);
+- ``y``: text and computed tokens go through the block; keys/values of cached tokens (noisy and reference) are
+  projected from their cached input rows; their output rows come from the entry;
+- ``kv``: as ``y``, keys/values of cached tokens from the entry;
+- ``noctx``: computed tokens attend to the text and to each other only.
 Attention keys keep the full sequence's order (text, noisy 0..N-1, reference 0..N-1), so a hit on the recording
 request's own mask reproduces the template run bit for bit in float32 on the CPU (tested). Packed (mixed
 resolution) calls and padded text (``encoder_hidden_states_mask``) are not supported: the family groups requests by
@@ -60,24 +57,9 @@ class QwenEditCacheHooks(TokenRowHooks):
         """The prompt's rows (PROMPT_EMBEDS may also hold a negative prompt's, which the cache never serves)."""
         return int(x.pooled_embeds[0])
 
-
-def noisy(n: int) -> slice:
-    """The noisy tokens' rows in the image stream."""
-    return slice(0, n)
-
-
-def reference(n: int, device) -> torch.Tensor:
-    """The reference tokens' rows in the image stream."""
-    return torch.arange(n, 2 * n, device=device)
-
-
-def computed_image_rows(vw: RowView, n: int, device) -> torch.Tensor:
-    """Image-stream rows a cached mode computes: the noisy tokens the request computes, then every reference token
-    (memoised per request and step)."""
-    key = ("qwen_image_rows", n)
-    if key not in vw._memo:
-        vw._memo[key] = torch.cat([vw.idx_c, reference(n, device)])
-    return vw._memo[key]
+    def reference_tokens(self, x) -> int:
+        """The template's N latents ride along as reference tokens."""
+        return int(x.latents.shape[0])
 
 
 class QwenBlockHook(ModelHook):
@@ -99,7 +81,7 @@ class QwenBlockHook(ModelHook):
             raise NotImplementedError("qwen_image_edit: padded text and zero_cond_t models take no cached path")
         b = self.index
         hidden, enc, temb = a["hidden_states"], a["encoder_hidden_states"], a["temb"]
-        n = hidden.shape[1] // 2
+        n = hidden.shape[1]  # the image stream: noisy then reference tokens, the rows an entry holds
         full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
         masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
         out = torch.empty_like(hidden) if full_rows else hidden  # no full rows: the input buffer becomes the output
@@ -116,10 +98,10 @@ class QwenBlockHook(ModelHook):
                 rec = ctx.rows[i].recorder if ctx.rows[i] is not None else None
                 if rec is None:
                     continue
-                rec.put_y(b, h[j, noisy(n)])
+                rec.put_y(b, h[j])
                 if rec.wants_kv(b):
                     with delta.owners(delta.batch_rows([i], batch)):
-                        k, v = noisy_kv(module, hidden[i:i + 1, noisy(n)], temb[i:i + 1], a["image_rotary_emb"],
+                        k, v = image_kv(module, hidden[i:i + 1], temb[i:i + 1], a["image_rotary_emb"],
                                         torch.arange(n, device=hidden.device))
                     rec.put_kv(b, k[0], v[0])
         for i in masked_rows:
@@ -153,8 +135,8 @@ def _kv(attn, normed: torch.Tensor, freqs: torch.Tensor):
     return apply_rotary_emb_qwen(k, freqs, use_real=False), _heads(attn, attn.to_v(normed))
 
 
-def noisy_kv(block, x: torch.Tensor, temb: torch.Tensor, rope, rows: torch.Tensor):
-    """Keys (rotary applied) and values of the noisy tokens ``x`` (1, n, D) at image rows ``rows``."""
+def image_kv(block, x: torch.Tensor, temb: torch.Tensor, rope, rows: torch.Tensor):
+    """Keys (rotary applied) and values of the image-stream tokens ``x`` (1, n, D) at image rows ``rows``."""
     normed, _, _ = _image_in(block, x, temb)
     return _kv(block.attn, normed, rope[0][rows])
 
@@ -173,10 +155,9 @@ def masked_row(block, b: int, vw: RowView, hidden, enc, temb, rope, out, out_txt
     and ``out_txt`` (``in_place``: ``out`` is the block's input buffer)."""
     attn = block.attn
     dev = hidden.device
-    n = hidden.shape[1] // 2
+    n = hidden.shape[1]
     L = enc.shape[1]
-    img = computed_image_rows(vw, n, dev)
-    n_c = int(vw.idx_c.numel())
+    img = vw.idx_c  # the image-stream tokens computed: masked noisy ones (reference rows come from the entry)
     mode = vw.modes[b]
     img_freqs, txt_freqs = rope
     x = hidden[:, img]
@@ -199,12 +180,12 @@ def masked_row(block, b: int, vw: RowView, hidden, enc, temb, rope, out, out_txt
     if mode == NOCTX:
         keys, vals = torch.cat([tk, k], dim=1), torch.cat([tv, v], dim=1)
     elif mode in (Y, KV):
-        keys, vals = k.new_empty((1, L + 2 * n) + k.shape[2:]), v.new_empty((1, L + 2 * n) + v.shape[2:])
+        keys, vals = k.new_empty((1, L + n) + k.shape[2:]), v.new_empty((1, L + n) + v.shape[2:])
         u = vw.idx_u + L
-        if mode == KV:  # the loader's buffers hold the recorded keys/values (rotary applied) of every noisy token
+        if mode == KV:  # the loader's buffers hold the recorded keys/values (rotary applied) of every cached token
             keys[:, u], vals[:, u] = vw.rows(b, "kbuf")[:, u], vw.rows(b, "vbuf")[:, u]
         else:  # projected from the cached tokens' input rows
-            keys[:, u], vals[:, u] = noisy_kv(block, hidden[:, vw.idx_u], temb, rope, vw.idx_u)
+            keys[:, u], vals[:, u] = image_kv(block, hidden[:, vw.idx_u], temb, rope, vw.idx_u)
         keys[:, :L], vals[:, :L] = tk, tv
         keys[:, img + L], vals[:, img + L] = k, v
     else:
@@ -228,9 +209,9 @@ def masked_row(block, b: int, vw: RowView, hidden, enc, temb, rope, out, out_txt
         xi = xi.clip(-65504, 65504)
     out_txt[i] = xt[0]
     if vw.patch is not None:
-        vw.patch.put_y(b, xi[0, :n_c][vw.patch_pos])
+        vw.patch.put_y(b, xi[0, vw.patch_pos])
     if vw.needs_output[b]:
-        out[i, noisy(n)] = vw.rows(b, "y")  # cached noisy rows from the entry; computed ones overwritten below
+        out[i] = vw.rows(b, "y")  # cached rows from the entry; computed ones overwritten below
     elif not in_place:
         out[i] = hidden[0]  # cached rows are not read by the next (kv) block; keep the buffer defined
     out[i, img] = xi[0]

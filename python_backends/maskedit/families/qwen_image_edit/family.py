@@ -146,10 +146,6 @@ class QwenImageEditFamily(ModelFamily):
         pooled = np.asarray(inputs.pooled_embeds)
         return pooled.shape == (2,) and int(pooled[1]) == 0
 
-    def flop_text(self, text: int, n: int) -> int:
-        """The N reference tokens are computed in every mode, like the text."""
-        return text + n
-
     def cache_hooks(self, denoiser):
         from .cache import QwenEditCacheHooks
 

@@ -31,6 +31,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint import (calcu
 from diffusers.utils.torch_utils import randn_tensor
 
 from ...schedule import first_step
+from ..latent_blend import initial_latents
 
 PIPELINE_AREA_SIDE = 1024  # the stock pipeline's area is always 1024 x 1024 pixels
 
@@ -87,17 +88,14 @@ def prepare_tensors(pipe, scheduler_config: dict, image: torch.Tensor, mask: tor
     image_latents = torch.cat([image_latents], dim=0).transpose(1, 2)  # [1, 1, z, lh, lw]
     shape = (1, 1, z, lh, lw)
     noise = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
-    latents = scheduler.scale_noise(image_latents, t0, noise)
-    pack = lambda x: pipe._pack_latents(x, 1, z, lh, lw)  # noqa: E731
-    noise_p, latents_p, image_p = pack(noise), pack(latents), pack(image_latents)
+    own = None
     if seed != template_seed and token_mask.any():
         own_gen = torch.Generator("cpu").manual_seed(seed)
         vae = pipe.vae
         randn_tensor((1, z, 1, lh, lw), generator=own_gen, device=vae.device, dtype=vae.dtype)  # the VAE's draw
         own = randn_tensor(shape, generator=own_gen, device=torch.device(device), dtype=dtype)
-        rows = torch.from_numpy(np.flatnonzero(token_mask)).to(noise_p.device)
-        noise_p[:, rows] = pack(own)[:, rows]
-        latents_p[:, rows] = pack(scheduler.scale_noise(image_latents, t0, own))[:, rows]
+    pack = lambda x: pipe._pack_latents(x, 1, z, lh, lw)  # noqa: E731
+    latents_p, noise_p, image_p = initial_latents(scheduler, t0, image_latents, noise, pack, token_mask, own)
     # prepare_mask_latents on latents-shaped input (its "masked image" already latent: not encoded).
     m, _ = pipe.prepare_mask_latents(mask, torch.zeros(1, z, 1, lh, lw), 1, z, 1, h, w, dtype, device, None)
     return {"latents": latents_p, "cond": torch.cat([image_p, noise_p, m], dim=-1)}

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from ...errors import InvalidInput
-from .. import per_row
+from ..latent_blend import step_and_blend
+from ..per_row import per_row
 from .prepare import make_scheduler, split_cond
-
-_ROWWISE = "_maskedit_qwen_rowwise"
 
 
 @dataclass
@@ -64,7 +63,7 @@ def guided(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
 def rowwise_modulation(tr) -> None:
     """The timestep embedding, every block's modulation layers and the output norm, per batch row (``per_row``)."""
     mods = [m for b in tr.transformer_blocks for m in (b.img_mod, b.txt_mod)]
-    per_row.attach(tr, [tr.time_text_embed, *mods, tr.norm_out], _ROWWISE)
+    per_row(tr, [tr.time_text_embed, *mods, tr.norm_out])
 
 
 @torch.no_grad()
@@ -92,11 +91,4 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
         neg = call(torch.cat([j.tensors.negative_embeds for j in group], dim=0))
     for i, (job, t) in enumerate(zip(group, timesteps)):
         p = pred[i:i + 1] if neg is None else guided(pred[i:i + 1], neg[i:i + 1], job.inputs.guidance)
-        stepped = job.scheduler.step(p, t, job.latents, return_dict=False)[0]
-        image_latents, noise, m = split_cond(job.tensors.cond, c)
-        proper = image_latents
-        ts = job.scheduler.timesteps
-        if job.step_index < len(ts) - 1:
-            proper = job.scheduler.scale_noise(image_latents, ts[job.step_index + 1].reshape(1), noise)
-        job.latents = (1 - m) * proper + m * stepped
-        job.step_index += 1
+        step_and_blend(job, p, t, *split_cond(job.tensors.cond, c))

@@ -9,6 +9,8 @@ from PIL import Image
 from maskedit import imaging
 from maskedit.families.flux2_klein import Flux2KleinFamily
 
+from .cache_util import run_cached
+
 MAX_SEQ = 64
 
 
@@ -76,6 +78,15 @@ def run(family, run_, jobs, ctx_for=None):
             if ctx is not None and hasattr(ctx, "after"):
                 ctx.after()
     return [j.latents for j in jobs]
+
+
+def cached(family, pipe, runtime, j):
+    """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
+    return run_cached(family, runner(pipe), runtime, j)
+
+
+def plain(family, pipe, j):
+    return run(family, runner(pipe), [j])[0]
 
 
 def stock(pipe, img, mask, prompt, seed, steps, output_type):

@@ -19,3 +19,25 @@ def denoise_with_reuse(family, run_, jobs: list, policies: list) -> list:
             family.step(run_, jobs, ctx)
             temporal.commit(ctx, jobs)
     return jobs
+
+
+def cached_with_reuse(family, run_, runtime, jobs: list, policies: list, key: str, register: bool = False) -> list:
+    """``jobs`` on cache key ``key`` through the cache ``runtime`` and with their temporal ``policies``, stepped
+    together as the runner drives them (the loader told which rows a reusing hit skips)."""
+    run_.family = family
+    hooks = lambda: family.temporal_hooks(run_.transformer)  # noqa: E731
+    for j, p in zip(jobs, policies):
+        j.inputs.cache_key, j.inputs.register, j.inputs.temporal, j.temporal = key, register, p, None
+        family.prepare_job(run_, j)
+        runtime.admit(j)
+        temporal.admit(run_, j)
+    with torch.no_grad():
+        while jobs[0].step_index < jobs[0].steps:
+            ctx = temporal.attach(runtime.context(jobs, temporal.loads(jobs, hooks())), jobs, hooks)
+            family.step(run_, jobs, ctx)
+            temporal.commit(ctx, jobs)
+            runtime.after_step(jobs)
+    for j in jobs:
+        runtime.finish(j, True)
+    runtime.flush()
+    return jobs

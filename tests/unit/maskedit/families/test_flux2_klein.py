@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein import prepare as P
@@ -72,3 +73,32 @@ def test_base_model_guidance_is_refused(model):
             prepared(family, pipe, template(), box_mask(), params(guidance=4.0))
     finally:
         pipe.register_to_config(is_distilled=True)
+
+
+def _with_references(family, pipe, img, mask, p, refs):
+    from .klein_util import settings
+
+    prep, tokens = prepared(family, pipe, img, mask, p)
+    j = job(prep, tokens, img.size[0], img.size[1], p.steps)
+    rows, grids = family.prepare_references(pipe, refs, img.size[0], img.size[1], settings())
+    j.inputs.reference, j.inputs.reference_grids = rows.numpy(), grids
+    return j
+
+
+@pytest.mark.parametrize("n_refs", [1, 2])
+def test_reference_images_equal_the_stock_pipeline_batched(model, n_refs):
+    """Requests with reference images (the stock pipeline's ``image_reference`` list, after the template's own
+    latents: position times 20, 30, ...) batched in every call, each equal to the stock pipeline's result."""
+    family, pipe = model
+    img, mask = template(seed=1), box_mask()
+    refs = [template(seed=20 + k) for k in range(n_refs)]
+    cases = ((3, "a red hat"), (7, "a blue shirt"))
+    jobs = [_with_references(family, pipe, img, mask, params(prompt, seed=seed, steps=STEPS), refs)
+            for seed, prompt in cases]
+    out = run(family, runner(pipe), jobs)
+    assert jobs[0].tensors.img_ids.shape[0] == (2 + n_refs) * 256
+    for latents, (seed, prompt) in zip(out, cases):
+        ref = pipe(prompt=prompt, image=img, image_reference=refs, mask_image=Image.fromarray(mask),
+                   num_inference_steps=STEPS, strength=1.0, guidance_scale=1.0, max_sequence_length=64,
+                   generator=torch.Generator("cpu").manual_seed(seed), output_type="latent").images
+        assert torch.equal(P.vae_latents(pipe, latents, 256, 256), ref)

@@ -11,13 +11,12 @@ from skimage.metrics import structural_similarity
 from maskedit.cache.modes import FULL, StepContext
 from maskedit.cache.rows import Recorder, RowView
 from maskedit.cache.runtime import CacheRuntime
-from maskedit.cache.store import ActivationStore
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.cache import Flux2KleinCacheHooks
 from maskedit.families.flux2_klein.tiny import build
-from maskedit_lab.harness.baselines import cache_policy
 
-from .klein_util import box_mask, job, load, params, prepared, run, runner, template
+from .cache_util import policy_runtimes
+from .klein_util import box_mask, cached, job, load, params, plain, prepared, run, runner, template
 
 STEPS = 3
 _keys = itertools.count()
@@ -28,18 +27,8 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("klein-cache")
     model = build(d / "tiny", "klein-tiny", seed=0)
     family, pipe = Flux2KleinFamily(model), load(model)
-    store = ActivationStore(d / "mem", d / "disk", 1 << 30, 1 << 30)
-    hooks = family.cache_hooks(pipe.transformer)
-    runtimes = {}
-
-    def rt(policy):
-        if policy not in runtimes:
-            runtimes[policy] = CacheRuntime(hooks, store, policy=cache_policy(policy))
-        return runtimes[policy]
-
-    yield family, pipe, rt
-    for r in runtimes.values():
-        r.close()
+    with policy_runtimes(family.cache_hooks(pipe.transformer), d) as rt:
+        yield family, pipe, rt
 
 
 def make(family, pipe, img, mask, key=None, register=False, seed=0):
@@ -47,24 +36,6 @@ def make(family, pipe, img, mask, key=None, register=False, seed=0):
     j = job(prep, tokens, img.size[0], img.size[1], STEPS)
     j.inputs.cache_key, j.inputs.register = key, register
     return j
-
-
-def cached(family, pipe, runtime, j):
-    """``j`` denoised with ``runtime`` deciding, loading and recording, as the engine drives it."""
-    r = runner(pipe)
-    family.prepare_job(r, j)
-    runtime.admit(j)
-    with torch.no_grad():
-        while j.step_index < j.steps:
-            family.step(r, [j], runtime.context([j]))
-            runtime.after_step([j])
-    runtime.finish(j, True)
-    runtime.flush()
-    return j.latents
-
-
-def plain(family, pipe, j):
-    return run(family, runner(pipe), [j])[0]
 
 
 def test_runtime_takes_the_hooks_as_they_are(env):
@@ -84,8 +55,9 @@ def test_every_block_full_equals_the_plain_forward(env):
     img = template(seed=4)
     r = runner(pipe)
     base = [make(family, pipe, img, box_mask(), seed=s) for s in (1, 2)]
-    nb = len(Flux2KleinCacheHooks.of(pipe.transformer).blocks)
-    n, dim = base[0].inputs.latents.shape[0], pipe.transformer.inner_dim
+    hooks = Flux2KleinCacheHooks.of(pipe.transformer)
+    nb = len(hooks.blocks)
+    n, dim = hooks.cache_mask(base[0].inputs).size, pipe.transformer.inner_dim  # noisy and reference rows
     rec = Recorder(STEPS, n, dim, dim, list(range(nb)), list(range(nb)))
     ctx_for = lambda js: StepContext([RowView(modes=[FULL] * nb, recorder=rec), None])  # noqa: E731
     hooked = run(family, r, base, ctx_for)
@@ -160,3 +132,154 @@ def test_hit_and_uncached_request_share_a_call(env):
     for j in (a, other):
         runtime.finish(j, True)
     assert torch.equal(a.latents, alone) and torch.equal(other.latents, other_alone)
+
+
+# -- reference rows (docs/caching.md "Reference rows"): the reference tokens' rows are recorded and reused ---------
+
+def _register(family, pipe, runtime, img, key, mask=None):
+    j = make(family, pipe, img, np.zeros((256, 256), np.uint8) if mask is None else mask, key, register=mask is None)
+    cached(family, pipe, runtime, j)
+    return j
+
+
+def test_entry_holds_reference_rows_and_a_hit_computes_only_masked_tokens(env):
+    """Entries hold N noisy + N reference rows per block; a hit takes every reference row from the entry and computes
+    its masked noisy tokens only (before reference rows, a hit computed all N reference tokens at every step)."""
+    family, pipe, rt = env
+    img, key = template(seed=20), "refs-layout"
+    runtime = rt("planner")
+    reg = _register(family, pipe, runtime, img, key)
+    n = reg.inputs.latents.shape[0]
+    entry = runtime.store.open(key, count=False)
+    assert entry.meta["tokens"] == 2 * n and entry.meta["reference_tokens"] == n
+    assert entry.arrays["y"].shape[2] == 2 * n and np.asarray(entry.arrays["valid"]).all()
+    j = make(family, pipe, img, box_mask(), key, seed=3)
+    cached(family, pipe, rt("all_kv"), j)
+    masked = np.flatnonzero(j.inputs.token_mask)
+    assert j.cache.status == "hit"
+    assert np.array_equal(j.cache.idx_c.numpy(), masked)  # the masked noisy tokens, nothing else
+    assert set(range(n, 2 * n)) <= set(j.cache.idx_u.tolist())  # every reference row from the entry
+    assert j.cache.info()["computed_tokens"] == masked.size
+
+
+def test_the_planner_plans_over_noisy_and_reference_rows(env):
+    from maskedit.cache.policy import BlockPolicy
+
+    seen = []
+
+    class Spy(BlockPolicy):
+        def plan(self, p):
+            seen.append(p)
+            return super().plan(p)
+
+    family, pipe, rt = env
+    img, key = template(seed=21), "refs-plan"
+    store = rt("planner").store
+    _register(family, pipe, rt("planner"), img, key)
+    runtime = CacheRuntime(Flux2KleinCacheHooks.of(pipe.transformer), store,
+                           policy=Spy("planner", rt("planner").block_policy.cost))
+    try:
+        j = make(family, pipe, img, box_mask(), key, seed=4)
+        cached(family, pipe, runtime, j)
+    finally:
+        runtime.close()
+    n = j.inputs.latents.shape[0]
+    assert seen and seen[0].n == 2 * n and seen[0].c == int(j.inputs.token_mask.sum())
+
+
+def test_reference_rows_count_in_the_recording_budget(env):
+    """A budget of exactly every block's output rows (noisy and reference) records them all and no keys/values: with
+    N rows per block in the accounting, half of it would have been left for keys/values."""
+    family, pipe, rt = env
+    img, key = template(seed=22), "refs-budget"
+    hooks = Flux2KleinCacheHooks.of(pipe.transformer)
+    j = make(family, pipe, img, np.zeros((256, 256), np.uint8), key, register=True)
+    per_block = hooks.block_bytes(j.inputs, 4)
+    assert per_block[0] == STEPS * 2 * j.inputs.latents.shape[0] * hooks.dim * 4
+    runtime = CacheRuntime(hooks, rt("planner").store, budget_bytes=sum(per_block))
+    try:
+        cached(family, pipe, runtime, j)
+    finally:
+        runtime.close()
+    meta = rt("planner").store.open(key, count=False).meta
+    assert meta["y_blocks"] == list(range(len(hooks.blocks))) and meta["kv_blocks"] == []
+
+
+def test_a_corrupt_reference_row_is_caught_where_it_is_read(env, monkeypatch):
+    """A byte of a reference row flipped in place (times restored): the loader's checksum over the block's rows
+    catches it before the rows reach a computation; the entry is discarded."""
+    import os
+
+    from maskedit.cache import entry_file
+    from maskedit.cache.integrity import CorruptEntry
+
+    monkeypatch.setattr(entry_file, "SMALL_BYTES", 4096)  # rows are verified by the loader, not at open
+    family, pipe, rt = env
+    img, key = template(seed=23), "refs-corrupt"
+    runtime = rt("all_kv")
+    reg = _register(family, pipe, rt("planner"), img, key)
+    n = reg.inputs.latents.shape[0]
+    entry = runtime.store.open(key, count=False)
+    path, st = entry.path, entry.path.stat()
+    with open(path, "r+b") as f:
+        for name in ("y", "k", "v"):
+            a = entry.arrays[name]
+            for b in range(a.shape[1]):
+                row = a[0, b, n + 5]  # a reference token's row at the first step
+                off = int(row.ctypes.data - entry.mapping.ctypes.data)
+                f.seek(off)
+                f.write(bytes([entry.mapping[off] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = runtime.store.stats.corrupt
+    j = make(family, pipe, img, box_mask(), key, seed=5)
+    with pytest.raises(CorruptEntry):
+        cached(family, pipe, runtime, j)
+    runtime.corrupt(j, CorruptEntry("test", j.cache.entry))
+    assert runtime.store.stats.corrupt == before + 1 and runtime.store.open(key, count=False) is None
+
+
+def test_a_heal_keeps_the_reference_rows(env):
+    """A template run that was an edit leaves its masked tokens invalid (references valid); a hit elsewhere heals
+    them: the healed entry is valid everywhere and its reference rows are the ones recorded."""
+    family, pipe, rt = env
+    img, key = template(seed=24), "refs-heal"
+    runtime = rt("planner")
+    first = _register(family, pipe, runtime, img, key, mask=box_mask(box=(0, 0, 96, 96)))
+    n = first.inputs.latents.shape[0]
+    old = runtime.store.open(key, count=False)
+    valid = np.asarray(old.arrays["valid"], bool).copy()
+    assert not valid[:n].all() and valid[n:].all()
+    ref_rows = old.tensor("y")[:, :, n:].clone()
+    j = make(family, pipe, img, box_mask(box=(160, 160, 256, 256)), key, seed=6)
+    cached(family, pipe, runtime, j)
+    assert j.cache.status == "hit" and j.cache.info()["healed_tokens"] == int((~valid).sum())
+    healed = runtime.store.open(key, count=False)
+    assert np.asarray(healed.arrays["valid"], bool).all()
+    assert torch.equal(healed.tensor("y")[:, :, n:], ref_rows)
+
+
+def test_reference_images_are_reference_rows_too(env):
+    """With a reference image beside the template, entries hold N + N + N rows; the repeated request is exact."""
+    from .klein_util import settings
+
+    family, pipe, rt = env
+    img, mask, key = template(seed=25), box_mask(), "refs-images"
+    refs = [template(seed=26)]
+
+    def with_refs(j):
+        rows, grids = family.prepare_references(pipe, refs, 256, 256, settings())
+        j.inputs.reference, j.inputs.reference_grids = rows.numpy(), grids
+        return j
+
+    first = with_refs(make(family, pipe, img, mask, key))
+    recorded = cached(family, pipe, rt("planner"), first)
+    n = first.inputs.latents.shape[0]
+    assert rt("planner").store.open(key, count=False).meta["tokens"] == 3 * n
+    assert torch.equal(recorded, plain(family, pipe, with_refs(make(family, pipe, img, mask))))
+    again = with_refs(make(family, pipe, img, mask, key))
+    assert torch.equal(cached(family, pipe, rt("all_kv"), again), recorded)
+    assert again.cache.status == "hit" and again.cache.info()["computed_tokens"] == int(mask_tokens(again))
+
+
+def mask_tokens(j):
+    return np.asarray(j.inputs.token_mask).sum()

@@ -7,12 +7,11 @@ tensor, which the hook's tail residual does not expect; the Flux Fill tests hold
 import pytest
 import torch
 
-from maskedit import temporal
 from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.tiny import build
 
 from .klein_util import box_mask, job, load, params, prepared, runner, template
-from .temporal_util import denoise_with_reuse
+from .temporal_util import cached_with_reuse, denoise_with_reuse
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -51,8 +50,9 @@ def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
 
 
 def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model, tmp_path):
-    """A hit (its computed noisy tokens and the reference tokens are what its residuals cover) with a step mask,
-    alone and beside a hit without reuse in one call; threshold 0 equals the hit without reuse bit for bit."""
+    """A hit (its masked noisy tokens are what it computes and its residuals cover: the reference rows come from its
+    entry) with a step mask, alone and beside a hit without reuse in one call; threshold 0 equals the hit without
+    reuse bit for bit."""
     from maskedit.cache.runtime import CacheRuntime
     from maskedit.cache.store import ActivationStore
 
@@ -60,31 +60,16 @@ def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model
     rt = CacheRuntime(family.cache_hooks(pipe.transformer),
                       ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30))
     r = runner(pipe)
-    r.family = family
 
     def cached(policies, register=False):
-        jobs = [job(prep, tokens, 256, 256, STEPS) for _ in policies]
-        for j, p in zip(jobs, policies):
-            j.inputs.cache_key, j.inputs.register, j.inputs.temporal, j.temporal = "klein-t", register, p, None
-            family.prepare_job(r, j)
-            rt.admit(j)
-            temporal.admit(r, j)
-        with torch.no_grad():
-            while jobs[0].step_index < STEPS:
-                ctx = rt.context(jobs, temporal.loads(jobs, family.temporal_hooks(pipe.transformer)))
-                ctx = temporal.attach(ctx, jobs, lambda: family.temporal_hooks(pipe.transformer))
-                family.step(r, jobs, ctx)
-                temporal.commit(ctx, jobs)
-                rt.after_step(jobs)
-        for j in jobs:
-            rt.finish(j, True)
-        rt.flush()
-        return jobs
+        return cached_with_reuse(family, r, rt, [job(prep, tokens, 256, 256, STEPS) for _ in policies], policies,
+                                 "klein-t", register)
 
     try:
         cached([MASK], register=True)
         (hit,), (zero,), (reused,) = cached([None]), cached([{"policy": "fbcache", "threshold": 0}]), cached([MASK])
         assert hit.cache.status == reused.cache.status == "hit"
+        assert int(reused.cache.idx_c.numel()) == int(reused.inputs.token_mask.sum())  # reference rows cached
         assert torch.equal(zero.latents, hit.latents)
         assert reused.temporal.info()["temporal_steps"] == "CCRCRR" and not torch.equal(reused.latents, hit.latents)
         both = cached([None, MASK])

@@ -28,6 +28,20 @@ def test_the_tiny_models_profile_carries_its_blocks_to_the_router(settings, tmp_
         b.close()
 
 
+def test_a_reference_row_models_profile_counts_its_reference_tokens(tmp_path):
+    """FLUX.1 Kontext's blocks see 256 noisy + 256 reference tokens, all of them rows a hit plans over."""
+    from maskedit.build_model import build as build_model
+
+    model = build_model(tmp_path / "model", "kontext-tiny")
+    out = tmp_path / "profile.json"
+    calibrate.main(["--model-dir", str(model), "--steps", "2", "--out", str(out)])
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["blocks"] == [["dual", 2, 512, 32], ["single", 2, 512, 32]] and meta["grid_tokens"] == 256
+    assert meta["reference_tokens"] == 256
+    est = Estimator(CostModel.load_file(out))  # a hit's masked tokens are a share of the image tokens only
+    assert est.reference == 1.0 and est.blocks[0][2] == 2.0
+
+
 def test_one_step_is_refused_by_name_it_would_time_nothing(capsys):
     """One step is the warm-up only: the profile came out with no block time at all (found by the device dry run)."""
     with pytest.raises(SystemExit):

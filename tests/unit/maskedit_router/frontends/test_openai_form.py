@@ -139,6 +139,18 @@ def test_control_errors_name_the_form_field(change, param):
     assert e.value.param == param and e.value.status == 400
 
 
+def test_images_after_the_first_are_reference_images():
+    """``image[]`` with several images (as the OpenAI SDK sends a list): the first is the template, the rest the
+    in-context edit model's reference images; the server's errors about them name ``image``."""
+    from maskedit_router.frontends.openai_form import PARAM_OF_TENSOR
+
+    a, b = png(np.zeros((32, 32, 3), np.uint8)), png(np.full((32, 32, 3), 255, np.uint8))
+    job = parse(_form(image=None, **{"image[]": [TPL, a, b]}), ["edit"])
+    assert job.image == TPL and job.reference_images == [a, b]
+    assert parse(_form(), ["edit"]).reference_images == []
+    assert PARAM_OF_TENSOR["REFERENCE_IMAGES"] == "image"
+
+
 def _as_openai_sends(extra: dict) -> dict:
     """``extra_body`` as the openai package puts it into a multipart form (its own serializer), read back as the
     endpoint's ``read_form`` reads it: a field sent more than once as a list of its values."""
