@@ -29,7 +29,10 @@ ENV MASKEDIT_PYTHONPATH=/opt/maskedit/python_backends:/opt/maskedit/common:/opt/
 
 EXPOSE 8000 8001 8002
 # The header patterns: the endpoint picker's tenant headers reach fair share (maskedit_common.tenant_wire).
+# --disable-auto-complete-config as the launcher: every config.pbtxt is complete, and without it the Python backend
+# starts one more stub per model only to ask it for a config (torch and the pipeline imported twice per load).
 CMD ["tritonserver", "--model-repository=/opt/maskedit/model_repository_gpu", "--strict-readiness=true", \
+     "--disable-auto-complete-config", \
      "--backend-config=python,shm-default-byte-size=16777216", \
      "--backend-config=python,shm-growth-byte-size=16777216", \
      "--grpc-header-forward-pattern=^x-maskedit-tenant(-weight)?$", \

@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -40,7 +40,7 @@ ROUTER_HTTP_PORT ?= 7002
 OPENAI_PORT ?= 7003
 ROUTER_POLICY ?= predicted
 # Both exec the server in make's own shell (no sub-make): Ctrl-C stops it cleanly, with nothing else to report.
-CLUSTER = $(PY) -m maskedit_lab.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
+CLUSTER = $(PY) -m maskedit_lab.harness.cluster --instances $${INSTANCES:-2} --port $(ROUTER_GRPC_PORT) \
 	  --http-port $(ROUTER_HTTP_PORT) --openai-port $(OPENAI_PORT) --policy $(ROUTER_POLICY)
 serve: model
 	@$(PY) -m maskedit.samples out  # the docs' example inputs: out/template.png, out/mask_*.png, out/edges.png
@@ -70,6 +70,13 @@ render-gpu: $(STAMP)
 clean:
 	rm -rf out build
 
+# The GPU machine's scripts on this CPU (docs/gpu.md, "The dry run"): tiny presets, one step, results under $(DRY_OUT).
+DRY_OUT ?= out/device-dry-run
+device-dry-run: model
+	OUT=$(DRY_OUT) PYTHON=$(abspath $(PY)) bash tools/device/gpu_check.sh --dry-run $${MODES:-tests calibrate bench unet serving}
+	PYTHON=$(abspath $(PY)) bash tools/device/triton_pack.sh --dry-run
+	bash tools/device/wheels.sh --dry-run
+
 calibrate: $(STAMP)
 	$(VENV)/bin/maskedit-calibrate
 
@@ -90,7 +97,7 @@ bench-temporal: $(STAMP)
 # LoRA adapters (docs/lora.md, Benchmark): base, warm, cold, naive stock Diffusers, mixed vs same-adapter batches on
 # the bench preset, and the adapter path at FLUX.1 widths -> perf_profiles/results/addons.json / .png
 bench-addons: $(STAMP)
-	$(PY) -m maskedit_lab.bench_addons $(ARGS)
+	$(PY) -m maskedit_lab.addons.bench_addons $(ARGS)
 
 router-sim: $(STAMP)
 	$(VENV)/bin/maskedit-router-sim $(ARGS)
@@ -98,9 +105,10 @@ router-sim: $(STAMP)
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate $(ARGS)
 
-# The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.triton_emulator, docs/router.md).
+# The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.routing.triton_emulator,
+# docs/router.md).
 router-scale: $(STAMP)
-	$(PY) -m maskedit_lab.router_scale $(ARGS)
+	$(PY) -m maskedit_lab.routing.scale $(ARGS)
 
 serve-cluster: model
 	@$(PY) -m maskedit.samples out

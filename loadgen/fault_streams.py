@@ -4,9 +4,9 @@ process that then dies) while normal traffic runs, and compares that traffic's P
     python -m loadgen.fault_streams                     # 2 instances + the router; JSON in perf_profiles/results
     python -m loadgen.fault_streams --streams 500 --rate 2 --duration 40
 
-Before the router served streams as coroutines (``maskedit_router.aio``), 64 idle streams took its 64 threads: a new
-request waited 20 s, neither served nor refused. Target: the loaded P95 within 1.5x the quiet one, nothing lost,
-no errors, and the dead client's streams freed (the router's open-stream count back where it was) within seconds.
+Before the router served streams as coroutines (``maskedit_router.proxy.aio``), 64 idle streams took its 64 threads: a
+new request waited 20 s, neither served nor refused. Target: the loaded P95 within 1.5x the quiet one, nothing lost, no
+errors, and the dead client's streams freed (the router's open-stream count back where it was) within seconds.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from .topology import running_topology
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 
 
-SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/server.py, maskedit/admission.py)
+SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/proxy/server.py, maskedit/admission.py)
     ("router_admission", re.compile(r"no backend can admit it")),  # the router, at once: every backend's queue full
     ("router_timeout", re.compile(r"refused by the router")),  # the router, for a request left waiting at a backend
     ("router_inflight", re.compile(r"in flight|in-flight limit")),  # the router's in-flight limits

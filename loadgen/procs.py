@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from maskedit_lab.supervisor import group_members
+from maskedit_lab.harness.supervisor import group_members
 
 SHM = Path("/dev/shm")
 __all__ = ["group_members", "label", "rss_by_process", "mapped_rss", "store_rss_by_process", "shm_regions",

@@ -20,8 +20,8 @@ from pathlib import Path
 from maskedit import admission
 from maskedit.launcher import free_port
 from maskedit_common.settings import load_settings
-from maskedit_lab.cluster import backend_env, running_backends
-from maskedit_lab.supervisor import Supervisor
+from maskedit_lab.harness.cluster import backend_env, running_backends
+from maskedit_lab.harness.supervisor import Supervisor
 
 from . import procs
 

@@ -3,8 +3,9 @@
 Every Triton we start with a backend key (``MASKEDIT_BACKEND_KEY_FILE``) is given
 ``--grpc-restricted-protocol`` / ``--http-restricted-api`` for every endpoint group but ``health``: a call without
 the secret in a header is refused by Triton itself, before any model sees it. The router adds the header to every
-call it makes on a backend (``maskedit_router.backend``), the endpoint picker sets it on what the gateway sends to a
-pod (``maskedit_router.picker``), and the launchers generate a key whenever API keys are on (``maskedit_lab.cluster``).
+call it makes on a backend (``maskedit_router.proxy.backend``), the endpoint picker sets it on what the gateway sends
+to a pod (``maskedit_router.gateway.picker``), and the launchers generate a key whenever API keys are on
+(``maskedit_lab.harness.cluster``).
 
 Tried on the wheel's tritonserver 2.51: HTTP expects the header as named (any case) and answers 403
 ``This API is restricted, expecting header 'x-maskedit-backend-key'``; gRPC expects it under Triton's prefix,

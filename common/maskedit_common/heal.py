@@ -1,6 +1,6 @@
 """The rules of an entry's invalid tokens (the ones its template run edited, which hold that edit, not the
 template) and of healing them: pure functions shared by the engine (``maskedit.cache.decision`` / ``runtime``)
-and the router's simulator (``maskedit_lab.router_sim``), so the simulator computes and heals exactly what the
+and the router's simulator (``maskedit_lab.routing.sim``), so the simulator computes and heals exactly what the
 engine does. Arguments are per image token, bool: a Flux token, or a UNet's latent pixel.
 
 A UNet's blocks at level ``l`` see the latent grid halved ``l`` times: one of their tokens covers a cell of

@@ -1,6 +1,6 @@
 """Every input of an edit, declared once: name, type, default and limits. The Triton ensemble's inputs are
 generated from it (``maskedit.repository``), the server parses requests with it (``maskedit.params``), the OpenAI
-endpoint reads its form fields by it (``maskedit_router.openai_form``), and a test holds the Python client's
+endpoint reads its form fields by it (``maskedit_router.frontends.openai_form``), and a test holds the Python client's
 arguments to it (the client ships without server code, so it cannot import this module).
 
 A limit is a number, or the name of a ``Settings`` attribute that sets it per deployment (``max_steps``).

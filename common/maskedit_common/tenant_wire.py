@@ -1,5 +1,5 @@
 """How a request's tenant travels from whoever checked its API key to the backend's fair-share queue: the names both
-sides use (``maskedit_router.tenancy`` / ``picker`` write them, ``maskedit.fair_share`` reads them).
+sides use (``maskedit_router.access.tenancy`` / ``picker`` write them, ``maskedit.fair_share`` reads them).
 
 Two channels, one per path:
 - the router forwards a ``ModelInferRequest`` itself, so it sets request **parameters** (``PARAMS``);

@@ -1,19 +1,23 @@
 """The lab: baselines, benchmarks, calibration, validation, simulators and dev tools that measure or drive the
 service, kept apart from the serving packages (it may import all of them; none of them imports it).
 
-- ``baselines``: the benchmarks' baselines, composed from the serving classes (fixed cache policies, the inline
-  row loader, one transformer call per resolution, pre/post-processing on the loop thread);
-- ``harness``: an in-process model, store and template for ``calibrate`` (the cost-model profile),
-  ``bench_engine`` and ``bench_batching``; ``kernel_ceiling``: what stock kernels alone reach;
-- ``stock``: what a user runs today — stock Diffusers ``FluxFillPipeline``, one request at a time — and its thin
-  Triton model, the baseline of the serving benchmark; ``bench_serving``: the service against that baseline and
-  its own scheduling baselines under open-loop load;
-- ``router_sim``: the routing policies on the production trace at scale, over ``router_sim_cluster``'s simulated
-  workers (the engine's own heal rules, ``maskedit_common.heal``); ``router_validate``: the simulator checked against
-  real instances, ``router_validate_replay`` its replay of a measured run;
-- ``cluster``: N local Triton instances (the backend's launcher) behind the router, ``make serve INSTANCES=N``;
-  ``supervisor``: restarts an instance that dies. They start both sides, so they sit above both, here: the router
-  package is only the service that is deployed, and imports nothing of the backend.
+Rooms by subject, each importing only those below it (``.importlinter``; docs/architecture.md):
+
+- ``engine``: what measures the engine in one process — ``bench_engine`` (mask-aware caching against full
+  computation), ``calibrate`` (the cost-model profile the planner and the router use), ``bench_temporal``,
+  ``strength_cache``, ``kernel_ceiling`` and ``unet_costs`` (what stock kernels allow), ``engine_drift`` (a rerun
+  against the committed figures), ``qwen_encoder_cost``;
+- ``addons``: LoRA adapters and ControlNets against the base edit and stock Diffusers — ``bench_addons``,
+  ``bench_controlnet*``, ``lora_load`` (the router's cold-load constant), ``lora_early_start``, ``lora_base_reuse``;
+- ``serving``: the served system under load — ``bench_serving`` against ``stock`` (stock Diffusers as a thin Triton
+  model, what a user of the Triton tutorials runs), ``bench_batching`` (static vs continuous batching);
+- ``routing``: the router beyond this machine — ``sim`` over ``sim_cluster``'s simulated workers, ``validate``
+  (the simulator against real instances, ``validate_replay`` its replay), ``scale`` (the real router in front of
+  ``triton_emulator``'s emulated instances);
+- ``harness``: what the others share — ``in_process`` (a model, store and template in one process),
+  ``baselines`` (composed from the serving classes), ``edit_quality``, and ``cluster`` (N local Triton instances
+  behind the router, ``make serve INSTANCES=N``) with its ``supervisor``. The cluster starts both sides, so it sits
+  here, above both: the router package is only the service that is deployed, and imports nothing of the backend.
 
 The lab runs from a source checkout: its results go under ``REPO_ROOT`` (``perf_profiles/results``, ``out/``).
 """

@@ -9,7 +9,7 @@ names, which on that path only the client could have written. A request with nei
 probe) belongs to the unnamed tenant ``""`` with weight 1, so a flood that bypasses the router shares one tenant's
 place too.
 
-- **Order**: start-time fair queueing, as the router's own queue (``maskedit_router.tenancy.FairQueue``): each
+- **Order**: start-time fair queueing, as the router's own queue (``maskedit_router.access.tenancy.FairQueue``): each
   request of a tenant of weight w gets a virtual finish tag 1/w past the larger of the tenant's previous tag and the
   queue's virtual time (the start tag of the last request admitted). The scheduler admits the smallest tag first
   among requests of equal slack, so a tenant that floods waits behind its own requests; within a tenant the tags

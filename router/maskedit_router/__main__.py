@@ -24,20 +24,21 @@ from maskedit_common.cost_model import CostModel
 from maskedit_common.logs import JsonFormatter
 from maskedit_common.settings import SERVING_DEFAULTS_FILE, load_settings
 
-from . import discovery, policies
-from .admission import AdmissionWatcher
-from .auth import Keyring
-from .aio import AioServer, RouterService
-from .health import HealthChecker
-from .kserve_http import KServeHttp
-from .limits import HttpLimits, StreamLimits
-from .metrics import serve_http
-from .openai_api import OpenAIServer
-from .picker import PICKER_LIMITS, EndpointPicker, serve_picker
-from .backend import CHANNEL_OPTIONS
-from .server import Router
-from .tenancy import FairQueue
-from .tls import TlsFiles, handshake_failed
+from .access.auth import Keyring
+from .access.limits import HttpLimits, StreamLimits
+from .access.tenancy import FairQueue
+from .access.tls import TlsFiles, handshake_failed
+from .frontends.http_port import serve_http
+from .frontends.kserve_http import KServeHttp
+from .frontends.openai_api import OpenAIServer
+from .gateway.picker import PICKER_LIMITS, EndpointPicker, serve_picker
+from .placement import policies
+from .proxy import discovery
+from .proxy.admission import AdmissionWatcher
+from .proxy.aio import AioServer, RouterService
+from .proxy.backend import CHANNEL_OPTIONS
+from .proxy.health import HealthChecker
+from .proxy.server import Router
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
 
@@ -65,7 +66,7 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
-    check (``admission.py``; 0: off); ``retry_budget_s`` how long a request without a ``DEADLINE_MS`` is retried
+    check (``proxy.admission``; 0: off); ``retry_budget_s`` how long a request without a ``DEADLINE_MS`` is retried
     while no backend can take it (0: failed at once). ``load_factor`` and ``vnodes`` set ``chwbl``, ``weights``
     ``weighted`` (``policies.WeightedScorers``); ``mem_templates`` / ``disk_templates`` are the backends' store
     capacities in entries, which the router's shadow of each store uses; ``lora_load_ms`` the cold load of one LoRA
@@ -161,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--store-disk-templates", type=int, default=64, help="and its disk tier")
     ap.add_argument("--lora-load-ms", type=float, default=policies.LORA_LOAD_MS, help="predicted cold load of one "
                     "LoRA adapter on a backend the router has not recently sent it to (docs/lora.md: measured by "
-                    "`python -m maskedit_lab.lora_load`)")
+                    "`python -m maskedit_lab.addons.lora_load`)")
     ap.add_argument("--profile", type=Path, help="cost-model profile (default: MASKEDIT_COST_PROFILE, else the served "
                     "model's profile in MASKEDIT_PROFILES_DIR, else the benchmark model's CPU profile)")
     ap.add_argument("--resolution", type=int, help="the served model's working resolution (default: the profiled "

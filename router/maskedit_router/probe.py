@@ -14,8 +14,8 @@ from pathlib import Path
 from maskedit_common import backend_guard
 from maskedit_common.settings import load_settings
 
-from .health import probe
-from .backend import Backend
+from .proxy.backend import Backend
+from .proxy.health import probe
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from PIL import Image
 
 from maskedit import samples
 from maskedit.launcher import free_ports
-from maskedit_lab.cluster import running_router
+from maskedit_lab.harness.cluster import running_router
 from tests.doc_examples import RUN_KINDS, blocks, with_ports
 
 EXAMPLES = [b for b in blocks() if b.kind in RUN_KINDS]

@@ -16,7 +16,7 @@ from maskedit import samples
 from maskedit.build_model import build
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_lab.cluster import running_cluster
+from maskedit_lab.harness.cluster import running_cluster
 from tests.conftest import png
 
 

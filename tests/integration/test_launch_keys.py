@@ -1,6 +1,6 @@
-"""`make serve INSTANCES=2`'s path (``python -m maskedit_lab.cluster --instances 2``) with a key file in the settings,
-as a user starts it: every router port refuses a keyless caller (gRPC UNAUTHENTICATED, Triton's HTTP protocol and
-the OpenAI API 401), a caller with the key edits, and the backends, guarded by the backend key the launcher made,
+"""`make serve INSTANCES=2`'s path (``python -m maskedit_lab.harness.cluster --instances 2``) with a key file in the
+settings, as a user starts it: every router port refuses a keyless caller (gRPC UNAUTHENTICATED, Triton's HTTP protocol
+and the OpenAI API 401), a caller with the key edits, and the backends, guarded by the backend key the launcher made,
 refuse a keyless caller that goes straight to them (gRPC and HTTP) while their health stays open. The control: the
 same direct call with the backend key is served, so the refusal is the key's, not a broken backend's."""
 
@@ -34,7 +34,8 @@ def cluster(settings, tmp_path_factory):
     env = {**os.environ, "MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_API_KEYS_FILE": str(keys)}
     env.pop("MASKEDIT_BACKEND_KEY_FILE", None)
     log = open(d / "cluster.log", "w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "maskedit_lab.cluster", "--instances", "2", "--port", str(grpc_port),
+    proc = subprocess.Popen([sys.executable, "-m", "maskedit_lab.harness.cluster", "--instances", "2",
+                             "--port", str(grpc_port),
                              "--http-port", str(http_port), "--openai-port", str(openai_port), "--out", str(d / "out")],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
     try:

@@ -13,7 +13,7 @@ from PIL import Image, ImageFilter
 
 from maskedit import samples
 from maskedit.launcher import free_port
-from maskedit_lab.cluster import running_cluster
+from maskedit_lab.harness.cluster import running_cluster
 from tests.conftest import png
 from tests.integration.test_bad_input import CASES, bad_args
 

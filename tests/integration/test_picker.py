@@ -18,9 +18,9 @@ from tritonclient.grpc import service_pb2
 
 from maskedit import samples
 from maskedit_client import EditClient
-from maskedit_lab.cluster import running_cluster
-from maskedit_router.extproc_wire import read_streamed_body, with_metadata_context
-from maskedit_router.picker import EndpointPicker, serve_picker
+from maskedit_lab.harness.cluster import running_cluster
+from maskedit_router.gateway.extproc_wire import read_streamed_body, with_metadata_context
+from maskedit_router.gateway.picker import EndpointPicker, serve_picker
 from tests.conftest import png
 from tests.envoy_headers import apply_header_mutation
 
@@ -287,7 +287,7 @@ FORGED = (("x-maskedit-tenant", "vip"), ("x-maskedit-tenant-weight", "100"))
 @pytest.fixture(scope="module")
 def keyed(pool, tmp_path_factory):
     """A second picker with API keys over the same router and pods (a picker is a gRPC service: no new Triton)."""
-    from maskedit_router.auth import Keyring
+    from maskedit_router.access.auth import Keyring
 
     keys = tmp_path_factory.mktemp("picker-keys") / "keys.txt"
     keys.write_text(f"{KEY} acme user weight=2.5\n")

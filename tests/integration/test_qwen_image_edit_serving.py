@@ -18,7 +18,7 @@ from maskedit.build_model import build
 from maskedit.families import family_for
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_lab.cluster import running_cluster
+from maskedit_lab.harness.cluster import running_cluster
 from tests.conftest import png
 
 SIZE = 1024  # the pipeline works at about 1024 x 1024: a template of that size is not resized on the way back

@@ -16,9 +16,9 @@ import tritonclient.grpc as grpcclient
 from maskedit import perf_analyzer, samples
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_lab.cluster import running_cluster
-from maskedit_router.policies import POLICIES, make
-from maskedit_router.server import backend_fault
+from maskedit_lab.harness.cluster import running_cluster
+from maskedit_router.placement.policies import POLICIES, make
+from maskedit_router.proxy.server import backend_fault
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The real router process in front of emulated Triton instances (``maskedit_lab.triton_emulator``): the router
+"""The real router process in front of emulated Triton instances (``maskedit_lab.routing.triton_emulator``): the router
 finds them healthy (readiness, its health probe edit, the admission statistics it polls), forwards metadata and
 config, streams edits with progress to them and relays every response; the emulated instances take their time from
 the cost-model profile and keep a template's entry, so a repeated template comes back as a hit on the same one."""
@@ -13,10 +13,10 @@ from loadgen import workload
 from loadgen.runner import Assets
 from maskedit_client import EditClient
 from maskedit_common.cost_model import CostModel
-from maskedit_lab.router_scale import running_emulator, running_router
+from maskedit_lab.routing.scale import running_emulator, running_router
 from maskedit_router.__main__ import default_profile
-from maskedit_router.features import EditFeatures, mask_ratio
-from maskedit_router.policies import Estimator
+from maskedit_router.placement.features import EditFeatures, mask_ratio
+from maskedit_router.placement.policies import Estimator
 
 SCALE = 0.05
 
@@ -27,7 +27,7 @@ def routed(tmp_path_factory):
     profile = default_profile()
     stats = out / "stats.json"
     with running_emulator(3, profile, SCALE, out, stats=stats) as (_, addrs):
-        from maskedit_lab.triton_emulator import scaled_profile
+        from maskedit_lab.routing.triton_emulator import scaled_profile
 
         scaled = scaled_profile(profile, SCALE, out / "scaled.json")
         with running_router(addrs, scaled, out, "predicted", []) as (_, url, http_port):

@@ -19,13 +19,13 @@ from PIL import Image
 
 from maskedit.launcher import free_port
 from maskedit_client import EditClient, EditError
-from maskedit_lab.cluster import running_backends
+from maskedit_lab.harness.cluster import running_backends
 from maskedit_router.__main__ import build, serve
-from maskedit_router.auth import Keyring
-from maskedit_router.health import HealthChecker
-from maskedit_router.lora_admin import AdapterAdmin
-from maskedit_router.openai_api import OpenAIServer
-from maskedit_router.tls import TlsFiles
+from maskedit_router.access.auth import Keyring
+from maskedit_router.access.tls import TlsFiles
+from maskedit_router.frontends.lora_admin import AdapterAdmin
+from maskedit_router.frontends.openai_api import OpenAIServer
+from maskedit_router.proxy.health import HealthChecker
 from tests.conftest import png
 from tests.tls_certs import make_cert
 

@@ -37,3 +37,25 @@ def test_image_holds_the_shared_package_on_every_import_path():
     # The backend's stubs and the router both import maskedit_common: copied, installed, and on the shims' path.
     assert "COPY common ./common" in DOCKERFILE
     assert re.search(r"MASKEDIT_PYTHONPATH=\S*/opt/maskedit/common", DOCKERFILE)
+
+
+# What the launcher passes that belongs to one process on a developer's host, not to the image: where its files and
+# ports are, its shared-memory prefix (per start), its log level, metrics (the image serves GPU metrics), and its exit
+# timeout (the pod's terminationGracePeriodSeconds bounds the image's).
+LOCAL_FLAGS = ("--model-repository=", "--backend-directory=", "--http-port=", "--grpc-port=", "--metrics-port=",
+               "--http-address=", "--grpc-address=", "--backend-config=python,shm-region-prefix-name=",
+               "--log-verbose=", "--allow-metrics=", "--allow-gpu-metrics=", "--exit-timeout-secs=")
+
+
+def test_the_image_starts_tritonserver_with_the_launchers_serving_flags():
+    """A flag the launcher adds for how models load or requests are served (``--disable-auto-complete-config``, shm
+    sizes, header forwarding, readiness) is in the image's CMD too, or the container serves differently from the
+    tests."""
+    from maskedit.launcher import TritonServer
+
+    cmd = re.search(r'^CMD \[(.*?)\]$', DOCKERFILE, re.M | re.S).group(1)
+    image = set(re.findall(r'"([^"]+)"', cmd))
+    launcher = [a for a in TritonServer().command()[1:] if not a.startswith(LOCAL_FLAGS)]
+    assert "--disable-auto-complete-config" in launcher
+    missing = [a for a in launcher if a not in image]
+    assert not missing, f"the Dockerfile's tritonserver lacks the launcher's {missing}"

@@ -37,7 +37,7 @@ def test_payload_and_file_examples_parse(block):
 
         assert parse(block.text)
     else:
-        from maskedit_router.auth import parse
+        from maskedit_router.access.auth import parse
 
         assert parse(block.text, str(block.name))
 
@@ -49,7 +49,7 @@ def test_examples_write_under_out_only(block):
 
 
 def test_openai_md_lists_every_field_the_endpoint_reads():
-    from maskedit_router.openai_form import KNOWN
+    from maskedit_router.frontends.openai_form import KNOWN
 
     doc = (REPO_ROOT / "docs" / "openai.md").read_text()
     fields = doc[doc.index("## Fields"):doc.index("## The mask rule")]

@@ -8,42 +8,96 @@
 #   run(command="bash tools/device/gpu_check.sh unet", carry=[".whl"])        # SDXL-inpainting size, bf16 (issue 20)
 #   run(command="bash tools/device/gpu_check.sh serving", carry=[".whl"])     # Triton on the GPU vs stock Diffusers
 #                                                 (needs tools/device/triton_pack.sh's tritonserver in .whl/ too)
+#   run(command="bash tools/device/gpu_check.sh calibrate bench", ...)        # several modes, in order, in one call
 #
 # Then copy $OUT's profile to perf_profiles/ and its engine_<gpu>.json/.png to perf_profiles/results/.
-set -uo pipefail
+#
+#   bash tools/device/gpu_check.sh --dry-run MODE...   # (or DEVICE=cpu) the same steps and commands on this CPU
+#
+# The dry run is what keeps this script from rotting: tiny presets, one step (two where calibration needs a warm-up),
+# two calibration ratios, float32, the packages of the environment it runs in (no wheels), every file it writes
+# (models, profiles, results) under $OUT. make test runs every mode of it (tests/unit/test_device_scripts.py), so a
+# GPU run can only fail on the GPU itself. The first failing command stops the run.
+set -euo pipefail
 cd "$(dirname "$0")/../.."
+DEVICE=${DEVICE:-cuda}
+if [ "${1:-}" = "--dry-run" ]; then DEVICE=cpu; shift; fi
+MODES=("${@:-tests}")
+for mode in "${MODES[@]}"; do
+  case "$mode" in
+    tests|calibrate|bench|unet|serving) ;;
+    *) echo "usage: $0 [--dry-run] MODE... (tests, calibrate, bench, unet, serving), not '$mode'"; exit 2 ;;
+  esac
+done
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-test -f .whl/tritonserver.tar.xz && tar -C /tmp/site -xJf .whl/tritonserver.tar.xz
-export PYTHONPATH=/tmp/site:$PWD/common:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 DEVICE
+PY=${PYTHON:-python3}
+if [ "$DEVICE" = cpu ]; then
+  echo "dry run on the CPU: tiny presets, one step, this environment's packages, files under $OUT"
+  SITE=$OUT/site MODELS=$OUT/models PROFILES=$OUT/profiles DTYPE=float32
+  FLUX=tiny UNET=sdxl-tiny WIDTH=tiny STEPS=1 STEPS_UNET=1 CAL_STEPS=2 CAL_RATIOS=(--ratios 0.2 0.5) REPS=1
+  RATIOS=0.2 BUDGET_GIB=1 CROP=(--crop-template 256) REQUESTS=3 LOADS=1 TEMPLATES=1
+  SYSTEMS=(--systems diffusers service)  # the GPU run's baseline and ours (it adds the cache-policy variants)
+  mkdir -p "$SITE"
+else
+  SITE=/tmp/site MODELS=models PROFILES=$PWD/perf_profiles DTYPE=bfloat16
+  FLUX=flux-dev UNET=sdxl WIDTH=flux-width STEPS=${STEPS:-8} STEPS_UNET=${STEPS_UNET:-30} CAL_STEPS=4 REPS=2
+  CAL_RATIOS=()
+  CROP=() TEMPLATES=${TEMPLATES:-4} SYSTEMS=()
+  BUDGET_GIB=${BUDGET_GIB:-40} REQUESTS=${REQUESTS:-12} LOADS=${LOADS:-0.5 1 2 4}
+  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -2
+  if [ -f .whl/tritonserver.tar.xz ]; then tar -C "$SITE" -xJf .whl/tritonserver.tar.xz; fi
+fi
+export PYTHONPATH=$SITE:$PWD/common:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
+if [ "$DEVICE" = cpu ]; then
+  echo "cpu (dry run), $(nproc) cores" | tee "$OUT/gpu.txt"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+fi
 df -h /dev/shm | tee -a "$OUT/gpu.txt"
-test -f models/tiny-flux-fill/model_index.json || python3 -m maskedit.tiny_model models/tiny-flux-fill
-STEPS=${STEPS:-8}
-case "${1:-tests}" in
-  tests)
-    python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
-  calibrate)
-    python3 -m maskedit_lab.calibrate --preset flux-dev --device cuda --dtype bfloat16 --steps 4 \
-      --out "$OUT/cost_model_flux-dev-flux-fill_h100.json" 2>&1 | tee "$OUT/calibrate.log" ;;
-  bench)
-    cp "$OUT"/cost_model_*.json perf_profiles/ 2>/dev/null
-    python3 -m maskedit_lab.bench_engine --preset flux-dev --device cuda --dtype bfloat16 --steps "$STEPS" \
-      --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9} \
-      --out "$OUT/engine_h100.json" 2>&1 | tee "$OUT/bench.log" ;;
-  unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the issue's stock timing
-    python3 -m maskedit_lab.calibrate --preset sdxl --device cuda --dtype bfloat16 --steps 4 \
-      --out "$OUT/cost_model_sdxl_h100.json" 2>&1 | tee "$OUT/calibrate_sdxl.log"
-    cp "$OUT/cost_model_sdxl_h100.json" perf_profiles/
-    python3 -m maskedit_lab.bench_engine --preset sdxl --device cuda --dtype bfloat16 --steps "${STEPS_UNET:-30}" \
-      --reps 2 --budget-gib "${BUDGET_GIB:-40}" --ratios ${RATIOS:-0.1 0.2 0.3 0.5} \
-      --out "$OUT/engine_sdxl_h100.json" 2>&1 | tee "$OUT/bench_sdxl.log" ;;
-  serving)
-    python3 -m maskedit.tiny_model models/flux-width-flux-fill --preset flux-width
-    python3 -m maskedit_lab.bench_serving --preset flux-width --device cuda --dtype bfloat16 --steps "$STEPS" \
-      --requests "${REQUESTS:-12}" --loads ${LOADS:-0.5 1 2 4} --out "$OUT/serving_h100.json" 2>&1 | tee "$OUT/serving.log" ;;
-  *) echo "usage: $0 tests|calibrate|bench|unet|serving"; exit 2 ;;
-esac
+# The versions; the GPU's name in file names (h100, h200, ...; cpu), as the cost profiles name it; where each preset's
+# model is (the lab's commands build it there if missing): $MODELS/<its family's directory for it>, as their defaults.
+names=$("$PY" -c "import sys, torch, diffusers
+from maskedit.cache.cost_model import device_slug
+from maskedit.families import preset_family as f
+print('torch', torch.__version__, 'diffusers', diffusers.__version__)
+print(device_slug(sys.argv[1]), *(sys.argv[2] + '/' + f(p).dir_name(p) for p in sys.argv[3:]), sep='\n')" \
+  "$DEVICE" "$MODELS" "$FLUX" "$UNET" "$WIDTH")
+mapfile -t v <<< "$names"
+echo "${v[0]}" | tee -a "$OUT/gpu.txt"
+SLUG=${v[1]} FLUX_DIR=${v[2]} UNET_DIR=${v[3]} WIDTH_DIR=${v[4]}
+calibrate() {  # PRESET MODEL_DIR STEPS -> $OUT/cost_model_<model>[_<gpu>].json
+  MASKEDIT_PROFILES_DIR=$OUT "$PY" -m maskedit_lab.engine.calibrate --preset "$1" --model-dir "$2" \
+    --device "$DEVICE" --dtype "$DTYPE" --steps "$3" ${CAL_RATIOS[@]+"${CAL_RATIOS[@]}"} 2>&1 \
+    | tee "$OUT/calibrate_$1.log"
+}
+bench() {  # PRESET MODEL_DIR STEPS RATIOS NAME, with the profiles of $PROFILES (this run's calibration copied in)
+  mkdir -p "$PROFILES"
+  cp "$OUT"/cost_model_*.json "$PROFILES"/ 2>/dev/null || echo "no profile calibrated in this run: $PROFILES's"
+  MASKEDIT_PROFILES_DIR=$PROFILES "$PY" -m maskedit_lab.engine.bench_engine --preset "$1" --model-dir "$2" \
+    --device "$DEVICE" --dtype "$DTYPE" --steps "$3" --reps "$REPS" --budget-gib "$BUDGET_GIB" --ratios $4 \
+    ${CROP[@]+"${CROP[@]}"} --out "$OUT/$5_$SLUG.json" 2>&1 | tee "$OUT/bench_$1.log"
+}
+for mode in "${MODES[@]}"; do
+  echo "== $mode"
+  case "$mode" in
+    tests)  # DEVICE=cpu: tests/gpu on the CPU in float32, the GPU-only checks left out (tests/gpu/__init__.py)
+      tests_model=${MASKEDIT_MODEL_DIR:-models/tiny-flux-fill}  # as make model (the lab's commands build theirs)
+      if [ ! -f "$tests_model/model_index.json" ]; then "$PY" -m maskedit.build_model "$tests_model"; fi
+      "$PY" -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    calibrate)
+      calibrate "$FLUX" "$FLUX_DIR" "$CAL_STEPS" ;;
+    bench)
+      bench "$FLUX" "$FLUX_DIR" "$STEPS" "${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9}" engine ;;
+    unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the issue's stock timing
+      calibrate "$UNET" "$UNET_DIR" "$CAL_STEPS"
+      bench "$UNET" "$UNET_DIR" "$STEPS_UNET" "${RATIOS:-0.1 0.2 0.3 0.5}" engine_sdxl ;;
+    serving)
+      "$PY" -m maskedit_lab.serving.bench_serving --preset "$WIDTH" --model-dir "$WIDTH_DIR" \
+        --device "$DEVICE" --dtype "$DTYPE" --steps "$STEPS" --requests "$REQUESTS" --loads $LOADS \
+        --templates "$TEMPLATES" ${SYSTEMS[@]+"${SYSTEMS[@]}"} --out "$OUT/serving_$SLUG.json" 2>&1 \
+        | tee "$OUT/serving.log" ;;
+  esac
+done

@@ -5,8 +5,8 @@ its module tree from the model directory's config, no weights). Prints one JSON 
 "ranks": [...]}`` or ``{"ok": false, "error": "..."}`` (exit 1).
 
 The router's ``/v1/load_lora_adapter`` runs it on the staged copy before it answers 200
-(``maskedit_router.lora_admin``): in a child process, so the router never imports torch or Diffusers, and a file that
-takes a parser down takes only the child with it."""
+(``maskedit_router.frontends.lora_admin``): in a child process, so the router never imports torch or Diffusers, and a
+file that takes a parser down takes only the child with it."""
 
 from __future__ import annotations
 

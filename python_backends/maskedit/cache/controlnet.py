@@ -34,6 +34,7 @@ import copy
 import hashlib
 
 from ..controlnets.job import run_position
+from .job_cache import JobCache, recorded_steps
 from .modes import FULL
 
 
@@ -81,20 +82,16 @@ class ControlNetCaches:
         self._jobs: dict = {}  # id(job) -> (job, (_ControlRows per control))
 
     def runtime(self, net):
-        from .runtime import CacheRuntime
-
         got = self._runtimes.get(id(net))
         if got is None or got[0] is not net:
-            b = self.base
-            rt = CacheRuntime(b.hooks.controlnet_hooks(net), b.store, policy=b.block_policy,
+            b = self.base  # a runtime of the base's own kind, over the ControlNet's blocks
+            rt = type(b)(b.hooks.controlnet_hooks(net), b.store, policy=b.block_policy,
                               budget_bytes=b.budget_bytes, record=b.record, heal_min_ratio=b.heal_min_ratio)
             got = self._runtimes[id(net)] = (net, rt)
         return got[1]
 
     # -- the request's lifetime (called by the base runtime) ------------------------------------------------
     def admit(self, job) -> None:
-        from .runtime import JobCache
-
         jc = job.cache
         controls = getattr(job, "controls", ())
         if not controls or jc is None or jc.status not in ("record", "hit") or not jc.key:
@@ -141,8 +138,6 @@ class ControlNetCaches:
         """The request's recording budget split between the base denoiser (first) and each control (0 for one not
         cached), by the bytes each would record."""
         plans = self.plans(job) if plans is None else plans
-        from .runtime import recorded_steps
-
         weights = [sum(self.base.hooks.block_bytes(recorded_steps(job.inputs), self.base.itemsize))]
         for active, steps in zip(job.controls, plans):
             if steps is None:
@@ -178,8 +173,6 @@ class ControlNetCaches:
     def run(self, net, group: list, uses: list, fn):
         """``fn()`` (one ControlNet call over ``uses``: rows of ``group``'s jobs, each a ``controlnets.flux.Use``) with
         each row's cache view active: recording, a hit's masked rows, or plain."""
-        from .runtime import JobCache
-
         off = JobCache("off")
         rows = []
         for u in uses:

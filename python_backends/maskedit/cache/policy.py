@@ -3,7 +3,7 @@
 Serving plans with InstGenIE's Algorithm 1 over the profiled cost model (``planner``: full / Y / KV per block;
 ``planner_y``: full / Y). A policy only decides; it never touches tensors. The benchmarks' fixed baselines (every
 recorded block in Y, in KV, or without the unmasked context) are ``BlockPolicy`` subclasses in the lab
-(``maskedit_lab.baselines.FixedPolicy``), handed to a ``CacheRuntime`` like any policy.
+(``maskedit_lab.harness.baselines.FixedPolicy``), handed to a ``CacheRuntime`` like any policy.
 """
 
 from __future__ import annotations

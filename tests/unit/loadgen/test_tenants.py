@@ -4,7 +4,7 @@ written for them is one the router reads."""
 from collections import Counter
 
 from loadgen.workload import gentd26_arrivals, gentd26_groups, tenant_keys, write_key_file
-from maskedit_router.auth import Keyring
+from maskedit_router.access.auth import Keyring
 
 
 def test_groups_align_with_arrivals_and_become_keys_the_router_accepts(tmp_path):

@@ -12,7 +12,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit_lab.baselines import PerResolutionRunner, cache_policy
+from maskedit_lab.harness.baselines import PerResolutionRunner, cache_policy
 from tests.conftest import atol, png
 
 STEPS = 3

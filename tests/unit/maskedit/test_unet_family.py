@@ -19,7 +19,7 @@ from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
 from maskedit.families.unet_inpaint.tiny import build_unet
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 from tests.conftest import atol, exact_here, plain, png
 
 STEPS = 3

@@ -67,7 +67,7 @@ def test_the_python_client_sends_every_parameter_as_the_schema_types_it(monkeypa
 
 
 def test_the_openai_form_reads_the_schemas_extras():
-    from maskedit_router.openai_form import KNOWN, PARAM_OF_TENSOR, parse
+    from maskedit_router.frontends.openai_form import KNOWN, PARAM_OF_TENSOR, parse
 
     assert {f.attr for f in OPENAI_EXTRAS} <= KNOWN
     assert all(PARAM_OF_TENSOR[f.name] == f.attr for f in OPENAI_EXTRAS)

@@ -22,10 +22,10 @@ from maskedit.launcher import TritonServer, free_ports
 from maskedit_client import EditError
 from maskedit_common import backend_guard
 from maskedit_common.triton_refusals import as_refusal
-from maskedit_lab.cluster import backend_env, router_security_args
+from maskedit_lab.harness.cluster import backend_env, router_security_args
 from maskedit_router.__main__ import parser, start
-from maskedit_router.backend import Backend
-from maskedit_router.health import probe
+from maskedit_router.proxy.backend import Backend
+from maskedit_router.proxy.health import probe
 from tests.tls_certs import make_cert
 
 KEY = "sk-acme-0123456789abcdef"

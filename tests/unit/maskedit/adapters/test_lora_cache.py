@@ -19,7 +19,7 @@ from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
 from maskedit.settings import load_settings
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 from tests.conftest import atol, plain, png
 from tests.unit.maskedit.adapters.lora_models import model_with_library
 

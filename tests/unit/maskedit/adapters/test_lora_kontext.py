@@ -17,7 +17,7 @@ from maskedit.denoise import ModelRunner
 from maskedit.engine import DenoiseEngine
 from maskedit.local import LocalEditor, denoise_inputs, run_job
 from maskedit.params import parse_params
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 from tests.conftest import atol, plain, png
 from tests.unit.maskedit.adapters.lora_models import STEPS, model_with_library, stock_pipeline
 

@@ -15,7 +15,7 @@ from maskedit.denoise import DenoiseJob, ModelRunner
 from maskedit.local import denoise_inputs
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit_lab.baselines import FixedPolicy
+from maskedit_lab.harness.baselines import FixedPolicy
 from tests.conftest import atol, png
 
 STEPS = 3

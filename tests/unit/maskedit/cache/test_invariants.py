@@ -14,7 +14,7 @@ from maskedit.engine import DenoiseEngine
 from maskedit.local import denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.preprocess import Preprocessor
-from maskedit_lab.baselines import FIXED_POLICIES, FixedPolicy, cache_policy
+from maskedit_lab.harness.baselines import FIXED_POLICIES, FixedPolicy, cache_policy
 from tests.conftest import atol, exact_here, plain, png
 
 STEPS = 3

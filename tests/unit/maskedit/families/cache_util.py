@@ -7,7 +7,7 @@ import torch
 
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import torch
 from skimage.metrics import structural_similarity
 
 from maskedit.cache.runtime import CacheRuntime
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 
 from . import cn_util
 from .cn_util import activation_store, box_mask, edges, edit, run, spec, template, tiny_model

@@ -10,7 +10,7 @@ from skimage.metrics import structural_similarity
 from maskedit.cache.key import cache_key, control_identity, dir_digest, image_digest
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.families.flux_controlnet.tiny import build
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 
 from .cn_util import activation_store, admit, box_mask, denoise, edges, edit, finish, run, spec, template, tiny_model
 

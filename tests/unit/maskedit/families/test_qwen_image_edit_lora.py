@@ -14,7 +14,7 @@ from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 from maskedit.local import LocalEditor
 from maskedit.settings import load_settings
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 from tests.conftest import atol, png
 
 from .qwen_util import SIZE, load, tiny_model

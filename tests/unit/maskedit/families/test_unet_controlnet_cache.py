@@ -24,7 +24,7 @@ from maskedit.families.unet_inpaint.tiny import build_unet
 from maskedit.local import LocalEditor, denoise_inputs, run_job
 from maskedit.params import parse_params
 from maskedit.settings import load_settings
-from maskedit_lab.baselines import cache_policy
+from maskedit_lab.harness.baselines import cache_policy
 from tests.conftest import atol, png
 
 STEPS = 3

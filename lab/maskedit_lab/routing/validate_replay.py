@@ -1,0 +1,302 @@
+"""The simulator's side of ``maskedit-router-validate``: replay a measured two-instance run (its burst and each
+policy's run, same arrivals, templates and token masks) in ``sim`` with the calibration measured around it,
+and compare simulated with measured P50/P95 and saturation throughput. A row per simulator variant:
+"plain" (workers only denoise, at the speed measured alone; pre/post-processing adds its measured time),
+"shared_cpu" (both instances' denoise loops and their single pre-processing and decoding instances share the
+host's cores: ``sim_cluster.HostModel``), both with the calibration before the run; "shared_cpu_bracketed" (the
+headline) with the mean of the calibrations before and after it, "shared_cpu_calibrated_after" with the one after.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from maskedit_common.cost_model import CostModel
+from maskedit_common.settings import load_settings
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator, Policy
+
+from .sim_cluster import HostModel, replay
+
+WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
+
+
+@dataclass
+class ScaledEstimator(Estimator):
+    """Service times of this set-up: the profile's prediction times the measured speed ratio, per kind."""
+
+    hit_scale: float = 1.0
+    miss_scale: float = 1.0
+
+    def request_ms(self, f: EditFeatures, cached: bool) -> float:
+        return super().request_ms(f, cached) * (self.hit_scale if cached else self.miss_scale)
+
+
+def saturation_throughput(done_s: list[float]) -> float:
+    """Completions per second between the first and the last quarter of a burst's completions (leaves out the
+    start, when the batches fill, and the drain, when one instance may already be idle)."""
+    t = sorted(done_s)
+    a, b = len(t) // 4, len(t) - 1 - len(t) // 4
+    return (b - a) / (t[b] - t[a])
+
+
+def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
+    """(name, service estimator, host model, seconds added outside denoising) per simulator variant."""
+    service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
+    # Shared CPU: the time outside denoising is CPU work split evenly between the pre-processing and decoding
+    # instances, which share the host's cores with both denoise loops.
+    outside_ms = calib["outside_s"] * 1000
+    host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
+                     post_ms=outside_ms / 2, interference=calib.get("interference", 0.0),
+                     record_ms=meta.get("writes", {}).get("record_ms", 0.0),
+                     heal_ms=meta.get("writes", {}).get("heal_ms", 0.0))
+    return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
+
+
+def bracketed(before: dict, after: dict) -> dict:
+    """The host's speed over a run from the calibrations on either side of it: their mean (the speed at the run's
+    middle if it drifted steadily)."""
+    keys = ("hit_scale", "miss_scale", "outside_s", "interference")
+    return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
+
+
+def _lead(meta: dict, run_: dict, key: str) -> list[tuple]:
+    """What went through the router before a run's requests, one at a time, as (features, edited tokens or None,
+    instance that served it or None): the warm-up and the calibration's probes (a registration, then hits), in the
+    order the run sent them (the burst's calibration came first, a policy run's after its warm-up). The probes
+    count: they move a stateful policy (round_robin's turn, the template index, the online fit) as they moved the
+    real router's."""
+    warm = [(_features(meta, w), _bits(w), w.get("instance")) for w in run_["warmup"]]
+    calib = run_.get("calibration") or {}
+    probes = []
+    for i, p in enumerate(calib.get("points", [])):
+        # the registration sends an empty mask: the router reads no masked token
+        ratio = 0.0 if i == 0 and not p["hit"] else p["mask_ratio"]
+        probes.append((EditFeatures(calib.get("key") or f"calib-{key}", ratio, p.get("tokens", 1024),
+                                    p.get("steps", meta["steps"])), None, p.get("instance")))
+    if run_.get("calibration_shared"):
+        probes = []  # this run's calibration was taken before an earlier run
+    return probes + warm if key == "saturation" else warm + probes
+
+
+def _features(meta: dict, r: dict) -> EditFeatures:
+    """A measured request's features as the router saw them (its template key, where the measurement saved it)."""
+    return EditFeatures(r.get("key") or f"t{r['template']}", r["mask_ratio"], r["tokens"], meta["steps"])
+
+
+def _replayed(meta: dict, run_: dict, key: str) -> tuple[list[tuple], list | None, int, list | None]:
+    """The arrivals a replay sends (the run's lead, ``WARMUP_GAP_S`` apart before time 0, then its requests at
+    their times), each arrival's edited tokens (None where unknown; None for all in files without them), how many
+    lead, and the instance index that served each arrival (None where the file cannot say)."""
+    lead = _lead(meta, run_, key)
+    arrivals = [(-WARMUP_GAP_S * (len(lead) - i), f) for i, (f, _, _) in enumerate(lead)] + \
+        [(r["t"], _features(meta, r)) for r in run_["requests"]]
+    masks = [m for _, m, _ in lead] + [_bits(r) for r in run_["requests"]]
+    if all(m is None for m in masks):
+        masks = None
+    order = (run_.get("calibration") or meta.get("calibration") or {}).get("instances") or []
+    served = [i for _, _, i in lead] + [r.get("instance") for r in run_["requests"]]
+    routes = [order.index(i) for i in served] if order and all(i in order for i in served) else None
+    return arrivals, masks, len(lead), routes
+
+
+class MeasuredRouting(Policy):
+    """Sends each arrival where the measured run's router sent it: a replay with it checks the simulated instances
+    and host alone, apart from how the simulated policy routes."""
+
+    name = "measured_routing"
+
+    def __init__(self, routes: list[int]):
+        self.routes = iter(routes)
+
+    def choose(self, backends, f, now=None):
+        return backends[next(self.routes)]
+
+
+def _bits(r: dict) -> np.ndarray | None:
+    """A measured request's edited tokens, if the measurement saved them."""
+    if "mask_bits" not in r:
+        return None
+    return np.unpackbits(np.frombuffer(bytes.fromhex(r["mask_bits"]), np.uint8))[:r["tokens"]].astype(bool)
+
+
+def profile_scales(calib: dict, est: Estimator, tokens: int, steps: int) -> dict:
+    """``calib`` with its speed ratios (observed / profile-predicted denoise time, hits and template runs apart)
+    derived again from its probes' measured denoise times against ``est``'s profile. A ratio is relative to the
+    profile it was divided by: a measurement replayed with a profile recalibrated since (the bench profile was, on
+    a quieter host, after the saved run) must not multiply the new profile's times by the old profile's ratio.
+    ``profile_factor``: new ratio / saved ratio (hits), which converts the router's online fit the same way."""
+    hit, miss = [], []
+    for p in calib.get("points", []):
+        f = EditFeatures("calib", p["mask_ratio"], p.get("tokens", tokens), p.get("steps", steps))
+        (hit if p["hit"] else miss).append(p["denoise_s"] * 1000 / est.request_ms(f, p["hit"]))
+    if not hit or not miss:
+        return {**calib, "profile_factor": 1.0}
+    out = {**calib, "hit_scale": statistics.median(hit), "miss_scale": statistics.median(miss)}
+    out["profile_factor"] = out["hit_scale"] / calib["hit_scale"]
+    return out
+
+
+def _router_estimator(cost: CostModel, run_: dict, profile_factor: float = 1.0) -> Estimator:
+    """The simulated router's estimator, starting from the real router's online fit at the run's start (its scale
+    converted to the replay's profile)."""
+    model = dict(run_.get("router_model", {}))
+    if "scale" in model:
+        model["scale"] *= profile_factor
+    return replace(Estimator(cost), **model)
+
+
+def replay_cost(meta: dict) -> CostModel:
+    """The profile a replay simulates with: the one the measurement was taken against when it saved it, else the
+    current profile of that name (its calibrations' ratios are then derived again: ``profile_scales``)."""
+    if meta.get("profile_doc"):
+        return CostModel.from_json(meta["profile_doc"])
+    profile = load_settings().profiles / meta["profile"]
+    return CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
+
+
+def _after(runs: list[dict], i: int, meta: dict) -> dict | None:
+    """The calibration measured after run ``i``: the next one taken (runs sharing a calibration took none)."""
+    for later in runs[i + 1:]:
+        if not later.get("calibration_shared"):
+            return later.get("calibration")
+    return meta.get("final_calibration")
+
+
+def compare(measured: dict) -> list[dict]:
+    """Replay the burst and each measured run in the simulator, each with the calibration measured just before
+    it (older files: the one calibration); a row per variant. The simulated workers carry the router's names of the
+    real backends (``chwbl`` hashes them) where the measurement saved them; p2c samples from a fixed seed."""
+    meta = measured["meta"]
+    cost = replay_cost(meta)
+    est = Estimator(cost)
+    runs = measured["runs"]
+    sat = meta.get("saturation")
+    tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
+    scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
+    kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
+    rows = []
+    base = {"workers": meta["instances"], "validation": True}
+    if sat:
+        policy = sat.get("policy", meta["policy"])
+        calib = scaled(sat["calibration"])
+        rows.append({**base, "policy": policy, "load": "saturation", "simulated": False, "model": "measured",
+                     "throughput": sat["throughput"], "requests": len(sat["requests"])})
+        arrivals, masks, n_lead, _ = _replayed(meta, sat, "saturation")
+        for model, svc, host, _ in _variants(meta, calib, cost):
+            sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, sat, calib["profile_factor"]),
+                         service=svc, host=host, masks=masks, **kw)["requests"][n_lead:]
+            thr = saturation_throughput([q.done - q.arrival for q in sim])
+            rows.append({**base, "policy": policy, "load": "saturation", "simulated": True, "model": model,
+                         "throughput": thr,
+                         "throughput_error": round(abs(thr - sat["throughput"]) / sat["throughput"], 3)})
+    for i, run_ in enumerate(runs):
+        policy = run_.get("policy", meta["policy"])
+        ok = [r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None]
+        lat = np.array([r["latency_s"] for r in ok])
+        b = {**base, "policy": policy, "rate": run_["rate"], "load": run_["load"]}
+        m = {**b, "simulated": False, "model": "measured", "p50_s": float(np.percentile(lat, 50)),
+             "p95_s": float(np.percentile(lat, 95)), "mean_s": float(lat.mean()), "requests": len(ok),
+             "errors": len(run_["requests"]) - len(ok),
+             "cache_hits": sum(bool(r["cache_hit"]) for r in ok)}
+        if "loadavg" in run_.get("calibration", {}):
+            m["loadavg_before"] = round(run_["calibration"]["loadavg"][0], 2)
+        hits = [r for r in ok if r["cache_hit"] and r.get("computed_tokens") is not None]
+        if hits:  # tokens hits computed against their own masks' (> 1: the entry held invalid tokens); heals made
+            m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
+                                            max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
+            m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
+        rows.append(m)
+        arrivals, masks, n_lead, routes = _replayed(meta, run_, str(i))
+        before = scaled(run_.get("calibration", meta["calibration"]))
+        after = _after(runs, i, meta)
+        after = scaled(after) if after else None
+        variants = [(*v, None) for v in _variants(meta, before, cost)]
+        if after:
+            # The host's speed drifts within a run too (older files have no calibration after the last run): the
+            # same model with the calibration measured right after the run, and with the two brackets' mean.
+            for suffix, calib in (("calibrated_after", after), ("bracketed", bracketed(before, after))):
+                variants += [(f"{m}_{suffix}", svc, host, out, None) for m, svc, host, out in
+                             _variants(meta, calib, cost) if m == "shared_cpu"]
+            if routes is not None:  # the host model alone: every request where the real router sent it
+                variants += [(f"{m}_bracketed_measured_routing", svc, host, out, MeasuredRouting(routes))
+                             for m, svc, host, out in _variants(meta, bracketed(before, after), cost)
+                             if m == "shared_cpu"]
+        for model, svc, host, outside_s, fixed in variants:
+            sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
+                         service=svc, host=host, masks=masks, policy=fixed, **kw)
+            done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
+                    r["latency_s"] is not None]  # the requests measured: each against its own replay
+            slat = np.array([q.done - q.arrival + outside_s for q in done])
+            rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
+                         "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
+                         "requests": len(done), "p95_error": _err(np.percentile(slat, 95), m["p95_s"]),
+                         "p50_error": _err(np.percentile(slat, 50), m["p50_s"]),
+                         "mean_error": _err(slat.mean(), m["mean_s"]),
+                         "misses": sum(q.records for q in done), "heals": sum(q.heals for q in done)})
+    return rows
+
+
+def _err(sim: float, measured: float) -> float:
+    return round(abs(float(sim) - measured) / measured, 3)
+
+
+HEADLINE = "shared_cpu_bracketed"
+
+
+def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) -> list[dict]:
+    """Per load: the policies ordered by measured P95 and by simulated P95 (``model``), whether the orders agree
+    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair whose measured P95s
+    differ by more than ``tolerance`` (the simulator's own accuracy target) is ordered alike: a closer pair's order
+    is no claim either way."""
+    out = []
+    for load in sorted({r["load"] for r in rows if r["load"] != "saturation"}):
+        meas = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == "measured"}
+        sim = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == model}
+        ps = [p for p in meas if p in sim]
+        if len(ps) < 2:
+            continue
+        pairs = [(a, b) for i, a in enumerate(ps) for b in ps[i + 1:]]
+        alike = {(a, b): np.sign(meas[a] - meas[b]) == np.sign(sim[a] - sim[b]) for a, b in pairs}
+        distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
+        out.append({"load": load, "model": model, "measured": sorted(ps, key=meas.get),
+                    "simulated": sorted(ps, key=sim.get),
+                    "same_order": sorted(ps, key=meas.get) == sorted(ps, key=sim.get),
+                    "kendall_tau": round((2 * sum(alike.values()) - len(pairs)) / len(pairs), 3),
+                    "distinct_pairs": len(distinct), "distinct_pairs_alike": bool(all(alike[p] for p in distinct)),
+                    "misordered": [list(p) for p in pairs if not alike[p]]})
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Measured against simulated (bracketed) P95 per policy and load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["load"] != "saturation" and r["model"] == "measured"]
+    sim = {(r["policy"], r["load"]): r for r in rows if r["model"] == "shared_cpu_bracketed"}
+    labels = [f"{r['policy']}\n{r['load']}" for r in runs]
+    x = np.arange(len(runs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs)), 4.2))
+    ax.bar(x - 0.2, [r["p95_s"] for r in runs], 0.4, label="measured P95")
+    ax.bar(x + 0.2, [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], 0.4,
+           label="simulated P95 (shared CPU, bracketed calibration)")
+    for i, r in enumerate(runs):
+        err = sim.get((r["policy"], r["load"]), {}).get("p95_error")
+        if err is not None:
+            ax.text(i, max(r["p95_s"], sim[(r["policy"], r["load"])]["p95_s"]) * 1.02, f"{err:.0%}", ha="center",
+                    fontsize=8)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set(ylabel="P95 latency (s)")
+    ax.set_title("Router on 2 Triton instances (bench-flux-fill, CPU float32):\nmeasured vs simulated P95 per policy",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

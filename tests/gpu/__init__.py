@@ -1,0 +1,10 @@
+"""The engine on a CUDA GPU (skipped without one). ``DEVICE=cpu`` runs the same tests on the CPU in one dtype, the
+checks only a GPU can make left out: the dry run that keeps them from rotting (``tools/device/gpu_check.sh --dry-run
+tests``, run by tests/unit/test_device_scripts.py in make test)."""
+
+import os
+
+DEVICE = os.environ.get("DEVICE", "cuda")
+if DEVICE not in ("cuda", "cpu"):
+    raise ValueError(f"DEVICE must be cuda or cpu (the dry run), got {DEVICE!r}")
+DTYPES = ("float32", "bfloat16", "float16") if DEVICE == "cuda" else ("float32",)

@@ -1,0 +1,360 @@
+"""The router simulator's worker model: step-level batching, template caching, CPU hosts shared by processor
+sharing with single-instance pre/post-processing queues."""
+
+import numpy as np
+import pytest
+
+from maskedit_common.cost_model import CostModel
+from maskedit_lab.routing.sim_cluster import HostModel, replay
+from maskedit_router.placement.features import EditFeatures
+from maskedit_router.placement.policies import Estimator
+
+
+@pytest.fixture(scope="module")
+def est():
+    return Estimator(CostModel.fallback())
+
+
+def f(template="a", ratio=0.2, steps=4):
+    return EditFeatures(template, ratio, 1024, steps)
+
+
+def latency(q):
+    return q.done - q.arrival
+
+
+def test_isolated_request_takes_its_service_time(est):
+    out = replay("round_robin", 1, [(0.0, f())], est, step_fixed_ms=2.0)
+    (q,) = out["requests"]
+    expected = (est.request_ms(f(), False) + 4 * 2.0) / 1000  # a miss: the full model, then fixed cost per step
+    assert latency(q) == pytest.approx(expected)
+    assert q.denoised - q.started == pytest.approx(expected)
+    # on a CPU host with a core to spare, pre/post-processing only add their own time
+    host = HostModel(cores=2, workers_per_host=1, pre_ms=100.0, post_ms=200.0)
+    (q2,) = replay("round_robin", 1, [(0.0, f())], est, host=host)["requests"]
+    assert latency(q2) == pytest.approx(latency(q) + 0.3)
+    assert q2.started == pytest.approx(0.1)
+
+
+def test_second_request_on_a_template_is_a_hit(est):
+    out = replay("round_robin", 1, [(0.0, f()), (100.0, f())], est)
+    first, second = out["requests"]
+    assert latency(second) < latency(first) / 2
+
+
+def test_requests_on_a_template_being_recorded_follow_the_run(est):
+    """As the engine: a request joining a template run in progress is a hit; one admitted with it is not."""
+    run, follower = replay("round_robin", 1, [(0.0, f()), (0.01, f())], est)["requests"]
+    assert follower.started > run.started
+    assert follower.step_ms == pytest.approx(est.request_ms(f(), True) / f().steps)  # its own share of a step
+    assert run.step_ms == pytest.approx(est.request_ms(f(), False) / f().steps)
+    # both wait for the step of a request on another template to end, then join together
+    _, *level = replay("round_robin", 1, [(0.0, f("b")), (0.001, f()), (0.002, f())], est)["requests"]
+    assert level[0].started == level[1].started and level[1].step_ms == pytest.approx(run.step_ms)
+
+
+def test_hits_recompute_the_template_runs_edit_until_a_hit_heals_it(est):
+    """As the engine: a template run's own edit is invalid in its entry; a hit computes its mask and those tokens;
+    a hit on the stored entry that leaves them unmasked heals them when it completes."""
+    import numpy as np
+
+    n = 1024
+    left, right = np.zeros(n, bool), np.zeros(n, bool)
+    left[:200], right[-100:] = True, True
+    arr = [(0.0, f(ratio=left.mean())), (0.01, f(ratio=right.mean())),  # follows the run: no heal (not stored)
+           (100.0, f(ratio=right.mean())), (200.0, f(ratio=right.mean()))]
+    run, follower, healer, after = replay("round_robin", 1, arr, est, masks=[left, right, right, right])["requests"]
+    union = f(ratio=(left | right).mean())
+    assert follower.step_ms == pytest.approx(est.request_ms(union, True) / 4) and not follower.heals
+    assert healer.step_ms == follower.step_ms and healer.heals
+    assert after.step_ms == pytest.approx(est.request_ms(f(ratio=right.mean()), True) / 4) and not after.heals
+    # without masks every entry is clean
+    plain = replay("round_robin", 1, arr, est)["requests"]
+    assert plain[2].step_ms == pytest.approx(after.step_ms)
+    # a heal smaller than the threshold is not made
+    _, _, small, _ = replay("round_robin", 1, arr, est, masks=[left, right, right, right],
+                            heal_min_ratio=0.5)["requests"]
+    assert not small.heals
+
+
+def test_requests_share_steps(est):
+    arr = [(0.0, f("a")), (0.001, f("b"))]
+    alone = latency(replay("round_robin", 1, arr[:1], est)["requests"][0])
+    shared = replay("round_robin", 1, arr, est)["requests"]
+    assert latency(shared[0]) > alone  # the second joined at the next step and lengthened the steps
+    assert shared[1].started > arr[1][0]  # it waited for the step boundary
+    spread = replay("round_robin", 2, arr, est)["requests"]  # with two workers each request runs alone
+    assert latency(spread[0]) == pytest.approx(alone)
+
+
+def test_workers_on_one_host_share_its_cores(est):
+    arr = [(0.0, f("a")), (0.0, f("b"))]
+    alone = latency(replay("round_robin", 1, arr[:1], est)["requests"][0])
+    two_cores = replay("round_robin", 2, arr, est, host=HostModel(2, 2, 0.0, 0.0))["requests"]
+    one_core = replay("round_robin", 2, arr, est, host=HostModel(1, 2, 0.0, 0.0))["requests"]
+    for q in two_cores:
+        assert latency(q) == pytest.approx(alone)
+    for q in one_core:  # two denoise loops on one core: each at half speed
+        assert latency(q) == pytest.approx(2 * alone)
+    apart = replay("round_robin", 2, arr, est, host=HostModel(1, 1, 0.0, 0.0))["requests"]  # a host each
+    for q in apart:
+        assert latency(q) == pytest.approx(alone)
+
+
+def test_loops_on_busy_cores_slow_each_other_by_the_interference(est):
+    arr = [(0.0, f("a")), (0.0, f("b"))]
+    alone = latency(replay("round_robin", 1, arr[:1], est, host=HostModel(2, 1, 0.0, 0.0, interference=0.3))
+                    ["requests"][0])
+    assert alone == pytest.approx(latency(replay("round_robin", 1, arr[:1], est)["requests"][0]))  # one core busy
+    both = replay("round_robin", 2, arr, est, host=HostModel(2, 2, 0.0, 0.0, interference=0.3))["requests"]
+    for q in both:  # two cores busy: each 1.3x slower, though neither waits for a core
+        assert latency(q) == pytest.approx(1.3 * alone)
+    crowded = replay("round_robin", 2, arr, est, host=HostModel(1, 2, 0.0, 0.0, interference=0.3))["requests"]
+    for q in crowded:  # one core: sharing it, no second core to interfere
+        assert latency(q) == pytest.approx(2 * alone)
+
+
+def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
+    host = HostModel(cores=1, workers_per_host=1, pre_ms=100.0, post_ms=0.0)
+    a, b = replay("round_robin", 1, [(0.0, f("a")), (0.0, f("b"))], est, host=host)["requests"]
+    assert a.started == pytest.approx(0.1)  # one pre-processing instance: b's waits for a's ...
+    # ... then shares the single core with a's first step (both at half speed until b's ends at 0.3 s), and b
+    # joins the batch when that step ends
+    step_ms = est.request_ms(f("a"), False) / 4 + 2.0
+    assert step_ms > 100.0
+    assert b.started == pytest.approx(0.3 + (step_ms - 100.0) / 1000)
+    solo = replay("round_robin", 1, [(0.0, f("a"))], est, host=host)["requests"][0]
+    assert latency(a) > latency(solo)
+
+
+def test_saturation_throughput_leaves_out_fill_and_drain():
+    from maskedit_lab.routing.validate_replay import saturation_throughput
+
+    # 8 completions: a slow start, one per second in the middle, a long drain
+    done = [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 30.0, 60.0]
+    assert saturation_throughput(done) == pytest.approx(3 / 3.0)  # 3rd..6th completion: 3 in 3 s
+
+
+def test_validation_replays_burst_and_runs_with_their_own_calibration():
+    from maskedit_lab.routing.validate_replay import compare
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
+    req = lambda t, tpl: {"t": t, "template": tpl, "mask_ratio": 0.2, "tokens": 1024}  # noqa: E731
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    measured = {
+        "meta": {"policy": "round_robin", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+                 "profile": "missing-profile.json",
+                 "saturation": {"throughput": 1.0, "calibration": calib, "warmup": warm,
+                                "requests": [req(0.0, 1) for _ in range(12)]}},
+        "runs": [{"load": 0.5, "rate": 0.5, "warmup": warm, "calibration": {**calib, "hit_scale": 2.0},
+                  "requests": [{**req(30.0 * i, 1), "latency_s": 1.0, "queue_s": 0.0, "denoise_s": 0.9,
+                                "cache_hit": True, "error": None} for i in range(10)]}],
+    }
+    rows = compare(measured)
+    sat = [r for r in rows if r["load"] == "saturation"]
+    assert [r["model"] for r in sat] == ["measured", "plain", "shared_cpu"]
+    assert all(r["throughput"] > 0 for r in sat)
+    runs = {r["model"]: r for r in rows if r["load"] == 0.5}
+    assert set(runs) == {"measured", "plain", "shared_cpu"}
+    # the run's own calibration (hits twice the profile) is used, not the burst's: isolated hits take 2x
+    est = Estimator(CostModel.fallback())
+    alone = 2.0 * est.request_ms(EditFeatures("t1", 0.2, 1024, 8), True) / 1000 + 8 * 2.0 / 1000 + 0.1
+    assert runs["plain"]["p50_s"] == pytest.approx(alone, rel=1e-6)
+
+
+def test_validation_brackets_each_run_with_the_calibration_after_it():
+    from maskedit_lab.routing.validate_replay import bracketed, compare
+
+    before = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "interference": 0.0, "points": []}
+    after = {"hit_scale": 3.0, "miss_scale": 2.0, "outside_s": 0.3, "interference": 0.1, "points": []}
+    mid = bracketed(before, after)
+    assert (mid["hit_scale"], mid["miss_scale"], mid["outside_s"], mid["interference"]) == \
+        pytest.approx((2.0, 1.5, 0.2, 0.05))
+    req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
+                     "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    run_ = lambda load, calib: {"load": load, "rate": 0.5, "warmup": warm, "calibration": calib,  # noqa: E731
+                                "requests": [req(30.0 * i) for i in range(10)]}
+    meta = {"policy": "round_robin", "instances": 2, "host_cores": 2, "steps": 8, "calibration": before,
+            "profile": "missing-profile.json"}
+    rows = compare({"meta": {**meta, "final_calibration": after}, "runs": [run_(0.5, before), run_(0.7, after)]})
+    models = lambda load: {r["model"]: r for r in rows if r["load"] == load}  # noqa: E731
+    first, last = models(0.5), models(0.7)
+    # the first run is bracketed by the second's calibration, the last by the final one
+    assert set(first) == set(last) == {"measured", "plain", "shared_cpu", "shared_cpu_calibrated_after",
+                                       "shared_cpu_bracketed"}
+    # isolated hits: latency grows with the hit scale, so the bracket's mean lies between its ends
+    assert first["shared_cpu"]["p50_s"] < first["shared_cpu_bracketed"]["p50_s"] < \
+        first["shared_cpu_calibrated_after"]["p50_s"]
+    assert last["shared_cpu"]["p50_s"] == pytest.approx(last["shared_cpu_calibrated_after"]["p50_s"])
+    older = compare({"meta": meta, "runs": [run_(0.5, before)]})  # no calibration after the last run
+    assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
+
+
+def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with():
+    """Speed ratios are relative to a profile: a replay with another profile derives them again from the probes'
+    measured denoise times (the bench profile was recalibrated after a saved run, whose x1.8 then made the
+    replay 4-5x slow), and a measurement that embeds its profile is replayed with that profile."""
+    from maskedit_lab.routing.validate_replay import profile_scales, replay_cost
+
+    est = Estimator(CostModel.fallback())
+    f = lambda r: EditFeatures("c", r, 1024, 8)  # noqa: E731
+    # probes that took 3x the fallback profile's prediction, saved with ratios against an older profile (x1.5)
+    points = [{"mask_ratio": 1.0, "hit": False, "denoise_s": 3 * est.request_ms(f(1.0), False) / 1000},
+              {"mask_ratio": 0.1, "hit": True, "denoise_s": 3 * est.request_ms(f(0.1), True) / 1000},
+              {"mask_ratio": 0.3, "hit": True, "denoise_s": 3 * est.request_ms(f(0.3), True) / 1000}]
+    calib = profile_scales({"hit_scale": 1.5, "miss_scale": 1.5, "points": points}, est, 1024, 8)
+    assert calib["hit_scale"] == pytest.approx(3.0) and calib["miss_scale"] == pytest.approx(3.0)
+    assert calib["profile_factor"] == pytest.approx(2.0)  # converts the router's online fit the same way
+    assert profile_scales({"hit_scale": 1.5, "miss_scale": 1.5}, est, 1024, 8)["hit_scale"] == 1.5  # no probes
+    doc = {"compute": {}, "load": {}, "meta": {"blocks": [["dual", 2, 64, 128]], "grid_tokens": 64}}
+    assert replay_cost({"profile": "missing.json", "profile_doc": doc}).meta["grid_tokens"] == 64
+
+
+def test_validation_replays_each_run_with_its_own_policy():
+    from maskedit_lab.routing.validate_replay import compare
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1}
+    req = lambda t: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": 1.0,  # noqa: E731
+                     "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024}]
+    runs = [{"policy": p, "load": 0.7, "rate": 0.5, "warmup": warm, "calibration": calib,
+             "requests": [req(30.0 * i) for i in range(10)]} for p in ("chwbl", "p2c")]
+    meta = {"policy": "chwbl", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+            "profile": "missing-profile.json"}
+    rows = compare({"meta": meta, "runs": runs})
+    assert {(r["policy"], r["model"]) for r in rows if r["model"] in ("measured", "shared_cpu")} == \
+        {(p, m) for p in ("chwbl", "p2c") for m in ("measured", "shared_cpu")}
+
+
+def test_validation_reads_saved_token_masks():
+    import numpy as np
+
+    from maskedit_lab.routing.validate_replay import _replayed
+
+    t = np.zeros(1024, bool)
+    t[[0, 5, 1023]] = True
+    r = {"t": 0.0, "template": 1, "mask_ratio": 3 / 1024, "tokens": 1024, "mask_bits": np.packbits(t).tobytes().hex()}
+    _, (back,), _, _ = _replayed({"steps": 8}, {"warmup": [], "requests": [r]}, "0")
+    assert back.dtype == bool and (back == t).all()
+    older = {"warmup": [{"template": 1, "mask_ratio": 0.1, "tokens": 1024}], "requests": [{**r, "mask_bits": None}]}
+    del older["requests"][0]["mask_bits"]
+    assert _replayed({"steps": 8}, older, "0")[1] is None  # older files: no masks
+
+
+def _bench_estimator():
+    from maskedit_lab import REPO_ROOT
+
+    return Estimator(CostModel.load_file(REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"))
+
+
+def test_a_batch_of_cached_requests_pays_each_blocks_fixed_cost_once():
+    """The engine packs a step's requests into one transformer call: the constant of each block's kv fit (kernel
+    launches, weight reads) is paid once per step, not per request (before: the sum of the requests' own steps,
+    which made a busy worker 10-20 % slower than measured)."""
+    from maskedit_lab.routing.sim_cluster import batch_shared_ms
+
+    est = _bench_estimator()
+    shared = batch_shared_ms(est)
+    fixed = sum(count * est.cost.compute[kind]["kv"].coef[0] for kind, count, _, _ in est.blocks)
+    assert shared == pytest.approx(fixed) and shared > 0
+    assert batch_shared_ms(Estimator(CostModel.fallback())) == 0.0  # FLOP-proportional: no fixed part
+    warm = [(0.0, f("a")), (0.0, f("b"))]
+    # two hits that wait out another request's one step, then run together
+    arr = warm + [(100.0, f("z", steps=1)), (100.001, f("a")), (100.001, f("b"))]
+    *_, x, y = replay("round_robin", 1, arr, est)["requests"]
+    alone = est.request_ms(f("a"), True) / 4
+    assert x.started == y.started
+    steps = 4 * (2.0 + 2 * alone - shared) / 1000  # both hits' steps, the shared part once
+    assert x.denoised - x.started == pytest.approx(steps)
+    *_, x0, _ = replay("round_robin", 1, arr, est, batch_shared=0.0)["requests"]
+    assert x0.denoised - x0.started == pytest.approx(steps + 4 * shared / 1000)  # the old sum
+
+
+def test_validation_replays_the_calibration_probes_that_went_through_the_router():
+    """Between a run's warm-up and its requests the calibration sent 7 edits through the router: a replay sends
+    them too, so round_robin starts the run on the backend the real one did (before, its turn was off by the probes,
+    and the replay's round_robin placed every request on the other instance)."""
+    from maskedit_lab.routing.validate_replay import _replayed
+
+    points = [{"mask_ratio": 1.0, "hit": False, "tokens": 1024}] + \
+        [{"mask_ratio": r, "hit": True, "tokens": 1024} for r in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)]
+    warm = [{"template": t, "mask_ratio": 0.1, "tokens": 1024} for t in (1, 2)]
+    run_ = {"warmup": warm, "calibration": {"points": points, "key": "k"},
+            "requests": [{"t": 0.0, "template": 1, "mask_ratio": 0.1, "tokens": 1024}]}
+    arrivals, _, n_lead, routes = _replayed({"steps": 8}, run_, "0")
+    assert n_lead == 9 and routes is None
+    assert [f.template_key for _, f in arrivals] == ["t1", "t2"] + ["k"] * 7 + ["t1"]
+    assert arrivals[2][1].mask_ratio == 0.0  # the registration's empty mask
+    assert all(t < 0 for t, _ in arrivals[:n_lead]) and arrivals[-1][0] == 0.0
+    est = Estimator(CostModel.fallback())
+    out = replay("round_robin", 2, arrivals, est, names=["a:1", "b:2"])["requests"]
+    sat = _replayed({"steps": 8}, {**run_, "warmup": warm}, "saturation")[0]
+    assert [f.template_key for _, f in sat][:2] == ["k", "k"]  # the burst's calibration came before its warm-up
+    assert out[-1].f.template_key == "t1"
+    # a run that shared an earlier run's calibration sent no probes of its own
+    assert _replayed({"steps": 8}, {**run_, "calibration_shared": True}, "0")[2] == 2
+
+
+def test_measured_routing_replays_each_request_where_the_router_sent_it():
+    from maskedit_lab.routing.validate_replay import MeasuredRouting, _replayed, compare, ranking
+
+    calib = {"hit_scale": 1.0, "miss_scale": 1.0, "outside_s": 0.1, "instances": ["vm:1", "vm:2"],
+             "points": [{"mask_ratio": 1.0, "hit": False, "tokens": 1024, "instance": "vm:2", "denoise_s": 1.0}]}
+    req = lambda t, inst, lat: {"t": t, "template": 1, "mask_ratio": 0.2, "tokens": 1024, "latency_s": lat,  # noqa: E731
+                                "queue_s": 0.0, "denoise_s": 0.9, "cache_hit": True, "error": None, "instance": inst}
+    warm = [{"template": 1, "mask_ratio": 0.2, "tokens": 1024, "instance": "vm:1"}]
+    runs = [{"policy": p, "load": 0.7, "rate": 0.5, "warmup": warm, "calibration": calib,
+             "requests": [req(30.0 * i, "vm:2" if i % 3 else "vm:1", lat) for i in range(10)]}
+            for p, lat in (("chwbl", 1.0), ("p2c", 2.0))]
+    meta = {"policy": "chwbl", "instances": 2, "host_cores": 2, "steps": 8, "calibration": calib,
+            "profile": "missing-profile.json", "final_calibration": calib}
+    _, _, _, routes = _replayed(meta, runs[0], "0")
+    assert routes == [0, 1] + [0 if i % 3 == 0 else 1 for i in range(10)]
+    policy = MeasuredRouting(routes)
+    assert [policy.choose(["w0", "w1"], None) for _ in routes] == ["w" + str(r) for r in routes]
+    rows = compare({"meta": meta, "runs": runs})
+    fixed = [r for r in rows if r["model"] == "shared_cpu_bracketed_measured_routing"]
+    assert len(fixed) == 2 and all(r["requests"] == 10 and "mean_error" in r for r in fixed)
+    (order,) = ranking(rows)
+    assert order["measured"] == ["chwbl", "p2c"] and order["kendall_tau"] in (-1.0, 1.0)
+    assert order["same_order"] == (order["kendall_tau"] == 1.0)
+
+
+def test_simulated_router_refits_its_own_copy(est):
+    arrivals = [(i * 0.5, f(template=f"t{i % 3}")) for i in range(20)]
+    a = replay("predicted", 2, arrivals, est)
+    b = replay("predicted", 2, arrivals, est)
+    assert est.scale == 1.0 and est.observations == 0  # the caller's estimator is untouched
+    assert [q.done for q in a["requests"]] == [q.done for q in b["requests"]]
+
+
+def test_an_entry_write_takes_its_cpu_from_the_requests_running_beside_it(est):
+    """A template run's entry is written in the background as it finishes: on a one-core host the hit that runs
+    meanwhile loses exactly that CPU (processor sharing is work-conserving)."""
+    host = HostModel(cores=1, workers_per_host=1, pre_ms=0.0, post_ms=0.0)
+    (run,) = replay("round_robin", 1, [(0.0, f())], est, host=host)["requests"]
+    arr = [(0.0, f()), (run.denoised, f(ratio=0.5))]  # the hit arrives as the template run leaves the batch
+    quiet = replay("round_robin", 1, arr, est, host=host)["requests"]
+    busy = replay("round_robin", 1, arr, est, host=HostModel(1, 1, 0.0, 0.0, record_ms=50.0))["requests"]
+    assert quiet[1].records is False and busy[0].records is True
+    assert latency(busy[1]) == pytest.approx(latency(quiet[1]) + 0.05)
+    assert latency(busy[0]) == pytest.approx(latency(quiet[0]))  # the write does not delay the run's own reply
+
+
+def test_adapters_load_cold_once_per_worker_and_affinity_keeps_them_where_they_are(est):
+    """A named adapter costs ``lora_load_ms`` the first time it runs on a worker, not after; routing that knows
+    adapters (``predicted``, ``weighted``) loads fewer of them cluster-wide than round robin on the same arrivals."""
+    e = Estimator(CostModel.fallback(), lora_load_ms=500.0)
+    one = [(0.0, EditFeatures("a", 0.2, 1024, 4, loras=1, adapters=("L",))),
+           (100.0, EditFeatures("a", 0.2, 1024, 4, loras=1, adapters=("L",)))]
+    out = replay("round_robin", 1, one, e)
+    first, second = out["requests"]
+    assert out["adapter_loads"] == 1 and latency(first) - latency(second) > 0.5
+    # eight adapters drawn at random over four workers, each request its own template (no template affinity),
+    # spaced so little queues (a request is ~7 s): round robin loads each adapter nearly everywhere
+    rng = np.random.default_rng(0)
+    arrivals = [(i * 8.0, EditFeatures(f"u{i}", 0.2, 1024, 4, loras=1, adapters=(f"L{rng.integers(8)}",)))
+                for i in range(96)]
+    loads = {p: replay(p, 4, arrivals, e)["adapter_loads"] for p in ("round_robin", "predicted", "weighted")}
+    assert loads["predicted"] < loads["round_robin"] / 2 and loads["weighted"] < loads["round_robin"] / 2, loads
