@@ -1,7 +1,7 @@
 """`python -m loadgen.overload` (`make overload`): open-loop load at twice capacity, straight to one server and
 through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second. Then a
 flood: 160 requests within a second straight at one server (no router in front), each answered or refused within
-10 s of its arrival, none lost.
+10 s of its arrival, none lost (the servers run with that bound, ``MASKEDIT_LATENCY_BOUND_S``: ``--latency-bound-s``).
 
     python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
     python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
@@ -42,6 +42,26 @@ SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/prox
 )
 
 
+BACKEND_SOURCES = (  # which of a backend's checks refused (maskedit.completion, maskedit.scheduler, maskedit.admission)
+    ("triton_queue", re.compile(r"Exceeds maximum queue size")),  # Triton's queue in front of pre-processing
+    ("bound_front", re.compile(r"refused before any work")),  # the time bound, before pre-processing did any work
+    ("bound_denoise", re.compile(r"refused before denoising")),  # the time bound, when denoise received it
+    ("bound_queue", re.compile(r"refused before it started")),  # the time bound, at the front of the denoise queue
+    ("queue_full", re.compile(r"denoise queue is full")),  # the count bound
+)
+
+
+ENDED = re.compile(r"ran out of its bound")  # maskedit.scheduler.BatchScheduler.overdue
+
+
+def backend_source(message: str) -> str:
+    """Which check of a backend refused a request (``BACKEND_SOURCES``), else ``refusal_source``."""
+    for name, pattern in BACKEND_SOURCES:
+        if pattern.search(message or ""):
+            return name
+    return refusal_source(message)
+
+
 def refusal_source(message: str) -> str:
     """``router_admission``, ``router_timeout``, ``router_inflight``, or ``backend`` (its admission check at
     pre-processing, or its denoise loop)."""
@@ -79,8 +99,8 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     """``n`` requests within ``spread_s`` (Poisson arrivals) straight at ``url``, as a client with no router in
     front would send them: each must be answered (a result) or refused (RESOURCE_EXHAUSTED) within ``within_s`` of
     its arrival. ``late``: answered after that; ``lost``: no answer at all (2 minutes after the last send).
-    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (the
-    scheduler then refuses what it cannot finish in time, DEADLINE_EXCEEDED)."""
+    ``headers``: more metadata (a guarded backend's key); ``deadline_ms``: each request's DEADLINE_MS (a request
+    that would miss it with nothing ahead of it is refused DEADLINE_EXCEEDED). Who refused: ``backend_source``."""
     from maskedit_client import EditClient
 
     from . import records, runner, workload
@@ -92,18 +112,23 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     s = records.summarize(recs, wall)
     answered = [r.answered_after_s for r in recs if r.error_code != runner.LOST and r.answered_after_s is not None]
     refused = [r.answered_after_s for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+    # admitted, then ended before a step that would have taken it past its bound (the host turned slower than
+    # predicted): an answer within the bound, not a result
+    ended = [r.answered_after_s for r in recs if r.error_code == "DEADLINE_EXCEEDED" and ENDED.search(r.error or "")]
     ok = [r.latency_s for r in recs if r.latency_s is not None]
-    refusals = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED") if deadline_ms else ("RESOURCE_EXHAUSTED",)
-    other = {k: v for k, v in s["errors"].items() if k not in (*refusals, runner.LOST)}
+    # with DEADLINE_MS every DEADLINE_EXCEEDED is an answer (a deadline missed even with nothing ahead is refused)
+    known = {"RESOURCE_EXHAUSTED": len(refused), runner.LOST: s["lost"],
+             "DEADLINE_EXCEEDED": s["errors"].get("DEADLINE_EXCEEDED", 0) if deadline_ms else len(ended)}
+    other = {k: v - known.get(k, 0) for k, v in s["errors"].items() if v > known.get(k, 0)}
     late = sum(a > within_s for a in answered)
     by: dict[str, list] = {}
     for r in recs:
         if r.error_code == "RESOURCE_EXHAUSTED":
-            src = "triton_queue" if "Exceeds maximum queue size" in (r.error or "") else refusal_source(r.error)
-            by.setdefault(src, []).append(r.answered_after_s)
+            by.setdefault(backend_source(r.error), []).append(r.answered_after_s)
     out = {
         "sent": n, "spread_s": spread_s, "steps": steps, "within_s": within_s, "deadline_ms": deadline_ms,
         "ok": len(ok), "refused": len(refused), "deadline_exceeded": s["errors"].get("DEADLINE_EXCEEDED", 0),
+        "ended_at_bound": len(ended), "ended_max_s": round(max(ended), 3) if ended else None,
         "other_errors": other, "late": late, "lost": s["lost"],
         "answered_max_s": round(max(answered), 3) if answered else None,
         "ok_max_s": round(max(ok), 3) if ok else None, "ok_p95_s": s["p95_s"],
@@ -170,15 +195,21 @@ def plot(result: dict, runs: dict, path: Path) -> None:
     for ax, (name, recs) in zip(axes[0], runs.items()):
         ok = [(r.submit_s, r.latency_s) for r in recs if r.latency_s is not None]
         ref = [(r.submit_s, r.answered_after_s) for r in recs if r.error_code == "RESOURCE_EXHAUSTED"]
+        ended = [(r.submit_s, r.answered_after_s) for r in recs
+                 if r.error_code == "DEADLINE_EXCEEDED" and ENDED.search(r.error or "")]
         if ok:
             ax.scatter(*zip(*ok), s=6, label="served: latency")
         if ref:
             ax.scatter(*zip(*ref), s=6, c="red", label="refused: time to RESOURCE_EXHAUSTED")
+        if ended:
+            ax.scatter(*zip(*ended), s=10, c="orange", marker="x", label="ended at its bound (DEADLINE_EXCEEDED)")
         if name == "flood":
             j = result["flood"]
             ax.axhline(j["within_s"], ls="--", c="gray", lw=0.8)
+            bound = f", bound {result['latency_bound_s']:g} s" if result.get("latency_bound_s") else ""
             ax.set(xlabel="send time (s)", ylabel="seconds", title=f"flood: {j['sent']} requests in {j['spread_s']:g} s "
-                   f"at one server; {j['ok']} ok, {j['refused']} refused, {j['late']} late, {j['lost']} lost")
+                   f"at one server, {j['steps']} steps{bound}\n{j['ok']} ok, {j['refused']} refused, "
+                   f"{j.get('ended_at_bound', 0)} ended at its bound, {j['late']} late, {j['lost']} lost")
         else:
             ax.axhline(1.0, ls="--", c="gray", lw=0.8)
             j = result["targets"][name]
@@ -214,6 +245,9 @@ def main(argv=None) -> None:
                     "--steps)")
     ap.add_argument("--flood-deadline-ms", type=int, default=None, help="DEADLINE_MS on each of the flood's requests "
                     "(default: none, as the probe that found the problem sent them)")
+    ap.add_argument("--latency-bound-s", type=float, default=None, help="the servers' MASKEDIT_LATENCY_BOUND_S "
+                    "(every request answered or refused within it; default: --flood-within-s when the flood runs, "
+                    "else the servers' default; 0: none)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -221,11 +255,16 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"--phases: unknown {', '.join(sorted(unknown))} (server, router, flood)")
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue)}
+    bound = args.latency_bound_s if args.latency_bound_s is not None else \
+        (args.flood_within_s if "flood" in phases else None)
+    if bound is not None:
+        env["MASKEDIT_LATENCY_BOUND_S"] = f"{bound:g}"
     started = time.time()
     result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
                                                                   __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
-              "max_queue": args.max_queue, "instances": args.instances, "router_args": args.router_args,
+              "max_queue": args.max_queue, "latency_bound_s": bound, "instances": args.instances,
+              "router_args": args.router_args,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note}, "targets": {}}
     runs = {}
     with running_topology(args.instances, args.out, env, shlex.split(args.router_args)) as topo:

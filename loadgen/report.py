@@ -90,12 +90,15 @@ def flood(r: dict) -> str:
     la = f["load_average"]
     deadline = (f", DEADLINE_MS {f['deadline_ms']} ({f['deadline_exceeded']} answered DEADLINE_EXCEEDED)"
                 if f.get("deadline_ms") else "")
-    return ("| flood | sent | ok | refused | refused by: n (slowest s) | other errors | late | lost | answered max (s) | "
-            "refusal max / P99 (s) | served max / P95 (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    ended = f"{f.get('ended_at_bound', 0)} ({_f(f.get('ended_max_s'), 2)})" if f.get("ended_at_bound") else "0"
+    bound = f", server bound (MASKEDIT_LATENCY_BOUND_S) {r['latency_bound_s']:g} s" if r.get("latency_bound_s") else ""
+    return ("| flood | sent | ok | refused | refused by: n (slowest s) | ended at its bound: n (slowest s) | "
+            "other errors | late | lost | answered max (s) | refusal max / P99 (s) | served max / P95 (s) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             f"| {f['sent']} in {f['spread_s']:g} s at one server | {f['sent']} | {f['ok']} | {f['refused']} | {by} | "
-            f"{_codes(f['other_errors'])} | {f['late']} | {f['lost']} | {_f(f['answered_max_s'], 3)} | "
+            f"{ended} | {_codes(f['other_errors'])} | {f['late']} | {f['lost']} | {_f(f['answered_max_s'], 3)} | "
             f"{_f(f['refusal_max_s'], 3)} / {_f(f['refusal_p99_s'], 3)} | {_f(f['ok_max_s'], 3)} / {_f(f['ok_p95_s'])} |"
-            f"\n\n{f['steps']} denoising steps{deadline}, denoise queue {r['max_queue']}, late: answered after "
+            f"\n\n{f['steps']} denoising steps{deadline}{bound}, denoise queue {r['max_queue']}, late: answered after "
             f"{f['within_s']:g} s; load average before {la['before']}, after {la['after']} (1, 5, 15 min); met: "
             f"{f['met']}. `{r['command']}`, started {r['started']}.")
 

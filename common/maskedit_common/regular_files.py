@@ -1,4 +1,5 @@
-"""Opening files a caller named (an adapter to load, a library entry) only when they are regular files.
+"""Opening files a caller named (an adapter to load, a library entry: an adapter, a ControlNet) only when they are
+regular files.
 
 ``open()`` on a FIFO waits for a writer forever, a device may block or act on being opened, a socket cannot be
 read: a name in a source directory must not be able to hang a thread of the router or a backend. The name is
@@ -41,3 +42,19 @@ def open_regular(path: str | Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_regular(path: str | Path) -> bytes:
+    """The bytes of ``path`` if it is a regular file (``open_regular``)."""
+    with open_regular(path) as fh:
+        return fh.read()
+
+
+def check_regular_dir(directory: str | Path) -> None:
+    """Raise ``NotRegularFile`` naming the first entry of ``directory`` that is neither a regular file nor a
+    directory (symlinks followed; ``stat`` only, nothing opened): for a model directory a loader then opens by name
+    (``from_pretrained``), so that a FIFO named like a weight file is refused before anything waits on it."""
+    for p in sorted(Path(directory).iterdir()):
+        mode = os.stat(p).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise NotRegularFile(f"{p.name} is {kind(mode)}, not a regular file")

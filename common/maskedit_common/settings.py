@@ -83,6 +83,10 @@ class BatchingSettings:
     max_tokens_per_step: int = 1 << 30
     max_queue: int = 64
     reject_late: bool = True
+    # every request answered or refused within this many seconds of its arrival: refused before any work when it is
+    # predicted to be answered later (``maskedit.completion``); 60 s: what proxies in front of a service commonly
+    # wait for an answer (nginx's proxy_read_timeout, a cloud load balancer's idle timeout). 0: no bound
+    latency_bound_s: float = 60.0
     max_wait_steps: int = 8
     fair_share: bool = True  # tenants share the denoise queue by weight (``maskedit.fair_share``)
 
@@ -342,7 +346,11 @@ VARIABLES: tuple[Var, ...] = (
         "no limit (2³⁰)"),
     Var("MASKEDIT_MAX_QUEUE", "batching.max_queue", int, "waiting requests before new ones get RESOURCE_EXHAUSTED"),
     Var("MASKEDIT_REJECT_LATE", "batching.reject_late", _flag, "refuse requests that cannot meet their deadline "
-        "(`0`: off)", "`1`"),
+        "or bound (`0`: off)", "`1`"),
+    Var("MASKEDIT_LATENCY_BOUND_S", "batching.latency_bound_s", float, "every request is answered or refused within "
+        "this many seconds of its arrival: refused (`RESOURCE_EXHAUSTED`, with when to retry) before any work when "
+        "the work ahead of it, at the step time measured now, would make it later, and when it reaches the front of "
+        "the denoise queue too late; a request's `DEADLINE_MS` tightens it (`0`: no bound; docs/reliability.md)"),
     Var("MASKEDIT_MAX_WAIT_STEPS", "batching.max_wait_steps", int, "`priority`'s bound on how many steps a "
         "request waits"),
     Var("MASKEDIT_FAIR_SHARE", "batching.fair_share", _flag, "tenants (the router's `maskedit_tenant` parameter) "

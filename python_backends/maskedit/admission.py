@@ -1,4 +1,5 @@
-"""Early admission: pre-processing refuses a request at once while the denoise queue is full.
+"""Early admission: pre-processing refuses a request at once while the denoise queue is full, or when it could not
+be answered within its bound.
 
 The denoise loop refuses a request when its queue is full, but only after pre-processing (image decoding, the
 VAE and text encoders) has been spent on it. When requests arrive faster than they can be served, they also wait
@@ -10,16 +11,29 @@ refuses with RESOURCE_EXHAUSTED while the queue is full, which also keeps its ow
 With tenants (``maskedit.fair_share``) a full queue still takes a request whose tenant holds less than the
 heaviest tenant's share (it displaces that tenant's newest), so the board also carries the weighted share of the
 ``SLOTS`` heaviest tenants, and the check lets a lighter tenant's request through while the heaviest is refused.
+
+The count is a backstop; the bound is a time (``maskedit.completion``). The denoise process also publishes its
+backlog — each request in the batch and in the queue (steps left, tokens per step, the time it must be answered
+by) and its step-time model as measured — after every step and every change of its queue, under a sequence lock
+(pre-processing copies it and retries while a write is under way); ``vae_decode`` publishes its measured decoding
+time. ``FrontCheck``, the first thing pre-processing does after the count, predicts from that when the request
+would be answered and refuses it before any work when that is past its bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import struct
+import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
+from .arrival import ArrivalBound
+from .completion import Backlog, Bound, Ema, Loop, Work, bound_for, decide
 from .errors import ResourceExhausted
 from .fair_share import tenant_hash
 
@@ -28,7 +42,16 @@ from .fair_share import tenant_hash
 # heaviest tenants' shares: SLOTS pairs of (tenant hash, share x 1000), 0 = an empty slot
 _WAITING, _MAX, _ARRIVED, _PASSED = 0, 8, 16, 24
 _SHARES, SLOTS = 32, 16
-_SIZE = _SHARES + 16 * SLOTS
+# the backlog (denoise, under the sequence number at _SEQ: odd while a write is under way): the step-time model
+# (fixed s, s per token), the recent requests' mean tokens per step, how many in the batch and waiting; then one
+# (steps left, tokens, answer by) per request, at most JOBS (the rest lumped into the last); and (vae_decode) the
+# measured decoding time
+_SEQ = _SHARES + 16 * SLOTS
+_HEAD = struct.Struct("<dddqq")
+_DECODE = _SEQ + 8 + _HEAD.size
+_JOBS, JOBS = _DECODE + 8, 256
+_JOB = struct.Struct("<qqd")
+_SIZE = _JOBS + _JOB.size * JOBS
 
 
 def board_path(directory: Path, server_pid: int | None = None) -> Path:
@@ -101,9 +124,111 @@ class QueueBoard:
     def passed(self) -> None:
         self._set(_PASSED, self._get(_PASSED) + 1)
 
+    def on_the_way(self) -> int:
+        """Requests pre-processing sent on that the denoise process has not received yet."""
+        return max(0, self._get(_PASSED) - self._get(_ARRIVED))
+
+    # -- the backlog (denoise writes, pre-processing reads) --------------------------------------------------
+    def publish_backlog(self, b: Backlog) -> None:
+        jobs = list(b.running) + list(b.waiting)
+        if len(jobs) > JOBS:  # what does not fit: one lump as long as the longest, as heavy as all of them
+            rest = jobs[JOBS - 1:]
+            jobs = jobs[:JOBS - 1] + [(max(j[0] for j in rest), sum(j[1] for j in rest), math.inf)]
+        n_run = min(len(b.running), len(jobs))
+        seq = self._get(_SEQ)
+        seq += 0 if seq & 1 else 1  # odd: a write is under way (already odd: a writer died mid-write)
+        self._set(_SEQ, seq)
+        _HEAD.pack_into(self._map, _SEQ + 8, b.fixed_s, b.per_token_s, b.tokens, n_run, len(jobs) - n_run)
+        if jobs:
+            struct.pack_into("<" + "qqd" * len(jobs), self._map, _JOBS,
+                             *(v for steps, tokens, by in jobs for v in (steps, tokens, by)))
+        self._set(_SEQ, seq + 1)
+
+    def backlog(self, tries: int = 50) -> Backlog | None:
+        """The backlog as last published (None: nothing yet); a write under way is waited out (briefly)."""
+        for attempt in range(tries):
+            seq = self._get(_SEQ)
+            if seq and not seq & 1:
+                fixed, per_token, tokens, n_run, n_wait = _HEAD.unpack_from(self._map, _SEQ + 8)
+                n = max(0, min(JOBS, n_run + n_wait))
+                raw = struct.unpack_from("<" + "qqd" * n, self._map, _JOBS)
+                if self._get(_SEQ) == seq:
+                    jobs = [raw[i:i + 3] for i in range(0, 3 * n, 3)]
+                    return Backlog(jobs[:n_run], jobs[n_run:], fixed, per_token, tokens)
+            elif not seq:
+                return None
+            if attempt > 3:
+                time.sleep(0.0005)
+        return None
+
+    def decoded(self, seconds: float) -> None:
+        """``vae_decode``'s measured time per decoding."""
+        struct.pack_into("<d", self._map, _DECODE, seconds)
+
+    def decode_s(self) -> float:
+        return struct.unpack_from("<d", self._map, _DECODE)[0]
+
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the front let through: its earliest arrival (``time.time()``), its bound (None: none) and when it
+    was predicted to be answered (``vae_decode`` logs the prediction beside what happened)."""
+
+    arrival: float
+    bound: Bound | None = None
+    predicted_at: float | None = None
+
+
+class FrontCheck:
+    """Pre-processing's time check, before any work on a request: when would it be answered, behind the backlog the
+    denoise loop published and what pre-processing sent on since? Refused (``maskedit.completion.refusal``) when
+    that is past its bound, counted from its earliest possible arrival (``maskedit.arrival``). Its own tokens are
+    not known before decoding: the recent requests' mean stands in (the whole working resolution until there are
+    any); its pre-processing takes what the last ones took (measured here)."""
+
+    def __init__(self, board: QueueBoard, latency_bound_s: float, max_batch: int, max_tokens: int, queue_size: int,
+                 full_tokens: int):
+        self.board, self.latency_bound_s = board, latency_bound_s
+        self.max_batch, self.max_tokens, self.full_tokens = max_batch, max_tokens, full_tokens
+        self.arrivals = ArrivalBound(queue_size)
+        self.prepare_s = Ema()  # a whole pre-processing (what an admitted request costs here)
+        self._sent: deque = deque(maxlen=JOBS)  # (steps, tokens, answer by) of the requests sent on, newest last
+        self._last = Backlog()
+
+    def admit(self, start: float, steps: int, deadline_ms: int | None) -> Admitted:
+        """What is known of a request whose pre-processing starts at ``start`` (``time.time()``) and that runs
+        ``steps`` steps, once admitted; raises the refusal."""
+        arrival = self.arrivals.earliest(start)
+        bound = bound_for(self.latency_bound_s, deadline_ms, start - arrival)
+        if bound is None:
+            return Admitted(arrival)
+        b = self.board.backlog()
+        self._last = b = b if b is not None else self._last
+        now = time.time()
+        rel = lambda job: Work(job[0], job[1], job[2] - now)  # noqa: E731
+        n = min(self.board.on_the_way(), len(self._sent))
+        on_the_way = list(self._sent)[len(self._sent) - n:] if n else []
+        loop = Loop(b.step_s, self.max_batch, self.max_tokens, max(0.0, self.board.decode_s()))
+        tokens = round(b.tokens) if b.tokens > 0 else self.full_tokens
+        p, err = decide(loop, [rel(j) for j in b.running], [rel(j) for j in b.waiting + on_the_way],
+                        Work(steps, tokens, bound.left - (now - start), ready_s=self.prepare_s.get()), bound)
+        if err is not None:
+            raise err
+        return Admitted(arrival, bound, now + p.answer_s)
+
+    def ran(self, start: float, end: float, prepared: bool) -> None:
+        """A request's execution here ended; ``prepared``: it was pre-processed in full (admitted)."""
+        self.arrivals.ran(start, end)
+        if prepared:
+            self.prepare_s.observe(end - start)
+
+    def sent(self, steps: int, tokens: int, answer_by: float | None) -> None:
+        """A request goes on towards denoising (before ``QueueBoard.passed``)."""
+        self._sent.append((steps, tokens, math.inf if answer_by is None else answer_by))
 
 
 def remove(directory: Path, server_pid: int) -> None:

@@ -41,6 +41,11 @@ class DenoiseInputs:
     cache_key: str | None = None  # activation-cache key (None: caching off for this request)
     register: bool = False  # a template run: record even if an entry exists
     deadline: float | None = None  # absolute time.time() by which the request must finish, if any
+    # its bound (``maskedit.completion``): answered or refused by this time.time() (None: no bound), ``bound_s``
+    # after its arrival, the bound being ``bound_source``'s (MASKEDIT_LATENCY_BOUND_S or DEADLINE_MS)
+    answer_by: float | None = None
+    bound_s: float = 0.0
+    bound_source: str = ""
     loras: tuple = ()  # its adapters: ``ResolvedRef``s (name, scale, file digest) or dicts of them
     base_cache_key: str | None = None  # with adapters: its key without them (``CacheSettings.lora_base_reuse``)
     controls: tuple = ()  # its ControlNets: ``maskedit.controlnets.job.ControlInput`` (spec + prepared image)

@@ -3,7 +3,8 @@
 Requests are submitted from Triton's ``execute`` (which returns at once: the model is decoupled) and join the
 running batch at the next step boundary, as the scheduler decides; finished requests leave at once. Every
 submitted job ends in ``on_done`` or ``on_error``: cancelled jobs at the next step, jobs that cannot meet
-their deadline before they start, and everything still queued or running at shutdown.
+their deadline or bound before they start (``maskedit.completion``), admitted ones that can no longer be answered
+within their bound before their next step, and everything still queued or running at shutdown.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import threading
 import time
 
-from . import logs
+from . import completion, logs
 from .denoise import DenoiseJob, ModelRunner
 from .device import StepClock, device_lost, out_of_memory, release_cached_memory
 from .errors import Cancelled, ResourceExhausted, Unavailable
@@ -25,12 +26,17 @@ log = logging.getLogger(__name__)
 
 class DenoiseEngine:
     def __init__(self, runner: ModelRunner, max_batch: int = 1, max_queue: int = 64,
-                 scheduler: BatchScheduler | None = None, on_queue=None, fair: FairShare | None = None):
+                 scheduler: BatchScheduler | None = None, on_queue=None, fair: FairShare | None = None,
+                 on_backlog=None):
         self.runner = runner
         self.scheduler = scheduler or BatchScheduler("continuous", max_batch=max_batch)
         self.max_queue = max_queue
         self.on_queue = on_queue  # on_queue(waiting, max_queue, shares) whenever the queue changes (early admission)
         self.fair = fair or FairShare(enabled=False)  # tenants' order in the queue and who gives way when it is full
+        # on_backlog(completion.Backlog) after every step and queue change: pre-processing predicts from it when a
+        # new request would be answered (``maskedit.completion``)
+        self.on_backlog = on_backlog
+        self.tokens_seen = completion.Ema(clamp=float("inf"))  # tokens per step of the requests it admitted
         self._waiting: list[DenoiseJob] = []
         self._running: list[DenoiseJob] = []
         self._cv = threading.Condition()
@@ -46,6 +52,8 @@ class DenoiseEngine:
         self.broken: Unavailable | None = None  # set when the device failed beyond recovery
         self._thread = threading.Thread(target=self._loop, name="denoise-loop", daemon=True)
         self._thread.start()
+        with self._cv:
+            self._published()  # a restarted process replaces what its predecessor left on the board
 
     @property
     def max_batch(self) -> int:
@@ -63,7 +71,8 @@ class DenoiseEngine:
                 displaced = self.fair.make_room(self._waiting, job)  # or raises: refused
             if job.tokens is None:
                 job.tokens = self.runner.estimate_tokens(job)
-            err = self.scheduler.late(job, time.time())
+            now = time.time()
+            err = self.scheduler.late(job, now) or self._bound_refusal(job, displaced, now)
             if err is not None:
                 raise err
             if displaced is not None:
@@ -80,6 +89,20 @@ class DenoiseEngine:
                 f"denoise queue is full ({self.max_queue} waiting) and tenant '{displaced.tenant}' holds more than "
                 f"its fair share of it: this request gave its place to another tenant's; retry later"))
 
+    def _bound_refusal(self, job: DenoiseJob, displaced, now: float):
+        """Its refusal if, behind the batch and the queue as they are, it would be answered past its bound or make
+        one of them late (``maskedit.completion``; its tokens are exact here). Called holding the lock."""
+        by = job.inputs.answer_by
+        if by is None or not self.scheduler.reject_late:
+            return None
+        bound_s = job.inputs.bound_s or 0.0
+        bound = completion.Bound(bound_s, max(0.0, now - (by - bound_s)), job.inputs.bound_source or
+                                 completion.SERVER_BOUND)
+        work = lambda j: self.scheduler.work(j, now)  # noqa: E731
+        return completion.refusal(self.scheduler.loop(), [work(j) for j in self._running],
+                                  [work(j) for j in self._waiting if j is not displaced], work(job), bound,
+                                  where="refused before denoising")
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify()
@@ -87,6 +110,17 @@ class DenoiseEngine:
     def _published(self) -> None:
         if self.on_queue is not None:
             self.on_queue(len(self._waiting), self.max_queue, loads(self._waiting) if self.fair.enabled else None)
+        self._publish_backlog()
+
+    def _publish_backlog(self) -> None:
+        """The batch and the queue, each request's steps left, tokens and answer-by, and the step-time model as
+        measured, for pre-processing's time check. Called holding the lock."""
+        if self.on_backlog is None:
+            return
+        row = lambda j: (j.steps - j.step_index, j.tokens or 0, j.inputs.answer_by or float("inf"))  # noqa: E731
+        m = self.scheduler.model
+        self.on_backlog(completion.Backlog([row(j) for j in self._running], [row(j) for j in self._waiting], m.fixed_s,
+                                m.per_token_s, self.tokens_seen.get()))
 
     def stats(self) -> dict:
         with self._cv:
@@ -150,6 +184,7 @@ class DenoiseEngine:
         failed = set()
         for job in out.admitted:
             self.fair.started(job, self._waiting)
+            self.tokens_seen.observe(job.tokens or 0)
             t = time.perf_counter()
             try:
                 self.runner.prepare(job)
@@ -212,7 +247,7 @@ class DenoiseEngine:
         p0, c0 = self.prepare_s, self.callback_s
         with self._cv:
             batch = list(self._running) if self._stopping else self._schedule()
-        batch = self._drop_cancelled(batch)
+        batch = self._drop_overdue(self._drop_cancelled(batch))
         if not batch:
             return True
         tokens = sum(j.tokens or 0 for j in batch)
@@ -241,6 +276,8 @@ class DenoiseEngine:
                     self._retire([job], error=e)
         self.callback_s += time.perf_counter() - tc
         self._retire([j for j in batch if j.done and j in self._running])
+        with self._cv:
+            self._publish_backlog()  # steps left moved on, finished requests left
         self.overhead_s += (t1 - t0) + (time.perf_counter() - t2) - (self.prepare_s - p0) - \
             (self.callback_s - c0)
         return True
@@ -299,6 +336,21 @@ class DenoiseEngine:
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
         return [j for j in batch if j not in cancelled]
+
+    def _drop_overdue(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
+        """End every admitted request that can no longer be answered within its bound (``BatchScheduler.overdue``:
+        the next step would end past it) and return the rest of ``batch``. Those that finish at the next step are
+        decoded one at a time, in the batch's order: the k-th of them waits for k decodings."""
+        now = time.time()
+        step_s, decode_s = self.scheduler.model.predict(sum(j.tokens or 0 for j in batch)), self.scheduler.decode_s()
+        last = [j for j in batch if j.steps - j.step_index <= 1]
+        decodes = {id(j): k + 1 for k, j in enumerate(last)}
+        with self._cv:
+            over = [(j, e) for j in self._running if (e := self.scheduler.overdue(
+                j, now, step_s + decode_s * decodes.get(id(j), 1))) is not None]
+        for job, err in over:
+            self._retire([job], error=err)
+        return [j for j in batch if not any(j is k for k, _ in over)]
 
     def _retire(self, jobs: list[DenoiseJob], error: BaseException | None = None) -> None:
         if not jobs:

@@ -21,6 +21,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from maskedit_common.regular_files import read_regular
+
 
 def model_fingerprint(model_dir: Path, version: str = "") -> str:
     """Configs plus the name, size and mtime of every weight file, and ``version`` (``Settings.model_version``,
@@ -75,7 +77,7 @@ def dir_digest(path: Path) -> str:
     for p in sorted(Path(path).iterdir()):
         if p.is_file():
             st = p.stat()
-            h.update(p.read_bytes() if p.suffix == ".json" else f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            h.update(read_regular(p) if p.suffix == ".json" else f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 

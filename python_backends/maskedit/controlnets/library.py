@@ -1,7 +1,8 @@
 """The ControlNet library: a directory of ControlNets, each ``<name>/`` as ``save_pretrained`` writes it
 (``config.json`` + weights). Requests name ControlNets; a name is never a path, and only directories directly in the
-library are opened (a symlink out of it is refused). Loaded models are cached by name and the files' mtimes, and
-shared by every request naming them."""
+library are opened (a symlink out of it is refused), and in them only regular files (``maskedit_common.regular_files``:
+a FIFO, device or socket named like a ControlNet file is refused, naming CONTROLS, before anything waits on it).
+Loaded models are cached by name and the files' mtimes, and shared by every request naming them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from maskedit_common.controls import FIELD, NAME, UNION_MODES, ControlSpec, library_names
+from maskedit_common.regular_files import NotRegularFile, check_regular_dir, read_regular
 
 from ..errors import InvalidInput
 
@@ -32,16 +34,27 @@ class ControlNetLibrary:
             raise InvalidInput(f"control {index}: {name!r:.60} is not a ControlNet name (names, not paths)", FIELD)
         root = self.root.resolve()
         d = root / name
-        if not (d / "config.json").is_file():
+        if not (d / "config.json").exists():
             avail = ", ".join(self.names()) or "none"
             raise InvalidInput(f"control {index}: unknown ControlNet {name!r}; available: {avail}", FIELD)
         real = d.resolve()
         if root not in real.parents:
             raise InvalidInput(f"control {index}: ControlNet {name!r} is not inside the ControlNet library", FIELD)
+        try:  # every file the loader would open by name: stat only, nothing opened
+            check_regular_dir(real)
+        except NotRegularFile as e:
+            raise InvalidInput(f"control {index}: ControlNet {name!r}: {e}", FIELD) from None
         return real
 
     def config(self, name: str, index: int = 0) -> dict:
-        return json.loads((self.path(name, index) / "config.json").read_text())
+        return self._read_config(self.path(name, index), name, index)
+
+    @staticmethod
+    def _read_config(path: Path, name: str, index: int) -> dict:
+        try:  # checked on the open file too: what is read is what was checked
+            return json.loads(read_regular(path / "config.json"))
+        except NotRegularFile as e:
+            raise InvalidInput(f"control {index}: ControlNet {name!r}: {e}", FIELD) from None
 
     def check(self, specs: tuple[ControlSpec, ...]) -> None:
         """What can be told from the configs alone (pre-processing: no weights loaded): each name exists, is a
@@ -82,7 +95,7 @@ class ControlNetLibrary:
     def load(self, spec: ControlSpec, index: int = 0, denoiser=None):
         """The loaded ControlNet of ``spec`` (cached), checked against the family and ``denoiser``."""
         path = self.path(spec.name, index)
-        self._check_config(spec, json.loads((path / "config.json").read_text()), index)
+        self._check_config(spec, self._read_config(path, spec.name, index), index)
         stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()))
         key = (spec.name, stamp)
         with self._lock:

@@ -241,7 +241,9 @@ class ModelFamily(ABC):
 
         from ..device import torch_dtype
 
-        cls_name = json.loads((Path(path) / "config.json").read_text()).get("_class_name")
+        from maskedit_common.regular_files import read_regular
+
+        cls_name = json.loads(read_regular(Path(path) / "config.json")).get("_class_name")
         if cls_name not in self.controlnet_classes:
             runs = ", ".join(self.controlnet_classes) or "none"
             raise ValueError(f"is a {cls_name} and {self.pipeline_class_name} models run {runs}")

@@ -6,6 +6,8 @@ import json
 import time
 
 from .. import logs
+from ..admission import QueueBoard, board_path
+from ..completion import Ema
 from ..decode import Decoder
 from ..settings import load_settings
 from . import io
@@ -17,6 +19,8 @@ class TritonPythonModel:
         self.log = logs.setup("vae_decode", settings.service.log_level)
         io.limit_threads(args, settings.service, default=1)
         self.decoder = Decoder(settings)
+        self.board = QueueBoard(board_path(settings.service.admission_dir))  # its decoding time, for admission
+        self.decode_s = Ema()
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -36,8 +40,16 @@ class TritonPythonModel:
                                         crop=info.get("crop"), fmt=info.get("output_format", "png"),
                                         quality=info.get("output_quality", 95))
             info["decode_s"] = round(time.perf_counter() - t0, 6)
+            if info.get("arrival_ts"):  # from its earliest arrival: what the front predicted, what it took
+                info["answered_s"] = round(time.time() - info["arrival_ts"], 3)
+                if info.get("predicted_ts"):
+                    info["predicted_s"] = round(info["predicted_ts"] - info["arrival_ts"], 3)
+            if generated is not None:
+                self.decode_s.observe(info["decode_s"])
+                self.board.decoded(self.decode_s.get())
             logs.event(self.log, "edit done", **{k: info.get(k) for k in
-                       ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s")})
+                       ("template_hash", "mask_ratio", "steps", "preprocess_s", "queue_s", "denoise_s", "decode_s",
+                        "answered_s", "predicted_s")})
             return io.response({"IMAGE": image, "EDIT_INFO": info})
         except Exception as e:
             self.log.exception("decode failed")

@@ -46,7 +46,8 @@ class TritonPythonModel:
         self.board = QueueBoard(board_path(s.service.admission_dir))  # pre-processing refuses early while it is full
         self.engine = DenoiseEngine(runner, max_queue=b.max_queue, scheduler=BatchScheduler(
             b.policy, max_batch=b.max_batch, max_tokens=b.max_tokens_per_step, reject_late=b.reject_late,
-            max_wait_steps=b.max_wait_steps), on_queue=self.board.publish, fair=FairShare(b.fair_share))
+            max_wait_steps=b.max_wait_steps, decode_s=self.board.decode_s), on_queue=self.board.publish,
+            fair=FairShare(b.fair_share), on_backlog=self.board.publish_backlog)
         self.cancels = CancelBoard(s.service.cancel_dir)
         self._sweeper = self.cancels.sweep_every(s.service.cancel_sweep_s)
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which server denoised: behind a router, per request
@@ -65,13 +66,16 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            self.board.arrived()
             try:
                 self._submit(request, sender)
-            except Exception as e:  # refused at admission (queue full, deadline, bad tensors): answered at once
+            except Exception as e:  # refused at admission (queue full, bound, deadline, bad tensors): answered at once
                 self.log.warning("rejected request: %s", e)
                 self.metrics.outcome(getattr(e, "code", "INTERNAL"))
                 sender.send(io.error_response(e, request.request_id()), flags=FINAL)
+            finally:
+                # counted once it is in the published queue (or answered): pre-processing, which counts it as on
+                # its way until then, may count it twice for a moment but never misses it
+                self.board.arrived()
         return None
 
     def _submit(self, request, sender):
@@ -88,7 +92,9 @@ class TritonPythonModel:
             token_mask=io.array(request, "TOKEN_MASK").astype(bool), model_w=int(size[0]), model_h=int(size[1]),
             steps=int(io.scalar(request, "STEPS_RESOLVED")), guidance=float(io.scalar(request, "GUIDANCE_RESOLVED")),
             cache_key=info.get("cache_key") or None, register=bool(info.get("register")),
-            deadline=info.get("deadline_ts"), loras=tuple(info.get("loras") or ()),
+            deadline=info.get("deadline_ts"), answer_by=info.get("answer_by_ts"),
+            bound_s=float(info.get("bound_s") or 0.0), bound_source=info.get("bound_source") or "",
+            loras=tuple(info.get("loras") or ()),
             base_cache_key=info.get("base_cache_key") or None,
             controls=from_wire(io.array(request, "CONTROL_COND"), info.get("controls")),
             temporal=info.get("temporal"),

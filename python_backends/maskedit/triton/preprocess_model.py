@@ -9,13 +9,15 @@ from maskedit_common.request_fields import PARAMS
 
 from .. import logs
 from ..adapters import prefetch as adapter_prefetch
-from ..admission import QueueBoard, board_path
+from ..admission import FrontCheck, QueueBoard, board_path
 from ..cancel import CancelBoard
 from ..controlnets.job import to_wire
 from ..errors import Cancelled
 from ..fair_share import tenant_of
 from ..params import parse_params
 from ..preprocess import Preprocessor
+from ..repository import PREPROCESS_QUEUE
+from ..schedule import first_step
 from ..settings import load_settings
 from . import io
 from .adapter_metrics import AdapterMetrics
@@ -32,6 +34,9 @@ class TritonPythonModel:
         self.pre = Preprocessor(self.settings, store=store)
         self._probe = keep_recovering(store, self.settings.cache)  # its own view of the tiers' health recovers too
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
+        b, res = self.settings.batching, self.settings.resolution
+        self.front = FrontCheck(self.board, b.latency_bound_s, b.max_batch, b.max_tokens_per_step,
+                                PREPROCESS_QUEUE.max_size, full_tokens=(res // self.pre.patch) ** 2)
         self.cancels = CancelBoard(self.settings.service.cancel_dir)
         # Adapters a request names are converted into the host tier of the adapter cache in the background.
         self.prefetch = adapter_prefetch.from_settings(self.settings, self.pre.adapters)
@@ -61,8 +66,15 @@ class TritonPythonModel:
             self._probe.set()
 
     def _one(self, request):
+        start, response = time.time(), None
+        try:
+            response = self._prepare(request, start)
+            return response
+        finally:  # every execution, refused ones too: what bounds the next request's wait in the queue
+            self.front.ran(start, time.time(), prepared=response is not None and not response.has_error())
+
+    def _prepare(self, request, start: float):
         t0 = time.perf_counter()
-        arrived = time.time()
         try:
             if self.cancels.is_cancelled(request.request_id()):  # given up (e.g. refused by the router meanwhile)
                 self.cancels.clear(request.request_id())
@@ -70,6 +82,9 @@ class TritonPythonModel:
             tenant, weight = tenant_of(request.parameters())  # set by the router after it checked the caller's key
             self.board.check(tenant, weight)  # the denoise queue is full: refused before any work, at once
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
+            steps = params.steps - first_step(self.pre.family.pipeline_class(), params.steps, params.strength)
+            # when it would be answered, behind the work ahead: refused before any work when past its bound
+            admitted = self.front.admit(start, steps, params.deadline_ms)
             images, refs = io.array(request, "CONTROL_IMAGES"), io.array(request, "REFERENCE_IMAGES")
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,
                          () if images is None else list(images.reshape(-1)),
@@ -89,7 +104,7 @@ class TritonPythonModel:
             "template_hash": p.template_hash, "cache_key": p.cache_key, "base_cache_key": p.base_cache_key,
             "template_seed": params.template_seed,
             "register": params.register, "progress_requested": params.progress,
-            "deadline_ts": arrived + params.deadline_ms / 1000.0 if params.deadline_ms else None,
+            **_timing(admitted, params.deadline_ms),
             "model_size": [p.model_w, p.model_h], "seed": params.seed, "steps": params.steps,
             "guidance": params.guidance, "loras": [r.as_dict() for r in p.loras], "controls": controls,
             "temporal": params.temporal.as_dict(),
@@ -102,6 +117,7 @@ class TritonPythonModel:
             "guidance_rescale": params.guidance_rescale, "true_cfg_scale": p.true_cfg_scale,
             "output_format": params.output_format, "output_quality": params.output_quality,
         }
+        self.front.sent(0 if p.skip_model else steps, int(p.token_mask.size), info["answer_by_ts"])
         self.board.passed()  # on its way to denoise: counts against the queue until it arrives
         return io.response({
             "LATENTS": p.latents, "COND": p.cond, "PROMPT_EMBEDS": p.prompt_embeds, "POOLED_EMBEDS": p.pooled_embeds,
@@ -111,3 +127,12 @@ class TritonPythonModel:
             "REFERENCE": p.reference, "REFERENCE_GRIDS": p.reference_grids,
             "TEMPLATE_RGB": p.template_rgb, "ALPHA": p.alpha, "REQUEST_INFO": info,
         })
+
+
+def _timing(admitted, deadline_ms: int | None) -> dict:
+    """REQUEST_INFO's times (``time.time()``), counted from the request's earliest arrival: its DEADLINE_MS, its
+    bound (``maskedit.completion``: answered or refused by ``answer_by_ts``) and the front's prediction."""
+    a, bound = admitted.arrival, admitted.bound
+    return {"deadline_ts": a + deadline_ms / 1000.0 if deadline_ms else None,
+            "answer_by_ts": a + bound.seconds if bound else None, "bound_s": bound.seconds if bound else None,
+            "bound_source": bound.source if bound else None, "arrival_ts": a, "predicted_ts": admitted.predicted_at}

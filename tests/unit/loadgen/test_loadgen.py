@@ -153,7 +153,8 @@ def test_the_soak_judges_memory_outside_the_store_entries_a_process_has_mapped(t
 
 def test_the_flood_counts_every_request_answered_late_or_lost_and_who_refused(monkeypatch):
     """``make overload``'s flood straight at one server: answered within 10 s (a result or a refusal), late, lost;
-    refusals by Triton's queue in front of pre-processing told from the backend's own."""
+    refusals by Triton's queue in front of pre-processing told from the backend's own checks (the time bound at the
+    front, at denoise, at the front of its queue; the count); a request ended at its bound counted apart."""
     from loadgen import overload, records, report, runner
 
     def rec(i, done, error=None, code=None):
@@ -164,16 +165,32 @@ def test_the_flood_counts_every_request_answered_late_or_lost_and_who_refused(mo
                                      "in ensemble 'edit', [request id: a-1] Exceeds maximum queue size",
                                "RESOURCE_EXHAUSTED"),
             rec(2, 12.0, "UNAVAILABLE: RESOURCE_EXHAUSTED: denoise queue is full (8 waiting)", "RESOURCE_EXHAUSTED"),
-            rec(3, None), rec(4, 3.0)]
+            rec(3, None), rec(4, 3.0),
+            rec(5, 0.4, "UNAVAILABLE: RESOURCE_EXHAUSTED: cannot be answered within 10 s of its arrival (...); refused "
+                        "before any work; retry in ~3 s or send it to another server", "RESOURCE_EXHAUSTED"),
+            rec(6, 1.5, "UNAVAILABLE: RESOURCE_EXHAUSTED: would delay 1 requests already taken past their bounds (...); "
+                        "refused before denoising; retry in ~1 s", "RESOURCE_EXHAUSTED"),
+            rec(7, 4.0, "UNAVAILABLE: RESOURCE_EXHAUSTED: waited 4.0 s since its arrival and can no longer be answered "
+                        "within 10 s of it (...); refused before it started (MASKEDIT_LATENCY_BOUND_S)",
+                "RESOURCE_EXHAUSTED"),
+            rec(8, 9.8, "UNAVAILABLE: DEADLINE_EXCEEDED: ran out of its bound of 10 s after its arrival "
+                        "(MASKEDIT_LATENCY_BOUND_S) with 3 steps left: ...", "DEADLINE_EXCEEDED")]
     recs[3].error, recs[3].error_code = "no result", runner.LOST
     sent = []
     monkeypatch.setattr(runner, "run", lambda c, reqs, *a, **k: sent.append(len(reqs)) or (recs, 20.0))
-    _, f = overload.flood("127.0.0.1:1", n=5, spread_s=1.0, steps=2, within_s=10.0)
-    assert sent == [5]
-    assert (f["ok"], f["refused"], f["late"], f["lost"]) == (2, 2, 1, 1)
-    assert f["refused_by"] == {"backend": {"n": 1, "max_s": 12.0}, "triton_queue": {"n": 1, "max_s": 0.05}}
+    _, f = overload.flood("127.0.0.1:1", n=9, spread_s=1.0, steps=2, within_s=10.0)
+    assert sent == [9]
+    assert (f["ok"], f["refused"], f["ended_at_bound"], f["late"], f["lost"]) == (2, 5, 1, 1, 1)
+    assert f["refused_by"] == {"queue_full": {"n": 1, "max_s": 12.0}, "triton_queue": {"n": 1, "max_s": 0.05},
+                               "bound_front": {"n": 1, "max_s": 0.4}, "bound_denoise": {"n": 1, "max_s": 1.5},
+                               "bound_queue": {"n": 1, "max_s": 4.0}}
     assert f["met"] == {"all_within": False, "nothing_lost": False, "only_refusals": True}
     assert len(f["load_average"]["before"]) == 3
     text = report.overload({"targets": {}, "steps": 8, "max_queue": 8, "all_met": False, "command": "c",
-                            "started": "s", "flood": f})
-    assert "| 5 in 1 s at one server | 5 | 2 | 2 |" in text and "triton_queue 1 (0.05)" in text
+                            "started": "s", "flood": f, "latency_bound_s": 10.0})
+    assert "| 9 in 1 s at one server | 9 | 2 | 5 |" in text and "triton_queue 1 (0.05)" in text, text
+    assert "| 1 (9.80) |" in text and "MASKEDIT_LATENCY_BOUND_S) 10 s" in text, text
+    rec8 = recs[8]
+    rec8.error = "UNAVAILABLE: DEADLINE_EXCEEDED: something else"  # not the bound's: another error
+    _, f = overload.flood("127.0.0.1:1", n=9, spread_s=1.0, steps=2, within_s=10.0)
+    assert f["other_errors"] == {"DEADLINE_EXCEEDED": 1} and not f["met"]["only_refusals"]

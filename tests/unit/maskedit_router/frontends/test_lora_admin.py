@@ -8,7 +8,6 @@ unknown unloads 404, the operator's own adapters stay; admin keys only on the HT
 import json
 import os
 import shutil
-import threading
 import urllib.error
 import urllib.request
 
@@ -22,6 +21,7 @@ from maskedit_common.loras import LoraRef, library_names
 from maskedit_router.access.auth import Keyring
 from maskedit_router.frontends.lora_admin import MARKER, AdapterAdmin, AdminError, ChildCheck
 from maskedit_router.frontends.openai_api import OpenAIServer
+from tests.blocking import in_time
 
 USER, ADMIN = "sk-user-0123456789abcdef", "sk-admin-0123456789abcdef"
 
@@ -144,40 +144,23 @@ def test_the_openai_port_serves_them_to_admin_keys_only_and_lists_the_change(lib
         api.stop()
 
 
-def _in_time(fn, timeout_s=20.0):
-    """``fn()``'s outcome, failing (not hanging) if it blocks."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except Exception as e:  # noqa: BLE001
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"blocked for {timeout_s} s"
-    return out
-
-
 def test_a_fifo_named_like_an_adapter_is_refused_without_blocking(lib):
     admin, library, src, _ = lib
     (src / "piped").mkdir()
     os.mkfifo(src / "piped" / "x.safetensors")  # open() would wait for a writer forever
     os.mkfifo(src / "direct.safetensors")
     for path in ("piped", "direct.safetensors"):
-        out = _in_time(lambda: admin.load({"lora_name": "p", "lora_path": path}))
+        out = in_time(lambda: admin.load({"lora_name": "p", "lora_path": path}), 20.0)
         e = out.get("error")
         assert isinstance(e, AdminError) and e.status == 400 and e.param == "lora_path", out
         assert "regular file" in str(e) or "not an adapter" in str(e), str(e)
     # the backends' library: a FIFO placed there is refused by name, never opened
     os.mkfifo(library / "fifo.safetensors")
-    out = _in_time(lambda: AdapterLibrary(library).file("fifo"))
+    out = in_time(lambda: AdapterLibrary(library).file("fifo"), 20.0)
     assert isinstance(out.get("error"), InvalidInput) and "LORAS" in str(out["error"]), out
     (library / "dirfifo").mkdir()
     os.mkfifo(library / "dirfifo" / "w.safetensors")
-    out = _in_time(lambda: AdapterLibrary(library).file("dirfifo"))
+    out = in_time(lambda: AdapterLibrary(library).file("dirfifo"), 20.0)
     assert isinstance(out.get("error"), InvalidInput) and "regular file" in str(out["error"]), out
     assert "p" not in library_names(library)  # nothing installed
 
