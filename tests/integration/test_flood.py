@@ -24,9 +24,8 @@ STEPS = 20
 # Known defect (open): on a quiet host, results came up to 6 s after arrival with a 1.5 s DEADLINE_MS, while the
 # server's own answered_s (from ``maskedit.arrival``'s earliest arrival) was 0.6-0.9 s: requests waited in Triton's
 # queue in front of pre-processing while the instance sat idle between executions (~0.5 s apart), which
-# ArrivalBound reads as "nothing was waiting". It passed on the loaded host (3 runs). Not strict: it passes where the
-# wait is bounded as assumed.
-@pytest.mark.xfail(strict=False, reason="maskedit.arrival under-estimates the wait in Triton's queue on a quiet host")
+# ArrivalBound reads as "nothing was waiting". It passed on the loaded host (3 runs). Only that check (the last one)
+# reports an expected failure when it misses; every other check fails the test.
 def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost(server, template_img, box_mask):
     with EditClient(server.grpc_url, timeout_s=300) as c:
         c.edit(template_img, box_mask, "a hat", seed=0, steps=STEPS)  # warm: its first steps are the slowest
@@ -72,7 +71,10 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
     # admitted: served, or ended before a step that would take it past its bound (the host turned slower than
     # predicted when it was taken): either way answered within it
     assert any(code == "ok" or "ran out of its bound" in m for code, m, _ in outcomes), summary
-    assert max(s for _, _, s in outcomes) <= bound_s + slack_s, summary  # the time bound, served requests too
     # the server still serves
     with EditClient(server.grpc_url, timeout_s=120) as c:
         assert c.edit(template_img, box_mask, "a hat", seed=1, steps=2).image.size == (256, 256)
+    # the time bound, served requests too: everything above must hold; this one is a known gap on a quiet host
+    # (see the comment above the test), reported as such rather than hidden by an xfail of the whole test
+    if max(s for _, _, s in outcomes) > bound_s + slack_s:
+        pytest.xfail(f"known: maskedit.arrival under-counts the wait in Triton's queue: {summary}")
