@@ -92,3 +92,19 @@ def test_a_bad_request_gets_a_clear_error_and_the_instance_keeps_serving(routed)
             client.submit(assets.template(1), b"not an image", "x", steps=8).result(30)
         r = workload.Request(0.0, 1, 0.1, "blob", "x", steps=8)
         assert client.submit(assets.template(1), assets.mask(r), "x", steps=8).result(30).info["emulated"]
+
+
+def test_make_router_scale_runs_end_to_end_at_a_tiny_setting(tmp_path):
+    """Both parts of ``make router-scale`` (the overhead ladder and the policies through the real router) at a size
+    that takes seconds: nothing else runs them before a quiet-host run (an undefined name once cost one)."""
+    from maskedit_lab.routing import scale
+
+    out = tmp_path / "router_scale.json"
+    scale.main(["--instances", "2", "--rates", "5", "--window-s", "2", "--compare-workers", "2", "--loads", "0.5",
+                "--policies", "predicted", "--requests", "20", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    kinds = {r["kind"] for r in doc["rows"]}
+    assert {"overhead", "policy"} <= kinds, kinds
+    over = [r for r in doc["rows"] if r["kind"] == "overhead"]
+    assert over[0]["ok"] == over[0]["requests"] and over[0]["emulated_instances"]
+    assert out.with_suffix(".png").exists()

@@ -336,6 +336,7 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
             cpu = cpu_seconds(router.pid) - c0
             emu_cpu = cpu_seconds(emu.pid) - e0
             h1 = decision_buckets(http_port, policy)
+            fit = router_fit(http_port)
             ok = [s for s in items if s.error is None and s.service_s is not None]
             added = [(s.done - s.sent - s.service_s) * 1000 for s in ok]
             late = [(s.sent - s.at) * 1000 for s in items if s.sent is not None]
