@@ -41,3 +41,22 @@ def cached_with_reuse(family, run_, runtime, jobs: list, policies: list, key: st
         runtime.finish(j, True)
     runtime.flush()
     return jobs
+
+
+def check_no_reuse_is_plain(run_, steps: int) -> None:
+    """Threshold 0 computes every step and equals the plain path bit for bit (``run_(policies)`` -> results)."""
+    (plain,) = run_([None])
+    (zero,) = run_([{"policy": "fbcache", "threshold": 0}])
+    assert zero.temporal.info()["temporal_steps"] == "C" * steps
+    assert torch.equal(zero.latents, plain.latents)
+
+
+def check_mixed_call_equals_each_alone(run_, policy: dict, computed: str) -> None:
+    """A plain and a reusing request (``policy``, its steps ``computed``) in one call equal each alone."""
+    (plain,) = run_([None])
+    (alone,) = run_([policy])
+    assert alone.temporal.info()["temporal_steps"] == computed
+    assert not torch.equal(alone.latents, plain.latents)
+    both = run_([None, policy])
+    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)

@@ -11,7 +11,8 @@ from maskedit.families.flux2_klein import Flux2KleinFamily
 from maskedit.families.flux2_klein.tiny import build
 
 from .klein_util import box_mask, job, load, params, prepared, runner, template
-from .temporal_util import cached_with_reuse, denoise_with_reuse
+from .temporal_util import (cached_with_reuse, check_mixed_call_equals_each_alone, check_no_reuse_is_plain,
+                             denoise_with_reuse)
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -33,20 +34,11 @@ def run(model, policies):
 
 
 def test_no_reuse_equals_the_plain_path_bit_for_bit(model):
-    (plain,) = run(model, [None])
-    (zero,) = run(model, [{"policy": "fbcache", "threshold": 0}])
-    assert zero.temporal.info()["temporal_steps"] == "C" * STEPS
-    assert torch.equal(zero.latents, plain.latents)
+    check_no_reuse_is_plain(lambda policies: run(model, policies), STEPS)
 
 
 def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
-    (plain,) = run(model, [None])
-    (alone,) = run(model, [MASK])
-    assert alone.temporal.info()["temporal_steps"] == "CCRCRR"
-    assert not torch.equal(alone.latents, plain.latents)
-    both = run(model, [None, MASK])
-    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
-    torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)
+    check_mixed_call_equals_each_alone(lambda policies: run(model, policies), MASK, "CCRCRR")
 
 
 def test_a_cache_hit_reuses_on_its_computed_rows_and_equals_itself_batched(model, tmp_path):

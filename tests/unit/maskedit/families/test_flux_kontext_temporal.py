@@ -15,7 +15,8 @@ from maskedit.families.flux_kontext import FluxKontextFamily
 from maskedit.families.flux_kontext.tiny import build
 
 from .kontext_util import box_mask, job, kparams, load, runner, stock, template
-from .temporal_util import cached_with_reuse, denoise_with_reuse
+from .temporal_util import (cached_with_reuse, check_mixed_call_equals_each_alone, check_no_reuse_is_plain,
+                             denoise_with_reuse)
 
 STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
@@ -53,20 +54,11 @@ def test_first_block_cache_alone_equals_stock_pipeline_with_diffusers_hook(model
 
 
 def test_no_reuse_equals_the_plain_path_bit_for_bit(model):
-    (plain,) = run(model, [None])
-    (zero,) = run(model, [{"policy": "fbcache", "threshold": 0}])
-    assert zero.temporal.info()["temporal_steps"] == "C" * STEPS
-    assert torch.equal(zero.latents, plain.latents)
+    check_no_reuse_is_plain(lambda policies: run(model, policies), STEPS)
 
 
 def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
-    (plain,) = run(model, [None])
-    (alone,) = run(model, [MASK])
-    assert alone.temporal.info()["temporal_steps"] == "CCRCRR"
-    assert not torch.equal(alone.latents, plain.latents)
-    both = run(model, [None, MASK])
-    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
-    torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)
+    check_mixed_call_equals_each_alone(lambda policies: run(model, policies), MASK, "CCRCRR")
 
 
 def test_a_cache_hit_reuses_on_its_masked_tokens(model, tmp_path):
