@@ -114,20 +114,21 @@ serve-cluster: model
 	@$(PY) -m maskedit.samples out
 	@exec $(CLUSTER)
 
-# Reliability (docs/reliability.md): faults under load, 2x overload, a 30-minute soak; JSON + plots in perf_profiles/results.
+# Reliability (docs/reliability.md; the lab's reliability room, maskedit_lab.reliability): faults under load, 2x
+# overload, a 30-minute soak; JSON + plots in perf_profiles/results.
 chaos: model
-	$(PY) -m loadgen.chaos $(ARGS)
+	$(PY) -m maskedit_lab.reliability.chaos $(ARGS)
 
 # Storage and client faults (corrupt entries, unwritable disk tier, full memory filesystem, idle streams).
 faults: model
-	$(PY) -m loadgen.faults $(ARGS)
+	$(PY) -m maskedit_lab.reliability.faults $(ARGS)
 
 overload: model
-	$(PY) -m loadgen.overload $(ARGS)
+	$(PY) -m maskedit_lab.reliability.overload $(ARGS)
 
 soak: model
-	$(PY) -m loadgen.soak $(ARGS)
+	$(PY) -m maskedit_lab.reliability.soak $(ARGS)
 
 # Fair share between tenants (docs/security.md): a flood at 3x capacity beside four light tenants, on and off.
 bench-tenants: model
-	$(PY) -m loadgen.tenants $(ARGS)
+	$(PY) -m maskedit_lab.reliability.tenant_fairness $(ARGS)

@@ -14,10 +14,16 @@ Rooms by subject, each importing only those below it (``.importlinter``; docs/ar
 - ``routing``: the router beyond this machine — ``sim`` over ``sim_cluster``'s simulated workers, ``validate``
   (the simulator against real instances, ``validate_replay`` its replay), ``scale`` (the real router in front of
   ``triton_emulator``'s emulated instances);
+- ``reliability``: the service under faults and past its capacity, judged by what every request ended in —
+  ``chaos``, ``faults``, ``fault_streams``, ``overload``, ``soak``, ``tenant_fairness`` over ``topology`` (supervised
+  instances and the router as its own process), with ``capacity``, ``full_strength``, ``footprint`` and ``report``;
 - ``harness``: what the others share — ``in_process`` (a model, store and template in one process),
   ``baselines`` (composed from the serving classes), ``edit_quality``, and ``cluster`` (N local Triton instances
   behind the router, ``make serve INSTANCES=N``) with its ``supervisor``. The cluster starts both sides, so it sits
   here, above both: the router package is only the service that is deployed, and imports nothing of the backend.
+
+The serving, routing and reliability rooms drive the load generator (``loadgen``: workload, runner, records), which
+imports nothing of the lab.
 
 The lab runs from a source checkout: its results go under ``REPO_ROOT`` (``perf_profiles/results``, ``out/``).
 """

@@ -50,10 +50,11 @@ def controlnets(settings):
 
 @contextlib.contextmanager
 def chaos_cluster(settings, tmp_path_factory, name: str, max_queue: int):
-    """Two supervised instances and the router process (``loadgen.topology``) for the chaos and overload cases. One
-    request per denoise step: the denoise queue (``max_queue``), not pre-processing (the tiny model's bottleneck on
-    a small CPU), limits a server. After shutdown nothing may be left: no process, region or port."""
-    from loadgen.topology import running_topology
+    """Two supervised instances and the router process (``maskedit_lab.reliability.topology``) for the chaos and
+    overload cases. One request per denoise step: the denoise queue (``max_queue``), not pre-processing (the tiny
+    model's bottleneck on a small CPU), limits a server. After shutdown nothing may be left: no process, region or
+    port."""
+    from maskedit_lab.reliability.topology import running_topology
 
     env = {"MASKEDIT_MODEL_DIR": str(settings.model_dir), "MASKEDIT_MAX_QUEUE": str(max_queue),
            "MASKEDIT_MAX_BATCH": "1", "MASKEDIT_CACHE_MEM_BYTES": str(64 << 20)}

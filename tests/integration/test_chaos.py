@@ -5,8 +5,8 @@ lost under a fault, and nothing is left behind (``make chaos`` runs every fault,
 
 import pytest
 
-from loadgen import chaos
 from maskedit_client import EditClient
+from maskedit_lab.reliability import chaos
 
 from .conftest import chaos_cluster
 

@@ -71,14 +71,8 @@ def test_no_module_imports_itself_around_a_circle():
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-# The one circle between the root packages, with the contract that keeps it from tangling further: loadgen's
-# reliability runs (chaos, faults, overload, soak, tenants) start the lab's cluster, while the lab's benchmarks drive
-# loadgen's workload and runner (.importlinter: loadgen-around-lab). It goes when those runs move into the lab.
-ROOT_CIRCLES = [["loadgen", "maskedit_lab"]]
-
-
 def test_no_root_package_imports_another_around_a_circle():
-    assert circles(root_packages(), depth=1) == ROOT_CIRCLES
+    assert circles(root_packages(), depth=1) == []
 
 
 def test_the_check_sees_a_circle_through_a_lazy_and_a_type_checking_import(tmp_path, monkeypatch):

@@ -1,11 +1,11 @@
-"""`python -m loadgen.overload` (`make overload`): open-loop load at twice capacity, straight to one server and
-through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second. Then a
-flood: 160 requests within a second straight at one server (no router in front), each answered or refused within
+"""`python -m maskedit_lab.reliability.overload` (`make overload`): open-loop load at twice capacity, straight to one
+server and through the router; every refused request must get RESOURCE_EXHAUSTED on its own stream within a second.
+Then a flood: 160 requests within a second straight at one server (no router in front), each answered or refused within
 10 s of its arrival, none lost (the servers run with that bound, ``MASKEDIT_LATENCY_BOUND_S``: ``--latency-bound-s``).
 
-    python -m loadgen.overload                     # capacity first, then 2x; JSON + plot in perf_profiles/results
-    python -m loadgen.overload --ab-pairs 3        # then 3 pairs through the router, its admission on / off
-    python -m loadgen.overload --phases flood      # the flood alone (figures about correctness: any host)
+    python -m maskedit_lab.reliability.overload                 # capacity, then 2x; JSON + plot: perf_profiles/results
+    python -m maskedit_lab.reliability.overload --ab-pairs 3    # then 3 pairs through the router, admission on / off
+    python -m maskedit_lab.reliability.overload --phases flood  # the flood alone (figures about correctness: any host)
 
 Capacity is what the target completes per second under a load well past it. Reported per target: sent, ok,
 refused (RESOURCE_EXHAUSTED), other errors by code, lost (no result and no error), how long refusals took
@@ -103,7 +103,7 @@ def flood(url: str, n: int = 160, spread_s: float = 1.0, steps: int = 30, within
     that would miss it with nothing ahead of it is refused DEADLINE_EXCEEDED). Who refused: ``backend_source``."""
     from maskedit_client import EditClient
 
-    from . import records, runner, workload
+    from loadgen import records, runner, workload
 
     load_before = os.getloadavg()
     reqs = workload.poisson(n / spread_s, n, steps=steps, seed=seed, deadline_ms=deadline_ms)
@@ -260,7 +260,7 @@ def main(argv=None) -> None:
     if bound is not None:
         env["MASKEDIT_LATENCY_BOUND_S"] = f"{bound:g}"
     started = time.time()
-    result = {"command": "python -m loadgen.overload " + " ".join(argv if argv is not None else
+    result = {"command": "python -m maskedit_lab.reliability.overload " + " ".join(argv if argv is not None else
                                                                   __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
               "max_queue": args.max_queue, "latency_bound_s": bound, "instances": args.instances,

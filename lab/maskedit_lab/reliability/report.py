@@ -1,5 +1,5 @@
-"""`python -m loadgen.report`: the Markdown tables of docs/reliability.md from the committed chaos, faults,
-overload and soak results (perf_profiles/results/{chaos,faults,overload,overload_flood*,soak}.json)."""
+"""`python -m maskedit_lab.reliability.report`: the Markdown tables of docs/reliability.md from the committed chaos,
+faults, overload and soak results (perf_profiles/results/{chaos,faults,overload,overload_flood*,soak}.json)."""
 
 from __future__ import annotations
 

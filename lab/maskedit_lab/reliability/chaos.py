@@ -1,8 +1,8 @@
-"""`python -m loadgen.chaos` (`make chaos`): faults injected at a random moment under open-loop load through the
-router, with what every request ended in.
+"""`python -m maskedit_lab.reliability.chaos` (`make chaos`): faults injected at a random moment under open-loop load
+through the router, with what every request ended in.
 
-    python -m loadgen.chaos                               # every fault, 2 instances, JSON + plot in perf_profiles/results
-    python -m loadgen.chaos --faults kill_server --duration 60
+    python -m maskedit_lab.reliability.chaos        # every fault, 2 instances, JSON + plot in perf_profiles/results
+    python -m maskedit_lab.reliability.chaos --faults kill_server --duration 60
 
 Per fault: requests sent / ok / failed by code / lost (no result and no error), P95 before, during and after the
 fault, time to recover (every backend back in rotation; for the router, answering again), and what was left
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen import runner, workload
+from loadgen.records import Record
 from maskedit.cache.store import from_settings
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
-from . import runner, workload
-from .records import Record
 from .topology import Topology, running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -273,7 +273,8 @@ def main(argv=None) -> None:
             _settle(topo)
     final = topo.leftovers()
     result = {
-        "command": "python -m loadgen.chaos " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m maskedit_lab.reliability.chaos " + " ".join(argv if argv is not None
+                                                                         else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                  "note": "2 CPU cores shared with other work during the run"},

@@ -1,7 +1,7 @@
 """``make faults``'s measure of recovery: back to full strength, the hit rate included, not the first hit."""
 
-from loadgen import faults, strength
 from loadgen.records import Record
+from maskedit_lab.reliability import faults, full_strength
 
 
 def _recs(hits: list[bool], every_s: float = 0.5) -> list[Record]:
@@ -11,10 +11,10 @@ def _recs(hits: list[bool], every_s: float = 0.5) -> list[Record]:
 
 def test_the_hit_rate_is_back_when_ten_requests_in_a_row_reach_the_target():
     recs = _recs([True] * 20 + [False] * 10 + [True, False] * 5 + [True] * 20)
-    assert strength.hit_rate(recs, 0.0, 10.0) == 1.0
-    back = strength.hit_rate_back_at(recs, since=10.0, target=0.9)
+    assert full_strength.hit_rate(recs, 0.0, 10.0) == 1.0
+    back = full_strength.hit_rate_back_at(recs, since=10.0, target=0.9)
     assert back == recs[38].done_s  # 9 of the 10 from there: the sporadic hits before are not "back"
-    assert strength.hit_rate_back_at(_recs([False] * 30), since=0.0, target=0.9) is None
+    assert full_strength.hit_rate_back_at(_recs([False] * 30), since=0.0, target=0.9) is None
 
 
 def test_recovery_runs_to_the_later_of_full_strength_and_hits_back():

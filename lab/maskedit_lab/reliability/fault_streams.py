@@ -1,8 +1,8 @@
 """Idle streams against the router: ``idle_streams`` holds 500 streams open that send nothing (from a client
 process that then dies) while normal traffic runs, and compares that traffic's P95 with a quiet run.
 
-    python -m loadgen.fault_streams                     # 2 instances + the router; JSON in perf_profiles/results
-    python -m loadgen.fault_streams --streams 500 --rate 2 --duration 40
+    python -m maskedit_lab.reliability.fault_streams      # 2 instances + the router; JSON in perf_profiles/results
+    python -m maskedit_lab.reliability.fault_streams --streams 500 --rate 2 --duration 40
 
 Before the router served streams as coroutines (``maskedit_router.proxy.aio``), 64 idle streams took its 64 threads: a
 new request waited 20 s, neither served nor refused. Target: the loaded P95 within 1.5x the quiet one, nothing lost, no
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen import runner, workload
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
-from . import runner, workload
 from .topology import Topology, running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -52,7 +52,8 @@ async def hold(url: str, streams: int, connections: int) -> None:
 
 def _start_holder(url: str, streams: int, connections: int, out: Path) -> subprocess.Popen:
     log = open(out / "idle_streams_holder.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "loadgen.fault_streams", "--hold", url, "--streams", str(streams),
+    proc = subprocess.Popen([sys.executable, "-m", "maskedit_lab.reliability.fault_streams", "--hold", url,
+                             "--streams", str(streams),
                              "--connections", str(connections)], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
@@ -159,7 +160,8 @@ def main(argv=None) -> None:
     with running_topology(args.instances, args.out, router_args=["--openai-port", "0"]) as topo:
         row = idle_streams(topo, args.streams, args.connections, args.rate, args.duration, args.seed, progress=True)
         leftovers = topo.leftovers()
-    result = {"command": "python -m loadgen.fault_streams " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python -m maskedit_lab.reliability.fault_streams "
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "note": args.note},
               "instances": args.instances, "row": row, "leftovers": leftovers}

@@ -1,8 +1,8 @@
-"""`python -m loadgen.faults` (`make faults`): faults under load through the router, each judged by what every
-request ended in, whether anything bad was served, and how long until the system was back to full strength.
+"""`python -m maskedit_lab.reliability.faults` (`make faults`): faults under load through the router, each judged by
+what every request ended in, whether anything bad was served, and how long until the system was back to full strength.
 
-    python -m loadgen.faults                                   # every fault; JSON + plot in perf_profiles/results
-    python -m loadgen.faults --faults corrupt_entry --duration 60
+    python -m maskedit_lab.reliability.faults             # every fault; JSON + plot in perf_profiles/results
+    python -m maskedit_lab.reliability.faults --faults corrupt_entry --duration 60
 
 The caches are warmed first (one request per template). Faults (each at a random moment in the first half of its
 case, while the load goes on; the storage ones on one backend):
@@ -27,7 +27,7 @@ case, while the load goes on; the storage ones on one backend):
 
 Rows: fault, sent, ok, errors, lost, corrupt_served, recovery_s, hit rate before / after, plus each fault's own
 figures. ``recovery_s`` runs from the fault's end (for the stub kill: the kill) until the system is back to full
-strength (``strength``): every backend in rotation, no store tier flagged degraded in any process, every memory
+strength (``full_strength``): every backend in rotation, no store tier flagged degraded in any process, every memory
 budget back to its configured size, and the hit rate back (10 requests in a row within 10 % of the rate before).
 Targets: 0 lost, 0 corrupt served, recovery_s < 30 s, hit rate after within 10 % of before.
 """
@@ -50,9 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen import runner
 from maskedit.settings import REPO_ROOT
 
-from . import chaos, fault_streams, runner, strength
+from . import chaos, fault_streams, full_strength
 from .topology import Topology, running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -72,7 +73,7 @@ def corrupt_file(path: Path, n: int = CORRUPT_BYTES, rng: random.Random | None =
 
 def store_events(topo: Topology, i: int) -> dict:
     """Backend ``i``'s activation-store counters (all model processes summed) and ``degraded_<tier>`` flags."""
-    view = strength.store_view(topo, i) or {"events": {}, "degraded": {}}
+    view = full_strength.store_view(topo, i) or {"events": {}, "degraded": {}}
     return {**view["events"], **{f"degraded_{t}": v for t, v in view["degraded"].items()}}
 
 
@@ -267,16 +268,16 @@ def row(fault: str, case: dict, corrupt_served: int = 0, **extra) -> dict:
 
 def recovery(case: dict, recs, fault: str) -> dict:
     """``recovery_s`` and the hit rates around the fault: from the fault's end (``FROM_INJECTION``: the fault
-    itself) until the later of full strength reached (``strength.weak_spots`` empty, polled during the case) and
+    itself) until the later of full strength reached (``full_strength.weak_spots`` empty, polled during the case) and
     the hit rate back (10 requests in a row within 10 % of the rate before the fault)."""
     d = case["fault_detail"]
     start = case["injected_at_s"] if fault in FROM_INJECTION or not d.get("restored") else d["restored"]
-    before = strength.hit_rate(recs, 0.0, case["injected_at_s"])
+    before = full_strength.hit_rate(recs, 0.0, case["injected_at_s"])
     strong = case.get("recovered_at_s")
-    back = None if before is None else strength.hit_rate_back_at(recs, start, 0.9 * before)
+    back = None if before is None else full_strength.hit_rate_back_at(recs, start, 0.9 * before)
     ends = [strong, back]
     recovery_s = None if None in ends else round(max(0.0, max(ends) - start), 2)
-    after = None if recovery_s is None else strength.hit_rate(recs, start + recovery_s)
+    after = None if recovery_s is None else full_strength.hit_rate(recs, start + recovery_s)
     return {"recovery_s": recovery_s, "full_strength_after_s": None if strong is None else round(strong - start, 2),
             "hit_rate_back_after_s": None if back is None else round(back - start, 2),
             "hit_rate_before": before, "hit_rate_after": after}
@@ -289,7 +290,7 @@ def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: 
            "mem_fs_full": lambda t, r: mem_fs_full(t, r, hold_s)}
     started_wall = time.time()
     case = chaos.run_case(topo, fault, rate, duration_s, seed=seed, faults=fns, sink=sink, templates=templates,
-                          recovered=lambda: not strength.weak_spots(topo))
+                          recovered=lambda: not full_strength.weak_spots(topo))
     d, recs = case["fault_detail"], sink["records"]
     case.update(recovery(case, recs, fault))
     injected = "error" not in d
@@ -320,7 +321,7 @@ def run_fault(topo: Topology, fault: str, rate: float, duration_s: float, seed: 
                                               "degraded_cleared": d.get("degraded_cleared_after_s") is not None})
     if fault == "mem_fs_full":
         lo, hi = (t - sink["t0"] for t in (d.get("window") or [0, 0]))
-        during = strength.hit_rate(recs, lo, hi)
+        during = full_strength.hit_rate(recs, lo, hi)
         return row(fault, case, hit_rate_during=during, **rates,
                    met={**met, "entries_kept_coming": d.get("inserts_during", 0) > 0,
                         "hits_kept": during is not None and case["hit_rate_before"] is not None and
@@ -337,7 +338,7 @@ def warm(topo: Topology, templates: int, seed: int = 0) -> None:
     each case's hit rate before is the system's, not its first misses'."""
     from maskedit_client import EditClient
 
-    from . import workload
+    from loadgen import workload
 
     assets = runner.Assets(256)
     r = workload.poisson(1.0, 1, n_templates=templates, seed=seed)[0]
@@ -403,7 +404,8 @@ def main(argv=None) -> None:
             print(json.dumps({k2: v for k2, v in r.items() if k2 not in ("detail",)}, default=str), flush=True)
             chaos._settle(topo)
         leftovers = topo.leftovers()
-    result = {"command": "python -m loadgen.faults " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python -m maskedit_lab.reliability.faults "
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "device": "cpu", "dtype": "float32",
                        "note": args.note, "load_average_1m": {"min": round(min(x[0] for x in load), 2),

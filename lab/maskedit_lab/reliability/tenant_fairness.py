@@ -1,4 +1,5 @@
-"""`python -m loadgen.tenants` (`make bench-tenants`): does one tenant's flood raise the others' latency?
+"""`python -m maskedit_lab.reliability.tenant_fairness` (`make bench-tenants`): does one tenant's flood raise the
+others' latency?
 
 Real ``tritonserver`` instances behind the router process with a key file giving each tenant its own key. One
 tenant, ``flood``, sends at 3x capacity while four light tenants send at 10 % of capacity each; their P95 with the
@@ -11,11 +12,11 @@ flood is compared with their P95 alone (``p95_alone_s``), in three set-ups run o
 - ``off``: first come, first served everywhere (``MASKEDIT_FAIR_SHARE=0``, no router queue): ``fair_share`` false.
 
 Capacity is measured first (what the router completes per second under a load well past it, as
-``loadgen.overload`` does). Every request sent ends in a result or an error: ``refused`` (RESOURCE_EXHAUSTED,
+``overload`` does). Every request sent ends in a result or an error: ``refused`` (RESOURCE_EXHAUSTED,
 an answer) is counted apart from ``lost`` (neither, within the wait after the last send). The host's load average
 is recorded with each phase: the host is shared.
 
-    python -m loadgen.tenants                      # JSON + plot in perf_profiles/results/tenants.{json,png}
+    python -m maskedit_lab.reliability.tenant_fairness    # JSON + plot in perf_profiles/results/tenants.{json,png}
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen import records, runner, workload
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
-from . import capacity, records, runner, workload
+from . import capacity
 from .overload import refusal_source
 from .topology import running_topology
 
@@ -98,7 +100,7 @@ def tenant_summary(recs: list, wall_s: float) -> dict:
 
 def refused_by(message: str) -> str:
     """Who refused: the router's fair queue, a backend giving a place to a lighter tenant, or as
-    ``loadgen.overload.refusal_source`` tells (the router's admission or in-flight limits, a backend's check)."""
+    ``overload.refusal_source`` tells (the router's admission or in-flight limits, a backend's check)."""
     if "fair queue" in (message or ""):
         return "router_fair_queue"
     if "fair share" in (message or ""):
@@ -211,8 +213,8 @@ def main(argv=None) -> None:
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue), "MASKEDIT_MAX_BATCH": str(args.max_batch),
            "MASKEDIT_THREADS_MASKED_DENOISE": "1"}
     started = time.time()
-    result = {"command": "python -m loadgen.tenants " + " ".join(argv if argv is not None else
-                                                                 __import__("sys").argv[1:]),
+    result = {"command": "python -m maskedit_lab.reliability.tenant_fairness "
+                         + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "steps": args.steps,
               "max_batch": args.max_batch, "max_queue": args.max_queue, "fair_slots": args.fair_slots, "instances": args.instances,
               "host": {"cpus": os.cpu_count(), "platform": platform.platform(),

@@ -1,8 +1,9 @@
-"""`python -m loadgen.soak` (`make soak`): a long open-loop run at the knee rate through the router, with template
-churn past the activation store's memory budget, watching memory.
+"""`python -m maskedit_lab.reliability.soak` (`make soak`): a long open-loop run at the knee rate through the router,
+with template churn past the activation store's memory budget, watching memory.
 
-    python -m loadgen.soak                         # 30 min after a short sweep for the knee; JSON + plot in perf_profiles/results
-    python -m loadgen.soak --minutes 3 --rate 2    # a quick check at a given rate
+    python -m maskedit_lab.reliability.soak                       # 30 min after a short sweep for the knee;
+                                                                  # JSON + plot in perf_profiles/results
+    python -m maskedit_lab.reliability.soak --minutes 3 --rate 2  # a quick check at a given rate
 
 Reports every process's resident memory (each Triton server's processes, the router), the bytes this system
 holds in /dev/shm (activation-store memory tiers, Python-backend regions), the disk tier, latency and errors per
@@ -26,11 +27,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from loadgen import runner, workload
 from maskedit.cache.store import MAPPED_CAP, SUFFIX
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
 
-from . import capacity, procs, runner, workload
+from . import capacity, footprint
 from .topology import Topology, running_topology
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
@@ -40,9 +42,9 @@ def shm_bytes(topo: Topology) -> dict[str, int]:
     """Bytes this system holds in /dev/shm: each instance's store memory tier and its Python-backend regions."""
     out = {}
     for i, s in enumerate(topo.servers):
-        out[f"server{i}/store"] = procs.dir_bytes(s.settings.cache.mem_dir)
-        out[f"server{i}/backend_regions"] = sum((procs.SHM / r).stat().st_size for r in procs.shm_regions(s.shm_prefix)
-                                                if (procs.SHM / r).exists())
+        out[f"server{i}/store"] = footprint.dir_bytes(s.settings.cache.mem_dir)
+        regions = (footprint.SHM / r for r in footprint.shm_regions(s.shm_prefix))
+        out[f"server{i}/backend_regions"] = sum(p.stat().st_size for p in regions if p.exists())
     return out
 
 
@@ -52,10 +54,10 @@ def store_dirs(topo: Topology) -> list[Path]:
 
 def sample(topo: Topology, t0: float) -> dict:
     pgids = topo.pgids()
-    return {"t_s": round(time.perf_counter() - t0, 1), "rss": procs.rss_by_process(pgids),
-            "store_rss": procs.store_rss_by_process(pgids, store_dirs(topo)),
+    return {"t_s": round(time.perf_counter() - t0, 1), "rss": footprint.rss_by_process(pgids),
+            "store_rss": footprint.store_rss_by_process(pgids, store_dirs(topo)),
             "shm": shm_bytes(topo),
-            "disk": {f"server{i}": procs.dir_bytes(s.settings.cache.disk_dir)
+            "disk": {f"server{i}": footprint.dir_bytes(s.settings.cache.disk_dir)
                      for i, s in enumerate(topo.servers)},
             "restarts": sum(i.total_restarts for i in topo.supervisor.instances)}
 
@@ -195,7 +197,7 @@ def main(argv=None) -> None:
                               default=0)
         topo.remember()
     leftovers = topo.leftovers()
-    from .records import summarize
+    from loadgen.records import summarize
 
     summary = summarize(recs, wall)
     warm = args.window_s  # the first window warms caches and allocators: slopes are taken after it
@@ -208,7 +210,8 @@ def main(argv=None) -> None:
     flat = {k: v is not None and abs(v) <= args.flat_mb for k, v in slopes.items()}
     mapped = store_mapped_check(samples, end_entry_bytes, topo.servers[0].settings.batching)
     result = {
-        "command": "python -m loadgen.soak " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m maskedit_lab.reliability.soak " + " ".join(argv if argv is not None
+                                                                        else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "revision": revision,
         "minutes": args.minutes,
         "rate": rate, "knee_sweep": sweep_rows, "instances": args.instances, "templates": args.templates,

@@ -23,7 +23,7 @@ from maskedit_common.settings import load_settings
 from maskedit_lab.harness.cluster import backend_env, running_backends
 from maskedit_lab.harness.supervisor import Supervisor
 
-from . import procs
+from . import footprint
 
 
 @dataclass
@@ -148,12 +148,12 @@ class Topology:
         if self.router is not None and self.router.poll() is None:
             live_ports |= {self.router_port, self.http_port}
         return {
-            "processes": [f"{p.pid}:{procs.label(p)}" for g in self.seen.get("pgids", set()) - live_pgids
-                          for p in procs.group_members(g)],
-            "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in procs.shm_regions(pre)] +
+            "processes": [f"{p.pid}:{footprint.label(p)}" for g in self.seen.get("pgids", set()) - live_pgids
+                          for p in footprint.group_members(g)],
+            "shm_regions": [r for pre in self.seen.get("shm", set()) - live_shm for r in footprint.shm_regions(pre)] +
                            [str(p) for g in self.seen.get("pgids", set()) - live_pgids
                             if (p := admission.board_path(boards, g)).exists()],
-            "ports": sorted(p for p in self.seen.get("ports", set()) - live_ports if procs.port_in_use(p)),
+            "ports": sorted(p for p in self.seen.get("ports", set()) - live_ports if footprint.port_in_use(p)),
         }
 
     def pgids(self) -> dict[str, int]:

@@ -3,9 +3,8 @@ most (its capacity). Soak and overload runs pick their rates from these."""
 
 from __future__ import annotations
 
+from loadgen import records, runner, workload
 from maskedit_client import EditClient
-
-from . import records, runner, workload
 
 
 def run_at(url: str, rate: float, duration_s: float, templates: int = 8, zipf: float = 1.1, seed: int = 0,
