@@ -6,6 +6,10 @@ interleaved in one run on one model, one registered template, masks covering an 
   temporal-only  no activation cache, the temporal policy
   both           a cache hit with the temporal policy (reuse on its masked rows)
 
+Requests on a ``flux_controlnet`` preset carry one canny ControlNet at scale 0.8 (``--controls``; the family's point:
+the ControlNet runs on every step, reused or not, since the blocks after the skipped ones take this step's residuals,
+as under Diffusers' and cache-dit's hooks); the other families none.
+
 Policies: a step mask computing ``--fraction`` of the steps (the issue's target setting, exact computed fraction),
 Diffusers' First Block Cache and TaylorSeer (cache-dit's calibrator) at a threshold: what those compute and how
 close they stay to full computation on these random weights is reported as it comes out (the parity tests carry
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from maskedit import samples
 from maskedit.cache.cost_model import device_slug
 from maskedit.decode import Decoder
 from maskedit.families import preset_family
@@ -40,11 +45,12 @@ from maskedit_common.temporal import parse, step_mask
 
 from .. import REPO_ROOT
 from ..harness.edit_quality import loadavg, quality
-from ..harness.in_process import Harness
+from ..harness.in_process import Harness, png
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 SIDES = ("full", "mask-only", "temporal-only", "both")
 # Targets (issue 40) at mask ratio 0.2 with a step mask computing 60 % of the steps.
+CONTROLS = [{"name": "canny", "scale": 0.8}]  # a flux_controlnet preset's requests (``--controls``)
 COMPOUND_TARGET = 0.9  # both >= 0.9 x (mask-only x temporal-only)
 FLUX_FILL_BENCH_TARGET = 3.5  # both >= 3.5x over full on flux_fill's bench preset
 
@@ -59,9 +65,24 @@ def policies(steps: int, fraction: float, threshold: float, unet: bool = False) 
             "fbcache": first, "taylorseer": {"policy": "taylorseer", "order": 2, "threshold": threshold, **blocks}}
 
 
+def request_controls(family: str, controls: str) -> list | None:
+    """The CONTROLS a preset's requests carry: ``auto`` gives a ``flux_controlnet`` preset ``CONTROLS`` and the
+    others none; ``none``; or a JSON list for every preset."""
+    if controls == "none":
+        return None
+    if controls == "auto":
+        return CONTROLS if family == "flux_controlnet" else None
+    return json.loads(controls)
+
+
 def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, threshold: float,
-               device: str | None = None, dtype: str | None = None) -> list[dict]:
+               device: str | None = None, dtype: str | None = None, controls: str = "auto") -> list[dict]:
     h = Harness.create(preset=preset, steps=steps, device=device, dtype=dtype)
+    ctl = request_controls(h.runner.family.name, controls)
+    if ctl:  # every request, the registered template's included (the cache key covers the controls)
+        res = h.settings.resolution
+        h.controls = json.dumps(ctl)
+        h.control_images = tuple(png(samples.template(res, res, seed=7 + k)) for k in range(len(ctl)))
     profile = h.settings.cost_profile_for(device_slug(h.runner.device))
     h.cost = CostModel.load_file(profile) if profile.exists() else CostModel.fallback()
     h.register()
@@ -108,6 +129,7 @@ def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, thre
                 rows.append({
                     "family": family, "preset": preset, "mask_ratio": ratio, "side": side,
                     "policy": name or "none", "params": parse(specs[name], h.steps).as_dict() if name else None,
+                    "controls": ctl,
                     "computed_fraction": info.get("temporal_computed_fraction", 1.0),
                     "temporal_steps": info.get("temporal_steps", ""), "cache": job.cache.status if job.cache else "off",
                     "denoise_s": round(d, 5), "speedup": round(full_s / d, 3), "ssim": q["ssim"],
@@ -131,6 +153,7 @@ def summary(rows: list[dict], fraction: float) -> list[dict]:
         mask_only = by[(preset, ratio, "mask-only", "none")]["speedup"]
         temporal_only = by[(preset, ratio, "temporal-only", policy)]["speedup"]
         s = {"family": r["family"], "preset": preset, "mask_ratio": ratio, "policy": policy,
+             "controls": r.get("controls"),
              "computed_fraction": r["computed_fraction"], "mask_only": mask_only, "temporal_only": temporal_only,
              "both": r["speedup"], "compound": round(r["speedup"] / (mask_only * temporal_only), 3)}
         if policy == "step_mask" and abs(ratio - 0.2) < 1e-9:
@@ -177,6 +200,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fraction", type=float, default=0.6, help="the step mask's computed fraction of the steps")
     ap.add_argument("--threshold", type=float, default=0.1, help="fbcache / taylorseer residual threshold")
+    ap.add_argument("--controls", default="auto",
+                    help="CONTROLS of every request: auto (flux_controlnet presets: one canny at 0.8; others none), "
+                         "none, or a JSON list")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", type=Path, default=None, help="default: results/temporal.json (temporal_<gpu>.json)")
@@ -187,7 +213,7 @@ def main(argv=None) -> None:
     rows = []
     for p in args.presets:
         rows += run_preset(p, args.ratios, args.steps, args.reps, args.fraction, args.threshold, args.device,
-                           args.dtype)
+                           args.dtype, args.controls)
     hw = rows[0]["device"] if rows else "cpu"
     out = args.out or RESULTS / ("temporal.json" if hw == "cpu" else f"temporal_{hw}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

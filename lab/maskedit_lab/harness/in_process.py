@@ -67,6 +67,8 @@ class Harness:
     template: Image.Image
     steps: int
     cost: CostModel
+    controls: str | None = None  # the CONTROLS JSON every request (the registered template's too) carries
+    control_images: tuple = ()  # their encoded images, in order
 
     @classmethod
     def create(cls, model_dir: Path | None = None, preset: str = "bench", steps: int | None = None,
@@ -99,8 +101,8 @@ class Harness:
                loras: str | None = None) -> DenoiseInputs:
         """``loras``: the LORAS JSON (adapters from ``MASKEDIT_LORA_DIR``)."""
         params = parse_params(self.settings, "a red dress", seed=seed, steps=self.steps, register=register,
-                              loras=loras)
-        return denoise_inputs(self.pre(png(self.template), png(mask), params))
+                              loras=loras, controls=self.controls)
+        return denoise_inputs(self.pre(png(self.template), png(mask), params, control_images=self.control_images))
 
     def mask(self, ratio: float, seed: int = 0) -> np.ndarray:
         w, h = self.template.size

@@ -4,6 +4,10 @@ At the start of a step ``start_step`` queues every row the batch's hits will nee
 background thread: block ``i``'s rows are in flight while block ``i-1`` computes. A block asks for its rows with
 ``rows(jc, step)(b, kind)``; it blocks only if the loader has not reached that block yet.
 
+Loads a step will not read are cancelled (temporal reuse skipping a hit's middle blocks, a request leaving the
+batch): the loader passes them over at once, and a new step releases the previous step's window, so rows queued for
+blocks that never start (a UNet step skipping every transformer block) hold neither the loader nor the next step.
+
 On a GPU the copies run on a dedicated copy stream from page-locked memory: a stored entry's mapping is registered
 with CUDA once (``device.pin_in_place``: DMA straight from the shared-memory file, no CPU copy), a template run in
 progress is read from its recorder's pinned buffers after that step's device-to-host copies (an event). Each load
@@ -34,21 +38,32 @@ class Loaded:
 
 class _Window:
     """How far the loader may run ahead of the blocks of one step: at most ``ahead`` blocks of rows are on the
-    device before the blocks that use them (a whole step's rows of a Flux-size hit are gigabytes). A wait gives up
-    after ``patience`` seconds, so a step that failed half-way never blocks the loader for good."""
+    device before the blocks that use them (a whole step's rows of a Flux-size hit are gigabytes). A wait ends early
+    when its load is cancelled and gives up after ``patience`` seconds (a stall), so a step that failed half-way
+    never blocks the loader for good."""
+
+    DONE = 1 << 30  # ``reached`` once the step is over: nothing waits for its blocks any more
 
     def __init__(self, ahead: int, patience: float = 1.0):
         self.ahead, self.patience, self.reached_block = ahead, patience, -1
         self._cv = threading.Condition()
 
-    def wait_for(self, block: int) -> None:
+    def wait_for(self, block: int, fut: Future) -> bool:
+        """Wait until ``block``'s rows may load or ``fut`` is cancelled; False when it gave up (a stall)."""
         with self._cv:
-            self._cv.wait_for(lambda: self.reached_block >= block - self.ahead, timeout=self.patience)
+            return self._cv.wait_for(lambda: fut.cancelled() or self.reached_block >= block - self.ahead,
+                                     timeout=self.patience)
 
     def reached(self, block: int) -> None:
         with self._cv:
             if block > self.reached_block:
                 self.reached_block = block
+                self._cv.notify_all()
+
+    def cancelled(self, fut: Future) -> None:
+        """A queued load's done-callback: a cancelled one wakes the loader if it waits for that load's block."""
+        if fut.cancelled():
+            with self._cv:
                 self._cv.notify_all()
 
 
@@ -62,6 +77,8 @@ class RowLoader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader")
         self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
         self._mu = threading.Lock()  # the loader thread and inline loads both touch _inflight and page-locking
+        self._window: _Window | None = None  # the latest step's
+        self.stalls = 0  # waits for a block that gave up after the window's patience (none when blocks report)
 
     # -- the block side -----------------------------------------------------------------------------
     def start_step(self, hits: list, needed):
@@ -71,6 +88,9 @@ class RowLoader:
             return None
         n_blocks = len(hits[0][0].modes)
         window = _Window(self.ahead_blocks)
+        if self._window is not None:  # the previous step is over: its loads left queued need not wait for blocks
+            self._window.reached(_Window.DONE)
+        self._window = window
         work = []
         for b in range(n_blocks):
             for jc, step in hits:
@@ -79,6 +99,7 @@ class RowLoader:
                     if stale is not None:
                         stale.cancel()
                     fut = jc.futures[(step, b, kind)] = Future()
+                    fut.add_done_callback(window.cancelled)
                     work.append((fut, jc, step, b, kind))
         self._pool.submit(self._run, work, window)
         return window.reached
@@ -100,8 +121,9 @@ class RowLoader:
     def _run(self, work, window: _Window) -> None:
         for i, (fut, jc, step, b, kind) in enumerate(work):
             work[i] = None  # consumed rows are not kept alive by this list
-            window.wait_for(b)
-            if not fut.set_running_or_notify_cancel():  # its request left the batch
+            if not fut.cancelled() and not window.wait_for(b, fut):
+                self.stalls += 1
+            if not fut.set_running_or_notify_cancel():  # its request left the batch, or its block is skipped
                 continue
             try:
                 fut.set_result(self.load(jc, step, b, kind))

@@ -1,6 +1,6 @@
 """The temporal benchmark's bookkeeping: the policies it measures and the compounding check of its summary."""
 
-from maskedit_lab.engine.bench_temporal import policies, summary
+from maskedit_lab.engine.bench_temporal import CONTROLS, policies, request_controls, summary
 
 
 def row(side, policy, speedup, preset="bench", family="flux_fill", ratio=0.2):
@@ -23,3 +23,9 @@ def test_summary_checks_compounding_and_the_flux_fill_target():
     assert "compound_target_met" not in b  # the targets are the step mask's
     (c, _) = summary([dict(r, preset="klein-bench", family="flux2_klein") for r in rows], 0.6)
     assert "speedup_target_met" not in c  # 3.5x is Flux Fill's bench target
+
+
+def test_a_flux_controlnet_preset_runs_a_controlnet_unless_told_otherwise():
+    assert request_controls("flux_controlnet", "auto") == CONTROLS
+    assert request_controls("flux_fill", "auto") is None and request_controls("flux_controlnet", "none") is None
+    assert request_controls("unet_inpaint", '[{"name": "depth"}]') == [{"name": "depth"}]
