@@ -31,6 +31,18 @@ from .retry import Backoff, Timer, retryable
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
 _REQUEST_ID = re.compile(r"request id: ([\w-]+)")
 log = logging.getLogger("maskedit.client")
+# Each request is stamped as it is sent, and again when it is retried (its DEADLINE_MS is then what is left): the
+# server's bound counts from the stamp, not from when pre-processing got to it. The names and their meaning are the
+# backend's (``maskedit_common.sent_stamp``; a test holds them equal): the time, and this host's boot id (which
+# clock it is: the server reads a stamp of its own host exactly).
+SENT_AT, SENT_CLOCK = "maskedit_sent_at", "maskedit_sent_clock"
+
+
+def _host_clock() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 class EditClient:
@@ -81,6 +93,7 @@ class EditClient:
         self._stream_broken = False  # the stream ended with an error: the next submit opens a new one
         self._stream_refusal: EditError | None = None  # how the stream ended: its status (a refused key?)
         self._stream_end = threading.Event()  # set when the open stream's end (and its status) has arrived
+        self._clock = _host_clock()
 
     def _ensure_stream(self) -> None:
         # Not under self._lock: stop_stream joins the broken stream's thread, which may still be handing its
@@ -312,7 +325,8 @@ class EditClient:
             with self._lock:
                 self._pending[rid] = (fut, state)
             self._client.async_stream_infer(self.model, state["inputs"], request_id=rid,
-                                            enable_empty_final_response=True)
+                                            enable_empty_final_response=True,
+                                            parameters={SENT_AT: time.time(), SENT_CLOCK: self._clock})
         except Exception as e:  # the stream broke just now: this request fails or is retried, never hangs
             with self._lock:
                 self._pending.pop(rid, None)

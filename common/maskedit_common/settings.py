@@ -87,6 +87,9 @@ class BatchingSettings:
     # predicted to be answered later (``maskedit.completion``); 60 s: what proxies in front of a service commonly
     # wait for an answer (nginx's proxy_read_timeout, a cloud load balancer's idle timeout). 0: no bound
     latency_bound_s: float = 60.0
+    # how far another host's clock may differ from this one's: a request's stamp from there (its sender's time of
+    # sending, ``maskedit.arrival``) is believed within this much; NTP keeps hosts within milliseconds
+    clock_skew_s: float = 0.05
     max_wait_steps: int = 8
     fair_share: bool = True  # tenants share the denoise queue by weight (``maskedit.fair_share``)
 
@@ -351,6 +354,9 @@ VARIABLES: tuple[Var, ...] = (
         "this many seconds of its arrival: refused (`RESOURCE_EXHAUSTED`, with when to retry) before any work when "
         "the work ahead of it, at the step time measured now, would make it later, and when it reaches the front of "
         "the denoise queue too late; a request's `DEADLINE_MS` tightens it (`0`: no bound; docs/reliability.md)"),
+    Var("MASKEDIT_CLOCK_SKEW_S", "batching.clock_skew_s", float, "how far another host's clock may differ from "
+        "this server's: the bound counts from a request's send time as its sender stamped it (our client, the "
+        "router: `maskedit_sent_at`), less this much when the stamp is another host's (docs/reliability.md)"),
     Var("MASKEDIT_MAX_WAIT_STEPS", "batching.max_wait_steps", int, "`priority`'s bound on how many steps a "
         "request waits"),
     Var("MASKEDIT_FAIR_SHARE", "batching.fair_share", _flag, "tenants (the router's `maskedit_tenant` parameter) "

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .arrival import ArrivalBound
+from .arrival import Arrival, ArrivalBound, SentStamp
 from .completion import Backlog, Bound, Ema, Loop, Work, bound_for, decide
 from .errors import ResourceExhausted
 from .fair_share import tenant_hash
@@ -175,10 +175,10 @@ class QueueBoard:
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request the front let through: its earliest arrival (``time.time()``), its bound (None: none) and when it
-    was predicted to be answered (``vae_decode`` logs the prediction beside what happened)."""
+    """A request the front let through: its earliest arrival (``time.time()``) and what says so, its bound (None:
+    none) and when it was predicted to be answered (``vae_decode`` logs the prediction beside what happened)."""
 
-    arrival: float
+    arrival: Arrival
     bound: Bound | None = None
     predicted_at: float | None = None
 
@@ -186,24 +186,25 @@ class Admitted:
 class FrontCheck:
     """Pre-processing's time check, before any work on a request: when would it be answered, behind the backlog the
     denoise loop published and what pre-processing sent on since? Refused (``maskedit.completion.refusal``) when
-    that is past its bound, counted from its earliest possible arrival (``maskedit.arrival``). Its own tokens are
-    not known before decoding: the recent requests' mean stands in (the whole working resolution until there are
-    any); its pre-processing takes what the last ones took (measured here)."""
+    that is past its bound, counted from its earliest possible arrival (``maskedit.arrival``: its sender's stamp,
+    within ``skew_s`` when another host's clock, else inferred). Its own tokens are not known before decoding: the
+    recent requests' mean stands in (the whole working resolution until there are any); its pre-processing takes
+    what the last ones took (measured here)."""
 
     def __init__(self, board: QueueBoard, latency_bound_s: float, max_batch: int, max_tokens: int, queue_size: int,
-                 full_tokens: int):
+                 full_tokens: int, skew_s: float = 0.05):
         self.board, self.latency_bound_s = board, latency_bound_s
         self.max_batch, self.max_tokens, self.full_tokens = max_batch, max_tokens, full_tokens
-        self.arrivals = ArrivalBound(queue_size)
+        self.arrivals = ArrivalBound(queue_size, skew_s=skew_s)
         self.prepare_s = Ema()  # a whole pre-processing (what an admitted request costs here)
         self._sent: deque = deque(maxlen=JOBS)  # (steps, tokens, answer by) of the requests sent on, newest last
         self._last = Backlog()
 
-    def admit(self, start: float, steps: int, deadline_ms: int | None) -> Admitted:
-        """What is known of a request whose pre-processing starts at ``start`` (``time.time()``) and that runs
-        ``steps`` steps, once admitted; raises the refusal."""
-        arrival = self.arrivals.earliest(start)
-        bound = bound_for(self.latency_bound_s, deadline_ms, start - arrival)
+    def admit(self, start: float, steps: int, deadline_ms: int | None, sent: SentStamp | None = None) -> Admitted:
+        """What is known of a request whose pre-processing starts at ``start`` (``time.time()``), stamped ``sent``
+        by its sender (None: unstamped), and that runs ``steps`` steps, once admitted; raises the refusal."""
+        arrival = self.arrivals.arrival(start, sent)
+        bound = bound_for(self.latency_bound_s, deadline_ms, start - arrival.at)
         if bound is None:
             return Admitted(arrival)
         b = self.board.backlog()

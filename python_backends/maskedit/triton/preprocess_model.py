@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ from maskedit_common.request_fields import PARAMS
 from .. import logs
 from ..adapters import prefetch as adapter_prefetch
 from ..admission import FrontCheck, QueueBoard, board_path
+from ..arrival import sent_stamp
 from ..cancel import CancelBoard
 from ..controlnets.job import to_wire
 from ..errors import Cancelled
@@ -36,7 +38,9 @@ class TritonPythonModel:
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
         b, res = self.settings.batching, self.settings.resolution
         self.front = FrontCheck(self.board, b.latency_bound_s, b.max_batch, b.max_tokens_per_step,
-                                PREPROCESS_QUEUE.max_size, full_tokens=(res // self.pre.patch) ** 2)
+                                PREPROCESS_QUEUE.max_size, full_tokens=(res // self.pre.patch) ** 2,
+                                skew_s=b.clock_skew_s)
+        self._stamp_noted = -math.inf  # when a stamp set aside was last logged (at most one a minute)
         self.cancels = CancelBoard(self.settings.service.cancel_dir)
         # Adapters a request names are converted into the host tier of the adapter cache in the background.
         self.prefetch = adapter_prefetch.from_settings(self.settings, self.pre.adapters)
@@ -73,18 +77,27 @@ class TritonPythonModel:
         finally:  # every execution, refused ones too: what bounds the next request's wait in the queue
             self.front.ran(start, time.time(), prepared=response is not None and not response.has_error())
 
+    def _note(self, arrival, request_id: str) -> None:
+        """A sender's stamp set aside (its clock runs ahead of this one's): said at most once a minute."""
+        if arrival.note and time.monotonic() - self._stamp_noted > 60:
+            self._stamp_noted = time.monotonic()
+            self.log.warning("request %s: %s (MASKEDIT_CLOCK_SKEW_S)", request_id, arrival.note)
+
     def _prepare(self, request, start: float):
         t0 = time.perf_counter()
         try:
             if self.cancels.is_cancelled(request.request_id()):  # given up (e.g. refused by the router meanwhile)
                 self.cancels.clear(request.request_id())
                 raise Cancelled("cancelled before pre-processing")
-            tenant, weight = tenant_of(request.parameters())  # set by the router after it checked the caller's key
+            parameters = request.parameters()
+            tenant, weight = tenant_of(parameters)  # set by the router after it checked the caller's key
             self.board.check(tenant, weight)  # the denoise queue is full: refused before any work, at once
             params = parse_params(self.settings, **{f.attr: io.scalar(request, f.name) for f in PARAMS})
             steps = params.steps - first_step(self.pre.family.pipeline_class(), params.steps, params.strength)
-            # when it would be answered, behind the work ahead: refused before any work when past its bound
-            admitted = self.front.admit(start, steps, params.deadline_ms)
+            # when it would be answered, behind the work ahead: refused before any work when past its bound, counted
+            # from when its sender stamped it (the client, the router), else from its inferred arrival
+            admitted = self.front.admit(start, steps, params.deadline_ms, sent_stamp(parameters))
+            self._note(admitted.arrival, request.request_id())
             images, refs = io.array(request, "CONTROL_IMAGES"), io.array(request, "REFERENCE_IMAGES")
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,
                          () if images is None else list(images.reshape(-1)),
@@ -130,9 +143,11 @@ class TritonPythonModel:
 
 
 def _timing(admitted, deadline_ms: int | None) -> dict:
-    """REQUEST_INFO's times (``time.time()``), counted from the request's earliest arrival: its DEADLINE_MS, its
-    bound (``maskedit.completion``: answered or refused by ``answer_by_ts``) and the front's prediction."""
-    a, bound = admitted.arrival, admitted.bound
+    """REQUEST_INFO's times (``time.time()``), counted from the request's earliest arrival (and what says so): its
+    DEADLINE_MS, its bound (``maskedit.completion``: answered or refused by ``answer_by_ts``) and the front's
+    prediction."""
+    a, bound = admitted.arrival.at, admitted.bound
     return {"deadline_ts": a + deadline_ms / 1000.0 if deadline_ms else None,
             "answer_by_ts": a + bound.seconds if bound else None, "bound_s": bound.seconds if bound else None,
-            "bound_source": bound.source if bound else None, "arrival_ts": a, "predicted_ts": admitted.predicted_at}
+            "bound_source": bound.source if bound else None, "arrival_ts": a,
+            "arrival_source": admitted.arrival.source, "predicted_ts": admitted.predicted_at}

@@ -39,6 +39,7 @@ from .admission import RefusalLog
 from .backend import (FINAL, Backend, NoBackend, Ticket,  # noqa: F401 (tests use them here)
                       _cancel_on_backend, backend_fault)
 from .forwarded_calls import ForwardedCalls, _timeout
+from .stamp import stamp
 
 log = logging.getLogger("maskedit.router")
 
@@ -236,6 +237,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             self.tenant_refused(tenant, e)
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s)
         t0, outcome, slot = time.monotonic(), "error", False
+        stamp(request, time.time())  # received: the backends' bounds count from here (retries keep DEADLINE_MS)
         try:
             f = routing_features(request, self.resolution)
             if self.fair is not None and f.runs_edit:

@@ -23,6 +23,7 @@ from ..access.auth import ANONYMOUS
 from ..access.tenancy import OverLimit, tag_request
 from ..placement.features import EditFeatures, deadline_s, edit_info, routing_features, set_deadline_ms
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
+from .stamp import stamp
 
 if TYPE_CHECKING:
     from .server import Router
@@ -82,6 +83,7 @@ class _StreamSession:
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
         fwd.parameters[EMPTY_FINAL].bool_param = True
         tag_request(fwd, self.tenant)  # the backends share their queues by it
+        stamp(fwd, time.time())  # their bounds count from here
         own = deadline_s(req)
         try:
             self.r.quotas.enter(self.tenant)
@@ -192,8 +194,9 @@ class _StreamSession:
             self._end(p, "cancelled")
             self._maybe_finish()
             return
-        if deadline_s(p.request) is not None:  # what is left of its own deadline
+        if deadline_s(p.request) is not None:  # what is left of its own deadline, counted from now
             set_deadline_ms(p.request, max(1, int((p.deadline - time.monotonic()) * 1000)))
+            stamp(p.request, time.time())
         self.r.metrics.retried("none")
         self._send(p, rid, f, exclude=())  # after a wait, any backend back in rotation may take it
 

@@ -1,6 +1,6 @@
-"""Admission by predicted completion time (``maskedit.completion``): the estimator, the decisions, the wait in front
-of pre-processing (``maskedit.arrival``), the board's backlog and pre-processing's check (``maskedit.admission``),
-and the denoise loop's checks (``maskedit.scheduler``, ``maskedit.engine``). No server."""
+"""Admission by predicted completion time (``maskedit.completion``): the estimator, the decisions, the board's
+backlog and pre-processing's check (``maskedit.admission``), and the denoise loop's checks (``maskedit.scheduler``,
+``maskedit.engine``); the wait in front of pre-processing is ``test_arrival.py``'s. No server."""
 
 import math
 import threading
@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from maskedit.admission import FrontCheck, QueueBoard
-from maskedit.arrival import ArrivalBound
 from maskedit.completion import (CLIENT_BOUND, SERVER_BOUND, Backlog, Bound, Ema, Loop, Work, answer_times,
                                  bound_for, predict, refusal)
 from maskedit.denoise import DenoiseJob
@@ -166,26 +165,6 @@ def test_a_step_time_that_barely_depends_on_tokens_is_not_charged_to_them():
     assert (m.fixed_s, m.per_token_s) == (pytest.approx(0.002, rel=0.05), pytest.approx(1e-5, rel=0.05))
 
 
-# -- the wait in front of pre-processing ---------------------------------------------------------------------
-def test_an_idle_instance_bounds_the_wait_by_its_last_execution():
-    a = ArrivalBound(queue_size=3, now=0.0)
-    assert a.earliest(5.0) == 4.75  # the first request, long after the model was ready: it did not wait
-    a.ran(5.0, 6.0)
-    assert a.earliest(9.0) == 8.75  # idle from 6 to 9: nothing waited then, it arrived at most 0.25 s ago
-    a.ran(9.0, 9.5)
-    assert a.earliest(9.5) == 8.75  # right behind the one started after the idle gap
-
-
-def test_back_to_back_executions_bound_the_wait_by_the_queue_size():
-    a = ArrivalBound(queue_size=3, now=0.0)
-    for i in range(5):
-        a.ran(10.0 + i, 11.0 + i)  # busy since 10: 5 executions back to back
-    # at most 2 waited ahead of it plus one running: it arrived no earlier than the 3rd execution before its own
-    assert a.earliest(15.0) == 12.0
-    a.ran(15.0, 15.01)
-    assert a.earliest(16.0) == 15.75  # a gap of 0.99 s: the instance was idle, it arrived at most 0.25 s ago
-
-
 # -- the board and pre-processing's check ------------------------------------------------------------------
 def test_the_backlog_crosses_processes_and_what_does_not_fit_is_lumped(tmp_path):
     denoise, pre = QueueBoard(tmp_path / "b"), QueueBoard(tmp_path / "b")
@@ -223,7 +202,7 @@ def test_pre_processing_refuses_before_any_work_what_the_published_backlog_would
     denoise, pre, front = _front(tmp_path)
     now = time.time()
     a = front.admit(now, 30, None)  # nothing published yet: admitted
-    assert (a.bound.seconds, a.bound.source) == (10.0, SERVER_BOUND) and a.arrival <= now and a.predicted_at >= now
+    assert (a.bound.seconds, a.bound.source) == (10.0, SERVER_BOUND) and a.arrival.at <= now and a.predicted_at >= now
     denoise.publish_backlog(Backlog([(30, 256, math.inf)] * 4, [], 0.0, 0.001, 256.0))  # 30 steps of ~1 s ahead
     with pytest.raises(ResourceExhausted, match="cannot be answered within 10 s"):
         front.admit(time.time(), 30, None)
@@ -252,8 +231,9 @@ def test_requests_sent_on_but_not_arrived_count_as_work_ahead(tmp_path):
 def test_the_wait_in_front_of_pre_processing_counts(tmp_path):
     denoise, pre, front = _front(tmp_path)
     denoise.publish_backlog(Backlog([], [], 0.0, 0.0002, 256.0))  # 30 steps: ~1.5 s alone
-    t, d = time.time(), 9 / 16
-    for i in range(16):  # busy back to back for the last 9 s: it may have waited all of them
+    t, d = time.time(), 9 / 19
+    for i in range(19):  # busy back to back for the last 9 s (16 queued, 2 taken out, 1 running): it may have
+        # waited all of them
         front.ran(t - 9 + i * d, t - 9 + (i + 1) * d, prepared=False)
     with pytest.raises(ResourceExhausted, match="spent waiting"):
         front.admit(t, 30, None)

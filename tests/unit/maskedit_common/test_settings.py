@@ -62,6 +62,7 @@ NON_DEFAULT = {
     "MASKEDIT_MAX_QUEUE": ("8", "batching.max_queue", 8),
     "MASKEDIT_REJECT_LATE": ("0", "batching.reject_late", False),
     "MASKEDIT_LATENCY_BOUND_S": ("10", "batching.latency_bound_s", 10.0),
+    "MASKEDIT_CLOCK_SKEW_S": ("0.5", "batching.clock_skew_s", 0.5),
     "MASKEDIT_MAX_WAIT_STEPS": ("3", "batching.max_wait_steps", 3),
     "MASKEDIT_FAIR_SHARE": ("0", "batching.fair_share", False),
     "MASKEDIT_LOG_LEVEL": ("DEBUG", "service.log_level", "DEBUG"),
