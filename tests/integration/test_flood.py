@@ -34,11 +34,15 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
     # warm until the server's own prediction of an edit is within 2x of what it took: its step-time model starts
     # from the first edit's cold steps (seconds each; one run's second edit took 2 s, predicted 25 s), and a flood
     # judged by that model is refused whole in milliseconds, which tests none of what follows
+    warm = []
     for seed in range(6):
         r = c.edit(template_img, like_flood, "a hat", seed=seed, steps=STEPS)
+        warm.append(r.latency_s)
         if seed and r.info.get("predicted_s", 0) <= 2 * r.info["answered_s"]:
             break
-    one = r.latency_s
+    # an edit's time: the fastest warm one after the cold first. The last one alone was once a hiccup of a host with
+    # two CPU hogs beside it (8.4 s against the flood's edits' 3-6 s), and its 34 s bound refused nothing for time
+    one = min(warm[1:])
     # ~20 requests get past Triton's queue (16 wait there), 4 to a batch: ~5 edits' time for all; 4 leaves some out
     # and, on a host whose load rises 3x as the flood lands (its own pre-processing), still lets the first in
     bound_s = max(1.5, 4 * one)
