@@ -207,7 +207,6 @@ def main(argv=None) -> None:
     key_file = args.out / "keys.txt"
     workload.write_key_file(key_file, keys)
     keyed = ["--api-keys-file", str(key_file)]
-    fair_router = keyed + ["--fair-share-slots", str(args.fair_slots)]
     # One denoise thread: on a shared 2-core host a 2-thread OpenMP team waits at every barrier for a core another
     # process holds (measured: a matmul loop 5-6x slower with 2 threads than with 1 at load average 14).
     env = {"MASKEDIT_MAX_QUEUE": str(args.max_queue), "MASKEDIT_MAX_BATCH": str(args.max_batch),
@@ -242,7 +241,9 @@ def main(argv=None) -> None:
         flood = mix(cap, duration, args.steps, True)
         _, result["phases"]["backend"] = phase(topo, keys, flood, "backend")
         topo.stop_router()
-        topo.router_args = fair_router
+        # on top of the arguments the topology started it with: they carry the backend key, without which every
+        # backend refuses the router (one run's fair phase: the backend unhealthy, all 1 020 requests refused)
+        topo.router_args = [*topo.router_args, "--fair-share-slots", str(args.fair_slots)]
         topo.start_router()
         _, result["phases"]["router+backend"] = phase(topo, keys, flood, "router+backend")
         topo.remember()
