@@ -23,8 +23,11 @@ def test_full_plan_ceiling_is_one_and_masked_plans_are_faster():
     timer = KernelTimer(heads=2, reps=2)
     modes = [FULL] * 3
     assert timer.ceiling_speedup(modes, 1, 256, 256, 16, 32) == pytest.approx(1.0)
-    # sizes where full computation is ~60x the masked work, so a loaded host's timing noise cannot flip it
-    assert timer.ceiling_speedup([KV] * 3, 1, 1024, 16, 16, 64) > 1.0
+    # Full computation is ~60x the masked work here (12-20x measured on a quiet host, edges included). Each shape is
+    # timed once, so one preemption on a loaded host can inflate a single masked shape past the whole full step
+    # (0.47x seen beside two CPU hogs): the claim is that fresh timings show more than 2x in one of three tries. Call
+    # lists that did the full work would sit near 1x in all three.
+    assert max(KernelTimer(heads=2, reps=2).ceiling_speedup([KV] * 3, 1, 1024, 16, 16, 64) for _ in range(3)) > 2.0
 
 
 def test_streamed_weights_cycle_through_a_pool(monkeypatch):
