@@ -108,6 +108,15 @@ def test_the_result_names_emulated_instances_the_device_the_commit_and_its_colum
     json.dumps(m)
 
 
+def test_the_plot_draws_direct_routed_and_hop_and_reads_rows_without_a_direct_baseline(tmp_path):
+    from maskedit_lab.routing.scale import plot
+
+    new = _row(*_blocks([1.0] * 50, [2.0] * 50))
+    old = {k: v for k, v in new.items() if not k.startswith(("direct_", "router_hop"))} | {"instances": 128}
+    plot([new, old], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
 def test_the_switch_interval_reaches_the_router_process_only(tmp_path):
     import subprocess
     import sys
