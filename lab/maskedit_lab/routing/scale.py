@@ -453,10 +453,10 @@ def _cpu_now(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: int, pids: dict[str, int],
-                       warm) -> tuple[Block, Block, float | None, str]:
+                       warm, decisions) -> tuple[Block, Block, float | None, str, tuple]:
     """One rate: every segment sent straight to the instances and through the router, in ABBA order
     (``direct_baseline``), over streams kept open for the whole rate; returns the two blocks, the mean serialised
-    request size and the order as letters (D/R)."""
+    request size, the order as letters (D/R) and the router's decision histogram after the warm-up and at the end."""
     blocks = {DIRECT: Block(), ROUTED: Block()}
     sizes: list[int] = []
     order = ""
@@ -464,17 +464,22 @@ async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: 
         clients = {DIRECT: direct, ROUTED: routed}
         for c in clients.values():  # connections and streams up before anything is timed (answers discarded)
             await c.send(warm(c.streams), 60.0, tag="warm")
+        h0 = decisions()
         for j, (part, paths) in enumerate(zip(parts, abba(len(parts)))):
-            sched = build(part)  # per segment: the payloads of a long, fast rung never all sit in memory at once
+            sched = build(part)
             sizes += [r.ByteSize() for _, r in sched]
+            sent = []
             for path in paths:
                 items = [Sent(t, r) for t, r in sched]  # the same request objects and offsets on both paths
                 c0 = _cpu_now(pids)
                 wall = await clients[path].send(items, tag=f"{path[0]}{j}-")
                 blocks[path].add(items, wall, c0, _cpu_now(pids))
+                sent += items
                 order += path[0].upper()
                 await asyncio.sleep(SETTLE_S)
-    return blocks[DIRECT], blocks[ROUTED], (float(np.mean(sizes)) if sizes else None), order
+            for s in sent:  # built per segment and let go after it: a long, fast rung's payloads never all in memory
+                s.request = None
+    return blocks[DIRECT], blocks[ROUTED], (float(np.mean(sizes)) if sizes else None), order, (h0, decisions())
 
 
 def overhead(instances: int, rates: list[float], window_s: float, out: Path, profile: Path, policy: str,
@@ -511,9 +516,8 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
                                          steps)) for i, t in part]
 
             load0 = os.getloadavg()
-            h0 = decision_buckets(http_port, policy)
-            direct, routed, size, order = asyncio.run(_rate_blocks(addrs, url, parts, build, streams, pids, warm))
-            h1 = decision_buckets(http_port, policy)
+            direct, routed, size, order, (h0, h1) = asyncio.run(_rate_blocks(
+                addrs, url, parts, build, streams, pids, warm, lambda: decision_buckets(http_port, policy)))
             row = overhead_row(instances, policy, rate, direct, routed, idle_cpu_per_s=idle_cpu_per_s,
                                decision_s=tuple(histogram_quantile(h0, h1, q) for q in (0.5, 0.99)),
                                fit=router_fit(http_port), request_bytes=size, order=order, loadavg_before=load0,
@@ -676,7 +680,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--router-args", default="", help="extra router arguments for the overhead runs (use the = "
                     "form: --router-args='--admission-wait-s 0')")
     ap.add_argument("--router-switch-interval-ms", type=float, default=None,
-                    help="the overhead router's GIL switch interval (Python's default 5 ms), a diagnostic")
+                    help="the overhead runs' router's GIL switch interval (Python's default 5 ms), a diagnostic")
     ap.add_argument("--compare-workers", type=int, default=32, help="emulated instances of the policy runs (0: none)")
     ap.add_argument("--loads", type=float, nargs="*", default=[0.8, 0.95])
     ap.add_argument("--policies", nargs="*", default=list(COMPARED))
