@@ -44,9 +44,9 @@ def segment_count(window_s: float, segment_s: float) -> int:
 
 
 def abba(k: int) -> list[tuple[str, str]]:
-    """The order of the two blocks in each of ``k`` segments: direct first in segments 0, 3, 4, 7, ...; routed first
-    in 1, 2, 5, 6, ... (DR RD DR RD reads D R R D D R R D: each side first and second equally often, a linear drift
-    cancels over every four blocks)."""
+    """The order of the two blocks in each of ``k`` segments: direct first in the even ones, routed first in the odd
+    ones (DR RD DR RD: blocks D R R D D R R D, each side first and second equally often; a drift linear in the
+    block's position adds the same total to both sides over every four blocks)."""
     return [(DIRECT, ROUTED) if j % 2 == 0 else (ROUTED, DIRECT) for j in range(k)]
 
 
