@@ -719,7 +719,7 @@ def meta(args, argv: list[str], profile: Path, resolution: int, payloads) -> dic
     return {"command": "python -m maskedit_lab.routing.scale " + " ".join(argv),
             "emulated_instances": "maskedit_lab.routing.triton_emulator: Triton's gRPC protocol, step times from "
                                   "the calibrated cost model, no accelerator; every row says emulated_instances",
-            "device": "cpu", "dtype": None, **commit(),
+            "device": "cpu", "dtype": "none: the emulated instances run no model", **commit(),
             "profile": profile.name, "resolution": resolution, "added_p99_target_ms": args.added_p99_ms,
             "target_judged_on": "router_hop_ms_p99",
             "direct_baseline": "per rate, the schedule in an even number of segments (--segment-s), each sent "
