@@ -13,7 +13,7 @@ Rooms by subject, each importing only those below it (``.importlinter``; docs/ar
   model, what a user of the Triton tutorials runs), ``bench_batching`` (static vs continuous batching);
 - ``routing``: the router beyond this machine — ``sim`` over ``sim_cluster``'s simulated workers, ``validate``
   (the simulator against real instances, ``validate_replay`` its replay), ``scale`` (the real router in front of
-  ``triton_emulator``'s emulated instances);
+  ``triton_emulator``'s emulated instances, beside ``direct_baseline``: the same requests sent straight to them);
 - ``reliability``: the service under faults and past its capacity, judged by what every request ended in —
   ``chaos``, ``faults``, ``fault_streams``, ``overload``, ``soak``, ``tenant_fairness`` over ``topology`` (supervised
   instances and the router as its own process), with ``capacity``, ``full_strength``, ``footprint`` and ``report``;

@@ -107,4 +107,7 @@ def test_make_router_scale_runs_end_to_end_at_a_tiny_setting(tmp_path):
     assert {"overhead", "policy"} <= kinds, kinds
     over = [r for r in doc["rows"] if r["kind"] == "overhead"]
     assert over[0]["ok"] == over[0]["requests"] and over[0]["emulated_instances"]
+    # the same-run direct baseline: both paths answered in full, in ABBA order, and the hop judged
+    assert over[0]["direct_ok"] == over[0]["requests"] and over[0]["block_order"] == "DRRD"
+    assert over[0]["router_hop_ms_p99"] is not None and doc["meta"]["target_judged_on"] == "router_hop_ms_p99"
     assert out.with_suffix(".png").exists()

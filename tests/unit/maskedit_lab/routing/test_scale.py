@@ -32,3 +32,130 @@ def test_quantiles_interpolate_within_the_histograms_buckets():
     assert histogram_quantile(before, after, 0.75) == pytest.approx(1e-4 + 0.5 * 9e-4)
     assert histogram_quantile(before, after, 0.25) == pytest.approx(0.5e-4)
     assert histogram_quantile(after, after, 0.5) is None  # nothing observed between them
+
+
+# -- the overhead rung's row, the result's meta, the plot (issue 43: the same-run direct baseline) ----------------
+def _sent(added_ms: list[float], late_ms: float = 0.0, service_s: float = 0.01):
+    from maskedit_lab.routing.scale import Sent
+
+    out = []
+    for i, a in enumerate(added_ms):
+        at = 0.04 * i
+        out.append(Sent(at, None, sent=at + late_ms / 1000, done=at + late_ms / 1000 + service_s + a / 1000,
+                        service_s=service_s))
+    return out
+
+
+def _blocks(direct_ms, routed_ms, late_ms=0.0):
+    from maskedit_lab.routing.scale import Block
+
+    direct, routed = Block(), Block()
+    direct.add(_sent(direct_ms, late_ms), 4.0, {"router": 1.0, "emulator": 2.0, "loadgen": 3.0},
+               {"router": 1.2, "emulator": 2.4, "loadgen": 3.2})
+    routed.add(_sent(routed_ms, late_ms), 4.0, {"router": 1.2, "emulator": 2.4, "loadgen": 3.2},
+               {"router": 2.2, "emulator": 2.8, "loadgen": 3.5})
+    return direct, routed
+
+
+def _row(direct, routed, idle=0.05):
+    from maskedit_lab.routing.scale import overhead_row
+
+    return overhead_row(32, "predicted", 25.0, direct, routed, idle_cpu_per_s=idle, decision_s=(2e-4, 1.8e-3),
+                        fit={"scale": 1.0}, request_bytes=412345.6, order="DRRD", loadavg_before=(0.5, 0.4, 0.3),
+                        loadavg_after=(0.7, 0.5, 0.3), target_ms=5.0)
+
+
+def test_a_rungs_row_carries_both_paths_the_hop_and_every_processs_cpu():
+    direct, routed = _blocks([20.0 + 0.1 * i for i in range(100)], [23.0 + 0.1 * i for i in range(100)])
+    row = _row(direct, routed)
+    assert row["emulated_instances"] is True and row["instances"] == 32 and row["requests"] == 100
+    assert row["router_hop_ms_p50"] == pytest.approx(3.0) and row["router_hop_ms_p99"] == pytest.approx(3.0)
+    assert row["added_ms_p99"] > 5.0 and row["within_target"] and not row["within_target_added"]
+    assert row["router_cpu_ms_per_request_gross"] == pytest.approx(10.0)  # 1.0 s of router CPU, 100 answered
+    assert row["router_cpu_ms_per_request"] == pytest.approx(8.0)  # less 0.05 cores over the routed 4 s
+    assert row["router_cpu_cores_direct"] == pytest.approx(0.05)  # the router's idle cost beside the direct block
+    assert row["emulator_cpu_cores"] == pytest.approx(0.1) and row["emulator_cpu_cores_direct"] == pytest.approx(0.1)
+    assert row["loadgen_cpu_ms_per_request"] == pytest.approx(3.0)
+    assert row["loadgen_cpu_ms_per_request_direct"] == pytest.approx(2.0)
+    assert row["request_bytes"] == 412345 and row["segments"] == 2 and row["block_order"] == "DRRD"
+    assert row["loadavg_before"] == [0.5, 0.4, 0.3] and row["loadavg_1m"] == 0.7
+    assert row["decision_ms_p99"] == pytest.approx(1.8) and row["generator_kept_up"]
+    json.dumps(row)  # plain JSON
+
+
+def test_a_rung_misses_on_a_slow_hop_a_lost_direct_request_or_a_late_generator():
+    slow = _row(*_blocks([1.0] * 100, [9.0] * 100))
+    assert slow["router_hop_ms_p99"] == pytest.approx(8.0) and not slow["within_target"]
+    direct, routed = _blocks([1.0] * 100, [2.0] * 100)
+    direct.items[0].error, direct.items[0].service_s = "LOST: no answer", None
+    lost = _row(direct, routed)
+    assert lost["direct_errors"] == 1 and lost["direct_error_kinds"] == {"LOST": 1} and not lost["within_target"]
+    assert not _row(*_blocks([1.0] * 100, [2.0] * 100, late_ms=6.0))["generator_kept_up"]
+
+
+def test_the_result_names_emulated_instances_the_device_the_commit_and_its_columns():
+    from types import SimpleNamespace
+
+    from maskedit_lab.routing.scale import meta, parser
+
+    args = parser().parse_args(["--instances", "2", "--out", "/tmp/x.json"])
+    m = meta(args, ["--instances", "2"], PROFILE, 512, SimpleNamespace(base=b"x" * 100, masks=[b"m" * 10, b"m" * 20]))
+    assert m["device"] == "cpu" and "emulated" in m["emulated_instances"] and "instances" not in m
+    assert len(m["commit"]) == 40 and isinstance(m["commit_dirty"], bool)
+    assert m["target_judged_on"] == "router_hop_ms_p99"
+    assert "difference of percentiles" in m["fields"]["router_hop_ms_p50/p99"]
+    assert m["template_bytes"] == 100 and m["mask_bytes_mean"] == 15 and m["loadgen_cpu"] == "psutil"
+    json.dumps(m)
+
+
+def test_the_plot_draws_direct_routed_and_hop_and_reads_rows_without_a_direct_baseline(tmp_path):
+    from maskedit_lab.routing.scale import plot
+
+    new = _row(*_blocks([1.0] * 50, [2.0] * 50))
+    old = {k: v for k, v in new.items() if not k.startswith(("direct_", "router_hop"))} | {"instances": 128}
+    plot([new, old], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_the_switch_interval_reaches_the_router_process_only(tmp_path):
+    import subprocess
+    import sys
+
+    from maskedit_lab.routing.scale import switch_interval_env
+
+    probe = [sys.executable, "-c", "import sys; print(sys.getswitchinterval())"]
+    env = switch_interval_env(0.5, tmp_path)
+    assert float(subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout) == 0.0005
+    assert float(subprocess.run(probe, capture_output=True, text=True, check=True).stdout) == 0.005  # the default
+
+
+def test_direct_streams_go_round_robin_over_the_instances_and_stay_open_across_blocks():
+    """The direct path against two in-process emulated instances: request i reaches instance i mod 2, each answer
+    carries the instance's own time, and a second block on the same streams is answered too."""
+    import asyncio
+
+    from maskedit_lab.routing.scale import Payloads, Sent, Streams, edit_request
+    from maskedit_lab.routing.triton_emulator import EmulatedCluster, EmulatorConfig
+
+    payloads = Payloads(512, n_masks=4)
+
+    async def run():
+        cluster = await EmulatedCluster(EmulatorConfig(PROFILE, time_scale=0.002), 2).start()
+        try:
+            reqs = [edit_request(payloads, f"k{i % 3}", 1 + i % 3, 2) for i in range(6)]
+            async with Streams(cluster.addrs, streams=8) as client:
+                assert client.streams == 8  # 4 per instance
+                blocks = []
+                for tag in ("a", "b"):
+                    items = [Sent(0.01 * i, r) for i, r in enumerate(reqs)]
+                    await client.send(items, wait_s=20, tag=tag)
+                    blocks.append(items)
+            return cluster.addrs, blocks
+        finally:
+            await cluster.stop()
+
+    addrs, blocks = asyncio.run(run())
+    for items in blocks:
+        assert [s.error for s in items] == [None] * 6
+        assert all(s.service_s is not None and s.done >= s.sent for s in items)
+        assert [s.instance.split("@")[1] for s in items] == [addrs[i % 2] for i in range(6)]
