@@ -53,6 +53,9 @@ class RouterMetrics:
                                           "Triton's HTTP/REST; openai)", ["port"], registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
+        self.admission_polls = Counter("maskedit_router_admission_polls_total", "statistics calls the admission "
+                                       "watcher made, by pace: fast (router edits wait in front of the backend's "
+                                       "check, or it is refusing), idle (neither)", ["pace"], registry=r)
 
         # per tenant: the tenant's name from the key file (never the key); "anonymous" without a key file
         self.tenant_requests = Counter("maskedit_router_tenant_requests_total", "requests by tenant and how they "
@@ -131,6 +134,9 @@ class RouterMetrics:
 
     def client_gone(self, port: str) -> None:
         self.client_disconnects.labels(port).inc()
+
+    def admission_polled(self, pace: str, n: int = 1) -> None:
+        self.admission_polls.labels(pace).inc(n)
 
     def admission(self, backend: str, wait_s: float) -> None:
         self.admission_wait.labels(backend).set(wait_s)

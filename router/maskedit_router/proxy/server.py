@@ -166,8 +166,22 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         with self._lock:
             backend.admission.observe(decided, busy_ns, now)
             wait = backend.admission.predicted_wait_s()
+            waiting = backend.admission.undecided > 0
         self.metrics.admission(backend.addr, wait)
-        self.expire_admissions(backend, now)
+        if waiting:  # (nothing in front of its check: nothing to expire)
+            self.expire_admissions(backend, now)
+
+    def admission_activity(self, now: float) -> tuple[list[Backend], list[Backend]]:
+        """(backends with router edits not known to be past their admission check, the other backends that are
+        refusing): the ones ``AdmissionWatcher`` polls at its fast pace. One look at every gauge under the lock."""
+        waiting, refusing = [], []
+        with self._lock:
+            for b in self.backends.values():
+                if b.admission.undecided > 0:
+                    waiting.append(b)
+                elif b.admission.refusing(now):
+                    refusing.append(b)
+        return waiting, refusing
 
     def admission_resumed(self) -> None:
         """The router was stopped (``AdmissionWatcher``'s stall): every gauge counts again from its next poll."""
