@@ -16,6 +16,9 @@ class RouterMetrics:
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
         self.decision_s = Histogram("maskedit_router_decision_seconds", "time to choose a backend", ["policy"],
                                     registry=r, buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
+        self.features_s = Histogram("maskedit_router_features_seconds", "time to read a gRPC request's routing "
+                                    "features (template key, mask ratio on the token grid, steps): before the decision",
+                                    registry=r, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
         self.error = Histogram("maskedit_router_prediction_error_ratio", "|observed - predicted| / observed",
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
         self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend, by the "

@@ -5,7 +5,9 @@ emulated Triton instances (``triton_emulator``: the real protocol, step times fr
    short emulated service times. Per rate: router-added latency P50/P99 (what a client waits beyond the instance's
    own time: end-to-end at the client less the instance's receipt-to-answer time, so two extra hops, the routing
    decision and the relay), the routing decision P50/P99 (the router's ``maskedit_router_decision_seconds``
-   histogram, interpolated within its buckets), the router process's CPU per request (its CPU over the rate's
+   histogram, interpolated within its buckets), reading the request's features before it (P50/P99 of
+   ``maskedit_router_features_seconds``), the admission statistics calls per second idle and under load, the router
+   process's CPU per request (its CPU over the rate's
    window, less what it spends idle, per completed request), and the highest rate whose router-added P99 stays
    within ``--added-p99-ms`` (5 ms). The load generator's lateness (send time past schedule) is recorded: a rate
    where it lags is not the router's figure.
@@ -50,6 +52,7 @@ from .triton_emulator import EmulatorConfig, scaled_profile
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 COMPARED = ("predicted", "chwbl", "p2c", "weighted")
+POLLS = "maskedit_router_admission_polls"  # the router's admission statistics calls (a counter)
 EMULATED = EmulatorConfig(Path())  # the emulated instances' serving settings (the emulator's defaults)
 
 
@@ -131,33 +134,30 @@ def cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-def decision_buckets(http_port: int, policy: str) -> dict[float, float]:
-    """The router's decision-time histogram (cumulative counts by upper bound, seconds)."""
+def scrape(http_port: int) -> list:
+    """The router's Prometheus metrics (parsed families)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "maskedit_router_decision_seconds":
-            for s in fam.samples:
-                if s.name.endswith("_bucket") and s.labels.get("policy") == policy:
-                    out[float(s.labels["le"])] = s.value
-    return out
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
+def buckets(families: list, name: str, **labels) -> dict[float, float]:
+    """Histogram ``name``'s cumulative counts by upper bound (seconds), of the series with ``labels``."""
+    return {float(s.labels["le"]): s.value for fam in families if fam.name == name for s in fam.samples
+            if s.name.endswith("_bucket") and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+def counted(families: list, name: str) -> float:
+    """Counter ``name`` (its ``_total``), summed over its labels."""
+    return sum(s.value for fam in families if fam.name == name for s in fam.samples if s.name.endswith("_total"))
 
 
 def router_fit(http_port: int) -> dict:
     """The router's online fit of the cost model (``predicted``): its scale (1: the profile holds) and whether it
     has fallen back to least masked tokens (stale)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale"):
-            out[fam.name.removeprefix("maskedit_router_model_")] = round(fam.samples[0].value, 3)
-    return out
+    return {fam.name.removeprefix("maskedit_router_model_"): round(fam.samples[0].value, 3)
+            for fam in scrape(http_port) if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale")}
 
 
 def histogram_quantile(before: dict, after: dict, q: float) -> float | None:
@@ -321,32 +321,41 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
             running_router(addrs, scaled, out, policy, ["--lora-load-ms", str(LORA_LOAD_MS * time_scale),
                                                         *router_args]) as (router, url, http_port):
         time.sleep(2.0)
-        c0, t0 = cpu_seconds(router.pid), time.monotonic()
+        c0, t0, polls0 = cpu_seconds(router.pid), time.monotonic(), counted(scrape(http_port), POLLS)
         time.sleep(5.0)  # idle: health checks, admission polls
-        idle_cpu_per_s = (cpu_seconds(router.pid) - c0) / (time.monotonic() - t0)
+        idle_s = time.monotonic() - t0
+        idle_cpu_per_s = (cpu_seconds(router.pid) - c0) / idle_s
+        idle_polls_per_s = (counted(scrape(http_port), POLLS) - polls0) / idle_s
         for rate in rates:
             n = max(20, int(rate * window_s))
             reqs = workload.poisson(rate, n, workload="public", n_templates=4 * instances, zipf_s=1.1,
                                     seed=int(rate), steps=steps)
             items = [Sent(r.t, edit_request(payloads, f"w{r.template}", payloads.mask_for(r.mask_ratio), steps))
                      for r in reqs]
-            h0 = decision_buckets(http_port, policy)
+            m0 = scrape(http_port)
             c0, e0 = cpu_seconds(router.pid), cpu_seconds(emu.pid)
             wall = asyncio.run(drive(url, items, streams))
             cpu = cpu_seconds(router.pid) - c0
             emu_cpu = cpu_seconds(emu.pid) - e0
-            h1 = decision_buckets(http_port, policy)
+            m1 = scrape(http_port)
+            h0, h1 = (buckets(m, "maskedit_router_decision_seconds", policy=policy) for m in (m0, m1))
+            f0, f1 = (buckets(m, "maskedit_router_features_seconds") for m in (m0, m1))
             fit = router_fit(http_port)
             ok = [s for s in items if s.error is None and s.service_s is not None]
             added = [(s.done - s.sent - s.service_s) * 1000 for s in ok]
             late = [(s.sent - s.at) * 1000 for s in items if s.sent is not None]
             dec = [histogram_quantile(h0, h1, q) for q in (0.5, 0.99)]
+            feat = [histogram_quantile(f0, f1, q) for q in (0.5, 0.99)]
             row = {"kind": "overhead", "emulated_instances": True, "instances": instances, "policy": policy,
                    "rate": rate, "requests": n, "ok": len(ok), "errors": n - len(ok),
                    "error_kinds": _kinds(items), "achieved_rps": round(len(ok) / wall, 2),
                    "added_ms_p50": _round(_pct(added, 50)), "added_ms_p99": _round(_pct(added, 99)),
                    "decision_ms_p50": _round(dec[0] * 1000 if dec[0] is not None else None, 4),
                    "decision_ms_p99": _round(dec[1] * 1000 if dec[1] is not None else None, 4),
+                   "features_ms_p50": _round(feat[0] * 1000 if feat[0] is not None else None, 4),
+                   "features_ms_p99": _round(feat[1] * 1000 if feat[1] is not None else None, 4),
+                   "admission_polls_per_s_idle": _round(idle_polls_per_s, 1),
+                   "admission_polls_per_s": _round((counted(m1, POLLS) - counted(m0, POLLS)) / wall, 1),
                    "router_cpu_ms_per_request": _round(1000 * (cpu - idle_cpu_per_s * wall) / max(1, len(ok))),
                    "router_cpu_ms_per_request_gross": _round(1000 * cpu / max(1, len(ok))),
                    "router_idle_cpu_per_s": _round(idle_cpu_per_s, 4),

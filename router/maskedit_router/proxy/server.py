@@ -253,7 +253,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         t0, outcome, slot = time.monotonic(), "error", False
         stamp(request, time.time())  # received: the backends' bounds count from here (retries keep DEADLINE_MS)
         try:
-            f = routing_features(request, self.resolution)
+            with self.metrics.features_s.time():
+                f = routing_features(request, self.resolution)
             if self.fair is not None and f.runs_edit:
                 why = self.fair.wait(tenant)
                 if why is not None:

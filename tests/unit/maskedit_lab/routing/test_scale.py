@@ -1,5 +1,5 @@
 """The router-at-scale bench's own arithmetic: the time-compressed profile a router predicts with, the decision-time
-quantiles read from the router's histogram."""
+quantiles read from the router's histograms, the counts read from its counters."""
 
 import json
 
@@ -7,9 +7,10 @@ import pytest
 
 from maskedit_common.cost_model import CostModel
 from maskedit_lab import REPO_ROOT
-from maskedit_lab.routing.scale import histogram_quantile
+from maskedit_lab.routing.scale import POLLS, buckets, counted, histogram_quantile
 from maskedit_lab.routing.triton_emulator import scaled_profile
 from maskedit_router.placement.features import EditFeatures
+from maskedit_router.metrics import RouterMetrics
 from maskedit_router.placement.policies import Estimator
 
 PROFILE = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
@@ -32,3 +33,20 @@ def test_quantiles_interpolate_within_the_histograms_buckets():
     assert histogram_quantile(before, after, 0.75) == pytest.approx(1e-4 + 0.5 * 9e-4)
     assert histogram_quantile(before, after, 0.25) == pytest.approx(0.5e-4)
     assert histogram_quantile(after, after, 0.5) is None  # nothing observed between them
+
+
+def test_the_router_s_features_histogram_and_poll_counts_are_read_from_its_metrics_text():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = RouterMetrics()
+    m.features_s.observe(0.0007)
+    m.decision("predicted", "a:1", 0.0002)
+    m.admission_polled("fast", 3)
+    m.admission_polled("idle", 2)
+    fams = list(text_string_to_metric_families(generate_latest(m.registry).decode()))
+    feat = buckets(fams, "maskedit_router_features_seconds")
+    assert feat[5e-4] == 0 and feat[1e-3] == 1 and feat[float("inf")] == 1
+    assert buckets(fams, "maskedit_router_decision_seconds", policy="predicted")[2.5e-4] == 1
+    assert buckets(fams, "maskedit_router_decision_seconds", policy="chwbl") == {}
+    assert counted(fams, POLLS) == 5
