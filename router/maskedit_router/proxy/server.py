@@ -100,8 +100,10 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             for a in addrs:
                 if a not in self.backends:
                     self.backends[a] = self._backend(a)
-            for a in [a for a in self.backends if a not in addrs]:
-                self.backends.pop(a).close()
+            removed = [self.backends.pop(a) for a in [a for a in self.backends if a not in addrs]]
+        for b in removed:  # its requests end now, retried on the others: closing its channel cancels their calls
+            self.backend_down(b, "removed from the backend set")
+            b.close()
 
     def _backend(self, addr: str) -> Backend:
         b = Backend(addr, admission=self.admission, key=self.backend_key)

@@ -153,11 +153,22 @@ class _StreamSession:
     def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude, room_only: bool = False) -> None:
         """Route ``p`` and send it on this session's stream to its backend (raises ``NoBackend``)."""
         p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid), room_only=room_only)
+        backend = p.ticket.backend
         with self.lock:
-            self.pending[rid] = p
-            bs = self.streams.get(p.ticket.backend.addr)
+            bs = self.streams.get(backend.addr)
             if bs is None or bs.broken:
-                bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
+                try:
+                    bs = _BackendStream(self, backend)
+                except Exception as e:  # its channel closed (just removed from the set), no thread to be had
+                    bs = None
+                    why = e
+                else:
+                    self.streams[backend.addr] = bs
+            if bs is not None:
+                self.pending[rid] = p  # (before the send: its answer may come at once)
+        if bs is None:  # as if no backend were up: retried later or answered now (``_send``), never left pending
+            self.r.release(p.ticket, ok=False)
+            raise NoBackend(grpc.StatusCode.UNAVAILABLE, f"cannot open a stream to backend {backend.addr}: {why}")
         bs.send(p.request)
 
     def _elsewhere(self, p: _Pending, rid: str, backend: Backend, why: str = "refused") -> bool:
@@ -363,10 +374,15 @@ class _StreamSession:
 
 
 class _BackendStream:
+    """One stream to a backend for one client stream. However it ends, what of the session's was on it is answered:
+    an error status, a cancel the router did not ask for (its channel closed) or an end the backend chose while
+    requests were in flight all retry them elsewhere or fail them (``on_broken``); only the router's own ``cancel``
+    (the client went away, the backend was given up) and ``close`` (nothing of the session's was on it) do not."""
+
     def __init__(self, session: _StreamSession, backend: Backend):
         self.session, self.backend = session, backend
         self.q: queue.Queue = queue.Queue()
-        self.broken = self.closed = False
+        self.broken = self.closed = self.cancelled = False
         self.call = backend.stub.ModelStreamInfer(self._requests())
         threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
 
@@ -387,12 +403,16 @@ class _BackendStream:
                     self.session.on_response(self.backend, resp)
                 except Exception:  # one bad response must not stop the stream's other requests
                     log.exception("could not relay a response from %s", self.backend.addr)
+            why = "the backend ended the stream"
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED and not self.closed:  # closed: nothing of ours was on it
-                self.broken = True
-                self.session.on_broken(self.backend, e.code().name)
+            why = e.code().name
+        if self.cancelled or self.closed:  # the router's own doing: nothing of the session's waits on it
+            return
+        self.broken = True
+        self.session.on_broken(self.backend, why)
 
     def cancel(self) -> None:
+        self.cancelled = True
         self.q.put(None)
         self.call.cancel()
 
