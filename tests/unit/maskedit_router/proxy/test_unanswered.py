@@ -5,10 +5,8 @@ never left waiting."""
 
 import threading
 import time
-from concurrent import futures
 from types import SimpleNamespace
 
-import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -16,6 +14,8 @@ from maskedit_common.cost_model import CostModel
 from maskedit_router.placement.features import EditFeatures
 from maskedit_router.placement.policies import Estimator, make
 from maskedit_router.proxy import server, stream_session
+
+from .test_server_faults import _Stream
 
 EDIT = EditFeatures("t", 0.2, 256, 8)
 
@@ -30,25 +30,9 @@ def _session(router, monkeypatch):
     return stream_session._StreamSession(router, SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True))
 
 
-class _Stream:
-    sent: list = []
-
-    def __init__(self, session, backend):
-        self.backend, self.broken = backend, False
-
-    def send(self, req):
-        self.sent.append((self.backend.addr, req.id))
-
-    def cancel(self):
-        self.broken = True
-
-    def close(self):
-        pass
-
-
 def test_a_request_on_a_backend_removed_from_the_set_is_sent_to_another(monkeypatch):
     monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
-    monkeypatch.setattr(_Stream, "sent", [])
+    monkeypatch.setattr(_Stream, "sent", [])  # (backend address, request id) of each send
     router = _router(["a:1", "b:2"], admission_wait_s=0)
     router.backends["b:2"].load.healthy = False
     session = _session(router, monkeypatch)
@@ -89,27 +73,10 @@ class _Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
         return iter(())
 
 
-@pytest.fixture
-def silent():
-    servers = []
-
-    def start(hang: bool):
-        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        fake = _Silent(hang)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(fake, srv)
-        port = srv.add_insecure_port("127.0.0.1:0")
-        srv.start()
-        servers.append(srv)
-        return fake, f"127.0.0.1:{port}"
-
-    yield start
-    for s in servers:
-        s.stop(0)
-
-
 @pytest.mark.parametrize("how", ["channel_closed", "backend_ended_the_stream"])
-def test_a_stream_ended_by_no_one_the_router_asked_answers_what_was_on_it(silent, monkeypatch, how):
-    fake, addr = silent(hang=how == "channel_closed")
+def test_a_stream_ended_by_no_one_the_router_asked_answers_what_was_on_it(serve, monkeypatch, how):
+    fake = _Silent(hang=how == "channel_closed")
+    addr = serve(fake)
     router = _router([addr], retry_budget_s=0, admission_wait_s=0)
     session = _session(router, monkeypatch)
     session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
