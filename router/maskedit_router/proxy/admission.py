@@ -289,9 +289,9 @@ class AdmissionWatcher:
     its check or one that is refusing, every ``idle_interval_s`` the others. The counts are read only while a
     backend is refusing (``admits`` and ``expire`` return early otherwise), and a backend starts refusing by an
     answer (its own refusal) or the router's decision, both seen at once; so an idle backend's counts serve only as
-    the base of its next busy spell, which the fast polls that spell brings keep current. Polling every backend 20
-    times a second cost the router a third of a core at 32 backends (a gRPC call and a thread each) and was most of
-    what the emulated instances spent (docs/router.md)."""
+    the base of its next busy spell, which the fast polls that spell brings keep current. (Every backend polled 20
+    times a second: a gRPC call and a thread start each, most of the router's idle third of a core at 32 backends by
+    an estimate from the code, and of the emulated instances' CPU; docs/router.md.)"""
 
     def __init__(self, router, interval_s: float = 0.05, model: str = "preprocess", timeout_s: float = 1.0,
                  idle_interval_s: float = 1.0):
