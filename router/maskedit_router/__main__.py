@@ -212,8 +212,12 @@ def parser() -> argparse.ArgumentParser:
                     "before it is refused (RESOURCE_EXHAUSTED)")
     ap.add_argument("--fifo-queue", action="store_true", help="serve that queue first-come first-served instead "
                     "of by fair share (for comparison)")
-    ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often each backend's pre-processing "
-                    "statistics are read for admission")
+    ap.add_argument("--admission-poll-s", type=float, default=0.05, help="how often a backend's pre-processing "
+                    "statistics are read for admission while router edits wait in front of its admission check or it "
+                    "is refusing")
+    ap.add_argument("--admission-idle-poll-s", type=float, default=1.0, help="and how often otherwise: the counts "
+                    "are read only while a backend refuses, and an idle backend's only set the base of its next busy "
+                    "spell (below --admission-poll-s: --admission-poll-s)")
     return ap
 
 
@@ -282,6 +286,9 @@ def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter
     http_limits = HttpLimits(args.openai_max_requests, args.openai_body_timeout_s, args.openai_keepalive_timeout_s)
     weights = policies.parse_weights(args.weights)
     policies.WeightedScorers(weights)  # checked at start
+    for flag in ("admission_poll_s", "admission_idle_poll_s"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     if args.chwbl_load_factor < 1:
         raise ValueError(f"--chwbl-load-factor: must be >= 1, got {args.chwbl_load_factor}")
     tls = TlsFiles.of(args.tls_cert, args.tls_key)
@@ -310,7 +317,8 @@ def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter
         log.warning("API keys on, but no backend key: a caller that reaches a backend's ports directly is served "
                     "without a key (set MASKEDIT_BACKEND_KEY_FILE for the router and the backends; docs/security.md)")
     checker = HealthChecker(router, **(health or {})).start()
-    watcher = AdmissionWatcher(router, args.admission_poll_s).start() if args.admission_wait_s > 0 else None
+    watcher = AdmissionWatcher(router, args.admission_poll_s, idle_interval_s=args.admission_idle_poll_s).start() \
+        if args.admission_wait_s > 0 else None
     openai = OpenAIServer(f"127.0.0.1:{server.loopback_port or port}", args.openai_port, args.host,
                           limits=http_limits, metrics=router.metrics, keyring=keyring,
                           ssl_context=tls.ssl_context(lambda e: handshake_failed(router.metrics, "openai", e))

@@ -16,6 +16,9 @@ class RouterMetrics:
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
         self.decision_s = Histogram("maskedit_router_decision_seconds", "time to choose a backend", ["policy"],
                                     registry=r, buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
+        self.features_s = Histogram("maskedit_router_features_seconds", "time to read a gRPC request's routing "
+                                    "features (template key, mask ratio on the token grid, steps): before the decision",
+                                    registry=r, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
         self.error = Histogram("maskedit_router_prediction_error_ratio", "|observed - predicted| / observed",
                                registry=r, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5))
         self.retries = Counter("maskedit_router_retries_total", "requests retried on another backend, by the "
@@ -53,6 +56,9 @@ class RouterMetrics:
                                           "Triton's HTTP/REST; openai)", ["port"], registry=r)
         self.admission_wait = Gauge("maskedit_router_admission_wait_seconds", "predicted wait of a request sent "
                                     "now in front of the backend's admission check", ["backend"], registry=r)
+        self.admission_polls = Counter("maskedit_router_admission_polls_total", "statistics calls the admission "
+                                       "watcher made, by pace: fast (router edits wait in front of the backend's "
+                                       "check, or it is refusing), idle (neither)", ["pace"], registry=r)
 
         # per tenant: the tenant's name from the key file (never the key); "anonymous" without a key file
         self.tenant_requests = Counter("maskedit_router_tenant_requests_total", "requests by tenant and how they "
@@ -131,6 +137,9 @@ class RouterMetrics:
 
     def client_gone(self, port: str) -> None:
         self.client_disconnects.labels(port).inc()
+
+    def admission_polled(self, pace: str, n: int = 1) -> None:
+        self.admission_polls.labels(pace).inc(n)
 
     def admission(self, backend: str, wait_s: float) -> None:
         self.admission_wait.labels(backend).set(wait_s)

@@ -110,4 +110,6 @@ def test_make_router_scale_runs_end_to_end_at_a_tiny_setting(tmp_path):
     # the same-run direct baseline: both paths answered in full, in ABBA order, and the hop judged
     assert over[0]["direct_ok"] == over[0]["requests"] and over[0]["block_order"] == "DRRD"
     assert over[0]["router_hop_ms_p99"] is not None and doc["meta"]["target_judged_on"] == "router_hop_ms_p99"
+    # read from the router's own metrics: every routed request's features read, its admission watcher polling
+    assert over[0]["features_ms_p99"] is not None and over[0]["admission_polls_per_s_idle"] > 0
     assert out.with_suffix(".png").exists()

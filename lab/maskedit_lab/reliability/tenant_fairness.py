@@ -13,8 +13,8 @@ flood is compared with their P95 alone (``p95_alone_s``), in three set-ups run o
 
 Capacity is measured first (what the router completes per second under a load well past it, as
 ``overload`` does). Every request sent ends in a result or an error: ``refused`` (RESOURCE_EXHAUSTED,
-an answer) is counted apart from ``lost`` (neither, within the wait after the last send). The host's load average
-is recorded with each phase: the host is shared.
+an answer) is counted apart from ``lost`` (neither, by the time the last request's client would have given up
+retrying it: ``drain_s``). The host's load average is recorded with each phase: the host is shared.
 
     python -m maskedit_lab.reliability.tenant_fairness    # JSON + plot in perf_profiles/results/tenants.{json,png}
 """
@@ -33,6 +33,7 @@ import numpy as np
 from loadgen import records, runner, workload
 from maskedit.settings import REPO_ROOT
 from maskedit_client import EditClient
+from maskedit_router.__main__ import parser as router_parser
 
 from . import capacity
 from .overload import refusal_source
@@ -44,6 +45,19 @@ FLOOD = "flood"
 
 
 LIGHT_SHARE, FLOOD_SHARE = 0.1, 3.0  # of capacity: each light tenant's rate, the flood's
+CLIENT_TIMEOUT_S = 120.0  # each tenant's client retries a request that found no backend up (UNAVAILABLE) this long
+
+
+def drain_s(client_timeout_s: float = CLIENT_TIMEOUT_S, router_retry_s: float | None = None) -> float:
+    """How long a phase waits after its last send before a request with no answer counts as ``lost``. A request no
+    backend can take is retried in the router for its retry budget (``--retry-budget-s``, from its arrival) and then
+    answered UNAVAILABLE, which its client sends again until ``client_timeout_s`` after it first sent it; so its last
+    answer may come up to both after its send. A phase once waited 60 s while its clients retried for 120 s: with
+    the only backend refusing the router, the two requests holding the router's two fair-queue slots were still being
+    retried (by the router, then by their clients) at the cut-off and counted lost, every other request refused."""
+    if router_retry_s is None:
+        router_retry_s = router_parser().get_default("retry_budget_s")
+    return client_timeout_s + router_retry_s + 10.0  # (+ the last backoff, a busy host)
 
 
 def mix(cap: float, duration_s: float, steps: int, flood: bool, seed: int = 7) -> list[workload.Request]:
@@ -62,9 +76,9 @@ def mix(cap: float, duration_s: float, steps: int, flood: bool, seed: int = 7) -
 def phase(topo, keys: dict, reqs: list, name: str) -> tuple[list, dict]:
     """Send ``reqs`` through the router, each with its tenant's key; (records, per-tenant summary)."""
     load0 = os.getloadavg()
-    clients = {t: EditClient(topo.url, api_key=k, timeout_s=120) for t, k in keys.items()}
+    clients = {t: EditClient(topo.url, api_key=k, timeout_s=CLIENT_TIMEOUT_S) for t, k in keys.items()}
     try:
-        recs, wall = runner.run(clients[LIGHT[0]], reqs, runner.Assets(256), timeout_s=60, progress=False,
+        recs, wall = runner.run(clients[LIGHT[0]], reqs, runner.Assets(256), timeout_s=drain_s(), progress=False,
                                 clients=clients)
     finally:
         for c in clients.values():

@@ -8,7 +8,9 @@ emulated Triton instances (``triton_emulator``: the real protocol, step times fr
    (``direct_baseline``). Per rate: the added latency of each path (end to end at the client less the instance's
    own receipt-to-answer time; ``added_ms_*`` is the routed path's, as before), the **router hop** (routed P50/P99
    less direct P50/P99: a difference of percentiles), the routing decision P50/P99 (the router's
-   ``maskedit_router_decision_seconds`` histogram, interpolated within its buckets), the router's CPU per request
+   ``maskedit_router_decision_seconds`` histogram, interpolated within its buckets), reading the request's features
+   before it (P50/P99 of ``maskedit_router_features_seconds``), the admission statistics calls per second idle and
+   under load, the router's CPU per request
    (gross; and net of its idle rate, which overshoots), the emulator's and the load generator's CPU per path, the
    request size and the host's load average before and after. The ladder stops after the first rate whose hop P99
    passes ``--added-p99-ms`` (5 ms); the summary names the highest rate within it. The load generator's lateness
@@ -59,6 +61,7 @@ from .triton_emulator import EmulatorConfig, scaled_profile
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 COMPARED = ("predicted", "chwbl", "p2c", "weighted")
+POLLS = "maskedit_router_admission_polls"  # the router's admission statistics calls (a counter)
 EMULATED = EmulatorConfig(Path())  # the emulated instances' serving settings (the emulator's defaults)
 
 
@@ -172,33 +175,30 @@ def commit() -> dict:
     return {"commit": sha, "commit_dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if sha else None}
 
 
-def decision_buckets(http_port: int, policy: str) -> dict[float, float]:
-    """The router's decision-time histogram (cumulative counts by upper bound, seconds)."""
+def scrape(http_port: int) -> list:
+    """The router's Prometheus metrics (parsed families)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "maskedit_router_decision_seconds":
-            for s in fam.samples:
-                if s.name.endswith("_bucket") and s.labels.get("policy") == policy:
-                    out[float(s.labels["le"])] = s.value
-    return out
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
+def buckets(families: list, name: str, **labels) -> dict[float, float]:
+    """Histogram ``name``'s cumulative counts by upper bound (seconds), of the series with ``labels``."""
+    return {float(s.labels["le"]): s.value for fam in families if fam.name == name for s in fam.samples
+            if s.name.endswith("_bucket") and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+def counted(families: list, name: str) -> float:
+    """Counter ``name`` (its ``_total``), summed over its labels."""
+    return sum(s.value for fam in families if fam.name == name for s in fam.samples if s.name.endswith("_total"))
 
 
 def router_fit(http_port: int) -> dict:
     """The router's online fit of the cost model (``predicted``): its scale (1: the profile holds) and whether it
     has fallen back to least masked tokens (stale)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale"):
-            out[fam.name.removeprefix("maskedit_router_model_")] = round(fam.samples[0].value, 3)
-    return out
+    return {fam.name.removeprefix("maskedit_router_model_"): round(fam.samples[0].value, 3)
+            for fam in scrape(http_port) if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale")}
 
 
 def histogram_quantile(before: dict, after: dict, q: float) -> float | None:
@@ -217,6 +217,12 @@ def histogram_quantile(before: dict, after: dict, q: float) -> float | None:
             return lo + (b - lo) * ((rank - prev) / max(1e-12, c - prev))
         lo, prev = b, c
     return lo
+
+
+def quantiles(before: list, after: list, name: str, **labels) -> tuple:
+    """P50 and P99 (seconds) of histogram ``name``'s observations between two scrapes."""
+    h0, h1 = buckets(before, name, **labels), buckets(after, name, **labels)
+    return tuple(histogram_quantile(h0, h1, q) for q in (0.5, 0.99))
 
 
 # -- the requests -------------------------------------------------------------------------------------------
@@ -411,7 +417,8 @@ class Block:
 
 def overhead_row(instances: int, policy: str, rate: float, direct: Block, routed: Block, *, idle_cpu_per_s: float,
                  decision_s: tuple, fit: dict, request_bytes: float | None, order: str, loadavg_before: tuple,
-                 loadavg_after: tuple, target_ms: float) -> dict:
+                 loadavg_after: tuple, target_ms: float, features_s: tuple = (None, None),
+                 polls_per_s: float | None = None, idle_polls_per_s: float | None = None) -> dict:
     """One rung of the ladder: the routed block's figures under their old names, the direct block's beside them
     (``direct_``), the router's hop, and the CPU of every process per request and in cores, per block."""
     ok, d_ok = routed.ok(), direct.ok()
@@ -426,6 +433,10 @@ def overhead_row(instances: int, policy: str, rate: float, direct: Block, routed
            **latency_fields(added_ms(direct.items), added_ms(routed.items)),
            "decision_ms_p50": rounded(decision_s[0] * 1000 if decision_s[0] is not None else None, 4),
            "decision_ms_p99": rounded(decision_s[1] * 1000 if decision_s[1] is not None else None, 4),
+           "features_ms_p50": rounded(features_s[0] * 1000 if features_s[0] is not None else None, 4),
+           "features_ms_p99": rounded(features_s[1] * 1000 if features_s[1] is not None else None, 4),
+           "admission_polls_per_s_idle": rounded(idle_polls_per_s, 1),
+           "admission_polls_per_s": rounded(polls_per_s, 1),
            "router_cpu_ms_per_request_gross": routed.ms_per_request("router", len(ok)),
            "router_cpu_ms_per_request": rounded(1000 * (gross - idle_cpu_per_s * routed.wall_s) / len(ok))
            if ok else None,
@@ -453,10 +464,11 @@ def _cpu_now(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: int, pids: dict[str, int],
-                       warm, decisions) -> tuple[Block, Block, float | None, str, tuple]:
+                       warm, metrics) -> tuple[Block, Block, float | None, str, tuple]:
     """One rate: every segment sent straight to the instances and through the router, in ABBA order
     (``direct_baseline``), over streams kept open for the whole rate; returns the two blocks, the mean serialised
-    request size, the order as letters (D/R) and the router's decision histogram after the warm-up and at the end."""
+    request size, the order as letters (D/R) and ``metrics()`` (the router's metrics, with the time read) after the
+    warm-up and at the end."""
     blocks = {DIRECT: Block(), ROUTED: Block()}
     sizes: list[int] = []
     order = ""
@@ -464,7 +476,7 @@ async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: 
         clients = {DIRECT: direct, ROUTED: routed}
         for c in clients.values():  # connections and streams up before anything is timed (answers discarded)
             await c.send(warm(c.streams), 60.0, tag="warm")
-        h0 = decisions()
+        h0 = metrics()
         for j, (part, paths) in enumerate(zip(parts, abba(len(parts)))):
             sched = build(part)
             sizes += [r.ByteSize() for _, r in sched]
@@ -479,7 +491,7 @@ async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: 
                 await asyncio.sleep(SETTLE_S)
             for s in sent:  # built per segment and let go after it: a long, fast rung's payloads never all in memory
                 s.request = None
-    return blocks[DIRECT], blocks[ROUTED], (float(np.mean(sizes)) if sizes else None), order, (h0, decisions())
+    return blocks[DIRECT], blocks[ROUTED], (float(np.mean(sizes)) if sizes else None), order, (h0, metrics())
 
 
 def overhead(instances: int, rates: list[float], window_s: float, out: Path, profile: Path, policy: str,
@@ -496,9 +508,11 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
             running_router(addrs, scaled, out, policy, ["--lora-load-ms", str(LORA_LOAD_MS * time_scale),
                                                         *router_args], env=router_env) as (router, url, http_port):
         time.sleep(2.0)
-        c0, t0 = cpu_seconds(router.pid), time.monotonic()
+        c0, t0, polls0 = cpu_seconds(router.pid), time.monotonic(), counted(scrape(http_port), POLLS)
         time.sleep(5.0)  # idle: health checks, admission polls
-        idle_cpu_per_s = (cpu_seconds(router.pid) - c0) / (time.monotonic() - t0)
+        idle_s = time.monotonic() - t0
+        idle_cpu_per_s = (cpu_seconds(router.pid) - c0) / idle_s
+        idle_polls_per_s = (counted(scrape(http_port), POLLS) - polls0) / idle_s
         pids = {"router": router.pid, "emulator": emu.pid}
         warm_mask = payloads.mask_for(0.3)
 
@@ -516,10 +530,13 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
                                          steps)) for i, t in part]
 
             load0 = os.getloadavg()
-            direct, routed, size, order, (h0, h1) = asyncio.run(_rate_blocks(
-                addrs, url, parts, build, streams, pids, warm, lambda: decision_buckets(http_port, policy)))
+            direct, routed, size, order, ((t0, m0), (t1, m1)) = asyncio.run(_rate_blocks(
+                addrs, url, parts, build, streams, pids, warm, lambda: (time.monotonic(), scrape(http_port))))
             row = overhead_row(instances, policy, rate, direct, routed, idle_cpu_per_s=idle_cpu_per_s,
-                               decision_s=tuple(histogram_quantile(h0, h1, q) for q in (0.5, 0.99)),
+                               decision_s=quantiles(m0, m1, "maskedit_router_decision_seconds", policy=policy),
+                               features_s=quantiles(m0, m1, "maskedit_router_features_seconds"),
+                               polls_per_s=(counted(m1, POLLS) - counted(m0, POLLS)) / max(1e-9, t1 - t0),
+                               idle_polls_per_s=idle_polls_per_s,
                                fit=router_fit(http_port), request_bytes=size, order=order, loadavg_before=load0,
                                loadavg_after=os.getloadavg(), target_ms=added_p99_ms)
             rows.append(row)
@@ -711,6 +728,12 @@ FIELDS = {  # what the overhead rows' columns mean, written into every result
     "send_late_ms_p99 / direct_send_late_ms_p99": "the load generator's lateness past schedule; over 5 ms the rate "
                                                   "is not the router's figure (generator_kept_up false)",
     "loadavg_before/after": "the host's 1/5/15-minute load averages around the rate",
+    "decision_ms_p50/p99": "the router's maskedit_router_decision_seconds over the rate (both paths' time; only "
+                           "routed requests decide), interpolated within its buckets",
+    "features_ms_p50/p99": "the router's maskedit_router_features_seconds: reading a request's routing features "
+                           "(mask ratio, template hash) before the decision",
+    "admission_polls_per_s(_idle)": "the router's admission statistics calls per second over the rate (both "
+                                    "paths) and while idle before the ladder (maskedit_router_admission_polls_total)",
 }
 
 

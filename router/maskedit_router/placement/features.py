@@ -40,13 +40,15 @@ class EditFeatures:
         return self.tokens > 0
 
 
-def _tensor_bytes(request, index: int, raw: bool) -> bytes | None:
+def _tensor_bytes(request, index: int, raw: bool, view: bool = False) -> bytes | memoryview | None:
+    """The first element of a BYTES input; ``view``: a raw input's as a view into the message's bytes, not a copy
+    (a template is ~0.4 MB at 512², read for its hash only)."""
     if raw:
         blob = request.raw_input_contents[index]
         if len(blob) < 4:
             return None
-        (n,) = struct.unpack("<I", blob[:4])  # BYTES tensors: 4-byte length, then the bytes
-        return blob[4:4 + n]
+        (n,) = struct.unpack_from("<I", blob)  # BYTES tensors: 4-byte length, then the bytes
+        return memoryview(blob)[4:4 + n] if view else blob[4:4 + n]
     contents = request.inputs[index].contents.bytes_contents
     return contents[0] if contents else None
 
@@ -127,7 +129,7 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
     measured on the token grid of a model working at ``resolution``."""
     raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
     names = {t.name: i for i, t in enumerate(request.inputs)}
-    template = _tensor_bytes(request, names["TEMPLATE"], raw) if "TEMPLATE" in names else None
+    template = _tensor_bytes(request, names["TEMPLATE"], raw, view=True) if "TEMPLATE" in names else None
     steps = _scalar(request, names["STEPS"], raw, np.int32) if "STEPS" in names else None
     strength, pad = 1.0, None
     try:  # malformed: the backend will say so; costed as a whole edit meanwhile
@@ -153,7 +155,11 @@ def extract(request, resolution: int = 1024) -> EditFeatures:
                 extra += hashlib.sha1(mask).digest()[:8]
         except Exception:
             ratio = 1.0  # unreadable: the backend will reject it; cost it as a full edit
-    key = hashlib.sha1(template + extra).hexdigest()[:20] if template else None
+    key = None
+    if template:  # the hash of template + extra, fed in turn (no concatenated copy)
+        h = hashlib.sha1(template)
+        h.update(extra)
+        key = h.hexdigest()[:20]
     names = adapter_names(request)
     return EditFeatures(key, ratio, tokens, int(steps) if steps is not None else None,
                         deadline_s=deadline_s(request), loras=len(names), adapters=names,

@@ -8,7 +8,8 @@ come seconds after the request was sent. The router sends every request, so it c
 backend are still in front of that check (``AdmissionGauge``): pre-processing takes them first come, first served,
 so those past it are always the oldest. It learns how far the check got from Triton's own statistics of the
 ``preprocess`` model (``ModelStatistics``: success and failure counts, kept by Triton in C++ with no Python stub
-involved; polled every 0.05 s over the backend's gRPC channel), and sooner from the backend's answers (a refusal at
+involved; polled every 0.05 s over the backend's gRPC channel while router edits wait in front of its check or it is
+refusing, every second otherwise: ``AdmissionWatcher``), and sooner from the backend's answers (a refusal at
 the check answers at once; an answered request and every older one are past it). The same statistics give what the
 check costs per request (compute time per request over the recent mix of admitted and refused ones). One bound,
 ``wait_s`` (0.6 s), is the longest an edit may wait in front of a check — while the backend is refusing (it, or the
@@ -38,7 +39,8 @@ What can go wrong, and which way: the check may reach an edit within the last po
 and the router refuses one that then passes the check (the denoise loop drops it: wasted work, still one answer;
 counted as ``admitted`` in ``maskedit_router_admission_timeout_outcome_total``); decisions the backend counts that
 are not the router's (the health probe, other clients) mark the router's oldest waiting edits as past the check —
-at worst one is exempt from the backstop; a decision learnt from an answer that the count never shows (a request Triton rejected
+at worst one is exempt from the backstop (for the first edits sent to a backend polled at the idle pace, the decisions
+of up to one idle poll interval before them count so); a decision learnt from an answer that the count never shows (a request Triton rejected
 before pre-processing) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
 past the check; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running) is
 admitted as before and nothing on it expires. After the router itself was stopped (``stall``), its counts are as
@@ -282,13 +284,22 @@ def counts(resp, model: str = "preprocess") -> tuple[int, int] | None:
 
 
 class AdmissionWatcher:
-    """Polls every backend's ``preprocess`` statistics (asynchronously: a backend that does not answer delays no
-    other) and feeds them to its ``AdmissionGauge``."""
+    """Polls the backends' ``preprocess`` statistics (asynchronously: a backend that does not answer delays no
+    other) and feeds them to their ``AdmissionGauge``s: every ``interval_s`` a backend with router edits in front of
+    its check or one that is refusing, every ``idle_interval_s`` the others. The counts are read only while a
+    backend is refusing (``admits`` and ``expire`` return early otherwise), and a backend starts refusing by an
+    answer (its own refusal) or the router's decision, both seen at once; so an idle backend's counts serve only as
+    the base of its next busy spell, which the fast polls that spell brings keep current. (Every backend polled 20
+    times a second: a gRPC call and a thread start each, most of the router's idle third of a core at 32 backends by
+    an estimate from the code, and of the emulated instances' CPU; docs/router.md.)"""
 
-    def __init__(self, router, interval_s: float = 0.05, model: str = "preprocess", timeout_s: float = 1.0):
+    def __init__(self, router, interval_s: float = 0.05, model: str = "preprocess", timeout_s: float = 1.0,
+                 idle_interval_s: float = 1.0):
         self.r, self.interval, self.model, self.timeout = router, interval_s, model, timeout_s
+        self.idle_interval = max(interval_s, idle_interval_s)
         self._stop = threading.Event()
         self._inflight: dict[str, object] = {}  # backend address -> its statistics call in flight
+        self._polled_at: dict[str, float] = {}  # backend address -> monotonic time of its latest poll
         self._missing: set[str] = set()  # backends without the model (logged once)
         self.stall = StallDetector(interval_s, name="admission")
         self._thread = threading.Thread(target=self._run, daemon=True, name="router-admission")
@@ -307,13 +318,32 @@ class AdmissionWatcher:
                 return
             if stalled:
                 self.r.admission_resumed()
-            self.poll()
-            for b in list(self.r.backends.values()):
-                self.r.expire_admissions(b)
+                self._polled_at.clear()  # every gauge starts again from its next poll: the next tick, for all
+            self.tick(time.monotonic())
 
-    def poll(self) -> None:
+    def tick(self, now: float) -> None:
+        """Poll what is due, then refuse on time what waited too long in front of a check (``expire_admissions``:
+        also between answers, so a slow statistics call does not delay it). A backend with nothing of the router's
+        waiting in front of its check has nothing to expire."""
+        waiting, refusing = self.r.admission_activity(now)
+        busy = {b.addr for b in waiting} | {b.addr for b in refusing}
+        backends = list(self.r.backends.values())
+        if len(self._polled_at) > len(backends):  # backends removed since: forget them
+            self._polled_at = {b.addr: self._polled_at[b.addr] for b in backends if b.addr in self._polled_at}
+        idle = [b for b in backends if b.addr not in busy and
+                now - self._polled_at.get(b.addr, float("-inf")) >= self.idle_interval]
+        self.poll([*waiting, *refusing], now, pace="fast")
+        self.poll(idle, now, pace="idle")
+        for b in waiting:
+            self.r.expire_admissions(b)
+
+    def poll(self, backends=None, now: float | None = None, pace: str = "fast") -> None:
+        """Ask ``backends`` (default: every one) for their statistics; one still answering the last call is
+        skipped."""
+        now = time.monotonic() if now is None else now
         request = service_pb2.ModelStatisticsRequest(name=self.model)
-        for b in list(self.r.backends.values()):
+        asked = 0
+        for b in list(self.r.backends.values()) if backends is None else backends:
             if b.addr in self._inflight:
                 continue
             try:
@@ -321,8 +351,12 @@ class AdmissionWatcher:
             except Exception as e:  # a closed channel (the backend was removed): nothing to watch
                 log.debug("admission: cannot ask %s: %s", b.addr, e)
                 continue
-            self._inflight[b.addr] = call
+            self._inflight[b.addr], self._polled_at[b.addr] = call, now
+            asked += 1
             call.add_done_callback(lambda c, b=b: self._answered(b, c))
+        metrics = getattr(self.r, "metrics", None)
+        if asked and metrics is not None:
+            metrics.admission_polled(pace, asked)
 
     def _answered(self, backend, call) -> None:
         self._inflight.pop(backend.addr, None)

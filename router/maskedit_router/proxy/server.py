@@ -100,8 +100,10 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
             for a in addrs:
                 if a not in self.backends:
                     self.backends[a] = self._backend(a)
-            for a in [a for a in self.backends if a not in addrs]:
-                self.backends.pop(a).close()
+            removed = [self.backends.pop(a) for a in [a for a in self.backends if a not in addrs]]
+        for b in removed:  # its requests end now, retried on the others: closing its channel cancels their calls
+            self.backend_down(b, "removed from the backend set")
+            b.close()
 
     def _backend(self, addr: str) -> Backend:
         b = Backend(addr, admission=self.admission, key=self.backend_key)
@@ -166,8 +168,22 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         with self._lock:
             backend.admission.observe(decided, busy_ns, now)
             wait = backend.admission.predicted_wait_s()
+            waiting = backend.admission.undecided > 0
         self.metrics.admission(backend.addr, wait)
-        self.expire_admissions(backend, now)
+        if waiting:  # (nothing in front of its check: nothing to expire)
+            self.expire_admissions(backend, now)
+
+    def admission_activity(self, now: float) -> tuple[list[Backend], list[Backend]]:
+        """(backends with router edits not known to be past their admission check, the other backends that are
+        refusing): the ones ``AdmissionWatcher`` polls at its fast pace. One look at every gauge under the lock."""
+        waiting, refusing = [], []
+        with self._lock:
+            for b in self.backends.values():
+                if b.admission.undecided > 0:
+                    waiting.append(b)
+                elif b.admission.refusing(now):
+                    refusing.append(b)
+        return waiting, refusing
 
     def admission_resumed(self) -> None:
         """The router was stopped (``AdmissionWatcher``'s stall): every gauge counts again from its next poll."""
@@ -239,7 +255,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         t0, outcome, slot = time.monotonic(), "error", False
         stamp(request, time.time())  # received: the backends' bounds count from here (retries keep DEADLINE_MS)
         try:
-            f = routing_features(request, self.resolution)
+            with self.metrics.features_s.time():
+                f = routing_features(request, self.resolution)
             if self.fair is not None and f.runs_edit:
                 why = self.fair.wait(tenant)
                 if why is not None:

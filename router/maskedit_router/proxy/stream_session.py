@@ -75,12 +75,14 @@ class _StreamSession:
             self._maybe_finish()
 
     def submit(self, req, exclude=()) -> None:
+        """Route and forward ``req``, a request read from the client's stream. It is forwarded itself, not a copy (a
+        512² edit is ~0.4 MB): nothing else holds it, and only its id and parameters change, after the client's id
+        and EMPTY_FINAL are read; what is read of it later (DEADLINE_MS, the inputs) is never changed here."""
         client_id = req.id
         rid = f"{self.r._prefix}-{next(self.r._ids)}"
-        fwd = service_pb2.ModelInferRequest()
-        fwd.CopyFrom(req)
-        fwd.id = rid
         want_final = bool(req.parameters[EMPTY_FINAL].bool_param) if EMPTY_FINAL in req.parameters else False
+        fwd = req
+        fwd.id = rid
         fwd.parameters[EMPTY_FINAL].bool_param = True
         tag_request(fwd, self.tenant)  # the backends share their queues by it
         stamp(fwd, time.time())  # their bounds count from here
@@ -93,7 +95,8 @@ class _StreamSession:
             return
         p = _Pending(client_id, fwd, None, want_final, tenant=self.tenant, t0=time.monotonic(),
                      deadline=time.monotonic() + (self.r.retry_budget_s if own is None else own))
-        f = routing_features(req, self.r.resolution)
+        with self.r.metrics.features_s.time():
+            f = routing_features(req, self.r.resolution)
         p.temporal = f.temporal
         if self.r.fair is not None and f.runs_edit:
             with self.lock:
@@ -150,11 +153,22 @@ class _StreamSession:
     def _place(self, p: _Pending, rid: str, f: EditFeatures, exclude, room_only: bool = False) -> None:
         """Route ``p`` and send it on this session's stream to its backend (raises ``NoBackend``)."""
         p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid), room_only=room_only)
+        backend = p.ticket.backend
         with self.lock:
-            self.pending[rid] = p
-            bs = self.streams.get(p.ticket.backend.addr)
+            bs = self.streams.get(backend.addr)
             if bs is None or bs.broken:
-                bs = self.streams[p.ticket.backend.addr] = _BackendStream(self, p.ticket.backend)
+                try:
+                    bs = _BackendStream(self, backend)
+                except Exception as e:  # its channel closed (just removed from the set), no thread to be had
+                    bs = None
+                    why = e
+                else:
+                    self.streams[backend.addr] = bs
+            if bs is not None:
+                self.pending[rid] = p  # (before the send: its answer may come at once)
+        if bs is None:  # as if no backend were up: retried later or answered now (``_send``), never left pending
+            self.r.release(p.ticket, ok=False)
+            raise NoBackend(grpc.StatusCode.UNAVAILABLE, f"cannot open a stream to backend {backend.addr}: {why}")
         bs.send(p.request)
 
     def _elsewhere(self, p: _Pending, rid: str, backend: Backend, why: str = "refused") -> bool:
@@ -360,10 +374,15 @@ class _StreamSession:
 
 
 class _BackendStream:
+    """One stream to a backend for one client stream. However it ends, what of the session's was on it is answered:
+    an error status, a cancel the router did not ask for (its channel closed) or an end the backend chose while
+    requests were in flight all retry them elsewhere or fail them (``on_broken``); only the router's own ``cancel``
+    (the client went away, the backend was given up) and ``close`` (nothing of the session's was on it) do not."""
+
     def __init__(self, session: _StreamSession, backend: Backend):
         self.session, self.backend = session, backend
         self.q: queue.Queue = queue.Queue()
-        self.broken = self.closed = False
+        self.broken = self.closed = self.cancelled = False
         self.call = backend.stub.ModelStreamInfer(self._requests())
         threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
 
@@ -384,12 +403,16 @@ class _BackendStream:
                     self.session.on_response(self.backend, resp)
                 except Exception:  # one bad response must not stop the stream's other requests
                     log.exception("could not relay a response from %s", self.backend.addr)
+            why = "the backend ended the stream"
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED and not self.closed:  # closed: nothing of ours was on it
-                self.broken = True
-                self.session.on_broken(self.backend, e.code().name)
+            why = e.code().name
+        if self.cancelled or self.closed:  # the router's own doing: nothing of the session's waits on it
+            return
+        self.broken = True
+        self.session.on_broken(self.backend, why)
 
     def cancel(self) -> None:
+        self.cancelled = True
         self.q.put(None)
         self.call.cancel()
 

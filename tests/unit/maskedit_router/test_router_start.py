@@ -239,3 +239,9 @@ def test_a_failed_tls_handshake_is_one_line_and_a_count_never_a_traceback(fake, 
     assert counts == {'port="http"': 2.0, 'port="openai"': 2.0}
     ctx = ssl.create_default_context(cafile=str(cert))  # the control: a trusting client is served
     assert _status(f"https://localhost:{h}/health", context=ctx) in (200, 503)
+
+
+@pytest.mark.parametrize("flag", ["--admission-poll-s", "--admission-idle-poll-s"])
+def test_an_admission_poll_interval_of_zero_stops_the_start_naming_the_flag(flag):
+    with pytest.raises(ValueError, match=f"{flag}: must be > 0"):
+        start(parser().parse_args(["--backends", "127.0.0.1:1", flag, "0"]))

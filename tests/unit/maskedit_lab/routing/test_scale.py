@@ -1,5 +1,5 @@
 """The router-at-scale bench's own arithmetic: the time-compressed profile a router predicts with, the decision-time
-quantiles read from the router's histogram."""
+quantiles read from the router's histograms, the counts read from its counters."""
 
 import json
 
@@ -7,9 +7,10 @@ import pytest
 
 from maskedit_common.cost_model import CostModel
 from maskedit_lab import REPO_ROOT
-from maskedit_lab.routing.scale import histogram_quantile
+from maskedit_lab.routing.scale import POLLS, buckets, counted, histogram_quantile
 from maskedit_lab.routing.triton_emulator import scaled_profile
 from maskedit_router.placement.features import EditFeatures
+from maskedit_router.metrics import RouterMetrics
 from maskedit_router.placement.policies import Estimator
 
 PROFILE = REPO_ROOT / "perf_profiles" / "cost_model_bench-flux-fill.json"
@@ -62,7 +63,8 @@ def _row(direct, routed, idle=0.05):
 
     return overhead_row(32, "predicted", 25.0, direct, routed, idle_cpu_per_s=idle, decision_s=(2e-4, 1.8e-3),
                         fit={"scale": 1.0}, request_bytes=412345.6, order="DRRD", loadavg_before=(0.5, 0.4, 0.3),
-                        loadavg_after=(0.7, 0.5, 0.3), target_ms=5.0)
+                        loadavg_after=(0.7, 0.5, 0.3), target_ms=5.0, features_s=(7e-4, 2.4e-3), polls_per_s=40.04,
+                        idle_polls_per_s=1.96)
 
 
 def test_a_rungs_row_carries_both_paths_the_hop_and_every_processs_cpu():
@@ -80,6 +82,8 @@ def test_a_rungs_row_carries_both_paths_the_hop_and_every_processs_cpu():
     assert row["request_bytes"] == 412345 and row["segments"] == 2 and row["block_order"] == "DRRD"
     assert row["loadavg_before"] == [0.5, 0.4, 0.3] and row["loadavg_1m"] == 0.7
     assert row["decision_ms_p99"] == pytest.approx(1.8) and row["generator_kept_up"]
+    assert row["features_ms_p50"] == pytest.approx(0.7) and row["features_ms_p99"] == pytest.approx(2.4)
+    assert row["admission_polls_per_s"] == 40.0 and row["admission_polls_per_s_idle"] == 2.0
     json.dumps(row)  # plain JSON
 
 
@@ -159,3 +163,20 @@ def test_direct_streams_go_round_robin_over_the_instances_and_stay_open_across_b
         assert [s.error for s in items] == [None] * 6
         assert all(s.service_s is not None and s.done >= s.sent for s in items)
         assert [s.instance.split("@")[1] for s in items] == [addrs[i % 2] for i in range(6)]
+
+
+def test_the_router_s_features_histogram_and_poll_counts_are_read_from_its_metrics_text():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = RouterMetrics()
+    m.features_s.observe(0.0007)
+    m.decision("predicted", "a:1", 0.0002)
+    m.admission_polled("fast", 3)
+    m.admission_polled("idle", 2)
+    fams = list(text_string_to_metric_families(generate_latest(m.registry).decode()))
+    feat = buckets(fams, "maskedit_router_features_seconds")
+    assert feat[5e-4] == 0 and feat[1e-3] == 1 and feat[float("inf")] == 1
+    assert buckets(fams, "maskedit_router_decision_seconds", policy="predicted")[2.5e-4] == 1
+    assert buckets(fams, "maskedit_router_decision_seconds", policy="chwbl") == {}
+    assert counted(fams, POLLS) == 5

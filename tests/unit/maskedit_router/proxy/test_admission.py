@@ -462,3 +462,69 @@ def test_the_poll_tick_refuses_on_time_even_when_the_backend_s_counts_are_slow_t
         e.sent_at -= 1.0
     router.expire_admissions(a)  # no new counts: the tick alone refuses the one behind the check
     assert session.out.get_nowait().infer_response.id == "c-1" and session.out.empty()
+
+
+# -- the watcher's pace: fast only where the counts can matter soon -----------------------------------
+class _CountingStub:
+    def __init__(self):
+        self.calls = 0
+        self.ModelStatistics = SimpleNamespace(future=self._future)
+
+    def _future(self, req, timeout):
+        self.calls += 1
+        resp = service_pb2.ModelStatisticsResponse()
+        resp.model_stats.add(name="preprocess", version="1")
+        return _Call(resp)
+
+
+def _paced(router, idle_interval_s=1.0):
+    stubs = {}
+    for addr, b in router.backends.items():
+        b.admission.refused_at = float("-inf")  # neither refuses
+        b.stub = stubs[addr] = _CountingStub()
+    return AdmissionWatcher(router, interval_s=0.05, idle_interval_s=idle_interval_s), stubs
+
+
+def test_the_watcher_polls_an_idle_backend_at_the_idle_pace_and_one_with_edits_waiting_at_every_tick(router):
+    w, stubs = _paced(router)
+    w.tick(100.0)  # never polled: both now
+    assert {a: s.calls for a, s in stubs.items()} == {"a:1": 1, "b:2": 1}
+    for i in range(1, 20):  # 0.95 s of ticks with nothing of the router's on either: neither asked again
+        w.tick(100.0 + 0.05 * i)
+    assert {a: s.calls for a, s in stubs.items()} == {"a:1": 1, "b:2": 1}
+    _fill(router, "a:1", 1)  # an edit waits in front of a's check: a at every tick
+    for i in range(20, 25):
+        w.tick(100.0 + 0.05 * i)
+    assert stubs["a:1"].calls == 6 and stubs["b:2"].calls == 2  # b: once more, a second after its last poll
+    pace = router.metrics.admission_polls
+    assert pace.labels("fast")._value.get() == 5 and pace.labels("idle")._value.get() == 3
+
+
+def test_a_refusing_backend_is_polled_at_every_tick_with_nothing_of_the_router_s_waiting(router):
+    w, stubs = _paced(router)
+    w.tick(100.0)
+    router.backends["b:2"].admission.backend_refused(100.01)  # its own refusal, seen in an answer
+    for i in range(1, 5):
+        w.tick(100.0 + 0.05 * i)
+    assert stubs["b:2"].calls == 5 and stubs["a:1"].calls == 1
+
+
+def test_the_tick_expires_only_where_edits_wait(router, monkeypatch):
+    w, _ = _paced(router)
+    _fill(router, "a:1", 2)
+    expired = []
+    monkeypatch.setattr(router, "expire_admissions", lambda b, now=None: expired.append(b.addr))
+    w.tick(100.0)  # (after a's poll answer, and at the tick)
+    assert expired == ["a:1", "a:1"]
+
+
+def test_after_a_stall_every_backend_is_polled_at_the_next_tick(router, monkeypatch):
+    w, stubs = _paced(router)
+    w.tick(100.0)
+    w.tick(100.05)
+    assert stubs["a:1"].calls == 1
+    monkeypatch.setattr(w.stall, "wait", lambda stop: (w._stop.is_set(), 30.0))
+    monkeypatch.setattr(w, "tick", lambda now: (AdmissionWatcher.tick(w, 100.1), w._stop.set()))
+    w._run()
+    assert {a: s.calls for a, s in stubs.items()} == {"a:1": 2, "b:2": 2}
+    assert all(b.admission.decided is not None for b in router.backends.values())  # counting again

@@ -81,21 +81,12 @@ def _response(rid, info, final):
 
 
 @pytest.fixture
-def endpoint():
-    servers = []
-
+def endpoint(serve):
     def start(script):
-        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         fake = _Flaky(script)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(fake, srv)
-        port = srv.add_insecure_port("127.0.0.1:0")
-        srv.start()
-        servers.append(srv)
-        return fake, f"127.0.0.1:{port}"
+        return fake, serve(fake)
 
-    yield start
-    for s in servers:
-        s.stop(0)
+    return start
 
 
 def test_a_stream_broken_before_any_response_is_retried_on_a_new_stream(endpoint):
