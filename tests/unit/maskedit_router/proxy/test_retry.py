@@ -35,10 +35,13 @@ def test_backoff_grows_exponentially_with_jitter_up_to_its_cap_and_stops_at_the_
 
 
 def test_the_timer_runs_calls_in_due_order_on_one_thread():
-    t, out, done = Timer(), [], threading.Event()
-    t.call_later(0.05, lambda: (out.append("b"), done.set()))
-    t.call_later(0.0, lambda: out.append("a"))
-    assert done.wait(2) and out == ["a", "b"]
+    # b is due 0.5 s after it is scheduled, a at once: only a preemption of the test of over 0.5 s between the two
+    # calls would make b due first (0.05 s was once exceeded at load 8)
+    t, out, threads, done = Timer(), [], set(), threading.Event()
+    t.call_later(0.5, lambda: (out.append("b"), threads.add(threading.get_ident()), done.set()))
+    t.call_later(0.0, lambda: (out.append("a"), threads.add(threading.get_ident())))
+    assert done.wait(5) and out == ["a", "b"]
+    assert len(threads) == 1 and threading.get_ident() not in threads
 
 
 class _Flaky(service_pb2_grpc.GRPCInferenceServiceServicer):

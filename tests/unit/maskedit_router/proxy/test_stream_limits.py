@@ -134,7 +134,7 @@ def test_idle_streams_beyond_the_old_thread_pool_do_not_starve_a_new_request(rou
     assert router["backend"].got.get(timeout=5)  # routed to the backend
     router["backend"].release.set()
     assert next(responses).infer_response.id == "mine"
-    assert time.monotonic() - t0 < 8.0  # the starved request waited 20 s; a busy host needs some slack
+    assert time.monotonic() - t0 < 15.0  # the starved request waited 20 s; a host at load 8 needs slack
     c = router["connect"]()
     more = [_stream(c) for _ in range(9)]  # 150 open: the limit
     assert _wait(lambda: router["router"].metrics.streams_open.labels("router")._value.get() == 150)
@@ -143,7 +143,7 @@ def test_idle_streams_beyond_the_old_thread_pool_do_not_starve_a_new_request(rou
     with pytest.raises(grpc.RpcError) as e:
         next(refused)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams 150" in e.value.details()
-    assert time.monotonic() - t0 < 5.0  # refused, not left open (an uncapped stream would wait for its request)
+    assert time.monotonic() - t0 < 15.0  # refused, not left open (an uncapped one would wait out its 30 s timeout)
     for q_, _ in idle + more:
         q_.put(None)
 
@@ -169,15 +169,15 @@ def test_a_connection_over_its_limit_is_refused_while_others_are_served(router):
 @pytest.mark.parametrize("router", [1.0], indirect=True)  # idle timeout
 def test_an_idle_stream_is_ended_but_one_with_a_request_in_flight_is_not(router):
     stub = router["connect"]()
+    t0 = time.monotonic()  # before the idle stream exists: its timer cannot start earlier, however late the rest is
     _, idle = _stream(stub)
     busy_q, busy = _stream(stub)
     busy_q.put(_request("slow"))
-    assert router["backend"].got.get(timeout=5)
-    t0 = time.monotonic()
+    assert router["backend"].got.get(timeout=10)
     with pytest.raises(grpc.RpcError) as e:
         next(idle)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stream_idle_timeout_s" in e.value.details()
-    assert 0.8 < time.monotonic() - t0 < 5.0  # at the 1 s idle timeout, not before (a busy host may be late)
+    assert 0.8 < time.monotonic() - t0 < 10.0  # at the 1 s idle timeout, not before (a busy host may be late)
     time.sleep(1.5)  # the busy one outlives the idle timeout while its request is in flight
     router["backend"].release.set()
     assert next(busy).infer_response.id == "slow"
