@@ -41,6 +41,9 @@ from .proxy.health import HealthChecker
 from .proxy.server import Router
 
 PROFILED_MODEL = "bench-flux-fill"  # the model whose CPU profile is shipped: the last resort
+# The fair queue's refusal text when no backend is up: its slots are then held by requests sitting out the router's
+# retry budget, so "a busy queue" alone would point the caller at the wrong cause.
+NO_BACKEND_HOLDS_SLOTS = "no backend is healthy: the slots are held by requests waiting for one"
 
 
 def default_profile() -> Path:
@@ -304,7 +307,8 @@ def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter
     keyring.metrics = router.metrics
     if args.fair_share_slots > 0:
         router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),
-                                args.fair_queue_wait_s, fair=not args.fifo_queue, on_wait=router.metrics.queue_wait)
+                                args.fair_queue_wait_s, fair=not args.fifo_queue, on_wait=router.metrics.queue_wait,
+                                why_busy=lambda: "" if router.available() else NO_BACKEND_HOLDS_SLOTS)
     server, port, httpd = serve(router, args.port, args.http_port, args.host, limits, keyring, tls)
     keyring.start()
     log.info(keyring.describe())  # never the keys; without a key file: the one line saying it is open

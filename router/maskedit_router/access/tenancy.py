@@ -149,11 +149,14 @@ class Waiter:
 class FairQueue:
     """``request(tenant, grant, refuse)``: ``grant()`` runs when the request may go to a backend (at once, on the
     caller's thread, when a slot is free and nobody waits), ``refuse(message)`` when it waited ``max_wait_s``;
-    every granted request is ``release``d exactly once. ``slots`` may be a callable (e.g. per healthy backend)."""
+    every granted request is ``release``d exactly once. ``slots`` may be a callable (e.g. per healthy backend).
+    ``why_busy()``: why the slots are held, when there is more to say than a busy cluster (no backend up), for the
+    refusal's text."""
 
     def __init__(self, slots, max_wait_s: float = 5.0, fair: bool = True,
-                 clock: Callable[[], float] = time.monotonic, on_wait=None):
+                 clock: Callable[[], float] = time.monotonic, on_wait=None, why_busy: Callable[[], str] | None = None):
         self._slots = slots if callable(slots) else (lambda: slots)
+        self.why_busy = why_busy
         self.max_wait_s, self.fair, self.clock = max_wait_s, fair, clock
         self.on_wait = on_wait  # on_wait(tenant, seconds, granted): metrics
         self.busy = 0
@@ -246,11 +249,13 @@ class FairQueue:
             if due:
                 self._heap = [w for w in self._heap if not w.done]
                 heapq.heapify(self._heap)
+        why = (self.why_busy() if self.why_busy and due else "") or ""
         for w in due:
             if self.on_wait:
                 self.on_wait(w.tenant, now - w.t0, False)
             w.refuse(f"RESOURCE_EXHAUSTED: waited {now - w.t0:.2f} s in the router's fair queue (tenant "
-                     f"{w.tenant.name}, {self.busy} of {self.slots} backend slots busy); retry after 1 s")
+                     f"{w.tenant.name}, {self.busy} of {self.slots} backend slots busy{'; ' + why if why else ''}); "
+                     f"retry after 1 s")
         return len(due)
 
     def _expire_loop(self) -> None:

@@ -49,6 +49,16 @@ class _Pending:
     temporal: object = None  # its TEMPORAL policy: the estimator learns its computed fraction from its EDIT_INFO
 
 
+@dataclass
+class _Held:
+    """What relaying one response had done when it failed: the request it had taken off the pending set, and
+    whether its ticket was released."""
+
+    p: _Pending | None = None
+    released: bool = False
+    relayed: bool = False  # its client has its final answer already: the books are closed, no second answer
+
+
 class _StreamSession:
     """One client stream: its backend streams, its in-flight requests, its output queue."""
 
@@ -215,6 +225,38 @@ class _StreamSession:
         self._send(p, rid, f, exclude=())  # after a wait, any backend back in rotation may take it
 
     def on_response(self, backend: Backend, resp) -> None:
+        """Relay one backend response. Should relaying it fail (a bug, a response the router cannot read), its
+        request is answered with an error naming the router, not left waiting (``_relay_failed``)."""
+        held = _Held()
+        try:
+            self._on_response(backend, resp, held)
+        except Exception:
+            self._relay_failed(backend, resp, held)
+            raise
+
+    def _relay_failed(self, backend: Backend, resp, held: "_Held") -> None:
+        """``resp`` could not be relayed: its request (already taken off the pending set, or still on it for this
+        backend) ends with an INTERNAL error; never retried, as the backend may have run it."""
+        p = held.p
+        with self.lock:
+            if p is None:
+                rid = resp.infer_response.id
+                p = self._waiting_on(backend, rid, take=True) if rid else None
+            elif any(q is p for q in self.pending.values()):  # it was sent to another backend: that one answers
+                return
+        if p is None or p.ended:
+            return
+        try:
+            if not held.released:
+                self.r.release(p.ticket, ok=False)
+        finally:
+            if not held.relayed:
+                self.out.put(_error(p.client_id, "INTERNAL: the router could not relay the backend's response"))
+            self._end(p, "error")
+            self._retire(backend)
+            self._maybe_finish()
+
+    def _on_response(self, backend: Backend, resp, held: "_Held") -> None:
         if resp.error_message:  # Triton's own queue refusals read as the refusals they are
             resp.error_message = as_refusal(resp.error_message)
         rid = resp.infer_response.id
@@ -235,10 +277,11 @@ class _StreamSession:
         backend.last_answer = time.monotonic()  # it answers: alive, whatever this response is
         if p is None:
             return
+        held.p = p if (final or error) else None  # a progress response's request stays pending: found there
         released = False
         if error and not p.responded and REFUSED in resp.error_message:
             self.r.release(p.ticket, ok=False)
-            released = True
+            released = held.released = True
             if self._elsewhere(p, rid, backend):  # its refusal is not relayed: another backend has it now
                 self._retire(backend)
                 return
@@ -249,9 +292,11 @@ class _StreamSession:
         if not empty_final or p.want_final:
             self.out.put(resp)
             p.responded = True
+            held.relayed = final or error
         if final or error:
             if not released:
                 info = edit_info(resp.infer_response) if p.temporal is not None and not error else None
+                held.released = True  # once: a failure inside release must not release it again
                 self.r.release(p.ticket, ok=not error, info=info, temporal=p.temporal)
             self._end(p, "error" if error else "ok")
             self._retire(backend)
@@ -401,7 +446,7 @@ class _BackendStream:
             for resp in self.call:
                 try:
                     self.session.on_response(self.backend, resp)
-                except Exception:  # one bad response must not stop the stream's other requests
+                except Exception:  # one bad response must not stop the stream's other requests (its own is answered)
                     log.exception("could not relay a response from %s", self.backend.addr)
             why = "the backend ended the stream"
         except grpc.RpcError as e:

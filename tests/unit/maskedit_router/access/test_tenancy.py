@@ -206,3 +206,25 @@ def test_what_the_router_forwards_names_the_keys_tenant_and_weight_over_the_clie
     open_mode = service_pb2.ModelInferRequest()
     tag_request(open_mode, ANONYMOUS)  # no key file: nothing known of the caller, nothing added
     assert not open_mode.parameters
+
+
+def test_a_refusal_says_when_the_slots_are_held_because_no_backend_is_up():
+    """With every backend down, the slot holders wait out the router's retry budget and everyone else is refused by
+    the fair queue: the refusal names the real cause, not only a busy queue."""
+    from maskedit_router.__main__ import NO_BACKEND_HOLDS_SLOTS
+
+    up = [True]
+    q = FairQueue(slots=1, max_wait_s=0.05, why_busy=lambda: "" if up[0] else NO_BACKEND_HOLDS_SLOTS)
+    got = []
+    q.request(ANONYMOUS, lambda: got.append("granted"), got.append)
+    for state in (True, False):
+        up[0] = state
+        n = len(got)
+        q.request(ANONYMOUS, lambda: got.append("late grant"), got.append)
+        deadline = time.monotonic() + 5
+        while len(got) == n and time.monotonic() < deadline:
+            time.sleep(0.01)
+    q.stop()
+    busy, down = got[1], got[2]
+    assert busy.startswith("RESOURCE_EXHAUSTED: waited") and "no backend is healthy" not in busy
+    assert "1 of 1 backend slots busy; no backend is healthy" in down and down.endswith("retry after 1 s")

@@ -91,3 +91,49 @@ def test_a_stream_ended_by_no_one_the_router_asked_answers_what_was_on_it(serve,
     assert out.infer_response.id == "mine" and out.error_message.startswith("UNAVAILABLE")
     assert not session.pending
     router.backends[addr].close()
+
+
+@pytest.mark.parametrize("fails_in", ["release", "answered", "release_after_relay"])
+def test_a_response_the_router_cannot_relay_still_answers_its_request(monkeypatch, fails_in):
+    """Relaying the final response raises: after the request was taken off the pending set (in the ticket's release)
+    or before (in the router's books). Either way its client gets an error naming the router, and the session ends;
+    the ticket is released once. The old code logged the exception and left the request unanswered. Where the final
+    answer had reached the client before the failure (it asked for the empty final response), it gets no second."""
+    from .test_server_faults import _response
+
+    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(_Stream, "sent", [])
+    router = _router(["a:1"], admission_wait_s=0)
+    session = _session(router, monkeypatch)
+    req = service_pb2.ModelInferRequest(model_name="edit", id="mine")
+    if fails_in == "release_after_relay":
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+    session.submit(req)
+    session.reading = False  # the client half-closed: the session ends once nothing is pending
+    (addr, rid), = _Stream.sent
+    backend = router.backends[addr]
+    releases = []
+    real_release = router.release
+
+    def release(t, ok, **kw):
+        releases.append(ok)
+        if fails_in.startswith("release") and len(releases) == 1:
+            raise RuntimeError("boom")
+        real_release(t, ok, **kw)
+
+    def answered(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(router, "release", release)
+    if fails_in == "answered":
+        monkeypatch.setattr(router, "answered", answered)
+    with pytest.raises(RuntimeError):
+        session.on_response(backend, _response(rid, final=True))
+    out = session.out.get_nowait()
+    if fails_in == "release_after_relay":
+        assert out.infer_response.id == "mine" and not out.error_message  # its own final answer, once
+    else:
+        assert out.infer_response.id == "mine" and out.error_message.startswith("INTERNAL: the router could not")
+    assert session.out.get_nowait() is None  # the session ended
+    assert not session.pending and len(releases) == 1
+    backend.close()
