@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -145,15 +144,6 @@ def cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-def own_cpu_seconds() -> float:
-    """This process's CPU so far: the load generator's (its event loop and grpc's threads); psutil where installed,
-    else the standard library's equivalent."""
-    try:
-        return cpu_seconds(os.getpid())
-    except ImportError:
-        return time.process_time()
-
-
 def switch_interval_env(ms: float, out: Path) -> dict[str, str]:
     """The environment for a router process whose GIL switch interval is ``ms`` (Python's default: 5 ms): a
     ``sitecustomize`` on its PYTHONPATH only, so the emulator and the load generator keep theirs. A diagnostic for
@@ -194,11 +184,11 @@ def counted(families: list, name: str) -> float:
     return sum(s.value for fam in families if fam.name == name for s in fam.samples if s.name.endswith("_total"))
 
 
-def router_fit(http_port: int) -> dict:
-    """The router's online fit of the cost model (``predicted``): its scale (1: the profile holds) and whether it
-    has fallen back to least masked tokens (stale)."""
+def router_fit(families: list) -> dict:
+    """The router's online fit of the cost model (``predicted``), from its scraped metrics: its scale (1: the
+    profile holds) and whether it has fallen back to least masked tokens (stale)."""
     return {fam.name.removeprefix("maskedit_router_model_"): round(fam.samples[0].value, 3)
-            for fam in scrape(http_port) if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale")}
+            for fam in families if fam.name in ("maskedit_router_model_scale", "maskedit_router_model_stale")}
 
 
 def histogram_quantile(before: dict, after: dict, q: float) -> float | None:
@@ -223,6 +213,10 @@ def quantiles(before: list, after: list, name: str, **labels) -> tuple:
     """P50 and P99 (seconds) of histogram ``name``'s observations between two scrapes."""
     h0, h1 = buckets(before, name, **labels), buckets(after, name, **labels)
     return tuple(histogram_quantile(h0, h1, q) for q in (0.5, 0.99))
+
+
+def _ms(seconds: float | None, nd: int = 4) -> float | None:
+    return rounded(None if seconds is None else seconds * 1000, nd)
 
 
 # -- the requests -------------------------------------------------------------------------------------------
@@ -431,10 +425,8 @@ def overhead_row(instances: int, policy: str, rate: float, direct: Block, routed
            "direct_error_kinds": _kinds(direct.items),
            "achieved_rps": round(len(ok) / routed.wall_s, 2) if routed.wall_s > 0 else None,
            **latency_fields(added_ms(direct.items), added_ms(routed.items)),
-           "decision_ms_p50": rounded(decision_s[0] * 1000 if decision_s[0] is not None else None, 4),
-           "decision_ms_p99": rounded(decision_s[1] * 1000 if decision_s[1] is not None else None, 4),
-           "features_ms_p50": rounded(features_s[0] * 1000 if features_s[0] is not None else None, 4),
-           "features_ms_p99": rounded(features_s[1] * 1000 if features_s[1] is not None else None, 4),
+           "decision_ms_p50": _ms(decision_s[0]), "decision_ms_p99": _ms(decision_s[1]),
+           "features_ms_p50": _ms(features_s[0]), "features_ms_p99": _ms(features_s[1]),
            "admission_polls_per_s_idle": rounded(idle_polls_per_s, 1),
            "admission_polls_per_s": rounded(polls_per_s, 1),
            "router_cpu_ms_per_request_gross": routed.ms_per_request("router", len(ok)),
@@ -460,7 +452,7 @@ def overhead_row(instances: int, policy: str, rate: float, direct: Block, routed
 
 def _cpu_now(pids: dict[str, int]) -> dict[str, float]:
     return {"router": cpu_seconds(pids["router"]), "emulator": cpu_seconds(pids["emulator"]),
-            "loadgen": own_cpu_seconds()}
+            "loadgen": cpu_seconds(os.getpid())}  # this load generator: its event loop and grpc's threads
 
 
 async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: int, pids: dict[str, int],
@@ -537,7 +529,7 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
                                features_s=quantiles(m0, m1, "maskedit_router_features_seconds"),
                                polls_per_s=(counted(m1, POLLS) - counted(m0, POLLS)) / max(1e-9, t1 - t0),
                                idle_polls_per_s=idle_polls_per_s,
-                               fit=router_fit(http_port), request_bytes=size, order=order, loadavg_before=load0,
+                               fit=router_fit(m1), request_bytes=size, order=order, loadavg_before=load0,
                                loadavg_after=os.getloadavg(), target_ms=added_p99_ms)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -596,7 +588,7 @@ def compare(workers: int, loads: list[float], policies: list[str], n: int, out: 
                     c0, e0 = cpu_seconds(router.pid), cpu_seconds(emu.pid)
                     wall = asyncio.run(drive(url, items, streams, wait_s=600 * time_scale + 60))
                     cpu, emu_cpu = cpu_seconds(router.pid) - c0, cpu_seconds(emu.pid) - e0
-                    fit = router_fit(http_port)
+                    fit = router_fit(scrape(http_port))
             ok = [s for s in items if s.error is None]
             lat = np.array([(s.done - s.sent) / time_scale for s in ok])
             # what the router and the wire added in this run (wall ms; x 1/time_scale in the trace's time)
@@ -753,7 +745,7 @@ def meta(args, argv: list[str], profile: Path, resolution: int, payloads) -> dic
             "router": "python -m maskedit_router (its own process), defaults unless router_args",
             "router_args": args.router_args, "router_switch_interval_ms": args.router_switch_interval_ms,
             "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
-            "loadgen_cpu": "psutil" if importlib.util.find_spec("psutil") else "time.process_time",
+            "loadgen_cpu": "psutil",
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
 

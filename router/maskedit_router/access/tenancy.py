@@ -249,7 +249,7 @@ class FairQueue:
             if due:
                 self._heap = [w for w in self._heap if not w.done]
                 heapq.heapify(self._heap)
-        why = (self.why_busy() if self.why_busy and due else "") or ""
+        why = self.why_busy() if self.why_busy and due else ""
         for w in due:
             if self.on_wait:
                 self.on_wait(w.tenant, now - w.t0, False)
