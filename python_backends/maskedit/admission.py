@@ -4,7 +4,7 @@ could not be answered within its bound.
 The denoise loop refuses a request when its queue is full, but only after pre-processing (image decoding, the
 VAE and text encoders) has been spent on it. When requests arrive faster than they can be served, they also wait
 in Triton's queue in front of pre-processing, so a refusal could come seconds after the request was sent. The
-denoise process publishes its queue length in a 16-byte shared-memory file per server (named after the
+denoise process publishes its queue length in a small shared-memory file per server (named after the
 ``tritonserver`` pid, the parent of the stubs); intake (the ensemble's first step, ``maskedit.intake``) reads it (a
 memory load) on arrival, and pre-processing again before any work, and they refuse with RESOURCE_EXHAUSTED while the
 queue is full. The board also counts what waits in front of pre-processing (intake's passes less pre-processing's
