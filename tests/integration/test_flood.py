@@ -19,13 +19,11 @@ refusals before any work came 0.49 s apart and the last were answered late (docs
 
 import json
 import queue
-import statistics
 import time
-
-import pytest
 
 from maskedit import samples
 from maskedit_client import EditClient, EditError
+from maskedit_lab.reliability.pacing import refusal_flood
 
 STEPS = 20
 
@@ -102,34 +100,17 @@ def test_a_flood_at_one_server_is_answered_or_refused_within_its_bound_none_lost
 
 
 def test_refusals_before_any_work_are_not_paced(server, template_img, box_mask):
-    """24 requests at once on one stream, each with a 1 ms DEADLINE_MS: every one is refused before any work, at
-    intake (16 already waiting) or by the time bound when pre-processing reaches it, and the refusals come back to
-    back. Under Triton's queue policy on ``preprocess`` (before intake) its batcher handed pre-processing a request
-    every 0.5 s when nothing woke it: ~0.49 s between consecutive refusals, the last ~7 s after sending."""
-    with EditClient(server.grpc_url, retry=False, timeout_s=120) as c:
-        with pytest.raises(EditError):  # connected (and the request path warm): the timing starts with the flood
-            c.edit(template_img, box_mask, "a hat", seed=0, steps=2, deadline_ms=1)
-        done, sent, futs = {}, {}, []
-        for i in range(24):
-            sent[i] = time.monotonic()
-            f = c.submit(template_img, box_mask, "a hat", seed=i, steps=2, deadline_ms=1)
-            f.add_done_callback(lambda _, i=i: done.__setitem__(i, time.monotonic()))
-            futs.append(f)
-        texts = []
-        for f in futs:
-            with pytest.raises(EditError) as e:
-                f.result(timeout=120)
-            texts.append((e.value.code, str(e.value)))
-        for i in range(24):
-            _took(done, i)  # its done callback has run
-    assert all(code in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED") for code, _ in texts), texts
-    assert all("before any work" in t for _, t in texts), texts
-    answers = sorted(done.values())
-    gaps = [b - a for a, b in zip(answers, answers[1:])]
-    after = [done[i] - sent[i] for i in range(24)]
-    summary = f"gaps {[round(g, 3) for g in gaps]}; answered after {[round(a, 3) for a in after]}; {texts[:2]}"
-    assert max(gaps) < 0.2 and statistics.median(gaps) < 0.05, summary
-    assert max(after) < 1.5, summary
+    """One edit keeps pre-processing busy, then 24 requests arrive at once on the same stream, each with a 1 ms
+    DEADLINE_MS: every one is refused before any work, at intake (16 already waiting) or by the time bound when
+    pre-processing reaches it, and pre-processing's refusals come back to back. Under Triton's queue policy on
+    ``preprocess`` (before intake) its batcher handed pre-processing a request ~0.5 s after the last when nothing
+    woke it: some consecutive refusals ~0.5 s apart, the last seconds after sending; this test failed on it
+    (``maskedit_lab.reliability.pacing`` renders that repository beside this one and measures both)."""
+    got = refusal_flood(server.grpc_url, 24, template_img, box_mask)
+    assert set(got["codes"]) <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"} and got["all_before_any_work"], got
+    assert got["at_pre_processing"] >= 8, got  # at most 16 refused on arrival
+    assert got["gap_max_s"] < 0.2 and got["gap_median_s"] < 0.05, got
+    assert got["last_after_s"] < 1.5, got
 
 
 def test_unstamped_waits_are_never_under_counted(server, template_img, box_mask):
