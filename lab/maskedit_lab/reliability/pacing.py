@@ -103,6 +103,9 @@ def refusal_flood(url: str, n: int, template, mask) -> dict:
     gaps = [b - a for a, b in zip(at_pre, at_pre[1:])] or [0.0]
     return {"n": n, "gap_median_s": round(statistics.median(gaps), 4), "gap_max_s": round(max(gaps), 4),
             "at_pre_processing": len(at_pre),
+            # M3: the excess refused on arrival, from its send
+            "on_arrival_max_after_s": round(max((done[i] - sent[i] for i in done if sources[i] in ON_ARRIVAL),
+                                                default=0.0), 4),
             "last_after_s": round(max(done[i] - sent[i] for i in done), 3) if done else None,
             "codes": {k: [c for c, _ in texts].count(k) for k in sorted({c for c, _ in texts})},
             "sources": {k: sources.count(k) for k in sorted(set(sources))},
@@ -138,6 +141,23 @@ def latency(url: str, edits: int, steps: int, template, mask) -> dict:
         got = [c.edit(template, mask, "a hat", seed=s, steps=steps).latency_s for s in range(edits + 1)][1:]
     return {"edits": edits, "p50_s": round(float(np.percentile(got, 50)), 4),
             "p99_s": round(float(np.percentile(got, 99)), 4)}
+
+
+def model_cost(url: str, model: str) -> dict | None:
+    """M3: Triton's own statistics of ``model`` (C++, no stub involved): compute and queue time per execution, ms
+    (None: no such model)."""
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        stats = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    except Exception:
+        return None
+    finally:
+        c.close()
+    n = int(stats.get("execution_count", 0))
+    per = lambda key: round(int(stats["inference_stats"][key].get("ns", 0)) / n / 1e6, 3) if n else None  # noqa: E731
+    return {"executions": n, "compute_infer_ms": per("compute_infer"), "queue_ms": per("queue")}
 
 
 def summarize(runs: dict) -> dict:
@@ -223,6 +243,7 @@ def run(runs: int, floods: list[int], flood_n: int, steps: int, latency_edits: i
                 for s in order:
                     rows[s]["latency"] = latency(servers[s].grpc_url, latency_edits, steps, template, mask)
             for s in SYSTEMS:
+                rows[s]["intake"] = model_cost(servers[s].grpc_url, "intake")  # cumulative since the start
                 out[s].append(rows[s])
     return out
 
