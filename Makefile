@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload soak bench-tenants device-dry-run clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -125,6 +125,10 @@ faults: model
 
 overload: model
 	$(PY) -m maskedit_lab.reliability.overload $(ARGS)
+
+# Pre-processing's pacing in a flood with Triton's queue policy (old) and with intake (new), side by side.
+pacing: model
+	$(PY) -m maskedit_lab.reliability.pacing $(ARGS)
 
 soak: model
 	$(PY) -m maskedit_lab.reliability.soak $(ARGS)

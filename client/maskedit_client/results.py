@@ -18,8 +18,9 @@ _TRITON_INVALID = re.compile(r"data-type is|expects|unexpected shape|missing req
                              r"|expected number of inputs|shape")
 _TRITON_FIELD = re.compile(r"(?:input '|input\(s\) \[')([A-Za-z0-9_]+)'")
 _RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
-# Triton's own refusals in front of the first model (its queue policy: full, or waited too long), which carry no
-# status name: the server is full, as a RESOURCE_EXHAUSTED refusal says (maskedit_common.triton_refusals)
+# Triton's own refusals in front of a model with a queue policy (full, or waited too long; servers of an older
+# repository: ours now refuses at its intake, with the status name), which carry no status name: the server is full,
+# as a RESOURCE_EXHAUSTED refusal says (maskedit_common.triton_refusals)
 _TRITON_QUEUE = re.compile(r"Exceeds maximum queue size|Request timeout expired")
 
 

@@ -1,7 +1,8 @@
-"""Triton's own refusals of a request no model has started: the queue policy in front of the ensemble's first step
-(``maskedit.repository.PREPROCESS_QUEUE``) answers "Exceeds maximum queue size" at once when its queue is full, and
-"Request timeout expired" for a request that waited its timeout there, both with Triton's UNAVAILABLE code (2.51
-has no RESOURCE_EXHAUSTED for them) and no status name in the text. They are refusals, like the denoise queue's: an
+"""Triton's own refusals of a request no model has started: a queue policy in front of a model answers "Exceeds
+maximum queue size" at once when its queue is full, and "Request timeout expired" for a request that waited its
+timeout there, both with Triton's UNAVAILABLE code (2.51 has no RESOURCE_EXHAUSTED for them) and no status name in
+the text. Our repository no longer carries a policy (``maskedit.intake`` holds that bound, and its refusal starts
+with RESOURCE_EXHAUSTED): these come from servers of an older repository, or a config that adds one. They are refusals, like the denoise queue's: an
 answer that the service is full, not a broken backend. ``as_refusal`` puts the status name in front, so the router
 (its admission, its breaker, its health probe) and every client read them as RESOURCE_EXHAUSTED."""
 

@@ -1,12 +1,14 @@
-"""Early admission: pre-processing refuses a request at once while the denoise queue is full, or when it could not
-be answered within its bound.
+"""Early admission: intake and pre-processing refuse a request at once while the denoise queue is full, or when it
+could not be answered within its bound.
 
 The denoise loop refuses a request when its queue is full, but only after pre-processing (image decoding, the
 VAE and text encoders) has been spent on it. When requests arrive faster than they can be served, they also wait
 in Triton's queue in front of pre-processing, so a refusal could come seconds after the request was sent. The
-denoise process publishes its queue length in a 16-byte shared-memory file per server (named after the
-``tritonserver`` pid, the parent of both stubs); pre-processing reads it (a memory load) before any work and
-refuses with RESOURCE_EXHAUSTED while the queue is full, which also keeps its own queue short.
+denoise process publishes its queue length in a small shared-memory file per server (named after the
+``tritonserver`` pid, the parent of the stubs); intake (the ensemble's first step, ``maskedit.intake``) reads it (a
+memory load) on arrival, and pre-processing again before any work, and they refuse with RESOURCE_EXHAUSTED while the
+queue is full. The board also counts what waits in front of pre-processing (intake's passes less pre-processing's
+starts), which intake keeps to ``maskedit.repository.PREPROCESS_WAITING``.
 
 With tenants (``maskedit.fair_share``) a full queue still takes a request whose tenant holds less than the
 heaviest tenant's share (it displaces that tenant's newest), so the board also carries the weighted share of the
@@ -51,7 +53,12 @@ _HEAD = struct.Struct("<dddqq")
 _DECODE = _SEQ + 8 + _HEAD.size
 _JOBS, JOBS = _DECODE + 8, 256
 _JOB = struct.Struct("<qqd")
-_SIZE = _JOBS + _JOB.size * JOBS
+# what waits in front of pre-processing (``maskedit.intake``): requests intake passed on and those it wrote off as
+# lost (intake writes), requests from intake that pre-processing started and since when it has been idle (0: busy;
+# pre-processing writes). Appended: an older, shorter board grows through ``ftruncate``
+_INTAKE_PASSED = _JOBS + _JOB.size * JOBS
+_INTAKE_HEALED, _PRE_STARTED, _PRE_IDLE_SINCE = _INTAKE_PASSED + 8, _INTAKE_PASSED + 16, _INTAKE_PASSED + 24
+_SIZE = _INTAKE_PASSED + 32
 
 
 def board_path(directory: Path, server_pid: int | None = None) -> Path:
@@ -128,6 +135,31 @@ class QueueBoard:
         """Requests pre-processing sent on that the denoise process has not received yet."""
         return max(0, self._get(_PASSED) - self._get(_ARRIVED))
 
+    # -- in front of pre-processing (intake and pre-processing write, each its own fields) ------------------------
+    def waiting_for_preprocess(self) -> int:
+        """Requests intake passed on that pre-processing has not started (nor intake written off)."""
+        return self._get(_INTAKE_PASSED) - self._get(_INTAKE_HEALED) - self._get(_PRE_STARTED)
+
+    def intake_passed(self) -> None:
+        self._set(_INTAKE_PASSED, self._get(_INTAKE_PASSED) + 1)
+
+    def intake_healed(self, n: int) -> None:
+        """``n`` requests intake passed on will never start pre-processing (a reload, a dead stub, a failed step)."""
+        self._set(_INTAKE_HEALED, self._get(_INTAKE_HEALED) + n)
+
+    def preprocess_started(self, from_intake: bool) -> None:
+        """Pre-processing starts a request (``from_intake``: one intake counted): busy until ``preprocess_idle``."""
+        if from_intake:
+            self._set(_PRE_STARTED, self._get(_PRE_STARTED) + 1)
+        struct.pack_into("<d", self._map, _PRE_IDLE_SINCE, 0.0)
+
+    def preprocess_idle(self, since: float) -> None:
+        struct.pack_into("<d", self._map, _PRE_IDLE_SINCE, since)
+
+    def preprocess_idle_since(self) -> float:
+        """When pre-processing last went idle (``time.time()``); 0: busy, or not started yet."""
+        return struct.unpack_from("<d", self._map, _PRE_IDLE_SINCE)[0]
+
     # -- the backlog (denoise writes, pre-processing reads) --------------------------------------------------
     def publish_backlog(self, b: Backlog) -> None:
         jobs = list(b.running) + list(b.waiting)
@@ -191,19 +223,21 @@ class FrontCheck:
     recent requests' mean stands in (the whole working resolution until there are any); its pre-processing takes
     what the last ones took (measured here)."""
 
-    def __init__(self, board: QueueBoard, latency_bound_s: float, max_batch: int, max_tokens: int, queue_size: int,
-                 full_tokens: int, skew_s: float = 0.05):
+    def __init__(self, board: QueueBoard, latency_bound_s: float, max_batch: int, max_tokens: int, full_tokens: int,
+                 skew_s: float = 0.05):
         self.board, self.latency_bound_s = board, latency_bound_s
         self.max_batch, self.max_tokens, self.full_tokens = max_batch, max_tokens, full_tokens
-        self.arrivals = ArrivalBound(queue_size, skew_s=skew_s)
+        self.arrivals = ArrivalBound(skew_s=skew_s)
         self.prepare_s = Ema()  # a whole pre-processing (what an admitted request costs here)
         self._sent: deque = deque(maxlen=JOBS)  # (steps, tokens, answer by) of the requests sent on, newest last
         self._last = Backlog()
 
-    def admit(self, start: float, steps: int, deadline_ms: int | None, sent: SentStamp | None = None) -> Admitted:
+    def admit(self, start: float, steps: int, deadline_ms: int | None, sent: SentStamp | None = None,
+              floor: float | None = None) -> Admitted:
         """What is known of a request whose pre-processing starts at ``start`` (``time.time()``), stamped ``sent``
-        by its sender (None: unstamped), and that runs ``steps`` steps, once admitted; raises the refusal."""
-        arrival = self.arrivals.arrival(start, sent)
+        by its sender (None: unstamped), with ``floor`` its earliest arrival as intake inferred it (None: inferred
+        here), and that runs ``steps`` steps, once admitted; raises the refusal."""
+        arrival = self.arrivals.arrival(start, sent, floor)
         bound = bound_for(self.latency_bound_s, deadline_ms, start - arrival.at)
         if bound is None:
             return Admitted(arrival)

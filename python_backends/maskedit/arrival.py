@@ -9,21 +9,23 @@ pre-processing. Two sources, the first that applies:
    ``stamp - skew_s``. A stamp later than the start of pre-processing by more than that is no time it was sent (a
    clock running ahead): set aside for (2). A stamp is its sender's claim: a wrong one misstates the wait of its own
    requests only, as its DEADLINE_MS could.
-2. **Inferred** from pre-processing's own executions (a client that stamps nothing: perf_analyzer, tritonclient),
-   a lower bound: the wait is over-counted, never under.
-   - By count: Triton refuses a request when ``queue_size`` wait (``maskedit.repository.PREPROCESS_QUEUE``), and its
-     rate limiter takes up to 2 more out of the queue for the instance ahead of time (``PayloadSlotAvailable``: twice
-     the instances), so at most ``queue_size + 2`` were ahead of a request when it arrived, one of them maybe
-     executing: it arrived no earlier than the start of the ``queue_size + 3``-th execution before its own.
-   - By idle time: a gap longer than ``idle_gap_s`` between two executions means nothing was waiting until
-     ``idle_gap_s`` before the next one began, so whoever started then or later arrived after that. The gap must
-     exceed the longest Triton takes to hand a waiting request to an idle instance: its dynamic batcher (which holds
-     the queue policy) re-checks its queue every 500 ms when it was not woken (``default_wait_microseconds`` in
-     ``dynamic_batch_scheduler.cc``), and in a flood it left the instance idle 0.44-0.51 s between executions with
-     15 requests waiting (``tests/unit/maskedit/test_arrival.py`` replays one). The 0.25 s assumed before read
-     those gaps as an empty queue: 48 requests with a 1.5 s DEADLINE_MS were admitted as fresh after waiting up to
-     6 s and answered late. 1 s: twice the poll, for a loaded host's scheduling; a request after a quiet spell is
-     charged up to that much waiting it did not do (a stamp avoids it).
+2. **Inferred** (a client that stamps nothing: perf_analyzer, tritonclient), a lower bound: the wait is
+   over-counted, never under. In the ``edit`` ensemble ``intake`` infers it (``maskedit.intake``: it runs ~1 ms per
+   request, so the bound is tight) and hands it to pre-processing as INTAKE_INFO's ``floor_ts``; a direct call to
+   pre-processing is inferred there, from its own executions, by the same rule. Neither model has a batcher
+   (``maskedit.repository``): Triton's default scheduler hands a queued request to the model's instance as soon as it
+   asks for the next, so a gap longer than ``idle_gap_s`` (G) between the end of one execution and the start of the
+   next means nothing was waiting then, and whoever starts after such a gap arrived at most G before. Requests start
+   in arrival order, so every request of a busy run (executions with no such gap between them) arrived no earlier
+   than G before the run's first one began: the floor is ``start - G`` after an idle gap, else ``busy since - G``.
+   Under back-to-back load that charges a request the whole busy run (a stamp avoids it; intake's runs last
+   milliseconds). G must exceed the longest Triton takes to hand a waiting request to an idle instance: 0.25 s,
+   pending a measurement on a quiet and a loaded host (docs/reliability.md, "Arrival").
+
+Before, ``preprocess`` carried Triton's queue policy, and the dynamic batcher that holds a policy re-polls its queue
+every 500 ms when it is not woken (``default_wait_microseconds``): in a flood it left the instance idle 0.44-0.51 s
+between executions with 15 requests waiting, so an idle-gap rule needed G = 1 s there, plus a count rule (at most 16
+queued and 2 taken ahead of the instance). Both went with the policy.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from maskedit_common.sent_stamp import SENT_AT, SENT_CLOCK, host_clock
 
 from .errors import InvalidInput
 
-IDLE_GAP_S = 1.0
-PREFETCHED = 2  # requests Triton's rate limiter takes out of the queue ahead of the one instance
+IDLE_GAP_S = 0.25  # G (module docstring, 2): longer than any hand-over of a waiting request to an idle instance
 
 
 @dataclass(frozen=True)
@@ -79,18 +79,22 @@ def sent_stamp(parameters: str | dict | None) -> SentStamp | None:
 
 
 class ArrivalBound:
-    def __init__(self, queue_size: int, idle_gap_s: float = IDLE_GAP_S, skew_s: float = 0.05,
-                 clock: str | None = None, now: float | None = None):
-        self.queue_size, self.idle_gap_s, self.skew_s = queue_size, idle_gap_s, skew_s
-        self.clock = host_clock() if clock is None else clock
-        # (start, end) of the last executions; the first stands for the model becoming ready (nothing reached it
-        # before), until enough real ones push it out
-        ready = time.time() if now is None else now
-        self._runs: deque[tuple[float, float]] = deque([(ready, ready)], maxlen=queue_size + PREFETCHED + 1)
+    """A request's earliest arrival, from its sender's stamp or inferred from one model's executions (module
+    docstring): O(1) state, the start of the current busy run and the end of the last execution."""
 
-    def arrival(self, start: float, sent: SentStamp | None = None) -> Arrival:
+    def __init__(self, idle_gap_s: float = IDLE_GAP_S, skew_s: float = 0.05, clock: str | None = None,
+                 now: float | None = None):
+        self.idle_gap_s, self.skew_s = idle_gap_s, skew_s
+        self.clock = host_clock() if clock is None else clock
+        # the model's becoming ready stands for the first run: nothing reached it before
+        self.ready = time.time() if now is None else now
+        self.busy_since = self.last_end = self.ready
+
+    def arrival(self, start: float, sent: SentStamp | None = None, floor: float | None = None) -> Arrival:
         """The earliest arrival of the request whose execution starts at ``start`` (``time.time()``), stamped
-        ``sent`` by its sender (None: unstamped)."""
+        ``sent`` by its sender (None: unstamped); ``floor``: a lower bound inferred before it reached this model
+        (intake's), used instead of inferring one here."""
+        inferred = min(start, floor) if floor is not None else self.earliest(start)
         if sent is not None:
             same = bool(self.clock) and sent.clock == self.clock
             at = sent.at if same else sent.at - self.skew_s
@@ -98,20 +102,16 @@ class ArrivalBound:
                 return Arrival(at, STAMP if same else STAMP_OTHER_HOST)
             note = (f"its sender's stamp is {sent.at - start:.3f} s after it reached pre-processing "
                     f"({'this host' if same else 'another host'}'s clock): set aside, the wait inferred")
-            return Arrival(self.earliest(start), INFERRED, note)
-        return Arrival(self.earliest(start), INFERRED)
+            return Arrival(inferred, INFERRED, note)
+        return Arrival(inferred, INFERRED)
 
     def earliest(self, start: float) -> float:
         """The earliest arrival inferred from the executions before ``start`` (module docstring, 2)."""
-        floor = self._runs[0][0]  # the (queue_size + 3)-th execution before it (or the model's start)
-        after = start
-        for s, e in reversed(self._runs):  # newest first: the last idle gap before it
-            if after - e > self.idle_gap_s:  # idle until ``after``: whoever started then or later came after
-                floor = max(floor, after - self.idle_gap_s)
-                break
-            after = s
-        return min(start, floor)
+        after = start if start - self.last_end > self.idle_gap_s else self.busy_since
+        return min(start, max(self.ready, after - self.idle_gap_s))
 
     def ran(self, start: float, end: float) -> None:
         """An execution (of any request: admitted, refused or failed) ran from ``start`` to ``end``."""
-        self._runs.append((start, end))
+        if start - self.last_end > self.idle_gap_s:  # idle before it: a new busy run
+            self.busy_since = start
+        self.last_end = max(self.last_end, end)

@@ -36,7 +36,7 @@ from .scratch import run_scratch
 from .settings import REPO_ROOT, Settings, load_settings
 
 log = logging.getLogger(__name__)
-MODELS = ("preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
+MODELS = ("intake", "preprocess", "masked_denoise", "vae_decode", "cancel", "edit")
 # A start takes minutes on a 2-core host beside other CPU-bound work; a server that exits is seen at once (its exit
 # status), so only a hung start waits this long.
 START_TIMEOUT_S = 600.0

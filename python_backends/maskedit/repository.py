@@ -74,22 +74,17 @@ DENOISED = [T("DENOISED", "FP32", (-1, -1)), T("MODEL_SIZE_OUT", "INT32", (2,))]
 RELAYED = [T(t.name + "_OUT", t.dtype, t.dims) for t in PASSTHROUGH]
 
 
-@dataclass(frozen=True)
-class QueuePolicy:
-    """Triton's queue in front of a model: at most ``max_size`` requests wait; the next is refused at once by Triton
-    ("Exceeds maximum queue size", before the model does any work). No timeout: Triton's timeout refusal ("Request
-    timeout expired") names no request id, so a client with several requests on one stream could not tell whose it
-    is (tried: every one of them was lost to the client)."""
-
-    max_size: int
-
-
-# The ensemble's first step: a request that cannot be admitted is refused in front of pre-processing (image decoding,
-# the VAE and text encoders), never after it, and the refusal's time does not grow with a flood: 16 wait at most, so
-# the longest wait is 16 pre-processings (~0.1-0.6 s each here; a few ms each for requests its early admission check
-# refuses while the denoise queue is full, ``maskedit.admission``). One that passes then meets the denoise queue's
+# The ensemble's first step, ``intake`` (``maskedit.intake``): a light model that sees each request within about a
+# millisecond of its arrival and refuses it at once, before pre-processing (image decoding, the VAE and text encoders),
+# when PREPROCESS_WAITING already wait in front of ``preprocess`` or the denoise queue is full; and it hands
+# ``preprocess`` a lower bound on the request's arrival (INTAKE_INFO). It holds the bound that Triton's queue policy
+# held before: a policy lives in a ``dynamic_batching`` block, whose batcher thread in Triton 2.51 re-polls every
+# 500 ms instead of being woken when the instance frees (docs/reliability.md, "In front of pre-processing"), which
+# paced pre-processing's executions 0.5 s apart in a flood. No model here has such a block: Triton's default
+# scheduler hands a queued request to a waiting instance at once. One that passes then meets the denoise queue's
 # bound (MASKEDIT_MAX_QUEUE).
-PREPROCESS_QUEUE = QueuePolicy(max_size=16)
+PREPROCESS_WAITING = 16
+INTAKE_INFO = T("INTAKE_INFO", "STRING", (1,))
 
 
 @dataclass(frozen=True)
@@ -100,12 +95,14 @@ class Model:
     decoupled: bool = False
     instances: int = 1
     parameters: dict = field(default_factory=dict)
-    queue: QueuePolicy | None = None  # None: Triton's default, an unbounded queue without timeout
 
 
 def models() -> list[Model]:
     return [
-        Model("preprocess", EDIT_INPUTS, PREPARED + PASSTHROUGH, instances=1, queue=PREPROCESS_QUEUE),
+        Model("intake", [T("PROMPT", "STRING", (1,))], [INTAKE_INFO]),  # PROMPT: required, a few bytes, no images
+        # INTAKE_INFO optional: a direct call (no ensemble, no intake) still works, its arrival inferred here
+        Model("preprocess", EDIT_INPUTS + [T(INTAKE_INFO.name, "STRING", (1,), optional=True)],
+              PREPARED + PASSTHROUGH),
         Model("masked_denoise", PREPARED + PASSTHROUGH, DENOISED + RELAYED, decoupled=True),
         Model("vae_decode", [*(T(t.name, t.dtype, t.dims) for t in DENOISED + RELAYED)], EDIT_OUTPUTS),
         Model("cancel", [T("REQUEST_IDS", "STRING", (-1,))], [T("CANCELLED", "INT32", (1,))]),
@@ -131,9 +128,6 @@ def render_model(m: Model, kind: str) -> str:
         parts.append("model_transaction_policy {\n  decoupled: true\n}")
     parts += [_tensors("input", m.inputs), _tensors("output", m.outputs)]
     parts.append(f"instance_group [\n  {{\n    count: {m.instances}\n    kind: KIND_{kind.upper()}\n  }}\n]")
-    if m.queue is not None:  # a dynamic_batching block is where Triton keeps a queue policy (no batching: size 0)
-        parts.append(f"dynamic_batching {{\n  default_queue_policy {{\n    max_queue_size: {m.queue.max_size}\n"
-                     "  }\n}")
     for k, v in m.parameters.items():
         parts.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}')
     return "\n".join(parts) + "\n"
@@ -146,14 +140,16 @@ def _step(model: str, mapping_in: dict[str, str], mapping_out: dict[str, str]) -
 
 
 def render_ensemble() -> str:
-    """``edit`` = preprocess -> masked_denoise (decoupled) -> vae_decode."""
+    """``edit`` = intake -> preprocess -> masked_denoise (decoupled) -> vae_decode."""
     pre_out = {t.name: f"_{t.name.lower()}" for t in PREPARED + PASSTHROUGH}
     den_in = {t.name: f"_{t.name.lower()}" for t in PREPARED + PASSTHROUGH}
     den_out = {t.name: f"_{t.name.lower()}" for t in DENOISED + RELAYED}
     dec_in = dict(den_out)
     dec_out = {t.name: t.name for t in EDIT_OUTPUTS}
+    intake = f"_{INTAKE_INFO.name.lower()}"
     steps = [
-        _step("preprocess", {t.name: t.name for t in EDIT_INPUTS}, pre_out),
+        _step("intake", {"PROMPT": "PROMPT"}, {INTAKE_INFO.name: intake}),
+        _step("preprocess", {**{t.name: t.name for t in EDIT_INPUTS}, INTAKE_INFO.name: intake}, pre_out),
         _step("masked_denoise", den_in, den_out),
         _step("vae_decode", dec_in, dec_out),
     ]

@@ -26,10 +26,10 @@ def test_overload_refusals_reach_their_own_stream_sooner_than_the_edits(topo, th
     """Open-loop arrivals far past capacity on one stream (as the load generator sends them): every request ends,
     the refused ones with RESOURCE_EXHAUSTED on their own future, none is lost. A refusal is fast: it comes sooner
     than the work it prevents, i.e. than the median served edit (on a quiet host within a second; the median edit
-    ~3 s). That is a ratio, not a figure of spare cores: a refusal can wait behind one pre-processing in flight and
-    behind Triton's batcher, which re-polls an idle queue every 0.5 s; both slow with the host as an edit does
-    (quiet host: slowest refusal 0.75 s, soonest edit 1.7 s; a CI run 1.05 s; at load 6-9: 3.1 s, soonest edit
-    1.9 s, median 4.5 s). ``make overload`` reports the share within 1 s. A refusal that waited in the denoise
+    ~3 s). That is a ratio, not a figure of spare cores: a refusal can wait behind one pre-processing in flight,
+    which slows with the host as an edit does (quiet host, before intake replaced Triton's batcher and its 0.5 s
+    re-poll: slowest refusal 0.75 s, soonest edit 1.7 s; a CI run 1.05 s; at load 6-9: 3.1 s, soonest edit 1.9 s,
+    median 4.5 s). ``make overload`` reports the share within 1 s. A refusal that waited in the denoise
     queue (MAX_QUEUE 100-step edits ahead of it) would come after most served edits and fail this."""
     url = topo.servers[0].grpc_url if through == "server" else topo.url
     reqs = workload.poisson(rate, int(rate * 4), n_templates=2, steps=100, seed=5)  # long denoising: the queue fills

@@ -29,8 +29,12 @@ def test_health_metadata_config_over_grpc_and_http(server):
     h = httpclient.InferenceServerClient(server.http_url)
     try:
         assert g.is_server_live() and g.is_server_ready() and h.is_server_live() and h.is_server_ready()
-        for model in ("edit", "preprocess", "masked_denoise", "vae_decode"):
+        for model in ("edit", "intake", "preprocess", "masked_denoise", "vae_decode"):
             assert g.is_model_ready(model) and h.is_model_ready(model)
+        # no batcher in front of pre-processing (its 0.5 s re-poll paced a flood): the served config says so
+        assert "dynamic_batching" not in h.get_model_config("preprocess")
+        steps = g.get_model_config("edit", as_json=True)["config"]["ensemble_scheduling"]["step"]
+        assert [s["model_name"] for s in steps][:2] == ["intake", "preprocess"]
         meta = g.get_model_metadata("edit", as_json=True)
         assert [i["name"] for i in meta["inputs"]][:3] == ["TEMPLATE", "MASK", "PROMPT"]
         assert {o["name"] for o in h.get_model_metadata("edit")["outputs"]} == {"IMAGE", "EDIT_INFO"}

@@ -42,8 +42,9 @@ SOURCES = (  # who refused, from the refusal's text (router/maskedit_router/prox
 )
 
 
-BACKEND_SOURCES = (  # which of a backend's checks refused (maskedit.completion, maskedit.scheduler, maskedit.admission)
-    ("triton_queue", re.compile(r"Exceeds maximum queue size")),  # Triton's queue in front of pre-processing
+BACKEND_SOURCES = (  # which of a backend's checks refused (maskedit.intake, maskedit.completion, maskedit.scheduler, maskedit.admission)
+    ("intake_full", re.compile(r"pre-processing's queue is full")),  # intake, on arrival: 16 wait for pre-processing
+    ("triton_queue", re.compile(r"Exceeds maximum queue size")),  # Triton's queue policy (servers before intake)
     ("bound_front", re.compile(r"refused before any work")),  # the time bound, before pre-processing did any work
     ("bound_denoise", re.compile(r"refused before denoising")),  # the time bound, when denoise received it
     ("bound_queue", re.compile(r"refused before it started")),  # the time bound, at the front of the denoise queue

@@ -54,7 +54,7 @@ from .. import REPO_ROOT
 from .sim_cluster import Worker, batch_shared_ms
 
 EDIT_CONFIG = REPO_ROOT / "model_repository" / "edit" / "config.pbtxt"
-MODELS = ("edit", "preprocess", "masked_denoise", "vae_decode", "cancel")
+MODELS = ("edit", "intake", "preprocess", "masked_denoise", "vae_decode", "cancel")
 
 
 @dataclass

@@ -16,9 +16,9 @@ from ..cancel import CancelBoard
 from ..controlnets.job import to_wire
 from ..errors import Cancelled
 from ..fair_share import tenant_of
+from ..intake import floor_of
 from ..params import parse_params
 from ..preprocess import Preprocessor
-from ..repository import PREPROCESS_QUEUE
 from ..schedule import first_step
 from ..settings import load_settings
 from . import io
@@ -38,8 +38,8 @@ class TritonPythonModel:
         self.board = QueueBoard(board_path(self.settings.service.admission_dir))
         b, res = self.settings.batching, self.settings.resolution
         self.front = FrontCheck(self.board, b.latency_bound_s, b.max_batch, b.max_tokens_per_step,
-                                PREPROCESS_QUEUE.max_size, full_tokens=(res // self.pre.patch) ** 2,
-                                skew_s=b.clock_skew_s)
+                                full_tokens=(res // self.pre.patch) ** 2, skew_s=b.clock_skew_s)
+        self.board.preprocess_idle(time.time())  # a restart after a crash mid-execution: intake's count may heal
         self._stamp_noted = -math.inf  # when a stamp set aside was last logged (at most one a minute)
         self.cancels = CancelBoard(self.settings.service.cancel_dir)
         # Adapters a request names are converted into the host tier of the adapter cache in the background.
@@ -72,10 +72,17 @@ class TritonPythonModel:
     def _one(self, request):
         start, response = time.time(), None
         try:
-            response = self._prepare(request, start)
+            info = io.array(request, "INTAKE_INFO")  # None: a direct call, not through the ensemble's intake
+            self.board.preprocess_started(from_intake=info is not None)  # no longer waiting in front of it
+            floor = None if info is None else floor_of(info)
+            if info is not None and floor is None:
+                self.log.warning("request %s: INTAKE_INFO holds no arrival floor: inferred here", request.request_id())
+            response = self._prepare(request, start, floor)
             return response
         finally:  # every execution, refused ones too: what bounds the next request's wait in the queue
-            self.front.ran(start, time.time(), prepared=response is not None and not response.has_error())
+            end = time.time()
+            self.front.ran(start, end, prepared=response is not None and not response.has_error())
+            self.board.preprocess_idle(end)
 
     def _note(self, arrival, request_id: str) -> None:
         """A sender's stamp set aside (its clock runs ahead of this one's): said at most once a minute."""
@@ -83,7 +90,7 @@ class TritonPythonModel:
             self._stamp_noted = time.monotonic()
             self.log.warning("request %s: %s (MASKEDIT_CLOCK_SKEW_S)", request_id, arrival.note)
 
-    def _prepare(self, request, start: float):
+    def _prepare(self, request, start: float, floor: float | None):
         t0 = time.perf_counter()
         try:
             if self.cancels.is_cancelled(request.request_id()):  # given up (e.g. refused by the router meanwhile)
@@ -96,7 +103,7 @@ class TritonPythonModel:
             steps = params.steps - first_step(self.pre.family.pipeline_class(), params.steps, params.strength)
             # when it would be answered, behind the work ahead: refused before any work when past its bound, counted
             # from when its sender stamped it (the client, the router), else from its inferred arrival
-            admitted = self.front.admit(start, steps, params.deadline_ms, sent_stamp(parameters))
+            admitted = self.front.admit(start, steps, params.deadline_ms, sent_stamp(parameters), floor)
             self._note(admitted.arrival, request.request_id())
             images, refs = io.array(request, "CONTROL_IMAGES"), io.array(request, "REFERENCE_IMAGES")
             p = self.pre(io.blob(request, "TEMPLATE"), io.blob(request, "MASK"), params,

@@ -3,8 +3,9 @@ refuse on the backend's behalf a request that has waited too long in front of th
 
 A backend refuses what it cannot queue (its denoise queue is full) at its admission check, the first thing
 pre-processing does (``maskedit.admission``). In front of that check is Triton's queue for the ``preprocess``
-model, which has no bound: when pre-processing falls behind (a busy host), requests wait there and a refusal can
-come seconds after the request was sent. The router sends every request, so it can tell which of its requests on a
+model: when pre-processing falls behind (a busy host), requests wait there and a refusal can come seconds after the
+request was sent. The backend's ``intake`` (the ensemble's first step, ``maskedit.intake``) keeps at most 16 there,
+refusing the rest on arrival; those refusals never reach pre-processing, so its statistics never count them. The router sends every request, so it can tell which of its requests on a
 backend are still in front of that check (``AdmissionGauge``): pre-processing takes them first come, first served,
 so those past it are always the oldest. It learns how far the check got from Triton's own statistics of the
 ``preprocess`` model (``ModelStatistics``: success and failure counts, kept by Triton in C++ with no Python stub
@@ -40,8 +41,8 @@ and the router refuses one that then passes the check (the denoise loop drops it
 counted as ``admitted`` in ``maskedit_router_admission_timeout_outcome_total``); decisions the backend counts that
 are not the router's (the health probe, other clients) mark the router's oldest waiting edits as past the check —
 at worst one is exempt from the backstop (for the first edits sent to a backend polled at the idle pace, the decisions
-of up to one idle poll interval before them count so); a decision learnt from an answer that the count never shows (a request Triton rejected
-before pre-processing) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
+of up to one idle poll interval before them count so); a decision learnt from an answer that the count never shows (a request refused before
+pre-processing: by the backend's intake, or an older server's Triton queue policy) is forgotten after 2 s; a restarted backend's counters start at 0 and everything is taken as
 past the check; a backend never observed (no statistics yet, no ``preprocess`` model, the watcher not running) is
 admitted as before and nothing on it expires. After the router itself was stopped (``stall``), its counts are as
 old as the stall and every wait it measured includes it: each gauge starts again from the next poll, as after a

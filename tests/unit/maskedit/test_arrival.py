@@ -3,6 +3,7 @@ executions; what reads the stamp (pre-processing's front check). Who writes it: 
 ``maskedit_router/proxy/test_stamp.py``. No server."""
 
 import json
+import random
 import time
 
 import pytest
@@ -15,65 +16,84 @@ from maskedit_common import sent_stamp as wire
 
 HERE = "boot-id-of-this-host"
 
-# A flood straight at one server (tests/integration/test_flood.py's, 48 requests on one stream, 2-core host at load
-# 5-7), as pre-processing and the client saw it: (sent, pre-processing start, end) in seconds from the first send, one
-# row per execution in order. After each short execution (a refusal) Triton's dynamic batcher left the instance idle
-# ~0.5 s with 15 requests waiting in its queue (its 500 ms poll); before that, two warm-up edits 6 s apart.
-WARM_UP = [(-17.43, -17.12), (-6.15, -6.01)]
-FLOOD = [(0.0, 0.06, 0.28), (0.03, 0.29, 0.71), (0.04, 0.78, 1.55), (0.06, 1.57, 1.57), (0.08, 2.07, 2.63),
-         (0.1, 3.08, 3.08), (0.11, 3.59, 3.59), (0.12, 3.59, 3.59), (0.13, 3.59, 3.6), (0.15, 4.1, 4.1),
-         (0.16, 4.6, 5.05), (0.18, 5.11, 5.11), (0.21, 5.61, 5.61), (0.24, 6.11, 6.42), (0.27, 6.42, 6.42),
-         (0.32, 6.93, 6.93), (0.36, 7.44, 7.91), (0.39, 7.94, 8.35), (0.78, 8.44, 8.44)]
+G = 0.25
 
 
-def _replay(a: ArrivalBound) -> list[float]:
-    """How much later than it was sent each flood request was thought to have arrived (> 0: its wait under-counted)."""
-    for s, e in WARM_UP:
-        a.ran(s, e)
-    late = []
-    for sent, s, e in FLOOD:
-        late.append(a.earliest(s) - sent)
-        a.ran(s, e)
-    return late
-
-
-def test_a_recorded_flood_is_never_thought_younger_than_it_was():
-    late = _replay(ArrivalBound(queue_size=16, clock=HERE, now=-30.0))
-    assert max(late) <= 0, late
-    assert min(late) > -2.0, late  # over-counted by the idle allowance, not by the whole flood
-    # the 0.25 s allowance assumed before read the batcher's 0.5 s pauses as an empty queue: waits of up to 6.8 s
-    # counted as 0.25 s (what let requests with a 1.5 s DEADLINE_MS be served 6 s late)
-    assert max(_replay(ArrivalBound(queue_size=16, idle_gap_s=0.25, clock=HERE, now=-30.0))) > 6.0
-
-
-def test_an_idle_instance_bounds_the_wait_by_its_last_execution():
-    a = ArrivalBound(queue_size=3, clock=HERE, now=0.0)
-    assert a.earliest(5.0) == 4.0  # the first request, long after the model was ready: it waited at most 1 s
+def test_an_idle_instance_bounds_the_wait_by_the_idle_gap():
+    a = ArrivalBound(idle_gap_s=G, clock=HERE, now=0.0)
+    assert a.earliest(0.1) == 0.0  # right after the model became ready: nothing reached it before
+    assert a.earliest(5.0) == 5.0 - G  # the first request, long after: it waited at most G
     a.ran(5.0, 6.0)
-    assert a.earliest(9.0) == 8.0  # idle from 6 to 9: nothing waited until 8
+    assert a.earliest(9.0) == 9.0 - G  # idle from 6 to 9: nothing waited until 9 - G
     a.ran(9.0, 9.5)
-    assert a.earliest(9.5) == 8.0  # right behind the one started after the idle gap
+    assert a.earliest(9.5) == 9.0 - G  # right behind the one started after the idle gap: the busy run's floor
     a.ran(9.5, 10.0)
-    assert a.earliest(10.6) == 8.0  # a pause of 0.6 s (the batcher's poll) is no idle gap: it may have waited
+    assert a.earliest(10.2) == 9.0 - G  # a pause within G is no idle gap: it may have waited
 
 
-def test_back_to_back_executions_bound_the_wait_by_the_queue_and_what_triton_took_out_of_it():
-    a = ArrivalBound(queue_size=3, clock=HERE, now=0.0)
+def test_back_to_back_executions_bound_the_wait_by_the_busy_run():
+    a = ArrivalBound(idle_gap_s=G, clock=HERE, now=0.0)
     for i in range(20):
         a.ran(10.0 + i, 11.0 + i)  # busy since 10: 20 executions back to back
-    # at most 2 waiting ahead of it, 2 taken out of the queue for the instance and one running: it arrived no
-    # earlier than the 6th execution before its own started
-    assert a.earliest(30.0) == 24.0
+    # requests start in arrival order, and the run's first arrived at most G before it began
+    assert a.earliest(30.0) == 10.0 - G
     a.ran(30.0, 30.01)
-    assert a.earliest(31.5) == 30.5  # a gap of 1.49 s: the instance was idle, it arrived at most 1 s ago
+    assert a.earliest(31.5) == 31.5 - G  # a gap of 1.49 s: the instance was idle, it arrived at most G ago
+
+
+def _fifo(arrivals: list[float], service, handover) -> list[tuple[float, float, float]]:
+    """(arrival, start, end) of each request of one FIFO server under Triton's default scheduler: a request starts
+    within ``handover(i)`` of the later of its arrival and the previous end."""
+    out, free = [], 0.0
+    for i, t in enumerate(arrivals):
+        start = max(t, free) + handover(i)
+        free = start + service(i)
+        out.append((t, start, free))
+    return out
+
+
+def _floors(trace, idle_gap_s):
+    a = ArrivalBound(idle_gap_s=idle_gap_s, clock=HERE, now=0.0)
+    floors = []
+    for _, s, e in trace:
+        floors.append(a.earliest(s))
+        a.ran(s, e)
+    return floors
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_intake_floor_never_later_than_arrival(seed):
+    """Simulated traces of one FIFO server (intake: 0.5-5 ms a request, bursts and quiet spells, hand-over within
+    G): no request is thought younger than it was, and the over-count is at most its busy run plus G."""
+    rng = random.Random(seed)
+    t, arrivals = 1.0, []
+    for _ in range(400):
+        t += rng.choice([rng.uniform(0, 0.002), rng.uniform(0, 0.05), rng.uniform(0.2, 1.0)])
+        arrivals.append(t)
+    trace = _fifo(arrivals, lambda i: rng.uniform(0.0005, 0.005), lambda i: rng.uniform(0, G * 0.9))
+    floors = _floors(trace, G)
+    run_start = 0.0
+    for k, ((arrived, start, _), floor) in enumerate(zip(trace, floors)):
+        if k == 0 or start - trace[k - 1][2] > G:
+            run_start = start
+        assert floor <= arrived, (k, floor, arrived)
+        assert arrived - floor <= (start - run_start) + G + 1e-9, (k, arrived - floor, start - run_start)
+
+
+def test_a_hand_over_longer_than_the_idle_gap_under_counts():
+    """The floor rests on G: a waiting request handed over later than G (a starved or stopped stub) is read as
+    having arrived after an idle gap, and its wait is under-counted."""
+    trace = _fifo([1.0, 1.001], lambda i: 0.002, lambda i: 0.0 if i == 0 else 2 * G)
+    floors = _floors(trace, G)
+    assert floors[1] > trace[1][0]  # thought younger than it was
 
 
 def test_a_stamp_of_this_host_is_the_arrival_another_hosts_is_believed_within_the_skew():
-    a = ArrivalBound(queue_size=16, skew_s=0.05, clock=HERE, now=0.0)
+    a = ArrivalBound(skew_s=0.05, clock=HERE, now=0.0)
     for i in range(30):
         a.ran(100.0 + 0.3 * i, 100.3 + 0.3 * i)  # a flood since 100
     start = 109.0
-    assert a.earliest(start) == pytest.approx(103.3)  # inferred: 19 executions back
+    assert a.earliest(start) == pytest.approx(100.0 - a.idle_gap_s)  # inferred: the busy run's start
     got = a.arrival(start, SentStamp(101.0, HERE))
     assert (got.at, got.source, got.note) == (101.0, STAMP, "")  # the fact, even where inference says less
     got = a.arrival(start, SentStamp(108.9, HERE))
@@ -88,13 +108,13 @@ def test_a_stamp_of_this_host_is_the_arrival_another_hosts_is_believed_within_th
 
 @pytest.mark.parametrize("clock", [HERE, "another-host", ""])
 def test_a_stamp_after_the_request_reached_pre_processing_is_set_aside(clock):
-    a = ArrivalBound(queue_size=16, skew_s=0.05, clock=HERE, now=0.0)
+    a = ArrivalBound(skew_s=0.05, clock=HERE, now=0.0)
     got = a.arrival(50.0, SentStamp(51.0, clock))  # a clock running ahead: no time it was sent
     assert (got.at, got.source) == (a.earliest(50.0), INFERRED) and "after it reached pre-processing" in got.note
 
 
 def test_an_unknown_host_clock_never_matches():
-    a = ArrivalBound(queue_size=16, skew_s=0.05, clock="", now=0.0)  # a host without a boot id
+    a = ArrivalBound(skew_s=0.05, clock="", now=0.0)  # a host without a boot id
     assert a.arrival(10.0, SentStamp(9.0, "")).source == STAMP_OTHER_HOST
 
 
@@ -121,7 +141,7 @@ def test_the_wire_names_are_the_backends():
 def _front(tmp_path):
     denoise, pre = QueueBoard(tmp_path / "b"), QueueBoard(tmp_path / "b")
     denoise.publish_backlog(Backlog([], [], 0.0, 0.0002, 256.0))  # ~0.05 s a step alone
-    front = FrontCheck(pre, 10.0, max_batch=4, max_tokens=1 << 30, queue_size=16, full_tokens=256)
+    front = FrontCheck(pre, 10.0, max_batch=4, max_tokens=1 << 30, full_tokens=256)
     front.arrivals.clock = HERE
     return front
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from maskedit.admission import FrontCheck, QueueBoard
+from maskedit.arrival import ArrivalBound
 from maskedit.completion import (CLIENT_BOUND, SERVER_BOUND, Backlog, Bound, Ema, Loop, Work, answer_times,
                                  bound_for, predict, refusal)
 from maskedit.denoise import DenoiseJob
@@ -195,7 +196,7 @@ def test_a_write_under_way_is_never_read(tmp_path):
 
 def _front(tmp_path, bound_s=10.0):
     denoise, pre = QueueBoard(tmp_path / "b"), QueueBoard(tmp_path / "b")
-    return denoise, pre, FrontCheck(pre, bound_s, max_batch=4, max_tokens=1 << 30, queue_size=16, full_tokens=256)
+    return denoise, pre, FrontCheck(pre, bound_s, max_batch=4, max_tokens=1 << 30, full_tokens=256)
 
 
 def test_pre_processing_refuses_before_any_work_what_the_published_backlog_would_make_late(tmp_path):
@@ -231,9 +232,14 @@ def test_requests_sent_on_but_not_arrived_count_as_work_ahead(tmp_path):
 def test_the_wait_in_front_of_pre_processing_counts(tmp_path):
     denoise, pre, front = _front(tmp_path)
     denoise.publish_backlog(Backlog([], [], 0.0, 0.0002, 256.0))  # 30 steps: ~1.5 s alone
-    t, d = time.time(), 9 / 19
-    for i in range(19):  # busy back to back for the last 9 s (16 queued, 2 taken out, 1 running): it may have
-        # waited all of them
+    t = time.time()
+    with pytest.raises(ResourceExhausted, match="9.0 s of them spent waiting"):
+        front.admit(t, 30, None, floor=t - 9)  # intake saw it 9 s ago (maskedit.intake)
+    assert front.admit(t, 30, None, floor=t - 0.1).arrival.at == t - 0.1
+    # a direct call (no intake): inferred from pre-processing's own executions, busy back to back for the last 9 s
+    front.arrivals = ArrivalBound(now=t - 10)
+    d = 9 / 19
+    for i in range(19):
         front.ran(t - 9 + i * d, t - 9 + (i + 1) * d, prepared=False)
     with pytest.raises(ResourceExhausted, match="spent waiting"):
         front.admit(t, 30, None)

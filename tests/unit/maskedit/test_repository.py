@@ -1,5 +1,7 @@
 """The committed model repository is the CPU rendering of maskedit.repository; GPU renders without edits."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 from maskedit import repository
@@ -30,19 +32,44 @@ def test_gpu_rendering(tmp_path: Path):
 def test_ensemble_wiring_is_closed():
     """Every stage input is fed by an ensemble input or an earlier stage's output (decoupled rule included:
     vae_decode reads only what masked_denoise produced)."""
-    pre, den, dec = repository.models()[:3]
+    intake, pre, den, dec = repository.models()[:4]
+    assert {t.name for t in intake.inputs} <= {t.name for t in repository.EDIT_INPUTS}
     assert {t.name for t in den.inputs} == {t.name for t in pre.outputs}
     assert {t.name for t in dec.inputs} == {t.name for t in den.outputs}
-    assert {t.name for t in pre.inputs} == {t.name for t in repository.EDIT_INPUTS}
+    assert {t.name for t in pre.inputs} == {t.name for t in repository.EDIT_INPUTS} | {t.name for t in intake.outputs}
     assert {t.name for t in dec.outputs} == {t.name for t in repository.EDIT_OUTPUTS}
-    assert den.decoupled and not pre.decoupled and not dec.decoupled
+    assert den.decoupled and not pre.decoupled and not dec.decoupled and not intake.decoupled
 
 
-def test_preprocess_refuses_in_front_of_its_work_when_its_queue_is_full():
-    """Triton's queue policy on the ensemble's first step (a bound, no timeout: Triton's timeout refusal names no
-    request id); the other stages keep Triton's default queue."""
-    text = repository.render("cpu")["preprocess/config.pbtxt"]
-    assert f"max_queue_size: {repository.PREPROCESS_QUEUE.max_size}" in text and "timeout" not in text
-    assert "max_batch_size: 0" in text  # no batching: the block holds the policy only
-    assert all("default_queue_policy" not in t for rel, t in repository.render("cpu").items()
-               if not rel.startswith("preprocess/"))
+def test_no_model_has_a_batcher(tmp_path: Path):
+    """No ``dynamic_batching`` block anywhere: in Triton 2.51 its batcher thread paces a model with a queue policy
+    0.5 s apart (docs/reliability.md); the default scheduler hands a queued request to a waiting instance at once."""
+    repository.write(tmp_path / "gpu", "gpu")
+    for kind, texts in (("cpu", repository.render("cpu")), ("gpu", {
+            rel: (tmp_path / "gpu" / rel).read_text() for rel in repository.render("gpu")})):
+        for rel, text in texts.items():
+            assert "dynamic_batching" not in text and "queue_policy" not in text, (kind, rel)
+
+
+def test_intake_is_the_first_step():
+    """The ensemble's first step is the light ``intake`` (one instance, PROMPT only: no images copied into it), and
+    pre-processing's INTAKE_INFO comes from it (optional: a direct call to ``preprocess`` still works)."""
+    text = repository.render("cpu")["edit/config.pbtxt"]
+    steps = text[text.index("ensemble_scheduling"):].split("model_name: ")[1:]
+    assert [s.split('"')[1] for s in steps] == ["intake", "preprocess", "masked_denoise", "vae_decode"]
+    assert 'output_map { key: "INTAKE_INFO" value: "_intake_info" }' in steps[0]
+    assert 'input_map { key: "INTAKE_INFO" value: "_intake_info" }' in steps[1]
+    intake = next(m for m in repository.models() if m.name == "intake")
+    assert [t.name for t in intake.inputs] == ["PROMPT"] and intake.instances == 1
+    pre = next(m for m in repository.models() if m.name == "preprocess")
+    assert next(t for t in pre.inputs if t.name == "INTAKE_INFO").optional
+
+
+def test_intake_imports_no_torch():
+    """Intake's stub stays light (~330 MiB, like ``cancel``): what its shim imports (``maskedit.triton.io`` aside,
+    which needs the stub's ``triton_python_backend_utils`` and imports torch only to limit threads) pulls in no
+    torch."""
+    code = ("import sys, maskedit.intake, maskedit.logs, maskedit.settings, maskedit.fair_share; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out

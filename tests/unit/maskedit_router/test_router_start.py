@@ -165,6 +165,16 @@ def test_a_busy_backends_triton_queue_refusal_is_a_refusal_everywhere(fake):
     assert as_refusal("in ensemble 'edit', Request timeout expired").startswith("RESOURCE_EXHAUSTED: ")
     assert as_refusal("INVALID_ARGUMENT: MASK: bad") == "INVALID_ARGUMENT: MASK: bad"
     assert EditError.from_server(text).code == "RESOURCE_EXHAUSTED"
+    # the backend's intake refuses on arrival with the status name in front: passed through unchanged, a refusal
+    intake = ("in ensemble 'edit', RESOURCE_EXHAUSTED: pre-processing's queue is full (16 waiting; refused on "
+              "arrival, before any work): send again later or to another server [request id: r-2]")
+    assert as_refusal(intake) == intake and EditError.from_server(intake).code == "RESOURCE_EXHAUSTED"
+    backend.answer = intake
+    b = Backend(addr)
+    try:
+        assert probe(b, 10.0)  # alive and busy
+    finally:
+        b.close()
     backend.answer = "INTERNAL: something broke"  # the control: another error is no refusal
     b = Backend(addr)
     try:

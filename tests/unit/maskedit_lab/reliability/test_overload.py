@@ -62,21 +62,25 @@ def test_the_flood_counts_every_request_answered_late_or_lost_and_who_refused(mo
                         "within 10 s of it (...); refused before it started (MASKEDIT_LATENCY_BOUND_S)",
                 "RESOURCE_EXHAUSTED"),
             rec(8, 9.8, "UNAVAILABLE: DEADLINE_EXCEEDED: ran out of its bound of 10 s after its arrival "
-                        "(MASKEDIT_LATENCY_BOUND_S) with 3 steps left: ...", "DEADLINE_EXCEEDED")]
+                        "(MASKEDIT_LATENCY_BOUND_S) with 3 steps left: ...", "DEADLINE_EXCEEDED"),
+            rec(9, 0.02, "in ensemble 'edit', RESOURCE_EXHAUSTED: pre-processing's queue is full (16 waiting; "
+                         "refused on arrival, before any work): send again later or to another server [request id: "
+                         "a-9]", "RESOURCE_EXHAUSTED")]  # the backend's intake (maskedit.intake)
     recs[3].error, recs[3].error_code = "no result", runner.LOST
     sent = []
     monkeypatch.setattr(runner, "run", lambda c, reqs, *a, **k: sent.append(len(reqs)) or (recs, 20.0))
     _, f = overload.flood("127.0.0.1:1", n=9, spread_s=1.0, steps=2, within_s=10.0)
     assert sent == [9]
-    assert (f["ok"], f["refused"], f["ended_at_bound"], f["late"], f["lost"]) == (2, 5, 1, 1, 1)
+    assert (f["ok"], f["refused"], f["ended_at_bound"], f["late"], f["lost"]) == (2, 6, 1, 1, 1)
     assert f["refused_by"] == {"queue_full": {"n": 1, "max_s": 12.0}, "triton_queue": {"n": 1, "max_s": 0.05},
+                               "intake_full": {"n": 1, "max_s": 0.02},
                                "bound_front": {"n": 1, "max_s": 0.4}, "bound_denoise": {"n": 1, "max_s": 1.5},
                                "bound_queue": {"n": 1, "max_s": 4.0}}
     assert f["met"] == {"all_within": False, "nothing_lost": False, "only_refusals": True}
     assert len(f["load_average"]["before"]) == 3
     text = report.overload({"targets": {}, "steps": 8, "max_queue": 8, "all_met": False, "command": "c",
                             "started": "s", "flood": f, "latency_bound_s": 10.0})
-    assert "| 9 in 1 s at one server | 9 | 2 | 5 |" in text and "triton_queue 1 (0.05)" in text, text
+    assert "| 9 in 1 s at one server | 9 | 2 | 6 |" in text and "intake_full 1 (0.02)" in text, text
     assert "| 1 (9.80) |" in text and "MASKEDIT_LATENCY_BOUND_S) 10 s" in text, text
     rec8 = recs[8]
     rec8.error = "UNAVAILABLE: DEADLINE_EXCEEDED: something else"  # not the bound's: another error
