@@ -1,6 +1,9 @@
 """`make router-cpu` (`python -m maskedit_lab.routing.router_cpu`): the router's own CPU per request, stage by stage,
 in one process: reading a request off the wire (protobuf parse), its routing features (the mask decoded onto the
-token grid, the template's SHA-1), and writing it to its backend (serialise). Process CPU time
+token grid, the template's SHA-1), writing it to its backend (serialise), and the backend stream it goes on: one
+opened per request (as the router does when nothing of the client stream is in flight there) against one stream
+reused, to one emulated instance (``triton_emulator``, in its own process: only this side's CPU is counted, wall
+time per round trip beside it). Process CPU time
 (``time.process_time``), not latency: it moves little with the host's load, so before/after runs side by side on a
 shared host say something (the latencies of ``make router-scale`` need a quiet one).
 
@@ -18,11 +21,14 @@ import json
 import os
 import platform
 import statistics
+import queue
+import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from maskedit_lab.routing.scale import Payloads, commit, edit_request
+from maskedit_lab.routing.scale import Payloads, commit, edit_request, running_emulator
 
 OUT = Path("perf_profiles/results/router_cpu.json")
 
@@ -83,7 +89,68 @@ def _nothing():
     yield
 
 
-def run(resolution: int, requests: int, repeats: int) -> dict:
+def _round_trips(stub, reqs: list, reuse: bool) -> None:
+    """Each request sent and its answer read, in turn: on one stream (``reuse``) or each on a stream of its own,
+    closed after its answer, as the router's ``_BackendStream`` (a reader thread each; gRPC adds its own)."""
+    def stream():
+        q: queue.Queue = queue.Queue()
+        answered = threading.Event()
+        call = stub.ModelStreamInfer(iter(q.get, None))
+
+        def read():
+            for _ in call:
+                answered.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        return q, answered, reader
+
+    q = None
+    for r in reqs:
+        if q is None:
+            q, answered, reader = stream()
+        answered.clear()
+        q.put(r)
+        if not answered.wait(30.0):
+            raise RuntimeError("the emulated instance did not answer in 30 s")
+        if not reuse:
+            q.put(None)
+            reader.join(30.0)
+            q = None
+    if q is not None:
+        q.put(None)
+        reader.join(30.0)
+
+
+def stream_rows(resolution: int, requests: int, repeats: int) -> list[dict]:
+    """Per-request CPU and wall time of a backend stream opened per request against one reused."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from maskedit_router.__main__ import default_profile
+
+    payloads = Payloads(resolution, n_masks=4)
+    reqs = [edit_request(payloads, f"s{i}", i % 4, 1) for i in range(requests)]
+    for i, r in enumerate(reqs):
+        r.id = f"s{i}"
+    samples: dict[str, list[tuple[float, float]]] = {"backend_stream_per_request": [], "backend_stream_reused": []}
+    with tempfile.TemporaryDirectory() as d, running_emulator(1, default_profile(), 0.001, Path(d)) as (_, addrs):
+        with grpc.insecure_channel(addrs[0], options=[("grpc.max_send_message_length", -1),
+                                                      ("grpc.max_receive_message_length", -1)]) as ch:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            _round_trips(stub, reqs[:4], reuse=True)  # (connection, imports)
+            for _ in range(repeats):
+                for name in samples:
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    _round_trips(stub, reqs, reuse=name.endswith("reused"))
+                    samples[name].append(((time.process_time() - c0) / requests * 1e3,
+                                          (time.perf_counter() - w0) / requests * 1e3))
+    return [{"stage": name, "cpu_ms_per_request_median": round(statistics.median(c for c, _ in s), 4),
+             "cpu_ms_per_request_min": round(min(c for c, _ in s), 4),
+             "wall_ms_per_round_trip_median": round(statistics.median(w for _, w in s), 3), "repeats": len(s)}
+            for name, s in samples.items()]
+
+
+def run(resolution: int, requests: int, repeats: int, streams: bool = True) -> dict:
     fns, meta = stages(resolution, requests)
     rows = []
     # interleaved: each repeat runs every stage in turn, so a load change on the host touches all of them alike
@@ -94,9 +161,14 @@ def run(resolution: int, requests: int, repeats: int) -> dict:
     for name, ms in samples.items():
         rows.append({"stage": name, "cpu_ms_per_request_median": round(statistics.median(ms), 4),
                      "cpu_ms_per_request_min": round(min(ms), 4), "repeats": len(ms)})
+    if streams:
+        rows += stream_rows(resolution, requests, max(1, repeats // 3))
     by = {r["stage"]: r["cpu_ms_per_request_median"] for r in rows}
     ratios = {"features_vs_box_grid": round(by["features"] / by["features_box_grid"], 3),
               "mask_grid_vs_box": round(by["mask_grid"] / by["mask_grid_box"], 3)}
+    if streams:
+        ratios["backend_stream_reused_vs_per_request"] = round(
+            by["backend_stream_reused"] / by["backend_stream_per_request"], 3)
     return {"meta": {**meta, **commit(), "requests": requests, "device": platform.processor() or platform.machine(),
                      "python": platform.python_version(), "clock": "time.process_time (process CPU)",
                      "loadavg_1m": round(os.getloadavg()[0], 2)},
@@ -125,9 +197,10 @@ def main(argv=None) -> None:
     ap.add_argument("--resolution", type=int, default=512, help="the model's working resolution (masks at it)")
     ap.add_argument("--requests", type=int, default=48, help="distinct requests per pass")
     ap.add_argument("--repeats", type=int, default=15, help="passes per stage (the median is reported)")
+    ap.add_argument("--no-streams", action="store_true", help="skip the backend stream stages (no emulator)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
-    result = run(a.resolution, a.requests, a.repeats)
+    result = run(a.resolution, a.requests, a.repeats, streams=not a.no_streams)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, a.out.with_suffix(".png"))
