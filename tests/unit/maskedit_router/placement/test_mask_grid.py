@@ -38,7 +38,7 @@ def _masks(h: int, w: int, n: int, seed: int):
 @pytest.mark.parametrize("h,w,resolution,pad", [
     (512, 512, 512, None),  # 16-pixel cells: the fast path
     (256, 256, 512, None),  # 8-pixel cells
-    (480, 640, 512, None),  # not square, whole cells
+    (480, 640, 512, None),  # not square: 17.3-pixel cells, the resize
     (352, 352, 1024, None),  # 5.5-pixel cells: the resize
     (1024, 1024, 512, None),  # 32-pixel cells: over ANY_CELL_MAX, the resize
     (512, 512, 512, 32),  # a crop
