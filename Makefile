@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -109,6 +109,9 @@ router-validate: $(STAMP)
 # docs/router.md).
 router-scale: $(STAMP)
 	$(PY) -m maskedit_lab.routing.scale $(ARGS)
+
+router-cpu: $(STAMP)
+	$(PY) -m maskedit_lab.routing.router_cpu $(ARGS)
 
 serve-cluster: model
 	@$(PY) -m maskedit.samples out

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 TOKEN_PX = 16  # Flux: one image token per 16x16 pixels
+# Cells up to this side: the rounded mean of a 0/255 cell is > 0 iff one pixel is 255 (255 / 22² >= 0.5), so a box
+# average at whole cells (Image.reduce) and BOX resize agree exactly: any edited pixel marks its token
+ANY_CELL_MAX = 22
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,11 @@ def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> 
     h, w = binary.shape
     scale = (resolution * resolution / (w * h)) ** 0.5
     gw, gh = max(1, round(w * scale / TOKEN_PX)), max(1, round(h * scale / TOKEN_PX))
-    return np.asarray(Image.fromarray(binary.astype(np.uint8) * 255).resize((gw, gh), Image.BOX)).reshape(-1) > 0
+    edited = Image.fromarray(binary.view(np.uint8) * 255)
+    k = w // gw
+    if k * gw == w and k * gh == h and k <= ANY_CELL_MAX:  # whole square cells: reduce is BOX's answer, 2-3x faster
+        return np.asarray(edited.reduce(k)).reshape(-1) > 0
+    return np.asarray(edited.resize((gw, gh), Image.BOX)).reshape(-1) > 0
 
 
 def mask_ratio(mask: bytes, resolution: int = 1024, pad: int | None = None) -> tuple[float, int]:

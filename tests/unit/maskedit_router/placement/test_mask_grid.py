@@ -1,0 +1,67 @@
+"""The mask's token grid read by whole-cell reduction where the cells are whole squares of up to ANY_CELL_MAX pixels
+is the BOX resize's grid, bit for bit (routing decisions do not change), and is "any edited pixel marks its token"."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from maskedit_router.placement import features
+from maskedit_router.placement.features import ANY_CELL_MAX, mask_tokens
+from tests.conftest import png
+
+
+def _box_grid(mask: np.ndarray, resolution: int, pad=None) -> np.ndarray:
+    """The grid as the router read it before: threshold, crop, BOX resize of the 0/255 image."""
+    binary = mask >= 128
+    box = features.crop_box(binary, pad) if pad is not None else None
+    if box is not None:
+        x1, y1, x2, y2 = box
+        binary = binary[y1:y2, x1:x2]
+    h, w = binary.shape
+    scale = (resolution * resolution / (w * h)) ** 0.5
+    gw, gh = max(1, round(w * scale / 16)), max(1, round(h * scale / 16))
+    return np.asarray(Image.fromarray(binary.astype(np.uint8) * 255).resize((gw, gh), Image.BOX)).reshape(-1) > 0
+
+
+def _masks(h: int, w: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        m = np.zeros((h, w), np.uint8)
+        for _ in range(1 + i % 6):  # lone pixels: a cell with one edited pixel is the edge case
+            m[rng.integers(h), rng.integers(w)] = rng.integers(128, 256)
+        if i % 2:  # and a blob of grey levels around the threshold
+            y, x = rng.integers(h - 40), rng.integers(w - 40)
+            m[y:y + 37, x:x + 23] = rng.integers(100, 160, (37, 23))
+        yield m
+
+
+@pytest.mark.parametrize("h,w,resolution,pad", [
+    (512, 512, 512, None),  # 16-pixel cells: the fast path
+    (256, 256, 512, None),  # 8-pixel cells
+    (480, 640, 512, None),  # not square: 17.3-pixel cells, the resize
+    (352, 352, 1024, None),  # 5.5-pixel cells: the resize
+    (1024, 1024, 512, None),  # 32-pixel cells: over ANY_CELL_MAX, the resize
+    (512, 512, 512, 32),  # a crop
+])
+def test_the_grid_is_the_box_resize_grid(h, w, resolution, pad):
+    for m in _masks(h, w, 24, seed=h + w + resolution):
+        got = mask_tokens(png(m), resolution, pad)
+        assert got.tolist() == _box_grid(m, resolution, pad).tolist()
+
+
+def test_whole_cells_mark_a_token_for_one_edited_pixel():
+    for k in range(1, ANY_CELL_MAX + 1):
+        m = np.zeros((4 * k, 4 * k), np.uint8)
+        m[k + k - 1, 2 * k] = 128  # one pixel at the threshold, in cell (1, 2)
+        grid = mask_tokens(png(m), resolution=4 * 16)  # 4 x 4 tokens of k pixels each
+        assert grid.nonzero()[0].tolist() == [1 * 4 + 2], k
+
+
+def test_the_fast_path_runs_for_whole_cells(monkeypatch):
+    """(negative control: the equivalence above means nothing if the reduction never runs)"""
+    called = []
+    real = Image.Image.reduce
+    monkeypatch.setattr(Image.Image, "reduce", lambda self, k, *a: called.append(k) or real(self, k, *a))
+    mask_tokens(png(np.zeros((512, 512), np.uint8)), 512)
+    mask_tokens(png(np.zeros((1024, 1024), np.uint8)), 512)
+    assert called == [16]
