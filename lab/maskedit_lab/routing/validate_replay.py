@@ -23,6 +23,11 @@ from maskedit_router.placement.policies import Estimator, Policy
 from .sim_cluster import HostModel, replay
 
 WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
+# The harness's probe templates: the j-th calibration registers template ``base + j`` through the router and its
+# interference probe ``base + j + INTERFERENCE_OFFSET`` on both instances directly. Files without
+# ``meta.probe_templates`` used base 900, which collided with runs' "fresh" templates (``template + 100 * k``).
+OLD_PROBE_BASE = 900
+INTERFERENCE_OFFSET = 1000
 
 
 @dataclass
@@ -104,6 +109,29 @@ def _replayed(meta: dict, run_: dict, key: str) -> tuple[list[tuple], list | Non
     return arrivals, masks, len(lead), routes
 
 
+def held_before(meta: dict, runs: list[dict], i: int) -> dict[str, list]:
+    """Worker name -> template keys of run ``i`` whose entries its instance already held, clean, before the run's
+    requests: templates the harness's probes registered (the calibrations up to run ``i``'s own) that the run
+    reuses. Only files whose probe numbering collides with run templates have any; a replay that starts every
+    run's stores empty simulates those templates' first requests as template runs where the real ones hit."""
+    base = meta.get("probe_templates", OLD_PROBE_BASE)
+    order = (runs[i].get("calibration") or meta.get("calibration") or {}).get("instances") or []
+    names = meta.get("backends") or [f"w{k}" for k in range(meta["instances"])]
+    if len(order) != len(names):
+        return {}
+    keys = {r["template"]: r["key"] for r in runs[i]["warmup"] + runs[i]["requests"] if r.get("key")}
+    taken = [meta.get("saturation", {}).get("calibration") or meta.get("calibration")] + \
+        [r.get("calibration") for r in runs[:i + 1] if not r.get("calibration_shared")]
+    held: dict[str, list] = {n: [] for n in names}
+    for j, calib in enumerate(c for c in taken if c):
+        routed = {p.get("instance") for p in calib.get("points", [])[:1]}
+        for template, where in ((base + j, routed), (base + j + INTERFERENCE_OFFSET, set(order))):
+            if template in keys:
+                for inst in where & set(order):
+                    held[names[order.index(inst)]].append(keys[template])
+    return {n: k for n, k in held.items() if k}
+
+
 class MeasuredRouting(Policy):
     """Sends each arrival where the measured run's router sent it: a replay with it checks the simulated instances
     and host alone, apart from how the simulated policy routes."""
@@ -179,6 +207,8 @@ def compare(measured: dict) -> list[dict]:
     tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
     scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
     kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
+    # Every replay starts from the entries its run found (``held_before``) unless told to start empty.
+    held = (lambda i: {}) if meta.get("replay_empty_stores") else (lambda i: held_before(meta, runs, i))  # noqa: E731
     rows = []
     base = {"workers": meta["instances"], "validation": True}
     if sat:
@@ -228,7 +258,7 @@ def compare(measured: dict) -> list[dict]:
                              if m == "shared_cpu"]
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
-                         service=svc, host=host, masks=masks, policy=fixed, **kw)
+                         service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)
             done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
                     r["latency_s"] is not None]  # the requests measured: each against its own replay
             slat = np.array([q.done - q.arrival + outside_s for q in done])

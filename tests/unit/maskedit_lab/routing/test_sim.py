@@ -358,3 +358,35 @@ def test_adapters_load_cold_once_per_worker_and_affinity_keeps_them_where_they_a
                 for i in range(96)]
     loads = {p: replay(p, 4, arrivals, e)["adapter_loads"] for p in ("round_robin", "predicted", "weighted")}
     assert loads["predicted"] < loads["round_robin"] / 2 and loads["weighted"] < loads["round_robin"] / 2, loads
+
+
+def test_a_replay_starts_from_the_entries_its_instances_already_held(est):
+    """A template registered on a worker before the replay (``held``) is a hit from the first request; without it
+    the same request is a template run (the negative control)."""
+    cold, = replay("round_robin", 1, [(0.0, f("x"))], est, names=["w0"])["requests"]
+    warm, = replay("round_robin", 1, [(0.0, f("x"))], est, names=["w0"], held={"w0": ["x"]})["requests"]
+    assert cold.records and not cold.cached
+    assert warm.cached and not warm.records and latency(warm) < latency(cold)
+    other, = replay("round_robin", 2, [(0.0, f("x"))], est, names=["w0", "w1"], held={"w1": ["x"]},
+                    policy_kw=None)["requests"]  # round_robin sends it to w0, which does not hold it
+    assert other.records
+
+
+def test_validation_replays_the_templates_its_probes_had_registered():
+    """The harness numbered the j-th calibration's probe template 900 + j (through the router) and its interference
+    template 1900 + j (on both instances directly), and a run's "fresh" templates (template + 100 * k) collided with
+    them: in router_validation.json p2c at 0.85 (templates 900-903) and least_masked_tokens at 0.5 (1900-1903)
+    found every template stored, where a replay from empty stores simulated four template runs."""
+    from maskedit_lab.routing.validate_replay import held_before
+
+    calib = lambda inst: {"instances": ["vm:1", "vm:2"], "points": [{"instance": inst}]}  # noqa: E731
+    run_ = lambda templates, c: {"warmup": [], "calibration": c,  # noqa: E731
+                                 "requests": [{"template": t, "key": f"k{t}"} for t in templates]}
+    meta = {"instances": 2, "backends": ["a:1", "b:2"], "saturation": {"calibration": calib("vm:2")}}
+    runs = [run_([100, 101], calib("vm:1")), run_([900, 901, 1901, 1902, 5], calib("vm:1")),
+            run_([902], calib("vm:1"))]
+    assert held_before(meta, runs, 0) == {}  # no collision: stores start empty as before
+    # calibration 0 (the burst's) ran on vm:2, 1 and 2 (runs 0 and 1) on vm:1; interference templates on both
+    assert held_before(meta, runs, 1) == {"a:1": ["k901", "k1901", "k1902"], "b:2": ["k900", "k1901", "k1902"]}
+    assert held_before(meta, runs, 2) == {"a:1": ["k902"]}  # this run's own calibration, before its requests
+    assert held_before({**meta, "probe_templates": 1_000_000}, runs, 1) == {}  # new files: disjoint numbering
