@@ -240,6 +240,8 @@ def compare(measured: dict) -> list[dict]:
             m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
                                             max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
+        in_order = np.array([r["latency_s"] for r in sorted(ok, key=lambda r: r["t"])])
+        m["p95_ci"], m["mean_ci"] = block_bootstrap_ci(in_order, _p95), block_bootstrap_ci(in_order, _mean)
         rows.append(m)
         arrivals, masks, n_lead, routes = _replayed(meta, run_, str(i))
         before = scaled(run_.get("calibration", meta["calibration"]))
@@ -271,6 +273,30 @@ def compare(measured: dict) -> list[dict]:
     return rows
 
 
+BLOCK = 20  # requests per bootstrap block: an arrival episode (a burst that queues) spans about this many
+
+
+def block_bootstrap_ci(lat: np.ndarray, stat, block: int = BLOCK, n: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> list[float]:
+    """Confidence interval of ``stat`` (a function of an array, along axis 1) over one run's latencies in arrival
+    order: a moving-block bootstrap (resamples of consecutive ``block``-request stretches), because requests that
+    arrive together queue together; an i.i.d. bootstrap would treat one slow episode's 20 requests as 20 independent
+    draws and give intervals 2-3x too narrow."""
+    lat = np.asarray(lat, float)
+    block = max(1, min(block, len(lat)))
+    starts = np.random.default_rng(seed).integers(0, len(lat) - block + 1, size=(n, -(-len(lat) // block)))
+    sample = lat[(starts[:, :, None] + np.arange(block)).reshape(n, -1)[:, :len(lat)]]
+    return [round(float(x), 3) for x in np.quantile(stat(sample), [(1 - level) / 2, (1 + level) / 2])]
+
+
+def _p95(a: np.ndarray) -> np.ndarray:
+    return np.percentile(a, 95, axis=-1)
+
+
+def _mean(a: np.ndarray) -> np.ndarray:
+    return a.mean(axis=-1)
+
+
 def _err(sim: float, measured: float) -> float:
     return round(abs(float(sim) - measured) / measured, 3)
 
@@ -280,9 +306,11 @@ HEADLINE = "shared_cpu_bracketed"
 
 def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) -> list[dict]:
     """Per load: the policies ordered by measured P95 and by simulated P95 (``model``), whether the orders agree
-    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair whose measured P95s
-    differ by more than ``tolerance`` (the simulator's own accuracy target) is ordered alike: a closer pair's order
-    is no claim either way."""
+    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair the measurement
+    itself tells apart is ordered alike: a pair is distinct when the block-bootstrap 95 % intervals of their
+    measured P95s (``p95_ci``) do not overlap; files without intervals fall back to P95s more than ``tolerance``
+    apart (the simulator's own accuracy target), which counts pairs well inside the measurement's noise (at 200
+    requests a run's P95 interval is +-15-60 %). An indistinguishable pair's order is no claim either way."""
     out = []
     for load in sorted({r["load"] for r in rows if r["load"] != "saturation"}):
         meas = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == "measured"}
@@ -292,12 +320,17 @@ def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) ->
             continue
         pairs = [(a, b) for i, a in enumerate(ps) for b in ps[i + 1:]]
         alike = {(a, b): np.sign(meas[a] - meas[b]) == np.sign(sim[a] - sim[b]) for a, b in pairs}
-        distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
+        ci = {r["policy"]: r.get("p95_ci") for r in rows if r["load"] == load and r["model"] == "measured"}
+        if all(ci.get(p) for p in ps):
+            distinct = [(a, b) for a, b in pairs if ci[a][0] > ci[b][1] or ci[b][0] > ci[a][1]]
+        else:
+            distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
         out.append({"load": load, "model": model, "measured": sorted(ps, key=meas.get),
                     "simulated": sorted(ps, key=sim.get),
                     "same_order": sorted(ps, key=meas.get) == sorted(ps, key=sim.get),
                     "kendall_tau": round((2 * sum(alike.values()) - len(pairs)) / len(pairs), 3),
                     "distinct_pairs": len(distinct), "distinct_pairs_alike": bool(all(alike[p] for p in distinct)),
+                    "distinct_pairs_misordered": [list(p) for p in distinct if not alike[p]],
                     "misordered": [list(p) for p in pairs if not alike[p]]})
     return out
 

@@ -390,3 +390,31 @@ def test_validation_replays_the_templates_its_probes_had_registered():
     assert held_before(meta, runs, 1) == {"a:1": ["k901", "k1901", "k1902"], "b:2": ["k900", "k1901", "k1902"]}
     assert held_before(meta, runs, 2) == {"a:1": ["k902"]}  # this run's own calibration, before its requests
     assert held_before({**meta, "probe_templates": 1_000_000}, runs, 1) == {}  # new files: disjoint numbering
+
+
+def test_block_bootstrap_widens_the_interval_of_a_run_with_one_slow_episode():
+    """20 consecutive slow requests (one arrival episode that queued) among 180 fast ones: their P95 interval by
+    blocks is wider than an i.i.d. bootstrap's, which treats them as 20 independent draws (block 1)."""
+    from maskedit_lab.routing.validate_replay import _p95, block_bootstrap_ci
+
+    lat = np.r_[np.full(90, 1.0), np.linspace(5.0, 10.0, 20), np.full(90, 1.0)]
+    lo, hi = block_bootstrap_ci(lat, _p95)
+    ilo, ihi = block_bootstrap_ci(lat, _p95, block=1)
+    assert lo <= np.percentile(lat, 95) <= hi and hi - lo > 2 * (ihi - ilo)
+
+
+def test_ranking_claims_only_pairs_the_measurement_tells_apart():
+    """Two policies 30 % apart in measured P95 but with overlapping bootstrap intervals are not a distinct pair
+    (the old 15 % rule counted them); a pair with disjoint intervals is, and its misorder is reported."""
+    from maskedit_lab.routing.validate_replay import ranking
+
+    row = lambda p, model, p95, ci=None: {"policy": p, "load": 0.7, "model": model, "p95_s": p95,  # noqa: E731
+                                         **({"p95_ci": ci} if ci else {})}
+    rows = [row("a", "measured", 4.0, [3.0, 6.0]), row("b", "measured", 5.2, [4.0, 8.0]),
+            row("c", "measured", 12.0, [9.0, 14.0]),
+            row("a", "sim", 5.0), row("b", "sim", 4.0), row("c", "sim", 3.0)]
+    (r,) = ranking(rows, model="sim")
+    assert r["distinct_pairs"] == 2 and not r["distinct_pairs_alike"]
+    assert sorted(r["distinct_pairs_misordered"]) == [["a", "c"], ["b", "c"]]
+    (old,) = ranking([{k: v for k, v in x.items() if k != "p95_ci"} for x in rows], model="sim")
+    assert old["distinct_pairs"] == 3  # the tolerance rule, for files without intervals
