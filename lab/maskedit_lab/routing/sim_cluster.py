@@ -193,14 +193,17 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
            service: Estimator | None = None, host: HostModel | None = None,
            masks: list[np.ndarray] | None = None, heal_min_ratio: float = HEAL_MIN_RATIO,
            disk_templates: int = 0, model_slots: int = 2, policy_kw: dict | None = None,
-           batch_shared: float | None = None, names: list[str] | None = None, policy=None) -> dict:
+           batch_shared: float | None = None, names: list[str] | None = None, policy=None,
+           held: dict[str, list] | None = None) -> dict:
     """Run ``arrivals`` (time in seconds, features) through the policy and ``workers`` simulated workers.
     ``masks``: each arrival's edited tokens (bool per image token); without them a hit computes just its mask ratio
     (as if every entry were a clean registration).
     ``est`` is the router's estimator; ``service`` gives the workers' true service times (default: ``est``).
     ``names``: the workers' names as the router knows them (``chwbl`` hashes them; default w0, w1, ...); ``policy``:
-    a policy object instead of ``policy_name``'s. ``batch_shared``: ms of a cached request's step a batch pays once
-    (default: ``batch_shared_ms(service)``, from the profile).
+    a policy object instead of ``policy_name``'s. ``held``: worker name -> template keys whose entries its store
+    already holds, clean, when the replay starts (registered outside the router, e.g. by an earlier measurement's
+    probes sent to the instance directly: the router's shadow does not know them). ``batch_shared``: ms of a cached
+    request's step a batch pays once (default: ``batch_shared_ms(service)``, from the profile).
     ``host``: CPU-only hosts whose cores the workers' denoise loops and pre/post-processing share; None models
     accelerator hosts (denoising never waits for the CPU; the caller adds pre/post time to each latency).
     The router refits a copy of ``est`` online from completions, as the real router does.
@@ -219,6 +222,10 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                  model_slots=model_slots) for i in range(workers)]
     loads = [w.load for w in ws]
     by_name = {w.load.name: w for w in ws}
+    for name, keys in (held or {}).items():
+        for key in keys:
+            by_name[name].touch(key)
+            by_name[name].stored.add(key)
     cold = {"model_loads": 0, "disk_reads": 0, "misses": 0, "adapter_loads": 0}
     per_host = host.workers_per_host if host else 1
     hosts = [_Host(host.cores, host.interference) if host else _Host(float("inf"))

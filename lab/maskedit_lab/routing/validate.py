@@ -48,7 +48,7 @@ from maskedit_router.placement.features import EditFeatures, grid_tokens, mask_r
 from maskedit_router.placement.policies import POLICIES, Estimator
 
 from .. import REPO_ROOT
-from .validate_replay import HEADLINE, compare, plot, ranking, saturation_throughput
+from .validate_replay import HEADLINE, INTERFERENCE_OFFSET, compare, plot, ranking, saturation_throughput
 
 RESULTS = REPO_ROOT / "perf_profiles" / "results"
 # The health probe (an empty-mask edit) queues behind a burst in the instances' single pre-processing instance; on
@@ -56,6 +56,11 @@ RESULTS = REPO_ROOT / "perf_profiles" / "results"
 # and re-routed its requests, and the burst measured a tenth of its capacity. This run measures routing, not fault
 # detection: a probe gets 30 s.
 PROBE_TIMEOUT_S = 30.0
+
+
+# Probe templates far above the runs' (``template + 100 * k``, a few thousand): a run's "fresh" templates must not
+# be ones a calibration registered (base 900 collided: the replay models old files' collisions, ``held_before``).
+PROBE_TEMPLATES = 1_000_000
 
 
 def _model_dir() -> Path:
@@ -243,7 +248,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
     def warmed(warm) -> list[dict]:
         return [{"template": w.template, **feats(w), "instance": inst} for w, inst in warm]
     runs = []
-    probe = itertools.count(900)
+    probe = itertools.count(PROBE_TEMPLATES)
     with tempfile.TemporaryDirectory(prefix="maskedit-validate-") as tmp, \
             running_cluster(2, Path(out_dir or tmp), policy=policies[0], env=env,
                             health={"probe_timeout_s": PROBE_TIMEOUT_S}) as (router, url, servers):
@@ -254,7 +259,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
                 template = next(probe)
                 return {"store": _store_state(servers), "loadavg": list(os.getloadavg()),
                         **_calibrate(client, template, assets, est, res, steps),
-                        **_interference(direct, template + 1000, assets, steps)}
+                        **_interference(direct, template + INTERFERENCE_OFFSET, assets, steps)}
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
@@ -325,7 +330,8 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
             print(json.dumps({"writes": writes}), flush=True)
     return {"meta": {"model": "bench-flux-fill", "instances": 2, "denoise_threads": 1, "policy": policies[0],
                      "policies": [p for p in policies if p not in skipped], "skipped": skipped,
-                     "host_cores": os.cpu_count(), "loadavg_at_end": list(os.getloadavg()),
+                     "host_cores": os.cpu_count(), "probe_templates": PROBE_TEMPLATES,
+                     "loadavg_at_end": list(os.getloadavg()),
                      "steps": steps, "requests_per_load": requests, "templates": templates,
                      "workload": "public, Zipf 1.1", "calibration": calib, "calibrate_every": calibrate_every,
                      "profile": profile.name, "resolution": res,

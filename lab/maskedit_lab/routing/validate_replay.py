@@ -23,6 +23,11 @@ from maskedit_router.placement.policies import Estimator, Policy
 from .sim_cluster import HostModel, replay
 
 WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
+# The harness's probe templates: the j-th calibration registers template ``base + j`` through the router and its
+# interference probe ``base + j + INTERFERENCE_OFFSET`` on both instances directly. Files without
+# ``meta.probe_templates`` used base 900, which collided with runs' "fresh" templates (``template + 100 * k``).
+OLD_PROBE_BASE = 900
+INTERFERENCE_OFFSET = 1000
 
 
 @dataclass
@@ -104,6 +109,29 @@ def _replayed(meta: dict, run_: dict, key: str) -> tuple[list[tuple], list | Non
     return arrivals, masks, len(lead), routes
 
 
+def held_before(meta: dict, runs: list[dict], i: int) -> dict[str, list]:
+    """Worker name -> template keys of run ``i`` whose entries its instance already held, clean, before the run's
+    requests: templates the harness's probes registered (the calibrations up to run ``i``'s own) that the run
+    reuses. Only files whose probe numbering collides with run templates have any; a replay that starts every
+    run's stores empty simulates those templates' first requests as template runs where the real ones hit."""
+    base = meta.get("probe_templates", OLD_PROBE_BASE)
+    order = (runs[i].get("calibration") or meta.get("calibration") or {}).get("instances") or []
+    names = meta.get("backends") or [f"w{k}" for k in range(meta["instances"])]
+    if len(order) != len(names):
+        return {}
+    keys = {r["template"]: r["key"] for r in runs[i]["warmup"] + runs[i]["requests"] if r.get("key")}
+    taken = [meta.get("saturation", {}).get("calibration") or meta.get("calibration")] + \
+        [r.get("calibration") for r in runs[:i + 1] if not r.get("calibration_shared")]
+    held: dict[str, list] = {n: [] for n in names}
+    for j, calib in enumerate(c for c in taken if c):
+        routed = {p.get("instance") for p in calib.get("points", [])[:1]}
+        for template, where in ((base + j, routed), (base + j + INTERFERENCE_OFFSET, set(order))):
+            if template in keys:
+                for inst in where & set(order):
+                    held[names[order.index(inst)]].append(keys[template])
+    return {n: k for n, k in held.items() if k}
+
+
 class MeasuredRouting(Policy):
     """Sends each arrival where the measured run's router sent it: a replay with it checks the simulated instances
     and host alone, apart from how the simulated policy routes."""
@@ -179,6 +207,8 @@ def compare(measured: dict) -> list[dict]:
     tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
     scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
     kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
+    # Every replay starts from the entries its run found (``held_before``) unless told to start empty.
+    held = (lambda i: {}) if meta.get("replay_empty_stores") else (lambda i: held_before(meta, runs, i))  # noqa: E731
     rows = []
     base = {"workers": meta["instances"], "validation": True}
     if sat:
@@ -210,6 +240,8 @@ def compare(measured: dict) -> list[dict]:
             m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
                                             max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
+        in_order = np.array([r["latency_s"] for r in sorted(ok, key=lambda r: r["t"])])
+        m["p95_ci"], m["mean_ci"] = block_bootstrap_ci(in_order, _p95), block_bootstrap_ci(in_order, _mean)
         rows.append(m)
         arrivals, masks, n_lead, routes = _replayed(meta, run_, str(i))
         before = scaled(run_.get("calibration", meta["calibration"]))
@@ -228,7 +260,7 @@ def compare(measured: dict) -> list[dict]:
                              if m == "shared_cpu"]
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
-                         service=svc, host=host, masks=masks, policy=fixed, **kw)
+                         service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)
             done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
                     r["latency_s"] is not None]  # the requests measured: each against its own replay
             slat = np.array([q.done - q.arrival + outside_s for q in done])
@@ -241,6 +273,30 @@ def compare(measured: dict) -> list[dict]:
     return rows
 
 
+BLOCK = 20  # requests per bootstrap block: an arrival episode (a burst that queues) spans about this many
+
+
+def block_bootstrap_ci(lat: np.ndarray, stat, block: int = BLOCK, n: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> list[float]:
+    """Confidence interval of ``stat`` (a function of an array, along axis 1) over one run's latencies in arrival
+    order: a moving-block bootstrap (resamples of consecutive ``block``-request stretches), because requests that
+    arrive together queue together; an i.i.d. bootstrap would treat one slow episode's 20 requests as 20 independent
+    draws and give intervals 2-3x too narrow."""
+    lat = np.asarray(lat, float)
+    block = max(1, min(block, len(lat)))
+    starts = np.random.default_rng(seed).integers(0, len(lat) - block + 1, size=(n, -(-len(lat) // block)))
+    sample = lat[(starts[:, :, None] + np.arange(block)).reshape(n, -1)[:, :len(lat)]]
+    return [round(float(x), 3) for x in np.quantile(stat(sample), [(1 - level) / 2, (1 + level) / 2])]
+
+
+def _p95(a: np.ndarray) -> np.ndarray:
+    return np.percentile(a, 95, axis=-1)
+
+
+def _mean(a: np.ndarray) -> np.ndarray:
+    return a.mean(axis=-1)
+
+
 def _err(sim: float, measured: float) -> float:
     return round(abs(float(sim) - measured) / measured, 3)
 
@@ -250,9 +306,11 @@ HEADLINE = "shared_cpu_bracketed"
 
 def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) -> list[dict]:
     """Per load: the policies ordered by measured P95 and by simulated P95 (``model``), whether the orders agree
-    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair whose measured P95s
-    differ by more than ``tolerance`` (the simulator's own accuracy target) is ordered alike: a closer pair's order
-    is no claim either way."""
+    (Kendall's tau over the pairs: 1 when every pair is ordered alike), and whether every pair the measurement
+    itself tells apart is ordered alike: a pair is distinct when the block-bootstrap 95 % intervals of their
+    measured P95s (``p95_ci``) do not overlap; files without intervals fall back to P95s more than ``tolerance``
+    apart (the simulator's own accuracy target), which counts pairs well inside the measurement's noise (at 200
+    requests a run's P95 interval is +-15-60 %). An indistinguishable pair's order is no claim either way."""
     out = []
     for load in sorted({r["load"] for r in rows if r["load"] != "saturation"}):
         meas = {r["policy"]: r["p95_s"] for r in rows if r["load"] == load and r["model"] == "measured"}
@@ -262,12 +320,17 @@ def ranking(rows: list[dict], model: str = HEADLINE, tolerance: float = 0.15) ->
             continue
         pairs = [(a, b) for i, a in enumerate(ps) for b in ps[i + 1:]]
         alike = {(a, b): np.sign(meas[a] - meas[b]) == np.sign(sim[a] - sim[b]) for a, b in pairs}
-        distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
+        ci = {r["policy"]: r.get("p95_ci") for r in rows if r["load"] == load and r["model"] == "measured"}
+        if all(ci.get(p) for p in ps):
+            distinct = [(a, b) for a, b in pairs if ci[a][0] > ci[b][1] or ci[b][0] > ci[a][1]]
+        else:
+            distinct = [(a, b) for a, b in pairs if abs(meas[a] - meas[b]) > tolerance * min(meas[a], meas[b])]
         out.append({"load": load, "model": model, "measured": sorted(ps, key=meas.get),
                     "simulated": sorted(ps, key=sim.get),
                     "same_order": sorted(ps, key=meas.get) == sorted(ps, key=sim.get),
                     "kendall_tau": round((2 * sum(alike.values()) - len(pairs)) / len(pairs), 3),
                     "distinct_pairs": len(distinct), "distinct_pairs_alike": bool(all(alike[p] for p in distinct)),
+                    "distinct_pairs_misordered": [list(p) for p in distinct if not alike[p]],
                     "misordered": [list(p) for p in pairs if not alike[p]]})
     return out
 

@@ -358,3 +358,63 @@ def test_adapters_load_cold_once_per_worker_and_affinity_keeps_them_where_they_a
                 for i in range(96)]
     loads = {p: replay(p, 4, arrivals, e)["adapter_loads"] for p in ("round_robin", "predicted", "weighted")}
     assert loads["predicted"] < loads["round_robin"] / 2 and loads["weighted"] < loads["round_robin"] / 2, loads
+
+
+def test_a_replay_starts_from_the_entries_its_instances_already_held(est):
+    """A template registered on a worker before the replay (``held``) is a hit from the first request; without it
+    the same request is a template run (the negative control)."""
+    cold, = replay("round_robin", 1, [(0.0, f("x"))], est, names=["w0"])["requests"]
+    warm, = replay("round_robin", 1, [(0.0, f("x"))], est, names=["w0"], held={"w0": ["x"]})["requests"]
+    assert cold.records and not cold.cached
+    assert warm.cached and not warm.records and latency(warm) < latency(cold)
+    other, = replay("round_robin", 2, [(0.0, f("x"))], est, names=["w0", "w1"], held={"w1": ["x"]},
+                    policy_kw=None)["requests"]  # round_robin sends it to w0, which does not hold it
+    assert other.records
+
+
+def test_validation_replays_the_templates_its_probes_had_registered():
+    """The harness numbered the j-th calibration's probe template 900 + j (through the router) and its interference
+    template 1900 + j (on both instances directly), and a run's "fresh" templates (template + 100 * k) collided with
+    them: in router_validation.json p2c at 0.85 (templates 900-903) and least_masked_tokens at 0.5 (1900-1903)
+    found every template stored, where a replay from empty stores simulated four template runs."""
+    from maskedit_lab.routing.validate_replay import held_before
+
+    calib = lambda inst: {"instances": ["vm:1", "vm:2"], "points": [{"instance": inst}]}  # noqa: E731
+    run_ = lambda templates, c: {"warmup": [], "calibration": c,  # noqa: E731
+                                 "requests": [{"template": t, "key": f"k{t}"} for t in templates]}
+    meta = {"instances": 2, "backends": ["a:1", "b:2"], "saturation": {"calibration": calib("vm:2")}}
+    runs = [run_([100, 101], calib("vm:1")), run_([900, 901, 1901, 1902, 5], calib("vm:1")),
+            run_([902], calib("vm:1"))]
+    assert held_before(meta, runs, 0) == {}  # no collision: stores start empty as before
+    # calibration 0 (the burst's) ran on vm:2, 1 and 2 (runs 0 and 1) on vm:1; interference templates on both
+    assert held_before(meta, runs, 1) == {"a:1": ["k901", "k1901", "k1902"], "b:2": ["k900", "k1901", "k1902"]}
+    assert held_before(meta, runs, 2) == {"a:1": ["k902"]}  # this run's own calibration, before its requests
+    assert held_before({**meta, "probe_templates": 1_000_000}, runs, 1) == {}  # new files: disjoint numbering
+
+
+def test_block_bootstrap_widens_the_interval_of_a_run_with_one_slow_episode():
+    """20 consecutive slow requests (one arrival episode that queued) among 180 fast ones: their P95 interval by
+    blocks is wider than an i.i.d. bootstrap's, which treats them as 20 independent draws (block 1)."""
+    from maskedit_lab.routing.validate_replay import _p95, block_bootstrap_ci
+
+    lat = np.r_[np.full(90, 1.0), np.linspace(5.0, 10.0, 20), np.full(90, 1.0)]
+    lo, hi = block_bootstrap_ci(lat, _p95)
+    ilo, ihi = block_bootstrap_ci(lat, _p95, block=1)
+    assert lo <= np.percentile(lat, 95) <= hi and hi - lo > 2 * (ihi - ilo)
+
+
+def test_ranking_claims_only_pairs_the_measurement_tells_apart():
+    """Two policies 30 % apart in measured P95 but with overlapping bootstrap intervals are not a distinct pair
+    (the old 15 % rule counted them); a pair with disjoint intervals is, and its misorder is reported."""
+    from maskedit_lab.routing.validate_replay import ranking
+
+    row = lambda p, model, p95, ci=None: {"policy": p, "load": 0.7, "model": model, "p95_s": p95,  # noqa: E731
+                                         **({"p95_ci": ci} if ci else {})}
+    rows = [row("a", "measured", 4.0, [3.0, 6.0]), row("b", "measured", 5.2, [4.0, 8.0]),
+            row("c", "measured", 12.0, [9.0, 14.0]),
+            row("a", "sim", 5.0), row("b", "sim", 4.0), row("c", "sim", 3.0)]
+    (r,) = ranking(rows, model="sim")
+    assert r["distinct_pairs"] == 2 and not r["distinct_pairs_alike"]
+    assert sorted(r["distinct_pairs_misordered"]) == [["a", "c"], ["b", "c"]]
+    (old,) = ranking([{k: v for k, v in x.items() if k != "p95_ci"} for x in rows], model="sim")
+    assert old["distinct_pairs"] == 3  # the tolerance rule, for files without intervals
