@@ -262,6 +262,7 @@ class RunningRouter:
         if self.openai:
             self.openai.stop()
         self.server.stop(grace=5).wait(10)
+        self.router.backend_streams.close()
         if self.httpd:
             self.httpd.shutdown()
 
