@@ -41,7 +41,7 @@ from .backend import (FINAL, Backend, NoBackend, Ticket,  # noqa: F401 (tests us
                       _cancel_on_backend, backend_fault)
 from .forwarded_calls import ForwardedCalls, _timeout
 from .stamp import stamp
-from .stream_session import BackendStreams
+from .backend_streams import BackendStreams
 
 log = logging.getLogger("maskedit.router")
 
