@@ -1,7 +1,7 @@
 """The router: a ``GRPCInferenceService`` server that forwards every call to one backend Triton and relays
 every response back, so tritonclient and perf_analyzer work against it unchanged.
 
-Streams: the router keeps one stream per backend, shared by every client stream (``stream_session.BackendStreams``,
+Streams: the router keeps one stream per backend, shared by every client stream (``backend_streams.BackendStreams``,
 closed after a while with nothing on it); request ids are remapped to ids unique across the router and mapped back on
 the way out (error texts included). The router asks backends for the empty final
 response so it always knows when a request ended, and drops it again if the client did not ask for it.
