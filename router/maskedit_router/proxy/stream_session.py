@@ -1,7 +1,7 @@
 """One client stream through the router: its requests are forwarded on the router's one stream per backend, shared
-by every client stream (``backend_streams.BackendStreams``), their ids remapped to router-unique ids and mapped back (error texts too);
-a request with no response yet is retried elsewhere when its backend fails, one that has streamed is never replayed;
-the client going away cancels its requests on their backends (``backend_streams``: the shared streams).
+by every client stream (``backend_streams.BackendStreams``), their ids remapped to router-unique ids and mapped back
+(error texts too); a request with no response yet is retried elsewhere when its backend fails, one that has streamed
+is never replayed; the client going away cancels its requests on their backends.
 """
 
 from __future__ import annotations
