@@ -186,6 +186,9 @@ def parser() -> argparse.ArgumentParser:
                     help="client streams open at once on one client connection; more are refused at once")
     ap.add_argument("--stream-idle-timeout-s", type=float, default=StreamLimits.idle_timeout_s, help="a stream with "
                     "nothing in flight that sent nothing for this long is ended (UNAVAILABLE; 0: never)")
+    ap.add_argument("--backend-stream-idle-s", type=float, default=30.0, help="the router's stream to a backend "
+                    "(one, shared by every client stream) is closed after this long with nothing on it (0: as soon "
+                    "as nothing is, i.e. a stream per request when requests do not overlap)")
     ap.add_argument("--picker-max-streams", type=int, default=PICKER_LIMITS.max_streams, help="ext_proc streams "
                     "open at once on the endpoint picker (one connection may hold them all: Envoy multiplexes)")
     ap.add_argument("--picker-idle-timeout-s", type=float, default=PICKER_LIMITS.idle_timeout_s, help="an ext_proc "
@@ -262,6 +265,7 @@ class RunningRouter:
         if self.openai:
             self.openai.stop()
         self.server.stop(grace=5).wait(10)
+        self.router.backend_streams.close()
         if self.httpd:
             self.httpd.shutdown()
 
@@ -305,6 +309,7 @@ def start(args: argparse.Namespace, health: dict | None = None) -> RunningRouter
                    args.store_disk_templates, args.lora_load_ms, args.max_inflight, args.max_inflight_per_backend,
                    backend_key)
     keyring.metrics = router.metrics
+    router.backend_streams.idle_s = max(0.0, args.backend_stream_idle_s)
     if args.fair_share_slots > 0:
         router.fair = FairQueue(lambda: args.fair_share_slots * max(1, len(router.available())),
                                 args.fair_queue_wait_s, fair=not args.fifo_queue, on_wait=router.metrics.queue_wait,

@@ -47,6 +47,9 @@ class RouterMetrics:
         self.idle = Counter("maskedit_router_streams_idle_closed_total", "streams ended for sending nothing with "
                             "nothing in flight for the idle timeout, by port (router, picker, http)", ["port"],
                             registry=r)
+        self.backend_streams = Counter("maskedit_router_backend_streams_total", "the router's streams to its backends "
+                                       "(one per backend, shared by every client stream), by event: opened, "
+                                       "idle_closed, broken", ["backend", "event"], registry=r)
         self.stalls = Counter("maskedit_router_stalls_total", "times the router found it had itself been stopped "
                               "(SIGSTOP, a frozen host): its loops discount the gap", registry=r)
         self.stalled_seconds = Counter("maskedit_router_stalled_seconds_total", "seconds the router was stopped",
@@ -127,6 +130,9 @@ class RouterMetrics:
 
     def idle_closed(self, port: str) -> None:
         self.idle.labels(port).inc()
+
+    def backend_stream(self, backend: str, event: str) -> None:
+        self.backend_streams.labels(backend, event).inc()
 
     def refused_late(self, backend: str, where: str) -> None:
         self.refused_on_behalf.labels(backend, where).inc()

@@ -1,11 +1,11 @@
 """`make router-cpu` (`python -m maskedit_lab.routing.router_cpu`): the router's own CPU per request, stage by stage,
 in one process: reading a request off the wire (protobuf parse), its routing features (the mask decoded onto the
 token grid, the template's SHA-1), writing it to its backend (serialise), and the backend stream it goes on: one
-opened per request (as the router does when nothing of the client stream is in flight there) against one stream
-reused, to one emulated instance (``triton_emulator``, in its own process: only this side's CPU is counted, wall
-time per round trip beside it). Process CPU time
-(``time.process_time``), not latency: it moves little with the host's load, so before/after runs side by side on a
-shared host say something (the latencies of ``make router-scale`` need a quiet one).
+opened per request (as the router did before it kept one stream per backend, shared by its client streams) against
+one stream reused (as it does now), to one emulated instance (``triton_emulator``, in its own process: only this
+side's CPU is counted, wall time per round trip beside it). Process CPU time (``time.process_time``), not latency:
+it moves little with the host's load, so before/after runs side by side on a shared host say something (the
+latencies of ``make router-scale`` need a quiet one).
 
 Before/after in one run: ``features_box_grid`` is the features as read before the whole-cell reduction
 (``ANY_CELL_MAX = 0``: every mask through the BOX resize), ``features`` as shipped; both on the same requests.
@@ -91,7 +91,7 @@ def _nothing():
 
 def _round_trips(stub, reqs: list, reuse: bool) -> None:
     """Each request sent and its answer read, in turn: on one stream (``reuse``) or each on a stream of its own,
-    closed after its answer, as the router's ``_BackendStream`` (a reader thread each; gRPC adds its own)."""
+    closed after its answer, as the router's ``_BackendStream`` was (a reader thread each; gRPC adds its own)."""
     def stream():
         q: queue.Queue = queue.Queue()
         answered = threading.Event()

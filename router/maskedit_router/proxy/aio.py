@@ -202,7 +202,6 @@ class RouterService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield item
         finally:
             reader.cancel()
-            session.close()
 
     async def _read(self, request_iterator, session, clock: IdleClock) -> None:
         loop = asyncio.get_running_loop()

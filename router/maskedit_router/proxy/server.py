@@ -1,13 +1,14 @@
 """The router: a ``GRPCInferenceService`` server that forwards every call to one backend Triton and relays
 every response back, so tritonclient and perf_analyzer work against it unchanged.
 
-Streams: each client stream gets one stream per backend it uses; request ids are remapped to ids unique across
-the router and mapped back on the way out (error texts included). The router asks backends for the empty final
+Streams: the router keeps one stream per backend, shared by every client stream (``backend_streams.BackendStreams``,
+closed after a while with nothing on it); request ids are remapped to ids unique across the router and mapped back on
+the way out (error texts included). The router asks backends for the empty final
 response so it always knows when a request ended, and drops it again if the client did not ask for it.
 Reliability: a request that has had no response yet is retried on another backend when its backend's stream
 breaks, its backend is found unhealthy or answers that it cannot run requests (a dead stub); one that has streamed
 responses is never replayed and ends with a clear error. Cancelling the client
-stream cancels the backend streams and calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
+stream calls each backend's ``cancel`` model with the abandoned ids (Triton 2.51
 does not forward a cancel into an ensemble step). Bounded in-flight per backend and overall, and admission
 (``admission.py``): an edit goes only to a backend predicted to reach its admission check within the admission wait;
 when none would, or every backend is at its in-flight limit, it is refused at once with RESOURCE_EXHAUSTED; a
@@ -40,6 +41,7 @@ from .backend import (FINAL, Backend, NoBackend, Ticket,  # noqa: F401 (tests us
                       _cancel_on_backend, backend_fault)
 from .forwarded_calls import ForwardedCalls, _timeout
 from .stamp import stamp
+from .backend_streams import BackendStreams
 
 log = logging.getLogger("maskedit.router")
 
@@ -48,7 +50,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, addrs: list[str], policy: Policy, estimator: Estimator, metrics: RouterMetrics | None = None,
                  max_inflight_per_backend: int = 32, max_inflight: int = 256, template_ttl_s: float = 300.0,
                  resolution: int = 1024, admission_wait_s: float = 0.6, retry_budget_s: float = 30.0,
-                 backend_key: str | None = None):
+                 backend_key: str | None = None, backend_stream_idle_s: float = 30.0):
         self.backend_key = backend_key  # sent on every call to a backend (``backend_guard``); None: they are open
         self.admission = {"wait_s": admission_wait_s}  # 0: no admission in the router, each backend decides alone
         self.store_capacity = (16, 64)  # template entries in a backend's memory and disk tiers (its store's shadow)
@@ -67,6 +69,8 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         # retried with backoff for its DEADLINE_MS, else for retry_budget_s (0: failed at once, as before)
         self.retry_budget_s, self.backoff = retry_budget_s, Backoff()
         self.timer = Timer("router-retry")
+        # one stream per backend, shared by every client stream, closed after backend_stream_idle_s with nothing on it
+        self.backend_streams = BackendStreams(self, backend_stream_idle_s)
         # who may send how much (access.tenancy): per-key limits, and the fair queue in front of the backends
         # (None: off)
         self.quotas = Quotas()
@@ -80,6 +84,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         """``backend`` was found unhealthy while its streams may still be open (a stub that accepts requests and
         never answers): every stream request on it ends now, retried elsewhere if it had no response yet, else
         failed, exactly as if its stream had broken; its unary calls are retried elsewhere."""
+        self.backend_streams.drop(backend)
         for session in list(self._sessions):
             session.abandon(backend, why)
         with self._lock:

@@ -1,14 +1,13 @@
-"""One client stream through the router: its requests are forwarded on one stream per backend they use (opened on
-demand, closed when nothing of the client's is in flight there), their ids remapped to router-unique ids and mapped
-back (error texts too); a request with no response yet is retried elsewhere when its backend fails, one that has
-streamed is never replayed; the client going away cancels its requests on their backends.
+"""One client stream through the router: its requests are forwarded on the router's one stream per backend, shared
+by every client stream (``backend_streams.BackendStreams``), their ids remapped to router-unique ids and mapped back
+(error texts too); a request with no response yet is retried elsewhere when its backend fails, one that has streamed
+is never replayed; the client going away cancels its requests on their backends.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from ..access.auth import ANONYMOUS
 from ..access.tenancy import OverLimit, tag_request
 from ..placement.features import EditFeatures, deadline_s, edit_info, routing_features, set_deadline_ms
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
+from .backend_streams import _is_final, _response_id
 from .stamp import stamp
 
 if TYPE_CHECKING:
@@ -60,13 +60,12 @@ class _Held:
 
 
 class _StreamSession:
-    """One client stream: its backend streams, its in-flight requests, its output queue."""
+    """One client stream: its in-flight requests, its output queue."""
 
     def __init__(self, router: Router, context, out=None):
         self.r, self.context = router, context
         self.out = queue.Queue() if out is None else out  # anything with put(): the transport relays from it
         self.pending: dict[str, _Pending] = {}
-        self.streams: dict[str, _BackendStream] = {}
         self.lock = threading.Lock()
         self.reading = True
         self.retrying = 0  # requests waiting out a backoff (or in the fair queue) before being routed again
@@ -165,21 +164,16 @@ class _StreamSession:
         p.ticket = self.r.route(f, exclude=exclude, key=rid, on_expire=lambda: self.expire(rid), room_only=room_only)
         backend = p.ticket.backend
         with self.lock:
-            bs = self.streams.get(backend.addr)
-            if bs is None or bs.broken:
-                try:
-                    bs = _BackendStream(self, backend)
-                except Exception as e:  # its channel closed (just removed from the set), no thread to be had
-                    bs = None
-                    why = e
-                else:
-                    self.streams[backend.addr] = bs
-            if bs is not None:
-                self.pending[rid] = p  # (before the send: its answer may come at once)
-        if bs is None:  # as if no backend were up: retried later or answered now (``_send``), never left pending
+            self.pending[rid] = p  # (before the send: its answer may come at once)
+        try:
+            self.r.backend_streams.send(self, backend, p.request)
+        except Exception as e:  # its channel closed (just removed from the set), no thread to be had
+            with self.lock:
+                if self.pending.get(rid) is p:
+                    del self.pending[rid]
+            # as if no backend were up: retried later or answered now (``_send``), never left pending
             self.r.release(p.ticket, ok=False)
-            raise NoBackend(grpc.StatusCode.UNAVAILABLE, f"cannot open a stream to backend {backend.addr}: {why}")
-        bs.send(p.request)
+            raise NoBackend(grpc.StatusCode.UNAVAILABLE, f"cannot open a stream to backend {backend.addr}: {e}") from e
 
     def _elsewhere(self, p: _Pending, rid: str, backend: Backend, why: str = "refused") -> bool:
         """``backend`` refused ``p`` (RESOURCE_EXHAUSTED: its queue is full) before anything of it reached the
@@ -253,20 +247,16 @@ class _StreamSession:
             if not held.relayed:
                 self.out.put(_error(p.client_id, "INTERNAL: the router could not relay the backend's response"))
             self._end(p, "error")
-            self._retire(backend)
             self._maybe_finish()
 
     def _on_response(self, backend: Backend, resp, held: "_Held") -> None:
         if resp.error_message:  # Triton's own queue refusals read as the refusals they are
             resp.error_message = as_refusal(resp.error_message)
-        rid = resp.infer_response.id
-        if not rid and resp.error_message:
-            m = re.search(r"request id: ([\w-]+)", resp.error_message)
-            rid = m.group(1) if m else ""
+        rid = _response_id(resp)
         if backend_fault(resp.error_message):
             self.on_fault(backend, rid, resp.error_message)
             return
-        final = FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param
+        final = _is_final(resp)
         error = bool(resp.error_message)
         if final or error:
             self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
@@ -283,7 +273,6 @@ class _StreamSession:
             self.r.release(p.ticket, ok=False)
             released = held.released = True
             if self._elsewhere(p, rid, backend):  # its refusal is not relayed: another backend has it now
-                self._retire(backend)
                 return
         resp.infer_response.id = p.client_id
         if error:
@@ -299,18 +288,7 @@ class _StreamSession:
                 held.released = True  # once: a failure inside release must not release it again
                 self.r.release(p.ticket, ok=not error, info=info, temporal=p.temporal)
             self._end(p, "error" if error else "ok")
-            self._retire(backend)
             self._maybe_finish()
-
-    def _retire(self, backend: Backend) -> None:
-        """Close this session's stream to ``backend`` once nothing of it is in flight there: an idle client stream
-        then holds no backend stream and none of its threads (the next request opens a new one)."""
-        with self.lock:  # _send adds to pending and picks the stream under this lock: never a stream it is using
-            if any(q.ticket.backend is backend for q in self.pending.values()):
-                return
-            bs = self.streams.pop(backend.addr, None)
-        if bs is not None:
-            bs.close()
 
     def _waiting_on(self, backend: Backend, rid: str, take: bool) -> _Pending | None:
         """``rid``'s request if it is waiting on ``backend`` (taken off the pending set with ``take``); None for an
@@ -370,8 +348,14 @@ class _StreamSession:
     def on_broken(self, backend: Backend, exc) -> None:
         """The backend's stream failed: retry what never answered, fail what did (never replayed)."""
         backend.failed()
+        self.lose(backend, exc)
+
+    def lose(self, backend: Backend, exc, rids=None) -> None:
+        """This session's requests on ``backend`` (of them, ``rids``: those on a stream that broke, not one opened
+        since) end there: retried or failed (``_lost``)."""
         with self.lock:
-            lost = [(rid, p) for rid, p in self.pending.items() if p.ticket.backend is backend]
+            lost = [(rid, p) for rid, p in self.pending.items()
+                    if p.ticket.backend is backend and (rids is None or rid in rids)]
             for rid, _ in lost:
                 self.pending.pop(rid)
         for rid, p in lost:
@@ -379,13 +363,11 @@ class _StreamSession:
         self._maybe_finish()
 
     def abandon(self, backend: Backend, why: str) -> None:
-        """Stop waiting for ``backend`` (declared unhealthy): drop its stream, then handle its requests as lost."""
+        """Stop waiting for ``backend`` (declared unhealthy; ``Router.backend_down`` has dropped its stream): handle
+        this session's requests there as lost."""
         with self.lock:
-            bs = self.streams.get(backend.addr)
-            if bs is None or not any(p.ticket.backend is backend for p in self.pending.values()):
+            if not any(p.ticket.backend is backend for p in self.pending.values()):
                 return
-            bs.broken = True  # later sends open a new stream
-        bs.cancel()
         self.on_broken(backend, why)
 
     def on_client_gone(self) -> None:
@@ -398,9 +380,8 @@ class _StreamSession:
             self.r.release(p.ticket, ok=False)
             self._end(p, "cancelled")
         for backend, ids in by_backend.items():
+            self.r.backend_streams.forget(backend, ids)  # their answers (the cancel's) are no one's now
             _cancel_on_backend(backend, ids)
-        for bs in list(self.streams.values()):
-            bs.cancel()
         self.out.put(None)
 
     def busy(self) -> bool:
@@ -412,58 +393,6 @@ class _StreamSession:
             done = not self.reading and not self.pending and not self.retrying
         if done:
             self.out.put(None)
-
-    def close(self) -> None:
-        for bs in list(self.streams.values()):
-            bs.close()
-
-
-class _BackendStream:
-    """One stream to a backend for one client stream. However it ends, what of the session's was on it is answered:
-    an error status, a cancel the router did not ask for (its channel closed) or an end the backend chose while
-    requests were in flight all retry them elsewhere or fail them (``on_broken``); only the router's own ``cancel``
-    (the client went away, the backend was given up) and ``close`` (nothing of the session's was on it) do not."""
-
-    def __init__(self, session: _StreamSession, backend: Backend):
-        self.session, self.backend = session, backend
-        self.q: queue.Queue = queue.Queue()
-        self.broken = self.closed = self.cancelled = False
-        self.call = backend.stub.ModelStreamInfer(self._requests())
-        threading.Thread(target=self._consume, daemon=True, name=f"router-{backend.addr}").start()
-
-    def _requests(self):
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            yield item
-
-    def send(self, req) -> None:
-        self.q.put(req)
-
-    def _consume(self) -> None:
-        try:
-            for resp in self.call:
-                try:
-                    self.session.on_response(self.backend, resp)
-                except Exception:  # one bad response must not stop the stream's other requests (its own is answered)
-                    log.exception("could not relay a response from %s", self.backend.addr)
-            why = "the backend ended the stream"
-        except grpc.RpcError as e:
-            why = e.code().name
-        if self.cancelled or self.closed:  # the router's own doing: nothing of the session's waits on it
-            return
-        self.broken = True
-        self.session.on_broken(self.backend, why)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.q.put(None)
-        self.call.cancel()
-
-    def close(self) -> None:
-        self.closed = True
-        self.q.put(None)
 
 
 def _with_request_id(message: str, client_id: str) -> str:

@@ -15,7 +15,7 @@ from maskedit.cache.cost_model import CostModel
 from maskedit_client import EditClient, EditError
 from maskedit_router.placement.features import EditFeatures
 from maskedit_router.placement.policies import Estimator, make
-from maskedit_router.proxy import admission, server, stream_session
+from maskedit_router.proxy import admission, backend_streams, server, stream_session
 from maskedit_router.proxy.admission import AdmissionGauge, AdmissionWatcher
 
 EDIT = EditFeatures("t", 0.2, 256, 8)
@@ -318,7 +318,7 @@ def _session(router, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(backend_streams, "_BackendStream", _Stream)
     monkeypatch.setattr(stream_session, "routing_features", lambda req, resolution: EDIT)
     ctx = SimpleNamespace(add_callback=lambda cb: None, is_active=lambda: True)
     return stream_session._StreamSession(router, ctx), sent

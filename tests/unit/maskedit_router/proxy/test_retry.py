@@ -162,11 +162,11 @@ def test_an_endpoint_that_comes_back_within_the_deadline_serves_the_request():
 def session(monkeypatch):
     from maskedit_common.cost_model import CostModel
     from maskedit_router.placement.policies import Estimator, make
-    from maskedit_router.proxy import server, stream_session
+    from maskedit_router.proxy import backend_streams, server, stream_session
 
     from .test_server_faults import _Stream
 
-    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(backend_streams, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     est = Estimator(CostModel.fallback())
     router = server.Router(["a:1"], make("round_robin", est), est, retry_budget_s=1.0)

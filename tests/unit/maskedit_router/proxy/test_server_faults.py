@@ -12,7 +12,7 @@ from tritonclient.grpc import service_pb2
 
 from maskedit_common.cost_model import CostModel
 from maskedit_router.placement.policies import Estimator, make
-from maskedit_router.proxy import server, stream_session
+from maskedit_router.proxy import backend_streams, server, stream_session
 
 # Triton 2.51's answer for a request to a model whose stub died (the integration test checks the real text)
 DEAD_STUB = ("Failed to process the request(s) for model 'masked_denoise_0_0', message: "
@@ -39,7 +39,7 @@ class _Stream:
 
 @pytest.fixture
 def session(monkeypatch):
-    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(backend_streams, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     est = Estimator(CostModel.fallback())
     router = server.Router(["a:1", "b:2"], make("round_robin", est), est, retry_budget_s=0)  # test_retry: > 0

@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from maskedit_common.cost_model import CostModel
 from maskedit_router.placement.features import EditFeatures
 from maskedit_router.placement.policies import Estimator, make
-from maskedit_router.proxy import server, stream_session
+from maskedit_router.proxy import backend_streams, server, stream_session
 
 from .test_server_faults import _Stream
 
@@ -31,7 +31,7 @@ def _session(router, monkeypatch):
 
 
 def test_a_request_on_a_backend_removed_from_the_set_is_sent_to_another(monkeypatch):
-    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(backend_streams, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])  # (backend address, request id) of each send
     router = _router(["a:1", "b:2"], admission_wait_s=0)
     router.backends["b:2"].load.healthy = False
@@ -49,7 +49,7 @@ def test_a_stream_that_cannot_be_opened_answers_its_request(monkeypatch):
     def closed(session, backend):
         raise ValueError("Cannot invoke RPC on closed channel!")
 
-    monkeypatch.setattr(stream_session, "_BackendStream", closed)
+    monkeypatch.setattr(backend_streams, "_BackendStream", closed)
     router = _router(["a:1"], retry_budget_s=0, admission_wait_s=0)
     session = _session(router, monkeypatch)
     session.submit(service_pb2.ModelInferRequest(model_name="edit", id="mine"))
@@ -101,7 +101,7 @@ def test_a_response_the_router_cannot_relay_still_answers_its_request(monkeypatc
     answer had reached the client before the failure (it asked for the empty final response), it gets no second."""
     from .test_server_faults import _response
 
-    monkeypatch.setattr(stream_session, "_BackendStream", _Stream)
+    monkeypatch.setattr(backend_streams, "_BackendStream", _Stream)
     monkeypatch.setattr(_Stream, "sent", [])
     router = _router(["a:1"], admission_wait_s=0)
     session = _session(router, monkeypatch)
