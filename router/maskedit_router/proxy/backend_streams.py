@@ -50,10 +50,10 @@ class BackendStreams:
     def dispatch(self, bs: "_Shared", resp) -> None:
         """``resp`` came on ``bs``: relay it through its request's session. A fault answer no session owns (no
         request id) still takes the backend out of rotation."""
-        rid = _response_id(resp)
+        rid = response_id(resp)
         with self.lock:
             session = bs.owners.get(rid)
-            if session is not None and (_is_final(resp) or resp.error_message):
+            if session is not None and (is_final(resp) or resp.error_message):
                 del bs.owners[rid]
                 self._idle(bs)
         if session is not None:
@@ -195,7 +195,7 @@ class _BackendStream:
         self.q.put(None)
 
 
-def _response_id(resp) -> str:
+def response_id(resp) -> str:
     """The router-unique id a backend response answers (an error may carry it only in its text)."""
     rid = resp.infer_response.id
     if not rid and resp.error_message:
@@ -204,5 +204,5 @@ def _response_id(resp) -> str:
     return rid
 
 
-def _is_final(resp) -> bool:
+def is_final(resp) -> bool:
     return FINAL in resp.infer_response.parameters and resp.infer_response.parameters[FINAL].bool_param

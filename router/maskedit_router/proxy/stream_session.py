@@ -22,7 +22,7 @@ from ..access.auth import ANONYMOUS
 from ..access.tenancy import OverLimit, tag_request
 from ..placement.features import EditFeatures, deadline_s, edit_info, routing_features, set_deadline_ms
 from .backend import EMPTY_FINAL, FINAL, Backend, NoBackend, Ticket, _cancel_on_backend, backend_fault
-from .backend_streams import _is_final, _response_id
+from .backend_streams import is_final, response_id
 from .stamp import stamp
 
 if TYPE_CHECKING:
@@ -252,11 +252,11 @@ class _StreamSession:
     def _on_response(self, backend: Backend, resp, held: "_Held") -> None:
         if resp.error_message:  # Triton's own queue refusals read as the refusals they are
             resp.error_message = as_refusal(resp.error_message)
-        rid = _response_id(resp)
+        rid = response_id(resp)
         if backend_fault(resp.error_message):
             self.on_fault(backend, rid, resp.error_message)
             return
-        final = _is_final(resp)
+        final = is_final(resp)
         error = bool(resp.error_message)
         if final or error:
             self.r.answered(backend, rid, resp.error_message)  # done with it (also one the router refused meanwhile)
