@@ -54,7 +54,16 @@ class HostModel:
     Each CPU task runs at full speed while the host has at least as many cores as runnable tasks, else all slow
     down alike (processor sharing). Tasks on different cores still slow each other (shared memory bandwidth and
     caches, the instances' helper threads): with k cores busy every task runs ``1 + interference * (k - 1)`` times
-    slower. Each worker has one pre-processing and one decoding instance, so a worker's pre/post work queues FIFO
+    slower. How much depends on what the steps read: a cached request's step streams its entry's activations from
+    host memory, so two steps that each carry a full batch of cached requests contend far more than two batch-1
+    steps (the validation measured 1.2-1.5x the batch-1 slowdown there, and none when either side ran batch 1).
+    ``interference_full`` is that pair's figure; a pair of steps with ``a`` and ``b`` cached requests gets
+    ``interference + (interference_full - interference) * fill(a) * fill(b)``, ``fill(n) = (n - 1) / (max_batch - 1)``
+    clipped to [0, 1] (pre/post-processing and writes read no entry: fill 0), and the host's figure is the mean over
+    its busy pairs. None: the batch-1 figure for every pair (files calibrated before the full-batch probe).
+    ``background``: CPU the host spent on work outside the workers, as (from second, cores busy) steps (a measured
+    run's ``HostSampler`` record); it competes for the cores like that many more runnable tasks.
+    Each worker has one pre-processing and one decoding instance, so a worker's pre/post work queues FIFO
     (as Triton's single ``preprocess`` / ``vae_decode`` instances do). Entry writes (a template run's, a heal's)
     are CPU tasks too, started when the request leaves the batch."""
 
@@ -65,24 +74,42 @@ class HostModel:
     interference: float = 0.0
     record_ms: float = 0.0  # CPU of writing a template run's entry (in the background, as it finishes)
     heal_ms: float = 0.0  # and of a heal's rewrite
+    interference_full: float | None = None  # two full batches of cached requests, one on each of two cores
+    background: tuple[tuple[float, float], ...] = ()  # (from second, foreign cores busy), in time order
 
 
 class _Host:
-    """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done]."""
+    """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done, fill] where
+    fill (0-1) is how full of cached requests a denoise step is (``HostModel``)."""
 
-    def __init__(self, cores: float, interference: float = 0.0):
+    def __init__(self, cores: float, interference: float = 0.0, interference_full: float | None = None):
         self.cores, self.interference, self.tasks, self.last, self.token = cores, interference, [], 0.0, 0
+        self.interference_full = interference_full
+        self.background = 0.0  # cores busy with work outside the workers (``HostModel.background``)
+
+    def pair_interference(self) -> float:
+        if self.interference_full is None or len(self.tasks) < 2:
+            return self.interference
+        fill = [t[2] for t in self.tasks]
+        n = len(fill)
+        pairs = (sum(fill) ** 2 - sum(f * f for f in fill)) / 2  # sum over pairs of fill_a * fill_b
+        return self.interference + (self.interference_full - self.interference) * pairs / (n * (n - 1) / 2)
 
     def rate(self) -> float:
-        n = len(self.tasks)
+        n = len(self.tasks) + self.background
         share = 1.0 if n <= self.cores else self.cores / n
-        return share / (1.0 + self.interference * max(0.0, min(n, self.cores) - 1))
+        return share / (1.0 + self.pair_interference() * max(0.0, min(n, self.cores) - 1))
 
     def advance(self, now: float) -> None:
         done = (now - self.last) * 1000.0 * self.rate()
         for t in self.tasks:
             t[0] -= done
         self.last = now
+
+
+def batch_fill(cached: int, max_batch: int) -> float:
+    """How full of cached requests a step is, for ``HostModel``'s interference: 0 at one, 1 at ``max_batch``."""
+    return min(1.0, max(0.0, (cached - 1) / max(1, max_batch - 1)))
 
 
 @dataclass
@@ -228,7 +255,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             by_name[name].stored.add(key)
     cold = {"model_loads": 0, "disk_reads": 0, "misses": 0, "adapter_loads": 0}
     per_host = host.workers_per_host if host else 1
-    hosts = [_Host(host.cores, host.interference) if host else _Host(float("inf"))
+    hosts = [_Host(host.cores, host.interference, host.interference_full) if host else _Host(float("inf"))
              for _ in range(-(-workers // per_host))]
     for i, w in enumerate(ws):
         w.host = hosts[i // per_host]
@@ -247,9 +274,14 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             token = h.token
             at(now + max(0.0, min(t[0] for t in h.tasks)) / (1000.0 * h.rate()), lambda t: host_event(h, token, t))
 
-    def run_on(h: _Host, now: float, work_ms: float, on_done) -> None:
+    def run_on(h: _Host, now: float, work_ms: float, on_done, fill: float = 0.0) -> None:
         h.advance(now)
-        h.tasks.append([work_ms, on_done])
+        h.tasks.append([work_ms, on_done, fill])
+        reschedule(h, now)
+
+    def set_background(h: _Host, cores: float, now: float) -> None:
+        h.advance(now)
+        h.background = cores
         reschedule(h, now)
 
     def host_event(h: _Host, token: int, now: float) -> None:
@@ -328,7 +360,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             # one packed transformer call per step: its cached requests' fixed per-block cost is paid once
             shared = shared_ms * max(0, sum(q.cached for q in w.running) - 1)
             run_on(w.host, now, step_fixed_ms + extra + sum(q.step_ms for q in w.running) - shared,
-                   lambda t: step_done(w, t))
+                   lambda t: step_done(w, t), batch_fill(sum(q.cached for q in w.running), max_batch))
 
     def step_done(w: Worker, now: float) -> None:
         for q in list(w.running):
@@ -372,6 +404,9 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         else:
             enqueue(w, q, now)
 
+    for t, cores in (host.background if host else ()):
+        for h in hosts:
+            at(t, (lambda h, cores: lambda now: set_background(h, cores, now))(h, cores))
     for i, (t, f) in enumerate(arrivals):
         q = SimRequest(i, t, f, mask=None if masks is None or masks[i] is None else np.asarray(masks[i], bool))
         at(t, (lambda q: lambda now: arrive(q, now))(q))

@@ -105,12 +105,21 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
             "outside_s": statistics.median(outside), "probes": len(probes), "points": points, "key": key}
 
 
+FULL_BATCH = 4  # the engine's max batch: the full-batch interference probe sends this many per instance at once
+
+
 def _interference(direct: list, template: int, assets, steps: int) -> dict:
     """How much two denoise loops on this host slow each other beyond sharing its cores (memory bandwidth,
     caches, each instance's loader/writer threads): the same work on both instances at once, each addressed
     directly (not through the router), against the same work alone on one. A registration on both at once, then
     per mask ratio a hit alone on the first instance and the same hit on both at once. ``interference`` is the
-    median of (denoise time with both busy) / (alone) - 1; every point is kept."""
+    median of (denoise time with both busy) / (alone) - 1; every point is kept.
+
+    Then full batches: ``FULL_BATCH`` hits sent at once to the first instance alone, then as many to each instance
+    at once. A cached request streams its entry's activations from host memory, so two full batches contend more
+    than two single requests (``sim_cluster.HostModel.interference_full``). ``interference_full`` is (mean denoise
+    time with both busy) / (alone) - 1. The batch fills as pre-processing hands the requests over (one at a time,
+    alike in both phases), so this is a lower bound of the full-batch figure."""
     from concurrent.futures import ThreadPoolExecutor
 
     from loadgen import workload
@@ -134,7 +143,20 @@ def _interference(direct: list, template: int, assets, steps: int) -> dict:
             pair = both(lambda c: c.submit(img, m, q.prompt, seed=q.seed, steps=steps).result(600))
             points.append({"mask_ratio": r, "alone_s": alone, "both_s": pair})
     ratios = [statistics.mean(p["both_s"]) / p["alone_s"] for p in points]
+    batch = [workload.Request(0.0, template, 0.2, "blob", "interference", seed=10 + i) for i in range(FULL_BATCH)]
+    masks = [assets.mask(q) for q in batch]
+
+    def full_batch(client) -> list[float]:
+        futures = [client.submit(img, m, q.prompt, seed=q.seed, steps=steps) for q, m in zip(batch, masks)]
+        return [f.result(600).info["denoise_s"] for f in futures]
+
+    alone_full = full_batch(direct[0])
+    with ThreadPoolExecutor(len(direct)) as pool:
+        both_full = list(pool.map(full_batch, direct))
+    full = {"batch": FULL_BATCH, "mask_ratio": 0.2, "alone_s": alone_full, "both_s": both_full}
+    ratio_full = statistics.mean(x for b in both_full for x in b) / statistics.mean(alone_full)
     return {"interference": max(0.0, statistics.median(ratios) - 1.0), "interference_points": points,
+            "interference_full": max(0.0, ratio_full - 1.0), "interference_full_point": full,
             "instances": instances}
 
 
@@ -225,6 +247,7 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
     from maskedit_router.placement.policies import make
 
     from ..harness.cluster import running_cluster
+    from ..harness.host_sampler import HostSampler
 
     model_dir = _model_dir()
     settings = load_settings({"MASKEDIT_MODEL_DIR": str(model_dir)})
@@ -254,12 +277,25 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
                             health={"probe_timeout_s": PROBE_TIMEOUT_S}) as (router, url, servers):
         with EditClient(url) as client, contextlib.ExitStack() as stack:
             direct = [stack.enter_context(EditClient(s.grpc_url)) for s in servers]
+            # the instances' process trees are what the simulator models; the rest of the host's CPU (this
+            # harness, the router, anything else) is recorded beside each run
+            host = stack.enter_context(HostSampler(lambda: [s.proc.pid for s in servers if s.proc]))
+
+            def measured(reqs) -> tuple:
+                """``lg.run`` with the host's samples over it (``t`` from the run's start, as its arrivals)."""
+                t0 = time.monotonic()
+                records, wall = lg.run(client, reqs, assets, progress=True)
+                return records, wall, host.between(t0, time.monotonic())
 
             def calibrate() -> dict:
                 template = next(probe)
-                return {"store": _store_state(servers), "loadavg": list(os.getloadavg()),
-                        **_calibrate(client, template, assets, est, res, steps),
-                        **_interference(direct, template + INTERFERENCE_OFFSET, assets, steps)}
+                t0 = time.monotonic()
+                out = {"store": _store_state(servers), "loadavg": list(os.getloadavg()),
+                       **_calibrate(client, template, assets, est, res, steps),
+                       **_interference(direct, template + INTERFERENCE_OFFSET, assets, steps)}
+                # the CPU outside the instances while calibrating: its speed ratios already include this much
+                foreign = [x["foreign_cores"] for x in host.between(t0, time.monotonic())]
+                return {**out, "foreign_cores": statistics.mean(foreign) if foreign else 0.0}
 
             def router_model() -> dict:
                 """The router's online fit when a run starts: the simulated router starts from the same."""
@@ -276,9 +312,9 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
             t0 = time.monotonic()
             warm = _warm(client, assets, sat)
             warmup_s = time.monotonic() - t0
-            records, wall = lg.run(client, sat, assets, progress=True)
+            records, wall, sat_host = measured(sat)
             capacity = saturation_throughput([r.done_s for r in records if r.error is None])
-            saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib,
+            saturation = {"throughput": capacity, "wall_s": round(wall, 2), "calibration": calib, "host": sat_host,
                           "policy": policies[0], "router_model": sat_model, "warmup": warmed(warm),
                           "requests": [{"t": 0.0, "template": r.template, **feats(r), "done_s": rec.done_s,
                                         "cache_hit": rec.cache_hit, "error": rec.error, **rec.extra}
@@ -310,9 +346,9 @@ def run(loads=(0.5, 0.7, 0.85), requests: int = 200, templates: int = 4, policie
                         shared = False
                     else:
                         shared = True
-                    records, wall = lg.run(client, reqs, assets, progress=True)
+                    records, wall, run_host = measured(reqs)
                     runs.append({
-                        "policy": policy, "load": load, "rate": rate, "wall_s": round(wall, 2),
+                        "policy": policy, "load": load, "rate": rate, "wall_s": round(wall, 2), "host": run_host,
                         "calibration": run_calib, "calibration_shared": shared, "router_model": model_at_start,
                         "warmup": warmed(warm),
                         "requests": [{"t": r.t, "template": r.template, **feats(r),

@@ -4,7 +4,10 @@ and compare simulated with measured P50/P95 and saturation throughput. A row per
 "plain" (workers only denoise, at the speed measured alone; pre/post-processing adds its measured time),
 "shared_cpu" (both instances' denoise loops and their single pre-processing and decoding instances share the
 host's cores: ``sim_cluster.HostModel``), both with the calibration before the run; "shared_cpu_bracketed" (the
-headline) with the mean of the calibrations before and after it, "shared_cpu_calibrated_after" with the one after.
+headline) with the mean of the calibrations before and after it, "shared_cpu_calibrated_after" with the one after;
+"shared_cpu_bracketed_host_load" (runs measured with ``HostSampler``) the headline plus the CPU the host spent
+outside the two instances during the run (the harness, the router, anything else), so a disturbance the instances
+did not cause is told apart from a modelling error.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ def saturation_throughput(done_s: list[float]) -> float:
     return (b - a) / (t[b] - t[a])
 
 
+def background(samples: list[dict], calibrated: float = 0.0) -> tuple[tuple[float, float], ...]:
+    """A run's ``HostSampler`` record as ``HostModel.background`` steps: each sample's foreign CPU from the sample
+    before it (a sample covers the interval up to its ``t``), less ``calibrated``, the foreign CPU the calibration
+    was measured under (its speed ratios include that much already; never below 0)."""
+    return tuple((prev, max(0.0, s["foreign_cores"] - calibrated)) for prev, s in
+                 zip([samples[0]["t"] - 1.0] + [s["t"] for s in samples[:-1]], samples)) if samples else ()
+
+
 def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
     """(name, service estimator, host model, seconds added outside denoising) per simulator variant."""
     service = ScaledEstimator(cost, hit_scale=calib["hit_scale"], miss_scale=calib["miss_scale"])
@@ -57,6 +68,7 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
     outside_ms = calib["outside_s"] * 1000
     host = HostModel(cores=meta.get("host_cores", 2), workers_per_host=meta["instances"], pre_ms=outside_ms / 2,
                      post_ms=outside_ms / 2, interference=calib.get("interference", 0.0),
+                     interference_full=calib.get("interference_full"),
                      record_ms=meta.get("writes", {}).get("record_ms", 0.0),
                      heal_ms=meta.get("writes", {}).get("heal_ms", 0.0))
     return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
@@ -65,7 +77,7 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
 def bracketed(before: dict, after: dict) -> dict:
     """The host's speed over a run from the calibrations on either side of it: their mean (the speed at the run's
     middle if it drifted steadily)."""
-    keys = ("hit_scale", "miss_scale", "outside_s", "interference")
+    keys = ("hit_scale", "miss_scale", "outside_s", "interference", "interference_full", "foreign_cores")
     return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
 
 
@@ -258,6 +270,11 @@ def compare(measured: dict) -> list[dict]:
                 variants += [(f"{m}_bracketed_measured_routing", svc, host, out, MeasuredRouting(routes))
                              for m, svc, host, out in _variants(meta, bracketed(before, after), cost)
                              if m == "shared_cpu"]
+            if run_.get("host"):  # the headline with the CPU the host spent outside the instances during the run
+                mid = bracketed(before, after)
+                steps_ = background(run_["host"], mid.get("foreign_cores", 0.0))
+                variants += [(f"{m}_bracketed_host_load", svc, replace(host, background=steps_), out, None)
+                             for m, svc, host, out in _variants(meta, mid, cost) if m == "shared_cpu"]
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
                          service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)

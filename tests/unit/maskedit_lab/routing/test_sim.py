@@ -189,6 +189,11 @@ def test_validation_brackets_each_run_with_the_calibration_after_it():
     assert last["shared_cpu"]["p50_s"] == pytest.approx(last["shared_cpu_calibrated_after"]["p50_s"])
     older = compare({"meta": meta, "runs": [run_(0.5, before)]})  # no calibration after the last run
     assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
+    # a run with the host's samples: the headline again with its foreign CPU, which only slows it
+    busy = {**run_(0.5, before), "host": [{"t": float(t), "foreign_cores": 2.0} for t in range(1, 400)]}
+    with_host = {r["model"]: r for r in compare({"meta": {**meta, "final_calibration": after}, "runs": [busy]})
+                 if r["load"] == 0.5}
+    assert with_host["shared_cpu_bracketed_host_load"]["p50_s"] > with_host["shared_cpu_bracketed"]["p50_s"]
 
 
 def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with():
@@ -418,3 +423,56 @@ def test_ranking_claims_only_pairs_the_measurement_tells_apart():
     assert sorted(r["distinct_pairs_misordered"]) == [["a", "c"], ["b", "c"]]
     (old,) = ranking([{k: v for k, v in x.items() if k != "p95_ci"} for x in rows], model="sim")
     assert old["distinct_pairs"] == 3  # the tolerance rule, for files without intervals
+
+
+def _full_batches(est, host, workers=2, batch=4):
+    """``batch`` cached requests on each worker's own template, all at once (round robin: a, b, a, b, ...)."""
+    arr = [(0.0, f(t)) for _ in range(batch) for t in "ab"[:workers]]
+    held = {"w0": ["a"], "w1": ["b"]} if workers == 2 else {"w0": ["a"]}
+    return replay("round_robin", workers, arr, est, host=host, held=held)["requests"]
+
+
+def test_a_hosts_interference_is_the_mean_over_its_busy_pairs_of_their_fill():
+    from maskedit_lab.routing.sim_cluster import _Host, batch_fill
+
+    assert [batch_fill(n, 4) for n in (0, 1, 2, 4, 6)] == pytest.approx([0, 0, 1 / 3, 1, 1])
+    h = _Host(2, interference=0.1, interference_full=0.5)
+    for fills, expected in (((1.0, 1.0), 0.5), ((1.0, 0.0), 0.1), ((0.0, 0.0), 0.1), ((0.5, 0.5), 0.2),
+                            ((1.0, 1.0, 0.0), 0.1 + 0.4 / 3), ((1.0,), 0.1)):
+        h.tasks = [[1.0, None, x] for x in fills]
+        assert h.pair_interference() == pytest.approx(expected)
+    h.interference_full = None  # older calibrations: the batch-1 figure whatever the fill
+    h.tasks = [[1.0, None, 1.0], [1.0, None, 1.0]]
+    assert h.pair_interference() == 0.1
+
+
+def test_full_batches_of_cached_requests_interfere_more_than_single_requests(est):
+    alone = [latency(q) for q in _full_batches(est, HostModel(2, 1, 0.0, 0.0, interference=0.1,
+                                                                 interference_full=0.5), workers=1)]
+    assert all(q.cached for q in _full_batches(est, HostModel(2, 2, 0.0, 0.0)))
+    old = _full_batches(est, HostModel(2, 2, 0.0, 0.0, interference=0.1))[0::2]  # worker 0's, as ``alone``
+    for q, a in zip(old, alone):  # without the full-batch figure (older calibrations): the batch-1 figure
+        assert latency(q) == pytest.approx(1.1 * a)
+    full = _full_batches(est, HostModel(2, 2, 0.0, 0.0, interference=0.1, interference_full=0.5))[0::2]
+    for q, a in zip(full, alone):  # one request in the first step (the rest join at its end), fewer at the end
+        assert 1.2 * a < latency(q) < 1.5 * a
+
+
+def test_single_requests_interfere_by_the_batch_1_figure_whatever_the_full_batch_figure(est):
+    one = latency(_full_batches(est, HostModel(2, 1, 0.0, 0.0), workers=1, batch=1)[0])
+    for full_figure in (None, 0.5, 2.0):
+        for q in _full_batches(est, HostModel(2, 2, 0.0, 0.0, interference=0.1, interference_full=full_figure),
+                               batch=1):
+            assert latency(q) == pytest.approx(1.1 * one)
+
+
+def test_foreign_cpu_on_the_host_takes_its_share_of_the_cores(est):
+    arr = [(0.0, f("a"))]
+    alone = latency(replay("round_robin", 1, arr, est, host=HostModel(1, 1, 0.0, 0.0))["requests"][0])
+    busy = HostModel(1, 1, 0.0, 0.0, background=((0.0, 1.0),))  # one foreign core's worth on a 1-core host
+    assert latency(replay("round_robin", 1, arr, est, host=busy)["requests"][0]) == pytest.approx(2 * alone)
+    spare = HostModel(2, 1, 0.0, 0.0, background=((0.0, 1.0),))  # a core to spare: no slower (no interference)
+    assert latency(replay("round_robin", 1, arr, est, host=spare)["requests"][0]) == pytest.approx(alone)
+    # foreign work from halfway: the second half at half speed
+    late = HostModel(1, 1, 0.0, 0.0, background=((0.0, 0.0), (alone / 2, 1.0)))
+    assert latency(replay("round_robin", 1, arr, est, host=late)["requests"][0]) == pytest.approx(1.5 * alone)

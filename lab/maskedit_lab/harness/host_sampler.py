@@ -1,0 +1,98 @@
+"""What a benchmark's host is doing besides the benchmark: CPU busy on the whole host against the CPU of the
+processes under test, once a second, in a background thread.
+
+A measurement on a shared 2-core host drifts with whatever else runs (another job, the harness itself, memory
+pressure). The validation replays its runs in a simulator that models only the instances; recording the rest lets
+a replay feed it in (``foreign_cores``) and lets a reader tell a modelling error from a disturbance."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+
+def _vmstat(name: str) -> int | None:
+    """A counter from /proc/vmstat (Linux only; None elsewhere)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                k, v = line.split()
+                if k == name:
+                    return int(v)
+    except OSError:
+        return None
+    return None
+
+
+class HostSampler:
+    """Samples every ``interval_s``: ``busy_cores`` (the host's CPU in use, in cores), ``tested_cores`` (the CPU of
+    the processes ``pids()`` names and all their descendants), ``foreign_cores`` (the difference: everything the
+    processes under test did not use, this harness included), major page faults and swap pages per second, and
+    memory available. ``t`` is ``time.monotonic()`` at the sample's end; each sample covers the interval before it."""
+
+    def __init__(self, pids: Callable[[], list[int]], interval_s: float = 1.0):
+        self.pids, self.interval_s = pids, interval_s
+        self.samples: list[dict] = []
+        self._procs: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="host-sampler", daemon=True)
+
+    def __enter__(self) -> HostSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval_s)
+
+    def _tested_cpu_s(self) -> float:
+        """User + system CPU so far of the tested processes' trees. A process that exits between two samples takes
+        its last interval's CPU with it (rare: a stub restart)."""
+        live: dict[int, psutil.Process] = {}
+        for pid in self.pids():
+            try:
+                root = self._procs.get(pid) or psutil.Process(pid)
+                live[pid] = root
+                for c in root.children(recursive=True):
+                    live[c.pid] = self._procs.get(c.pid) or c
+            except psutil.Error:
+                continue
+        self._procs = live
+        total = 0.0
+        for p in live.values():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                continue
+        return total
+
+    @staticmethod
+    def _busy_s() -> float:
+        t = psutil.cpu_times()._asdict()  # guest time is already inside user on Linux: not added twice
+        return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    def _read(self) -> tuple:
+        swap = psutil.swap_memory()
+        return (time.monotonic(), self._busy_s(), self._tested_cpu_s(), _vmstat("pgmajfault"), swap.sin + swap.sout)
+
+    def _loop(self) -> None:
+        prev = self._read()
+        while not self._stop.wait(self.interval_s):
+            cur = self._read()
+            dt = cur[0] - prev[0]
+            busy, tested = (cur[1] - prev[1]) / dt, (cur[2] - prev[2]) / dt
+            self.samples.append({
+                "t": cur[0], "busy_cores": round(busy, 3), "tested_cores": round(tested, 3),
+                "foreign_cores": round(max(0.0, busy - tested), 3),
+                "majfault_per_s": None if cur[3] is None or prev[3] is None else round((cur[3] - prev[3]) / dt, 1),
+                "swap_bytes_per_s": round((cur[4] - prev[4]) / dt),
+                "mem_available_gib": round(psutil.virtual_memory().available / 2**30, 2)})
+            prev = cur
+
+    def between(self, start: float, end: float) -> list[dict]:
+        """The samples taken in [start, end] (monotonic seconds), ``t`` made relative to ``start``."""
+        return [{**s, "t": round(s["t"] - start, 3)} for s in list(self.samples) if start <= s["t"] <= end]
