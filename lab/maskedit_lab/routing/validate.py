@@ -410,7 +410,7 @@ def main(argv=None) -> None:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                           if k in ("policy", "load", "rate", "model", "p50_s", "p95_s", "p95_error", "p50_error", "mean_error",
                                    "errors", "cache_hits", "throughput", "throughput_error", "computed_over_mask",
-                                   "heals", "misses")}))
+                                   "heals", "misses", "foreign_cores_mean", "foreign_cores_max", "worst_window")}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"

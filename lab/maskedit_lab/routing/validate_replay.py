@@ -252,6 +252,10 @@ def compare(measured: dict) -> list[dict]:
             m["computed_over_mask"] = round(sum(r["computed_tokens"] for r in hits) /
                                             max(1.0, sum(r["mask_ratio"] * r["tokens"] for r in hits)), 3)
             m["heals"] = sum(bool(r.get("healed_tokens")) for r in ok)
+        if run_.get("host"):  # what the host did besides the instances over the run (``HostSampler``)
+            foreign = np.array([x["foreign_cores"] for x in run_["host"]])
+            m["foreign_cores_mean"], m["foreign_cores_max"] = round(float(foreign.mean()), 3), float(foreign.max())
+            m["tested_cores_mean"] = round(float(np.mean([x["tested_cores"] for x in run_["host"]])), 3)
         in_order = np.array([r["latency_s"] for r in sorted(ok, key=lambda r: r["t"])])
         m["p95_ci"], m["mean_ci"] = block_bootstrap_ci(in_order, _p95), block_bootstrap_ci(in_order, _mean)
         rows.append(m)
@@ -281,6 +285,8 @@ def compare(measured: dict) -> list[dict]:
             done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
                     r["latency_s"] is not None]  # the requests measured: each against its own replay
             slat = np.array([q.done - q.arrival + outside_s for q in done])
+            if model == f"{HEADLINE}_measured_routing":
+                m["worst_window"] = worst_window(run_, sim["requests"][n_lead:])
             rows.append({**b, "simulated": True, "model": model, "p50_s": float(np.percentile(slat, 50)),
                          "p95_s": float(np.percentile(slat, 95)), "mean_s": float(slat.mean()),
                          "requests": len(done), "p95_error": _err(np.percentile(slat, 95), m["p95_s"]),
@@ -288,6 +294,35 @@ def compare(measured: dict) -> list[dict]:
                          "mean_error": _err(slat.mean(), m["mean_s"]),
                          "misses": sum(q.records for q in done), "heals": sum(q.heals for q in done)})
     return rows
+
+
+WINDOW_S = 15.0  # a slow episode on this host lasts 15-60 s
+
+
+def worst_window(run_: dict, sim: list, window_s: float = WINDOW_S, least: int = 5) -> dict | None:
+    """Where the simulator (with the real routing, so the host model alone) falls furthest short: per window of
+    ``window_s`` of arrivals with at least ``least`` requests, the median of measured / simulated denoise time; the
+    worst window with the host's samples over it (CPU of the instances, and outside them), beside the run's median.
+    A slow window with the foreign CPU up is a disturbance; one with it flat is the model's."""
+    rq = [(r, q) for r, q in zip(run_["requests"], sim) if r["error"] is None and r.get("denoise_s")
+          and q.denoised is not None and q.denoised > q.started]
+    if not rq:
+        return None
+    ratio = np.array([r["denoise_s"] / (q.denoised - q.started) for r, q in rq])
+    win = np.array([int(r["t"] // window_s) for r, _ in rq])
+    cells = [(w, float(np.median(ratio[win == w]))) for w in sorted(set(win)) if (win == w).sum() >= least]
+    if not cells:
+        return None
+    w, worst = max(cells, key=lambda c: c[1])
+    out = {"t0_s": w * window_s, "t1_s": (w + 1) * window_s, "denoise_ratio": round(worst, 3),
+           "run_denoise_ratio": round(float(np.median(ratio)), 3), "requests": int((win == w).sum())}
+    # samples cover the second before their t; the window's requests run a few seconds past their arrivals
+    host = [x for x in run_.get("host", []) if w * window_s < x["t"] <= (w + 1) * window_s + 5.0]
+    if host:
+        out["foreign_cores"] = round(float(np.mean([x["foreign_cores"] for x in host])), 3)
+        out["tested_cores"] = round(float(np.mean([x["tested_cores"] for x in host])), 3)
+        out["run_foreign_cores"] = round(float(np.mean([x["foreign_cores"] for x in run_["host"]])), 3)
+    return out
 
 
 BLOCK = 20  # requests per bootstrap block: an arrival episode (a burst that queues) spans about this many
@@ -361,12 +396,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
     runs = [r for r in rows if r["load"] != "saturation" and r["model"] == "measured"]
     sim = {(r["policy"], r["load"]): r for r in rows if r["model"] == "shared_cpu_bracketed"}
+    host = {(r["policy"], r["load"]): r for r in rows if r["model"] == "shared_cpu_bracketed_host_load"}
     labels = [f"{r['policy']}\n{r['load']}" for r in runs]
     x = np.arange(len(runs))
+    w = 0.27 if host else 0.4
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs)), 4.2))
-    ax.bar(x - 0.2, [r["p95_s"] for r in runs], 0.4, label="measured P95")
-    ax.bar(x + 0.2, [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], 0.4,
+    ax.bar(x - w / 2 * (2 if host else 1), [r["p95_s"] for r in runs], w, label="measured P95")
+    ax.bar(x if host else x + w / 2, [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
            label="simulated P95 (shared CPU, bracketed calibration)")
+    if host:
+        ax.bar(x + w, [host.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
+               label="the same plus the host's CPU outside the instances")
     for i, r in enumerate(runs):
         err = sim.get((r["policy"], r["load"]), {}).get("p95_error")
         if err is not None:

@@ -42,3 +42,24 @@ def test_samples_become_background_steps_from_the_sample_before():
     assert background([]) == ()
     # the calibration ran under 0.8 foreign cores: only what is above that slows the replay
     assert background(samples, calibrated=0.8) == ((0.0, 0.0), (1.0, 0.7))
+
+
+def test_the_worst_window_is_where_measured_denoise_most_exceeds_the_replays_with_the_host_beside_it():
+    from types import SimpleNamespace
+
+    from maskedit_lab.routing.validate_replay import worst_window
+
+    # 10 requests a window for 3 windows of 15 s; the middle one measured twice the simulated denoise time
+    reqs, sim = [], []
+    for k in range(30):
+        slow = 15 <= 1.5 * k < 30
+        reqs.append({"t": 1.5 * k, "error": None, "denoise_s": 2.0 if slow else 1.0})
+        sim.append(SimpleNamespace(started=0.0, denoised=1.0))
+    host = [{"t": float(t), "foreign_cores": 1.0 if 16 <= t <= 30 else 0.1, "tested_cores": 1.5}
+            for t in range(1, 46)]
+    w = worst_window({"requests": reqs, "host": host}, sim)
+    assert (w["t0_s"], w["t1_s"], w["denoise_ratio"], w["run_denoise_ratio"], w["requests"]) == (15.0, 30.0, 2.0,
+                                                                                                1.0, 10)
+    assert w["foreign_cores"] > 0.7 and w["run_foreign_cores"] < 0.45
+    assert "foreign_cores" not in worst_window({"requests": reqs}, sim)  # older files: no host samples
+    assert worst_window({"requests": reqs[:3]}, sim[:3]) is None  # no window with enough requests

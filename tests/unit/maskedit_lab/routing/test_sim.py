@@ -190,7 +190,8 @@ def test_validation_brackets_each_run_with_the_calibration_after_it():
     older = compare({"meta": meta, "runs": [run_(0.5, before)]})  # no calibration after the last run
     assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
     # a run with the host's samples: the headline again with its foreign CPU, which only slows it
-    busy = {**run_(0.5, before), "host": [{"t": float(t), "foreign_cores": 2.0} for t in range(1, 400)]}
+    busy = {**run_(0.5, before), "host": [{"t": float(t), "foreign_cores": 2.0, "tested_cores": 1.0}
+                                         for t in range(1, 400)]}
     with_host = {r["model"]: r for r in compare({"meta": {**meta, "final_calibration": after}, "runs": [busy]})
                  if r["load"] == 0.5}
     assert with_host["shared_cpu_bracketed_host_load"]["p50_s"] > with_host["shared_cpu_bracketed"]["p50_s"]
