@@ -6,14 +6,17 @@
    set-up denoises relative to the cost-model profile (observed / profile-predicted denoise time, separately
    for template runs and cache hits) and the time a request spends outside denoising (pre/post-processing,
    transport); then, addressing the instances directly, how much the two denoise loops slow each other when
-   both run (the same work on both at once against alone: shared memory bandwidth and caches, helper threads).
+   both run (the same work on both at once against alone: shared memory bandwidth and caches, helper threads),
+   at batch 1 and with full batches.
 3. Measure the set-up's capacity: a burst of requests sent at once (templates warmed first); the throughput
    between the first and last quarter of completions is the saturation throughput. Offered loads are fractions
    of it, so "load 0.85" means 85 % busy on this machine, whatever its speed that day.
 4. Per policy (the router's policy switched between runs, every run on fresh templates) and load: warm every
    template with one request each, re-measure step 2 (the host's speed drifts over minutes, and the warm-up may
    have filled the store's memory tier), then serve an open-loop Poisson workload through the router with the
-   project's load generator. After the last run, measure step 2 once more.
+   project's load generator. After the last run, measure step 2 once more. Throughout, the host is sampled once a
+   second (``harness.host_sampler``: CPU of the instances' process trees against the rest of the host); each run
+   and calibration keeps its samples, so a replay can tell the instances' own slowness from other load.
 5. Replay the same requests (warm-up included: same arrival times, templates and mask ratios measured on the
    model's token grid) in the simulator and compare P50/P95; replay the burst too and compare saturation
    throughput. Each run is bracketed by the calibration before it and the one after it (the next run's, or the
