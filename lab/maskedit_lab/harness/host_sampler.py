@@ -27,16 +27,29 @@ def _vmstat(name: str) -> int | None:
     return None
 
 
+def _label(p: psutil.Process) -> str:
+    """What a tested process is: a Triton Python stub's model, else its process name."""
+    from .supervisor import stub_of
+
+    if "python_backend_stub" in p.name():
+        return stub_of(p).model
+    return p.name()
+
+
 class HostSampler:
     """Samples every ``interval_s``: ``busy_cores`` (the host's CPU in use, in cores), ``tested_cores`` (the CPU of
     the processes ``pids()`` names and all their descendants), ``foreign_cores`` (the difference: everything the
     processes under test did not use, this harness included), major page faults and swap pages per second, and
-    memory available. ``t`` is ``time.monotonic()`` at the sample's end; each sample covers the interval before it."""
+    memory available; ``by_model``: the tested CPU split by what each process is (a Triton Python stub by its
+    model, summed over the instances: ``masked_denoise``, ``preprocess``, ...; any other by its process name), so a
+    slow stretch can be pinned on a stage. ``t`` is ``time.monotonic()`` at the sample's end; each sample covers the
+    interval before it."""
 
     def __init__(self, pids: Callable[[], list[int]], interval_s: float = 1.0):
         self.pids, self.interval_s = pids, interval_s
         self.samples: list[dict] = []
         self._procs: dict[int, psutil.Process] = {}
+        self._labels: dict[int, str] = {}  # pid -> what it is (``by_model``)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="host-sampler", daemon=True)
 
@@ -48,9 +61,9 @@ class HostSampler:
         self._stop.set()
         self._thread.join(timeout=5 * self.interval_s)
 
-    def _tested_cpu_s(self) -> float:
-        """User + system CPU so far of the tested processes' trees. A process that exits between two samples takes
-        its last interval's CPU with it (rare: a stub restart)."""
+    def _tested_cpu_s(self) -> dict[int, tuple[str, float]]:
+        """pid -> (what it is, user + system CPU so far) of the tested processes' trees. A process that exits
+        between two samples takes its last interval's CPU with it (rare: a stub restart)."""
         live: dict[int, psutil.Process] = {}
         for pid in self.pids():
             try:
@@ -61,14 +74,14 @@ class HostSampler:
             except psutil.Error:
                 continue
         self._procs = live
-        total = 0.0
-        for p in live.values():
+        out: dict[int, tuple[str, float]] = {}
+        for pid, p in live.items():
             try:
                 t = p.cpu_times()
-                total += t.user + t.system
+                out[pid] = (self._labels.get(pid) or self._labels.setdefault(pid, _label(p)), t.user + t.system)
             except psutil.Error:
                 continue
-        return total
+        return out
 
     @staticmethod
     def _busy_s() -> float:
@@ -84,9 +97,14 @@ class HostSampler:
         while not self._stop.wait(self.interval_s):
             cur = self._read()
             dt = cur[0] - prev[0]
-            busy, tested = (cur[1] - prev[1]) / dt, (cur[2] - prev[2]) / dt
+            # per process: one that appeared since the last sample counts from its start; one that exited is left out
+            by: dict[str, float] = {}
+            for pid, (label, cpu) in cur[2].items():
+                by[label] = by.get(label, 0.0) + (cpu - prev[2].get(pid, (label, 0.0))[1]) / dt
+            busy, tested = (cur[1] - prev[1]) / dt, sum(by.values())
             self.samples.append({
                 "t": cur[0], "busy_cores": round(busy, 3), "tested_cores": round(tested, 3),
+                "by_model": {k: round(v, 3) for k, v in sorted(by.items()) if v >= 0.001},
                 "foreign_cores": round(max(0.0, busy - tested), 3),
                 "majfault_per_s": None if cur[3] is None or prev[3] is None else round((cur[3] - prev[3]) / dt, 1),
                 "swap_bytes_per_s": round((cur[4] - prev[4]) / dt),

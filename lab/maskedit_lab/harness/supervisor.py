@@ -91,11 +91,11 @@ def stubs_of(server: TritonServer) -> dict:
         for c in psutil.Process(server.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 if c.status() != psutil.STATUS_ZOMBIE:
-                    out[c.pid] = _stub(c)
+                    out[c.pid] = stub_of(c)
     return out
 
 
-def _stub(p: psutil.Process) -> Stub:
+def stub_of(p: psutil.Process) -> Stub:
     """The stub's command line: ``<stub> <model dir>/<version>/model.py <shm region> <sizes> ... <instance> ...``."""
     try:
         args = p.cmdline()

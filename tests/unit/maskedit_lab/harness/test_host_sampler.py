@@ -4,6 +4,9 @@ import subprocess
 import sys
 import time
 
+import psutil
+import pytest
+
 from maskedit_lab.harness.host_sampler import HostSampler
 from maskedit_lab.routing.validate_replay import background
 
@@ -12,14 +15,13 @@ SPIN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while T
 
 def test_a_tested_process_trees_cpu_is_counted_as_tested_not_foreign():
     parent = subprocess.Popen([sys.executable, "-c", SPIN])  # the spinning process is the tested one's child
+    name = psutil.Process(parent.pid).name()
     try:
         t0 = time.monotonic()
         with HostSampler(lambda: [parent.pid], interval_s=0.5) as hs:
             time.sleep(2.2)
         samples = hs.between(t0, time.monotonic())
     finally:
-        import psutil
-
         for c in psutil.Process(parent.pid).children(recursive=True):
             c.kill()
         parent.kill()
@@ -28,12 +30,14 @@ def test_a_tested_process_trees_cpu_is_counted_as_tested_not_foreign():
     assert all(0 <= s["t"] <= 3 for s in samples)
     # the grandchild spins a whole core when it gets one; a busy host may give it less, never none
     assert max(s["tested_cores"] for s in samples) > 0.3
+    # split by what each process is (not a Triton stub: its process name), summing to the tested CPU
     for s in samples:
-        assert s["foreign_cores"] == max(0.0, round(s["busy_cores"] - s["tested_cores"], 3)) or \
-            abs(s["foreign_cores"] - (s["busy_cores"] - s["tested_cores"])) < 2e-3
+        assert s["foreign_cores"] == pytest.approx(max(0.0, s["busy_cores"] - s["tested_cores"]), abs=2e-3)
+        assert set(s["by_model"]) <= {name}
+        assert sum(s["by_model"].values()) == pytest.approx(s["tested_cores"], abs=0.01)
     # nothing tested (no pid): the spinner's CPU is foreign
     idle = HostSampler(lambda: [])
-    assert idle._tested_cpu_s() == 0.0
+    assert idle._tested_cpu_s() == {}
 
 
 def test_samples_become_background_steps_from_the_sample_before():
