@@ -267,18 +267,16 @@ def compare(measured: dict) -> list[dict]:
         if after:
             # The host's speed drifts within a run too (older files have no calibration after the last run): the
             # same model with the calibration measured right after the run, and with the two brackets' mean.
-            for suffix, calib in (("calibrated_after", after), ("bracketed", bracketed(before, after))):
-                variants += [(f"{m}_{suffix}", svc, host, out, None) for m, svc, host, out in
-                             _variants(meta, calib, cost) if m == "shared_cpu"]
+            mid = bracketed(before, after)
+            variants += [(f"{m}_calibrated_after", svc, host, out, None) for m, svc, host, out in
+                         _variants(meta, after, cost) if m == "shared_cpu"]
+            (_, svc, host, out), = [v for v in _variants(meta, mid, cost) if v[0] == "shared_cpu"]
+            variants.append((HEADLINE, svc, host, out, None))
             if routes is not None:  # the host model alone: every request where the real router sent it
-                variants += [(f"{m}_bracketed_measured_routing", svc, host, out, MeasuredRouting(routes))
-                             for m, svc, host, out in _variants(meta, bracketed(before, after), cost)
-                             if m == "shared_cpu"]
+                variants.append((f"{HEADLINE}_measured_routing", svc, host, out, MeasuredRouting(routes)))
             if run_.get("host"):  # the headline with the CPU the host spent outside the instances during the run
-                mid = bracketed(before, after)
                 steps_ = background(run_["host"], mid.get("foreign_cores", 0.0))
-                variants += [(f"{m}_bracketed_host_load", svc, replace(host, background=steps_), out, None)
-                             for m, svc, host, out in _variants(meta, mid, cost) if m == "shared_cpu"]
+                variants.append((f"{HEADLINE}_host_load", svc, replace(host, background=steps_), out, None))
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
                          service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)
@@ -400,12 +398,13 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"{r['policy']}\n{r['load']}" for r in runs]
     x = np.arange(len(runs))
     w = 0.27 if host else 0.4
+    at = (-w, 0.0, w) if host else (-w / 2, w / 2)  # each bar's offset from its policy-load's tick
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs)), 4.2))
-    ax.bar(x - w / 2 * (2 if host else 1), [r["p95_s"] for r in runs], w, label="measured P95")
-    ax.bar(x if host else x + w / 2, [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
+    ax.bar(x + at[0], [r["p95_s"] for r in runs], w, label="measured P95")
+    ax.bar(x + at[1], [sim.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
            label="simulated P95 (shared CPU, bracketed calibration)")
     if host:
-        ax.bar(x + w, [host.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
+        ax.bar(x + at[2], [host.get((r["policy"], r["load"]), {}).get("p95_s", 0) for r in runs], w,
                label="the same plus the host's CPU outside the instances")
     for i, r in enumerate(runs):
         err = sim.get((r["policy"], r["load"]), {}).get("p95_error")
