@@ -107,10 +107,14 @@ def test_refusals_before_any_work_are_not_paced(server, template_img, box_mask):
     woke it: some consecutive refusals ~0.5 s apart, the last seconds after sending; this test failed on it
     (``maskedit_lab.reliability.pacing`` renders that repository beside this one and measures both)."""
     got = refusal_flood(server.grpc_url, 24, template_img, box_mask)
-    assert set(got["codes"]) <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"} and got["all_before_any_work"], got
-    assert got["at_pre_processing"] >= 8, got  # at most 16 refused on arrival
-    assert got["gap_max_s"] < 0.2 and got["gap_median_s"] < 0.05, got
-    assert got["last_after_s"] < 1.5, got
+    whole = json.dumps(got)  # in full: pytest shortens a dict
+    assert set(got["codes"]) <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"} and got["all_before_any_work"], whole
+    assert got["at_pre_processing"] >= 8, whole  # at most 16 refused on arrival
+    # the old batcher's re-polls left gaps of ~0.5 s, its last refusal 2.3-3.1 s after sending (pacing.json): one slow
+    # gap is allowed, CI once saw a single 0.33 s gap among 16 refusals (not reproduced in 45 floods, quiet or beside
+    # 2 CPU hogs)
+    assert len(got["slow_gaps_s"]) <= 1 and got["gap_median_s"] < 0.05, whole
+    assert got["last_after_s"] < 1.5, whole
 
 
 def test_unstamped_waits_are_never_under_counted(server, template_img, box_mask):
