@@ -45,6 +45,7 @@ class SimRequest:
     cached: bool = False  # computes from its template's entry (kv blocks)
     heals: bool = False  # a hit that heals its entry's invalid tokens when it finishes
     join_ms: float = 0.0  # one-off work added to the step it joins (disk read, checkpoint load)
+    computed: int | None = None  # image tokens it computed (a hit: its mask and its entry's invalid ones)
 
 
 @dataclass
@@ -349,6 +350,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                     q.heals = True
                     w.healing.add(key)
             q.steps_left, q.started = q.f.steps, now
+            q.computed = round(work.mask_ratio * work.tokens) if cached else work.tokens
             q.step_ms = service.request_ms(work, cached) / q.f.steps
             q.cached = cached
             w.touch(key)  # recorded by its own run (miss) or refreshed (hit)

@@ -155,7 +155,7 @@ def test_validation_replays_burst_and_runs_with_their_own_calibration():
     assert [r["model"] for r in sat] == ["measured", "plain", "shared_cpu"]
     assert all(r["throughput"] > 0 for r in sat)
     runs = {r["model"]: r for r in rows if r["load"] == 0.5}
-    assert set(runs) == {"measured", "plain", "shared_cpu"}
+    assert set(runs) == {"measured", "plain", "shared_cpu", "shared_cpu_pooled"}
     # the run's own calibration (hits twice the profile) is used, not the burst's: isolated hits take 2x
     est = Estimator(CostModel.fallback())
     alone = 2.0 * est.request_ms(EditFeatures("t1", 0.2, 1024, 8), True) / 1000 + 8 * 2.0 / 1000 + 0.1
@@ -182,19 +182,63 @@ def test_validation_brackets_each_run_with_the_calibration_after_it():
     first, last = models(0.5), models(0.7)
     # the first run is bracketed by the second's calibration, the last by the final one
     assert set(first) == set(last) == {"measured", "plain", "shared_cpu", "shared_cpu_calibrated_after",
-                                       "shared_cpu_bracketed"}
+                                       "shared_cpu_bracketed", "shared_cpu_pooled"}
     # isolated hits: latency grows with the hit scale, so the bracket's mean lies between its ends
     assert first["shared_cpu"]["p50_s"] < first["shared_cpu_bracketed"]["p50_s"] < \
         first["shared_cpu_calibrated_after"]["p50_s"]
     assert last["shared_cpu"]["p50_s"] == pytest.approx(last["shared_cpu_calibrated_after"]["p50_s"])
     older = compare({"meta": meta, "runs": [run_(0.5, before)]})  # no calibration after the last run
-    assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu"}
+    assert {r["model"] for r in older} == {"measured", "plain", "shared_cpu", "shared_cpu_pooled"}
     # a run with the host's samples: the headline again with its foreign CPU, which only slows it
     busy = {**run_(0.5, before), "host": [{"t": float(t), "foreign_cores": 2.0, "tested_cores": 1.0}
                                          for t in range(1, 400)]}
     with_host = {r["model"]: r for r in compare({"meta": {**meta, "final_calibration": after}, "runs": [busy]})
                  if r["load"] == 0.5}
     assert with_host["shared_cpu_bracketed_host_load"]["p50_s"] > with_host["shared_cpu_bracketed"]["p50_s"]
+
+
+def test_the_pooled_calibration_takes_every_calibrations_probes_and_the_median_of_the_rest():
+    from maskedit_lab.routing.validate_replay import calibrations, pooled
+
+    def calib(scale, outside):
+        return {"hit_scale": scale, "miss_scale": scale, "outside_s": outside, "points": [{"denoise_s": scale}]}
+
+    a, b, c, final = calib(1.0, 0.1), calib(2.0, 0.2), calib(4.0, 0.6), calib(3.0, 0.3)
+    measured = {"meta": {"calibration": a, "saturation": {"calibration": a}, "final_calibration": final},
+                "runs": [{"calibration": b}, {"calibration": b, "calibration_shared": True}, {"calibration": c}]}
+    got = calibrations(measured)
+    assert got == [a, b, c, final] and got[0] is a  # each once, in the order taken
+    p = pooled(got)
+    assert p["points"] == [{"denoise_s": s} for s in (1.0, 2.0, 4.0, 3.0)]
+    assert (p["hit_scale"], p["outside_s"]) == pytest.approx((2.5, 0.25))  # medians of four
+    assert "interference" not in p  # a figure no calibration has stays absent
+
+
+def test_the_worst_window_counts_the_tokens_its_hits_computed_measured_and_simulated():
+    from types import SimpleNamespace
+
+    from maskedit_lab.routing.validate_replay import worst_window
+
+    reqs = [{"t": float(k), "error": None, "denoise_s": 1.0, "cache_hit": k % 2 == 0, "computed_tokens": 300,
+             "mask_ratio": 0.1, "tokens": 1000} for k in range(10)]
+    sim = [SimpleNamespace(started=0.0, denoised=1.0, computed=200) for _ in reqs]
+    w = worst_window({"requests": reqs}, sim)
+    # five hits: their masks hold 100 tokens each, the real entry's invalid ones took them to 300, the replay's 200
+    assert (w["hit_tokens_masked"], w["hit_tokens_measured"], w["hit_tokens_simulated"]) == (500, 1500, 1000)
+
+
+def test_a_replayed_request_says_which_tokens_it_computed(est):
+    from maskedit_common.heal import computed_tokens
+
+    mask = np.zeros(1024, bool)
+    mask[:100] = True
+    other = np.zeros(1024, bool)
+    other[500:520] = True
+    arr = [(0.0, f("t", 100 / 1024)), (100.0, f("t", 20 / 1024))]
+    miss, hit = replay("round_robin", 1, arr, est, masks=[mask, other])["requests"]
+    assert miss.records and miss.computed == 1024  # a template run computes every token
+    # a hit computes its own mask and the entry's invalid tokens (the template run's edit), by the engine's rule
+    assert hit.cached and hit.computed == int(computed_tokens(other, mask).sum()) == 120
 
 
 def test_a_saved_calibration_is_replayed_against_the_profile_it_was_taken_with():
