@@ -73,7 +73,8 @@ def run(client, requests: list[Request], assets: Assets, timeout_s: float = 120.
             res = fut.result()
             info = res.info
             rec.queue_s, rec.denoise_s, rec.cache_hit = info.get("queue_s"), info.get("denoise_s"), info.get("cache_hit")
-            keep = ("instance", "cache_source", "full_steps", "computed_tokens", "healed_tokens", "cache_corrupt")
+            keep = ("instance", "cache_source", "full_steps", "computed_tokens", "healed_tokens", "cache_corrupt",
+                    "steps_wall_s", "steps_cpu_s")
             rec.extra.update({k: info[k] for k in keep if info.get(k) is not None})
             if images is not None:
                 images[rec.index] = res.png

@@ -87,6 +87,10 @@ class DenoiseJob:
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     finished_at: float | None = None
+    # Over the steps it was in: their wall time, and the denoise loop thread's CPU time in them. A gap between
+    # the two is time the thread waited for a core; both grown is slower compute (caches, memory bandwidth).
+    steps_wall_s: float = 0.0
+    steps_cpu_s: float = 0.0
     decision: Any = None  # the activation cache's ``CacheDecision``, made once before admission
     cache: Any = None  # its ``JobCache`` once admitted (None: no cache runtime)
     tensors: Any = None  # its conditioning on the device, in its family's own dataclass

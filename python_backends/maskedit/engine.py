@@ -259,12 +259,15 @@ class DenoiseEngine:
         self.steps_run += 1
         if not batch:
             return True
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.thread_time()
         for step_tokens, seconds in self.clock.finished():
             self.scheduler.model.observe(step_tokens, seconds)
-        if log.isEnabledFor(logging.DEBUG):  # wall vs this thread's CPU: waiting for a core shows as the gap
+        for job in batch:  # wall vs this thread's CPU: waiting for a core shows as the gap
+            job.steps_wall_s += t2 - t1
+            job.steps_cpu_s += cpu2 - cpu1
+        if log.isEnabledFor(logging.DEBUG):
             logs.event(log, "step", logging.DEBUG, batch=len(batch), tokens=tokens,
-                       wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (time.thread_time() - cpu1), 2),
+                       wall_ms=round(1000 * (t2 - t1), 2), cpu_ms=round(1000 * (cpu2 - cpu1), 2),
                        jobs=[j.id for j in batch])
         tc = time.perf_counter()
         for job in batch:

@@ -120,6 +120,8 @@ def test_same_inputs_same_image_and_template_size_kept(client):
     assert np.array_equal(out[far], np.asarray(tpl)[far]), "pixels outside the mask must be the template's"
     assert not np.array_equal(out[m > 0], np.asarray(tpl)[m > 0]), "the masked region must change"
     assert a.info["model_size"] == [320, 208] and 0 < a.info["mask_ratio"] < 0.5
+    # its steps' wall time and the denoise loop's CPU in them (docs/api.md), within its time in the loop
+    assert 0 < a.info["steps_wall_s"] <= a.info["denoise_s"] + 1e-5 and a.info["steps_cpu_s"] > 0
 
 
 def test_concurrent_requests_on_one_stream_come_back_to_their_callers(client, template_img, box_mask):

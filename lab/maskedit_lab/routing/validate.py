@@ -102,6 +102,7 @@ def _calibrate(client, template: int, assets, est: Estimator, res: int, steps: i
         outside.append(latency - info["denoise_s"] - (info.get("queue_s") or 0.0))
         points.append({"mask_ratio": f.mask_ratio, "tokens": f.tokens, "steps": steps, "hit": hit,
                        "computed_tokens": info.get("computed_tokens"), "instance": info.get("instance"),
+                       "steps_cpu_s": info.get("steps_cpu_s"), "steps_wall_s": info.get("steps_wall_s"),
                        "denoise_s": info["denoise_s"], "observed_over_profile": ratio, "outside_s": outside[-1]})
     key = template_key(assets, workload.Request(0.0, template, 0.1, "blob", "calibration", steps=steps), res)
     return {"hit_scale": statistics.median(hit_r), "miss_scale": statistics.median(miss_r),

@@ -354,6 +354,13 @@ def worst_window(run_: dict, sim: list, window_s: float = WINDOW_S, least: int =
         out["hit_tokens_measured"] = sum(r["computed_tokens"] for r, _ in hits)
         out["hit_tokens_simulated"] = sum(q.computed for _, q in hits)
         out["hit_tokens_masked"] = int(round(sum(r["mask_ratio"] * r["tokens"] for r, _ in hits)))
+    # the denoise loop's CPU over its steps' wall time (EDIT_INFO's steps_cpu_s / steps_wall_s), the window's and
+    # the run's: a lower share in the window is time waiting for a core, the same share with slower steps is
+    # slower compute
+    timed = [(r, v) for (r, _), v in zip(rq, win) if r.get("steps_wall_s")]
+    if any(v == w for _, v in timed):
+        out["steps_cpu_share"] = _cpu_share([r for r, v in timed if v == w])
+        out["run_steps_cpu_share"] = _cpu_share([r for r, _ in timed])
     # samples cover the second before their t; the window's requests run a few seconds past their arrivals
     host = [x for x in run_.get("host", []) if w * window_s < x["t"] <= (w + 1) * window_s + 5.0]
     if host:
@@ -361,6 +368,11 @@ def worst_window(run_: dict, sim: list, window_s: float = WINDOW_S, least: int =
         out["tested_cores"] = round(float(np.mean([x["tested_cores"] for x in host])), 3)
         out["run_foreign_cores"] = round(float(np.mean([x["foreign_cores"] for x in run_["host"]])), 3)
     return out
+
+
+def _cpu_share(requests: list[dict]) -> float:
+    """The denoise loop thread's CPU time over the wall time of the steps these requests were in."""
+    return round(sum(r["steps_cpu_s"] for r in requests) / sum(r["steps_wall_s"] for r in requests), 3)
 
 
 BLOCK = 20  # requests per bootstrap block: an arrival episode (a burst that queues) spans about this many

@@ -106,6 +106,7 @@ class TritonPythonModel:
         def done(job: DenoiseJob):
             info.update(denoise_s=round(job.finished_at - job.started_at, 6),
                         queue_s=round(job.started_at - job.submitted_at, 6), cache_hit=False, cache="off",
+                        steps_wall_s=round(job.steps_wall_s, 6), steps_cpu_s=round(job.steps_cpu_s, 6),
                         instance=self.instance)
             if job.controls:  # the ControlNet calls' wall time (on a GPU: launch time, the calls are not synchronised)
                 placement = self.settings.controlnet_placement

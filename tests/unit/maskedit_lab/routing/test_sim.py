@@ -225,6 +225,20 @@ def test_the_worst_window_counts_the_tokens_its_hits_computed_measured_and_simul
     w = worst_window({"requests": reqs}, sim)
     # five hits: their masks hold 100 tokens each, the real entry's invalid ones took them to 300, the replay's 200
     assert (w["hit_tokens_masked"], w["hit_tokens_measured"], w["hit_tokens_simulated"]) == (500, 1500, 1000)
+    assert "steps_cpu_share" not in w  # files from before EDIT_INFO carried the steps' CPU time
+
+
+def test_the_worst_window_says_how_much_of_its_steps_wall_time_the_denoise_loop_ran():
+    from types import SimpleNamespace
+
+    from maskedit_lab.routing.validate_replay import worst_window
+
+    # 20 requests over two windows; the second's steps took twice as long on the wall for the same CPU
+    reqs = [{"t": float(k), "error": None, "denoise_s": 2.0 if k >= 15 else 1.0, "steps_cpu_s": 0.9,
+             "steps_wall_s": 2.0 if k >= 15 else 1.0} for k in range(30)]
+    sim = [SimpleNamespace(started=0.0, denoised=1.0, computed=None) for _ in reqs]
+    w = worst_window({"requests": reqs}, sim)
+    assert w["t0_s"] == 15.0 and w["steps_cpu_share"] == 0.45 and w["run_steps_cpu_share"] == 0.6
 
 
 def test_a_replayed_request_says_which_tokens_it_computed(est):
