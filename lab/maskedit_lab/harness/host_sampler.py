@@ -7,6 +7,7 @@ a replay feed it in (``foreign_cores``) and lets a reader tell a modelling error
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,11 +37,36 @@ def _label(p: psutil.Process) -> str:
     return p.name()
 
 
+def _who(p: psutil.Process) -> str:
+    """What a process outside the tested ones is, for ``foreign_top``: this harness, a Python program by its module
+    or script (the router, a load generator), else its process name (a kernel thread such as ``kworker/...``: page
+    writeback shows there)."""
+    if p.pid == os.getpid():
+        return "this harness"
+    name = p.name()
+    if name.startswith("kworker"):  # its name follows the work item it runs now: all of them as one
+        return "kworker"
+    if name.startswith("python"):
+        try:
+            argv = p.cmdline()
+        except psutil.Error:
+            return name
+        if "-m" in argv[:-1]:
+            return argv[argv.index("-m") + 1]
+        if len(argv) > 1 and argv[1] != "-c":
+            return os.path.basename(argv[1])
+    return name
+
+
+FOREIGN_TOP = 3  # the largest foreign CPU users named in each sample
+
+
 class HostSampler:
     """Samples every ``interval_s``: ``busy_cores`` (the host's CPU in use, in cores), ``tested_cores`` (the CPU of
     the processes ``pids()`` names and all their descendants), ``foreign_cores`` (the difference: everything the
     processes under test did not use, this harness included), major page faults and swap pages per second, and
-    memory available; ``by_model``: the tested CPU split by what each process is (a Triton Python stub by its
+    memory available; ``foreign_top``: the largest users of the foreign CPU by what they are (``_who``);
+    ``by_model``: the tested CPU split by what each process is (a Triton Python stub by its
     model, summed over the instances: ``masked_denoise``, ``preprocess``, ...; any other by its process name), so a
     slow stretch can be pinned on a stage. ``t`` is ``time.monotonic()`` at the sample's end; each sample covers the
     interval before it."""
@@ -50,6 +76,7 @@ class HostSampler:
         self.samples: list[dict] = []
         self._procs: dict[int, psutil.Process] = {}
         self._labels: dict[int, str] = {}  # pid -> what it is (``by_model``)
+        self._who: dict[int, tuple[float, str]] = {}  # pid -> (its start time, what it is): ``foreign_top``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="host-sampler", daemon=True)
 
@@ -83,6 +110,23 @@ class HostSampler:
                 continue
         return out
 
+    def _foreign_cpu_s(self, tested: dict) -> dict[int, tuple[str, float]]:
+        """pid -> (what it is, user + system CPU so far) of every other process on the host (kernel threads
+        included)."""
+        out: dict[int, tuple[str, float]] = {}
+        for p in psutil.process_iter(["create_time", "cpu_times"]):
+            if p.pid in tested or p.info["cpu_times"] is None:
+                continue
+            known = self._who.get(p.pid)
+            if known is None or known[0] != p.info["create_time"]:  # a pid reused by a new process: named again
+                try:
+                    known = self._who[p.pid] = (p.info["create_time"], _who(p))
+                except psutil.Error:
+                    continue
+            t = p.info["cpu_times"]
+            out[p.pid] = (known[1], t.user + t.system)
+        return out
+
     @staticmethod
     def _busy_s() -> float:
         t = psutil.cpu_times()._asdict()  # guest time is already inside user on Linux: not added twice
@@ -90,7 +134,9 @@ class HostSampler:
 
     def _read(self) -> tuple:
         swap = psutil.swap_memory()
-        return (time.monotonic(), self._busy_s(), self._tested_cpu_s(), _vmstat("pgmajfault"), swap.sin + swap.sout)
+        tested = self._tested_cpu_s()
+        return (time.monotonic(), self._busy_s(), tested, _vmstat("pgmajfault"), swap.sin + swap.sout,
+                self._foreign_cpu_s(tested))
 
     def _loop(self) -> None:
         prev = self._read()
@@ -102,10 +148,16 @@ class HostSampler:
             for pid, (label, cpu) in cur[2].items():
                 by[label] = by.get(label, 0.0) + (cpu - prev[2].get(pid, (label, 0.0))[1]) / dt
             busy, tested = (cur[1] - prev[1]) / dt, sum(by.values())
+            others: dict[str, float] = {}
+            for pid, (label, cpu) in cur[5].items():
+                if pid in prev[5]:  # one born since the last sample: its CPU before it is not this interval's
+                    others[label] = others.get(label, 0.0) + (cpu - prev[5][pid][1]) / dt
             self.samples.append({
                 "t": cur[0], "busy_cores": round(busy, 3), "tested_cores": round(tested, 3),
                 "by_model": {k: round(v, 3) for k, v in sorted(by.items()) if v >= 0.001},
                 "foreign_cores": round(max(0.0, busy - tested), 3),
+                "foreign_top": {k: round(v, 3) for k, v in
+                                sorted(others.items(), key=lambda kv: -kv[1])[:FOREIGN_TOP] if v >= 0.01},
                 "majfault_per_s": None if cur[3] is None or prev[3] is None else round((cur[3] - prev[3]) / dt, 1),
                 "swap_bytes_per_s": round((cur[4] - prev[4]) / dt),
                 "mem_available_gib": round(psutil.virtual_memory().available / 2**30, 2)})

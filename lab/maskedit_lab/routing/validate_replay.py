@@ -367,6 +367,12 @@ def worst_window(run_: dict, sim: list, window_s: float = WINDOW_S, least: int =
         out["foreign_cores"] = round(float(np.mean([x["foreign_cores"] for x in host])), 3)
         out["tested_cores"] = round(float(np.mean([x["tested_cores"] for x in host])), 3)
         out["run_foreign_cores"] = round(float(np.mean([x["foreign_cores"] for x in run_["host"]])), 3)
+        who: dict[str, float] = {}  # what the foreign CPU was, averaged over the window (samples that name it)
+        for x in host:
+            for k, v in x.get("foreign_top", {}).items():
+                who[k] = who.get(k, 0.0) + v / len(host)
+        if who:
+            out["foreign_top"] = {k: round(v, 3) for k, v in sorted(who.items(), key=lambda kv: -kv[1])[:3]}
     return out
 
 

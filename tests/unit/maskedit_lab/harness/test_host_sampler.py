@@ -40,6 +40,25 @@ def test_a_tested_process_trees_cpu_is_counted_as_tested_not_foreign():
     assert idle._tested_cpu_s() == {}
 
 
+def test_the_largest_foreign_cpu_users_are_named():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # not tested: foreign
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        with HostSampler(lambda: [], interval_s=0.5) as hs:
+            time.sleep(2.2)
+        samples = hs.between(t0, time.monotonic())
+    finally:
+        spinner.kill()
+        spinner.wait(10)
+    name = psutil.Process().name()  # the same interpreter: a Python program run with -c is named by it
+    assert len(samples) >= 3
+    # it spins a whole core when it gets one; a busy host may give it less, never none
+    assert max(s["foreign_top"].get(name, 0.0) for s in samples) > 0.3
+    assert all(len(s["foreign_top"]) <= 3 and sum(s["foreign_top"].values()) <= s["busy_cores"] + 0.1
+               for s in samples)
+
+
 def test_samples_become_background_steps_from_the_sample_before():
     samples = [{"t": 1.0, "foreign_cores": 0.5}, {"t": 2.1, "foreign_cores": 1.5}]
     assert background(samples) == ((0.0, 0.5), (1.0, 1.5))
@@ -59,11 +78,12 @@ def test_the_worst_window_is_where_measured_denoise_most_exceeds_the_replays_wit
         slow = 15 <= 1.5 * k < 30
         reqs.append({"t": 1.5 * k, "error": None, "denoise_s": 2.0 if slow else 1.0})
         sim.append(SimpleNamespace(started=0.0, denoised=1.0))
-    host = [{"t": float(t), "foreign_cores": 1.0 if 16 <= t <= 30 else 0.1, "tested_cores": 1.5}
-            for t in range(1, 46)]
+    host = [{"t": float(t), "foreign_cores": 1.0 if 16 <= t <= 30 else 0.1, "tested_cores": 1.5,
+             "foreign_top": {"kworker": 0.9} if 16 <= t <= 30 else {"router": 0.1}} for t in range(1, 46)]
     w = worst_window({"requests": reqs, "host": host}, sim)
     assert (w["t0_s"], w["t1_s"], w["denoise_ratio"], w["run_denoise_ratio"], w["requests"]) == (15.0, 30.0, 2.0,
                                                                                                 1.0, 10)
     assert w["foreign_cores"] > 0.7 and w["run_foreign_cores"] < 0.45
+    assert list(w["foreign_top"]) == ["kworker", "router"] and w["foreign_top"]["kworker"] > 0.6
     assert "foreign_cores" not in worst_window({"requests": reqs}, sim)  # older files: no host samples
     assert worst_window({"requests": reqs[:3]}, sim[:3]) is None  # no window with enough requests
