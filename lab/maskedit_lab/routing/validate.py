@@ -418,9 +418,9 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(measured, indent=1))
     router_json = RESULTS / "router.json"
-    # keep the simulation table and the validation rows in one file (a result written elsewhere, a smoke run or an
-    # offline replay, leaves the committed table alone)
-    if router_json.exists() and args.out.resolve().parent == RESULTS.resolve():
+    # keep the simulation table and the claim's validation rows in one file (a result written elsewhere or under
+    # another name, a smoke run, a diagnostic run of some policies, an offline replay, leaves the table alone)
+    if router_json.exists() and args.out.resolve() == (RESULTS / "router_validation.json").resolve():
         data = json.loads(router_json.read_text())
         data["rows"] = [r for r in data["rows"] if not r.get("validation")] + measured["rows"]
         data.setdefault("meta", {})["validation"] = {k: v for k, v in measured["meta"].items()}
