@@ -114,17 +114,20 @@ class HostSampler:
         """pid -> (what it is, user + system CPU so far) of every other process on the host (kernel threads
         included)."""
         out: dict[int, tuple[str, float]] = {}
+        named: dict[int, tuple[float, str]] = {}  # the processes alive now (those gone are forgotten)
         for p in psutil.process_iter(["create_time", "cpu_times"]):
             if p.pid in tested or p.info["cpu_times"] is None:
                 continue
             known = self._who.get(p.pid)
             if known is None or known[0] != p.info["create_time"]:  # a pid reused by a new process: named again
                 try:
-                    known = self._who[p.pid] = (p.info["create_time"], _who(p))
+                    known = (p.info["create_time"], _who(p))
                 except psutil.Error:
                     continue
+            named[p.pid] = known
             t = p.info["cpu_times"]
             out[p.pid] = (known[1], t.user + t.system)
+        self._who = named
         return out
 
     @staticmethod

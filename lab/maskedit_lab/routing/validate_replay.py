@@ -7,7 +7,8 @@ host's cores: ``sim_cluster.HostModel``), both with the calibration before the r
 headline) with the mean of the calibrations before and after it, "shared_cpu_calibrated_after" with the one after;
 "shared_cpu_bracketed_host_load" (runs measured with ``HostSampler``) the headline plus the CPU the host spent
 outside the two instances during the run (the harness, the router, anything else), so a disturbance the instances
-did not cause is told apart from a modelling error.
+did not cause is told apart from a modelling error; "shared_cpu_pooled" with one calibration from all of the
+measurement's probes (``pooled``).
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def pooled(calibs: list[dict]) -> dict:
     ratios' medians over all of them) and the median of each other figure. Each calibration has 7 probes, and
     back-to-back calibrations on the quiet host differed by up to 20 % in hit speed (1.66-2.04), which queueing
     near saturation turns into a much larger P95 error. A host with no drift (``HostSampler``: foreign CPU flat)
-    has one speed, best estimated from every probe."""
+    has one speed, best estimated from every probe. On the committed measurements it did no better than a run's
+    own calibration (docs/router.md): the calibrations' noise is not what the misses are."""
     keys = ("hit_scale", "miss_scale", "outside_s", "interference", "interference_full", "foreign_cores")
     out = {**calibs[0], "points": [p for c in calibs for p in c.get("points", [])]}
     for k in keys:
