@@ -29,7 +29,7 @@ from .results import CODES, EditError, EditResult
 from .retry import Backoff, Timer, retryable
 
 ImageLike = "str | Path | bytes | Image.Image | np.ndarray"
-_REQUEST_ID = re.compile(r"request id: ([\w-]+)")
+_REQUEST_ID = re.compile(r"request id: ([\w-]+)")  # maskedit_common.request_id.PATTERN (a test holds them equal)
 log = logging.getLogger("maskedit.client")
 # Each request is stamped as it is sent, and again when it is retried (its DEADLINE_MS is then what is left): the
 # server's bound counts from the stamp, not from when pre-processing got to it. The names and their meaning are the

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from maskedit_common.request_id import tagged
 from maskedit_common.settings import ServiceSettings
 
 from ..errors import EditError
@@ -29,7 +30,7 @@ def error_text(exc: BaseException, request_id: str | None = None) -> str:
     one stream to tell whose error it is."""
     code = exc.code if isinstance(exc, EditError) else "INTERNAL"
     msg = str(exc) if isinstance(exc, EditError) else f"{type(exc).__name__}: {exc}"
-    return f"{code}: {msg}" + (f" [request id: {request_id}]" if request_id else "")
+    return tagged(f"{code}: {msg}", request_id)
 
 
 def as_triton_error(exc: BaseException, request_id: str | None = None) -> "pb_utils.TritonError":

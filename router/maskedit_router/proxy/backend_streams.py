@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
+
+from maskedit_common.request_id import named
 
 from .backend import FINAL, Backend, backend_fault
 
@@ -197,11 +198,7 @@ class _BackendStream:
 
 def response_id(resp) -> str:
     """The router-unique id a backend response answers (an error may carry it only in its text)."""
-    rid = resp.infer_response.id
-    if not rid and resp.error_message:
-        m = re.search(r"request id: ([\w-]+)", resp.error_message)
-        rid = m.group(1) if m else ""
-    return rid
+    return resp.infer_response.id or named(resp.error_message) or ""
 
 
 def is_final(resp) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 from tritonclient.grpc import service_pb2
 
+from maskedit_common.request_id import tagged
 from maskedit_common.triton_refusals import as_refusal
 
 from ..access.auth import ANONYMOUS
@@ -276,7 +277,7 @@ class _StreamSession:
                 return
         resp.infer_response.id = p.client_id
         if error:
-            resp.error_message = _with_request_id(resp.error_message.replace(rid, p.client_id), p.client_id)
+            resp.error_message = tagged(resp.error_message.replace(rid, p.client_id), p.client_id)
         empty_final = final and not resp.infer_response.outputs and not error
         if not empty_final or p.want_final:
             self.out.put(resp)
@@ -395,17 +396,8 @@ class _StreamSession:
             self.out.put(None)
 
 
-def _with_request_id(message: str, client_id: str) -> str:
-    """The error text naming the client's request id. tritonclient's stream callback hands a client only the
-    error text (the response's id field is dropped), so a client with several requests pending on one stream can
-    match an error to its request only by this."""
-    if not client_id or f"request id: {client_id}" in message:
-        return message
-    return f"{message} [request id: {client_id}]"
-
-
 def _error(client_id: str, message: str):
-    resp = service_pb2.ModelStreamInferResponse(error_message=_with_request_id(message, client_id))
+    resp = service_pb2.ModelStreamInferResponse(error_message=tagged(message, client_id))
     resp.infer_response.id = client_id
     resp.infer_response.parameters[FINAL].bool_param = True
     return resp
