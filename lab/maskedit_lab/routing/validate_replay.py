@@ -24,6 +24,7 @@ from maskedit_common.settings import load_settings
 from maskedit_router.placement.features import EditFeatures
 from maskedit_router.placement.policies import Estimator, Policy
 
+from ..harness.host_sampler import FOREIGN_TOP
 from .sim_cluster import HostModel, replay
 
 WARMUP_GAP_S = 30.0  # warm-up requests run one at a time; in the simulator they are this far apart
@@ -75,11 +76,20 @@ def _variants(meta: dict, calib: dict, cost: CostModel) -> list[tuple]:
     return [("plain", service, None, calib["outside_s"]), ("shared_cpu", service, host, 0.0)]
 
 
+def _shared_cpu(meta: dict, calib: dict, cost: CostModel) -> tuple:
+    """The shared-CPU variant of ``_variants``: (service estimator, host model, seconds added outside denoising)."""
+    (_, svc, host, out), = [v for v in _variants(meta, calib, cost) if v[0] == "shared_cpu"]
+    return svc, host, out
+
+
+# A calibration's figures of the host's speed: what combining calibrations (``bracketed``, ``pooled``) combines.
+SPEED_FIGURES = ("hit_scale", "miss_scale", "outside_s", "interference", "interference_full", "foreign_cores")
+
+
 def bracketed(before: dict, after: dict) -> dict:
     """The host's speed over a run from the calibrations on either side of it: their mean (the speed at the run's
     middle if it drifted steadily)."""
-    keys = ("hit_scale", "miss_scale", "outside_s", "interference", "interference_full", "foreign_cores")
-    return {**before, **{k: (before[k] + after[k]) / 2 for k in keys if k in before and k in after}}
+    return {**before, **{k: (before[k] + after[k]) / 2 for k in SPEED_FIGURES if k in before and k in after}}
 
 
 def _lead(meta: dict, run_: dict, key: str) -> list[tuple]:
@@ -228,9 +238,8 @@ def pooled(calibs: list[dict]) -> dict:
     near saturation turns into a much larger P95 error. A host with no drift (``HostSampler``: foreign CPU flat)
     has one speed, best estimated from every probe. On the committed measurements it did no better than a run's
     own calibration (docs/router.md): the calibrations' noise is not what the misses are."""
-    keys = ("hit_scale", "miss_scale", "outside_s", "interference", "interference_full", "foreign_cores")
     out = {**calibs[0], "points": [p for c in calibs for p in c.get("points", [])]}
-    for k in keys:
+    for k in SPEED_FIGURES:
         got = [c[k] for c in calibs if c.get(k) is not None]
         if got:
             out[k] = statistics.median(got)
@@ -299,9 +308,8 @@ def compare(measured: dict) -> list[dict]:
             # The host's speed drifts within a run too (older files have no calibration after the last run): the
             # same model with the calibration measured right after the run, and with the two brackets' mean.
             mid = bracketed(before, after)
-            variants += [(f"{m}_calibrated_after", svc, host, out, None) for m, svc, host, out in
-                         _variants(meta, after, cost) if m == "shared_cpu"]
-            (_, svc, host, out), = [v for v in _variants(meta, mid, cost) if v[0] == "shared_cpu"]
+            variants.append(("shared_cpu_calibrated_after", *_shared_cpu(meta, after, cost), None))
+            svc, host, out = _shared_cpu(meta, mid, cost)
             variants.append((HEADLINE, svc, host, out, None))
             if routes is not None:  # the host model alone: every request where the real router sent it
                 variants.append((f"{HEADLINE}_measured_routing", svc, host, out, MeasuredRouting(routes)))
@@ -309,8 +317,7 @@ def compare(measured: dict) -> list[dict]:
                 steps_ = background(run_["host"], mid.get("foreign_cores", 0.0))
                 variants.append((f"{HEADLINE}_host_load", svc, replace(host, background=steps_), out, None))
         # the host model with one calibration pooled from all of the measurement's
-        variants += [(POOLED, svc, host, out, None) for m, svc, host, out in _variants(meta, everyone, cost)
-                     if m == "shared_cpu"]
+        variants.append((POOLED, *_shared_cpu(meta, everyone, cost), None))
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
                          service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)
@@ -374,7 +381,8 @@ def worst_window(run_: dict, sim: list, window_s: float = WINDOW_S, least: int =
             for k, v in x.get("foreign_top", {}).items():
                 who[k] = who.get(k, 0.0) + v / len(host)
         if who:
-            out["foreign_top"] = {k: round(v, 3) for k, v in sorted(who.items(), key=lambda kv: -kv[1])[:3]}
+            out["foreign_top"] = {k: round(v, 3) for k, v in
+                                  sorted(who.items(), key=lambda kv: -kv[1])[:FOREIGN_TOP]}
     return out
 
 
