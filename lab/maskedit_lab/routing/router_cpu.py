@@ -2,8 +2,9 @@
 in one process: reading a request off the wire (protobuf parse), its routing features (the mask decoded onto the
 token grid, the template's SHA-1), writing it to its backend (serialise), and the backend stream it goes on: one
 opened per request (as the router did before it kept one stream per backend, shared by its client streams) against
-one stream reused (as it does now), to one emulated instance (``triton_emulator``, in its own process: only this
-side's CPU is counted, wall time per round trip beside it). Process CPU time (``time.process_time``), not latency:
+one stream reused (as it does now), and one reused stream on ``grpc.aio`` (an event loop fed from the sending thread,
+as a relay moved onto the router's loop would be: no gRPC consumer or reader thread), to one emulated instance
+(``triton_emulator``, in its own process: only this side's CPU is counted, wall time per round trip beside it). Process CPU time (``time.process_time``), not latency:
 it moves little with the host's load, so before/after runs side by side on a shared host say something (the
 latencies of ``make router-scale`` need a quiet one).
 
@@ -121,8 +122,60 @@ def _round_trips(stub, reqs: list, reuse: bool) -> None:
         reader.join(30.0)
 
 
+class _AioStream:
+    """One ``grpc.aio`` stream to ``addr`` on an event loop thread of its own: ``round_trips`` hands each request to the
+    loop (``call_soon_threadsafe``, one writer task: aio allows one write at a time) and waits for its answer, read
+    by a reader task, as ``_round_trips`` does on a sync stream."""
+
+    def __init__(self, addr: str, options: list):
+        import asyncio
+
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.answered = threading.Event()
+
+        async def open_():
+            self.channel = grpc.aio.insecure_channel(addr, options=options)
+            self.call = service_pb2_grpc.GRPCInferenceServiceStub(self.channel).ModelStreamInfer()
+            self.q = asyncio.Queue()
+
+            async def write():
+                while (r := await self.q.get()) is not None:
+                    await self.call.write(r)
+                await self.call.done_writing()
+
+            async def read():
+                async for _ in self.call:
+                    self.answered.set()
+            self.tasks = [asyncio.ensure_future(write()), asyncio.ensure_future(read())]
+        asyncio.run_coroutine_threadsafe(open_(), self.loop).result(30)
+
+    def round_trips(self, reqs: list) -> None:
+        for r in reqs:
+            self.answered.clear()
+            self.loop.call_soon_threadsafe(self.q.put_nowait, r)
+            if not self.answered.wait(30.0):
+                raise RuntimeError("the emulated instance did not answer in 30 s")
+
+    def close(self) -> None:
+        import asyncio
+
+        async def close_():
+            self.q.put_nowait(None)
+            await asyncio.wait(self.tasks, timeout=10)
+            await self.channel.close()
+        asyncio.run_coroutine_threadsafe(close_(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 def stream_rows(resolution: int, requests: int, repeats: int) -> list[dict]:
-    """Per-request CPU and wall time of a backend stream opened per request against one reused."""
+    """Per-request CPU and wall time of a backend stream opened per request against one reused, sync and aio."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -132,18 +185,27 @@ def stream_rows(resolution: int, requests: int, repeats: int) -> list[dict]:
     reqs = [edit_request(payloads, f"s{i}", i % 4, 1) for i in range(requests)]
     for i, r in enumerate(reqs):
         r.id = f"s{i}"
-    samples: dict[str, list[tuple[float, float]]] = {"backend_stream_per_request": [], "backend_stream_reused": []}
+    samples: dict[str, list[tuple[float, float]]] = {"backend_stream_per_request": [], "backend_stream_reused": [],
+                                                      "backend_stream_reused_aio": []}
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     with tempfile.TemporaryDirectory() as d, running_emulator(1, default_profile(), 0.001, Path(d)) as (_, addrs):
-        with grpc.insecure_channel(addrs[0], options=[("grpc.max_send_message_length", -1),
-                                                      ("grpc.max_receive_message_length", -1)]) as ch:
+        with grpc.insecure_channel(addrs[0], options=options) as ch:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
-            _round_trips(stub, reqs[:4], reuse=True)  # (connection, imports)
-            for _ in range(repeats):
-                for name in samples:
-                    c0, w0 = time.process_time(), time.perf_counter()
-                    _round_trips(stub, reqs, reuse=name.endswith("reused"))
-                    samples[name].append(((time.process_time() - c0) / requests * 1e3,
-                                          (time.perf_counter() - w0) / requests * 1e3))
+            aio = _AioStream(addrs[0], options)
+            try:
+                send = {"backend_stream_per_request": lambda: _round_trips(stub, reqs, reuse=False),
+                        "backend_stream_reused": lambda: _round_trips(stub, reqs, reuse=True),
+                        "backend_stream_reused_aio": lambda: aio.round_trips(reqs)}
+                _round_trips(stub, reqs[:4], reuse=True)  # (connections, imports)
+                aio.round_trips(reqs[:4])
+                for _ in range(repeats):
+                    for name in samples:
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        send[name]()
+                        samples[name].append(((time.process_time() - c0) / requests * 1e3,
+                                              (time.perf_counter() - w0) / requests * 1e3))
+            finally:
+                aio.close()
     return [{"stage": name, "cpu_ms_per_request_median": round(statistics.median(c for c, _ in s), 4),
              "cpu_ms_per_request_min": round(min(c for c, _ in s), 4),
              "wall_ms_per_round_trip_median": round(statistics.median(w for _, w in s), 3), "repeats": len(s)}
@@ -162,13 +224,17 @@ def run(resolution: int, requests: int, repeats: int, streams: bool = True) -> d
         rows.append({"stage": name, "cpu_ms_per_request_median": round(statistics.median(ms), 4),
                      "cpu_ms_per_request_min": round(min(ms), 4), "repeats": len(ms)})
     if streams:
-        rows += stream_rows(resolution, requests, max(1, repeats // 3))
+        rows += stream_rows(resolution, requests, repeats)  # as many passes: aio against sync is a ~10 % difference
     by = {r["stage"]: r["cpu_ms_per_request_median"] for r in rows}
     ratios = {"features_vs_box_grid": round(by["features"] / by["features_box_grid"], 3),
               "mask_grid_vs_box": round(by["mask_grid"] / by["mask_grid_box"], 3)}
     if streams:
         ratios["backend_stream_reused_vs_per_request"] = round(
             by["backend_stream_reused"] / by["backend_stream_per_request"], 3)
+        wall = {r["stage"]: r["wall_ms_per_round_trip_median"] for r in rows if "wall_ms_per_round_trip_median" in r}
+        ratios["backend_stream_aio_vs_reused"] = round(by["backend_stream_reused_aio"] / by["backend_stream_reused"], 3)
+        ratios["backend_stream_aio_vs_reused_wall"] = round(wall["backend_stream_reused_aio"] /
+                                                            wall["backend_stream_reused"], 3)
     return {"meta": {**meta, **commit(), "requests": requests, "device": platform.processor() or platform.machine(),
                      "python": platform.python_version(), "clock": "time.process_time (process CPU)",
                      "loadavg_1m": round(os.getloadavg()[0], 2)},

@@ -30,7 +30,7 @@ def test_a_tiny_run_writes_json_and_a_plot(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_the_stream_stages_round_trip_through_an_emulated_instance():
+def test_the_stream_stages_sync_and_aio_round_trip_through_an_emulated_instance():
     rows = {r["stage"]: r for r in router_cpu.stream_rows(512, requests=3, repeats=1)}
-    assert set(rows) == {"backend_stream_per_request", "backend_stream_reused"}
+    assert set(rows) == {"backend_stream_per_request", "backend_stream_reused", "backend_stream_reused_aio"}
     assert all(r["cpu_ms_per_request_median"] > 0 and r["wall_ms_per_round_trip_median"] > 0 for r in rows.values())
