@@ -63,7 +63,7 @@ from typing import Callable
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .stall import StallDetector
+from .stall import StallAwareLoop
 
 log = logging.getLogger("maskedit.router")
 
@@ -284,7 +284,7 @@ def counts(resp, model: str = "preprocess") -> tuple[int, int] | None:
     return done, busy
 
 
-class AdmissionWatcher:
+class AdmissionWatcher(StallAwareLoop):
     """Polls the backends' ``preprocess`` statistics (asynchronously: a backend that does not answer delays no
     other) and feeds them to their ``AdmissionGauge``s: every ``interval_s`` a backend with router edits in front of
     its check or one that is refusing, every ``idle_interval_s`` the others. The counts are read only while a
@@ -296,31 +296,19 @@ class AdmissionWatcher:
 
     def __init__(self, router, interval_s: float = 0.05, model: str = "preprocess", timeout_s: float = 1.0,
                  idle_interval_s: float = 1.0):
+        super().__init__(interval_s, "admission")
         self.r, self.interval, self.model, self.timeout = router, interval_s, model, timeout_s
         self.idle_interval = max(interval_s, idle_interval_s)
-        self._stop = threading.Event()
         self._inflight: dict[str, object] = {}  # backend address -> its statistics call in flight
         self._polled_at: dict[str, float] = {}  # backend address -> monotonic time of its latest poll
         self._missing: set[str] = set()  # backends without the model (logged once)
-        self.stall = StallDetector(interval_s, name="admission")
-        self._thread = threading.Thread(target=self._run, daemon=True, name="router-admission")
 
-    def start(self) -> "AdmissionWatcher":
-        self._thread.start()
-        return self
+    def resumed(self, stalled_s: float) -> None:
+        self.r.admission_resumed()
+        self._polled_at.clear()  # every gauge starts again from its next poll: the next tick, for all
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while True:
-            stopped, stalled = self.stall.wait(self._stop)
-            if stopped:
-                return
-            if stalled:
-                self.r.admission_resumed()
-                self._polled_at.clear()  # every gauge starts again from its next poll: the next tick, for all
-            self.tick(time.monotonic())
+    def step(self) -> None:
+        self.tick(time.monotonic())
 
     def tick(self, now: float) -> None:
         """Poll what is due, then refuse on time what waited too long in front of a check (``expire_admissions``:

@@ -24,7 +24,7 @@ from maskedit_common.triton_refusals import as_refusal
 
 from .backend import FINAL, probe_edit_request
 from .server import Router
-from .stall import StallDetector
+from .stall import StallAwareLoop
 
 log = logging.getLogger("maskedit.router")
 READY_TIMEOUT_S = 2.0
@@ -58,21 +58,12 @@ def probe(backend, timeout_s: float) -> bool:
     return ok
 
 
-class HealthChecker:
+class HealthChecker(StallAwareLoop):
     def __init__(self, router: Router, interval_s: float = 1.0, probe_every_s: float = 5.0, probe_timeout_s: float = 5.0):
+        super().__init__(interval_s, "health")
         self.r, self.interval, self.probe_every, self.probe_timeout = router, interval_s, probe_every_s, probe_timeout_s
-        self._stop = threading.Event()
         self._last_probe: dict[str, float] = {}
         self._verdict: dict[str, bool] = {}  # the latest probe's (or recent traffic's) answer per backend
-        self.stall = StallDetector(interval_s, name="health")
-        self._thread = threading.Thread(target=self._run, daemon=True, name="router-health")
-
-    def start(self) -> "HealthChecker":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def check(self, backend) -> bool:
         asked = time.monotonic()
@@ -107,14 +98,8 @@ class HealthChecker:
                 self._verdict[backend.addr] = True
         self.r.metrics.stalled(stalled_s)
 
-    def _run(self) -> None:
-        while True:
-            stopped, stalled = self.stall.wait(self._stop)
-            if stopped:
-                return
-            if stalled:
-                self.resumed(stalled)
-            self.sweep()
+    def step(self) -> None:
+        self.sweep()
 
     def sweep(self) -> None:
         """Check every backend once and act on the verdicts."""

@@ -2,11 +2,13 @@
 every ``interval_s`` finds far more time since its last tick. Evidence from before such a gap (no answer from a
 backend for 30 s, a request that "waited" 30 s in front of a backend's admission check) says nothing about the
 backends: they went on working while the router did not look. Each periodic loop that judges backends by elapsed
-time keeps its own detector and discounts the gap."""
+time keeps its own detector and discounts the gap (``StallAwareLoop``: the health checker's and the admission
+watcher's loops)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 log = logging.getLogger("maskedit.router")
@@ -32,3 +34,35 @@ class StallDetector:
             return 0.0
         log.warning("router resumed after a stall", extra={"fields": {"stalled_s": round(gap, 1), "loop": self.name}})
         return gap
+
+
+class StallAwareLoop:
+    """A daemon thread (``router-<name>``) that calls ``step()`` every ``interval_s`` until ``stop()``, and
+    ``resumed(stalled_s)`` before the step that follows a stall."""
+
+    def __init__(self, interval_s: float, name: str):
+        self._stop = threading.Event()
+        self.stall = StallDetector(interval_s, name=name)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"router-{name}")
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def resumed(self, stalled_s: float) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while True:
+            stopped, stalled = self.stall.wait(self._stop)
+            if stopped:
+                return
+            if stalled:
+                self.resumed(stalled)
+            self.step()
