@@ -75,7 +75,7 @@ class HostSampler:
         self.pids, self.interval_s = pids, interval_s
         self.samples: list[dict] = []
         self._procs: dict[int, psutil.Process] = {}
-        self._labels: dict[int, str] = {}  # pid -> what it is (``by_model``)
+        self._labels: dict[tuple[int, float], str] = {}  # (pid, start time) -> what it is: ``by_model``
         self._who: dict[int, tuple[float, str]] = {}  # pid -> (its start time, what it is): ``foreign_top``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="host-sampler", daemon=True)
@@ -88,29 +88,36 @@ class HostSampler:
         self._stop.set()
         self._thread.join(timeout=5 * self.interval_s)
 
-    def _tested_cpu_s(self) -> dict[int, tuple[str, float]]:
-        """pid -> (what it is, user + system CPU so far) of the tested processes' trees. A process that exits
-        between two samples takes its last interval's CPU with it (rare: a stub restart)."""
+    def _tested_cpu_s(self) -> dict[tuple[int, float], tuple[str, float]]:
+        """(pid, start time) -> (what it is, user + system CPU so far) of the tested processes' trees (a pid reused
+        by a new process is another key). A process that exits between two samples takes its last interval's CPU
+        with it (rare: a stub restart)."""
         live: dict[int, psutil.Process] = {}
         for pid in self.pids():
             try:
-                root = self._procs.get(pid) or psutil.Process(pid)
+                root = self._known(pid) or psutil.Process(pid)
                 live[pid] = root
                 for c in root.children(recursive=True):
-                    live[c.pid] = self._procs.get(c.pid) or c
+                    live[c.pid] = self._known(c.pid) or c
             except psutil.Error:
                 continue
         self._procs = live
-        out: dict[int, tuple[str, float]] = {}
+        out: dict[tuple[int, float], tuple[str, float]] = {}
         for pid, p in live.items():
             try:
-                t = p.cpu_times()
-                out[pid] = (self._labels.get(pid) or self._labels.setdefault(pid, _label(p)), t.user + t.system)
+                key, t = (pid, p.create_time()), p.cpu_times()
+                out[key] = (self._labels.get(key) or _label(p), t.user + t.system)
             except psutil.Error:
                 continue
+        self._labels = {key: label for key, (label, _) in out.items()}  # those gone are forgotten
         return out
 
-    def _foreign_cpu_s(self, tested: dict) -> dict[int, tuple[str, float]]:
+    def _known(self, pid: int) -> psutil.Process | None:
+        """The process already seen as ``pid``, if it is still that one (not a new process given a reused pid)."""
+        p = self._procs.get(pid)
+        return p if p is not None and p.is_running() else None
+
+    def _foreign_cpu_s(self, tested: set[int]) -> dict[int, tuple[str, float]]:
         """pid -> (what it is, user + system CPU so far) of every other process on the host (kernel threads
         included)."""
         out: dict[int, tuple[str, float]] = {}
@@ -139,7 +146,7 @@ class HostSampler:
         swap = psutil.swap_memory()
         tested = self._tested_cpu_s()
         return (time.monotonic(), self._busy_s(), tested, _vmstat("pgmajfault"), swap.sin + swap.sout,
-                self._foreign_cpu_s(tested))
+                self._foreign_cpu_s({pid for pid, _ in tested}))
 
     def _loop(self) -> None:
         prev = self._read()
@@ -148,8 +155,8 @@ class HostSampler:
             dt = cur[0] - prev[0]
             # per process: one that appeared since the last sample counts from its start; one that exited is left out
             by: dict[str, float] = {}
-            for pid, (label, cpu) in cur[2].items():
-                by[label] = by.get(label, 0.0) + (cpu - prev[2].get(pid, (label, 0.0))[1]) / dt
+            for key, (label, cpu) in cur[2].items():
+                by[label] = by.get(label, 0.0) + (cpu - prev[2].get(key, (label, 0.0))[1]) / dt
             busy, tested = (cur[1] - prev[1]) / dt, sum(by.values())
             others: dict[str, float] = {}
             for pid, (label, cpu) in cur[5].items():

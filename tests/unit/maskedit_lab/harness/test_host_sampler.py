@@ -40,6 +40,22 @@ def test_a_tested_process_trees_cpu_is_counted_as_tested_not_foreign():
     assert idle._tested_cpu_s() == {}
 
 
+def test_a_tested_process_is_known_by_pid_and_start_time_and_forgotten_when_gone():
+    """A pid reused by a new process (a restarted stub) is another process: its CPU is not set against the old one's,
+    nor does it keep the old one's label; a process that has gone leaves nothing behind."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pids = [child.pid]
+    try:
+        hs = HostSampler(lambda: pids)
+        got = hs._tested_cpu_s()
+        assert set(got) == {(child.pid, psutil.Process(child.pid).create_time())}
+        assert set(hs._labels) == set(got)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert hs._tested_cpu_s() == {} and hs._labels == {}  # exited (its pid still asked for): forgotten
+
+
 def test_the_largest_foreign_cpu_users_are_named():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # not tested: foreign
     try:
