@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-sensitivity router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,11 @@ router-sim: $(STAMP)
 
 router-validate: $(STAMP)
 	$(VENV)/bin/maskedit-router-validate $(ARGS)
+
+# A router-validate file's runs replayed with the host slowed or noisy (seconds; docs/router.md):
+# make router-sensitivity ARGS="--from perf_profiles/results/router_validation.json"
+router-sensitivity: $(STAMP)
+	$(PY) -m maskedit_lab.routing.validate_sensitivity $(ARGS)
 
 # The real router process in front of 32 and 128 emulated Triton instances (maskedit_lab.routing.triton_emulator,
 # docs/router.md).

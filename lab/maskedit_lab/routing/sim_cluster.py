@@ -66,7 +66,10 @@ class HostModel:
     run's ``HostSampler`` record); it competes for the cores like that many more runnable tasks.
     Each worker has one pre-processing and one decoding instance, so a worker's pre/post work queues FIFO
     (as Triton's single ``preprocess`` / ``vae_decode`` instances do). Entry writes (a template run's, a heal's)
-    are CPU tasks too, started when the request leaves the batch."""
+    are CPU tasks too, started when the request leaves the batch.
+    ``slowdown`` and ``noise_cv`` ask what-if questions of a calibrated host (``validate_sensitivity``): every CPU
+    task's work times ``slowdown`` (the host that much slower than calibrated, all run long), and times a lognormal
+    draw of mean 1 and this coefficient of variation per task (``noise_seed``: its generator's seed)."""
 
     cores: float
     workers_per_host: int
@@ -77,6 +80,19 @@ class HostModel:
     heal_ms: float = 0.0  # and of a heal's rewrite
     interference_full: float | None = None  # two full batches of cached requests, one on each of two cores
     background: tuple[tuple[float, float], ...] = ()  # (from second, foreign cores busy), in time order
+    slowdown: float = 1.0
+    noise_cv: float = 0.0
+    noise_seed: int = 0
+
+
+def _what_if(host: HostModel | None):
+    """A CPU task's work factor under ``host``'s ``slowdown`` and ``noise_cv`` (1 without either)."""
+    if host is None or host.noise_cv <= 0:
+        slowdown = host.slowdown if host else 1.0
+        return lambda: slowdown
+    rng = np.random.default_rng(host.noise_seed)
+    sigma = float(np.sqrt(np.log1p(host.noise_cv ** 2)))
+    return lambda: host.slowdown * float(rng.lognormal(-sigma * sigma / 2, sigma))
 
 
 class _Host:
@@ -260,6 +276,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
              for _ in range(-(-workers // per_host))]
     for i, w in enumerate(ws):
         w.host = hosts[i // per_host]
+    what_if = _what_if(host)
     events: list = []  # (time, seq, callback(now))
     seq = itertools.count()
     finished: list[SimRequest] = []
@@ -277,7 +294,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
 
     def run_on(h: _Host, now: float, work_ms: float, on_done, fill: float = 0.0) -> None:
         h.advance(now)
-        h.tasks.append([work_ms, on_done, fill])
+        h.tasks.append([work_ms * what_if(), on_done, fill])
         reschedule(h, now)
 
     def set_background(h: _Host, cores: float, now: float) -> None:
