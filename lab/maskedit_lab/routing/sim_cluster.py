@@ -96,13 +96,16 @@ def _what_if(host: HostModel | None):
 
 
 class _Host:
-    """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done, fill] where
-    fill (0-1) is how full of cached requests a denoise step is (``HostModel``)."""
+    """Processor sharing over a host's cores: tasks are [remaining ms of CPU at full speed, on_done, fill, kind]
+    where fill (0-1) is how full of cached requests a denoise step is (``HostModel``). ``cpu_ms``: per kind, the CPU
+    time its tasks were given from time 0 on (a task on a core for 1 ms is given 1 ms, however slowly the
+    interference makes it go: what a process's CPU clock would read)."""
 
     def __init__(self, cores: float, interference: float = 0.0, interference_full: float | None = None):
         self.cores, self.interference, self.tasks, self.last, self.token = cores, interference, [], 0.0, 0
         self.interference_full = interference_full
         self.background = 0.0  # cores busy with work outside the workers (``HostModel.background``)
+        self.cpu_ms: dict[str, float] = {}
 
     def pair_interference(self) -> float:
         if self.interference_full is None or len(self.tasks) < 2:
@@ -114,13 +117,18 @@ class _Host:
 
     def rate(self) -> float:
         n = len(self.tasks) + self.background
-        share = 1.0 if n <= self.cores else self.cores / n
-        return share / (1.0 + self.pair_interference() * max(0.0, min(n, self.cores) - 1))
+        return self.share() / (1.0 + self.pair_interference() * max(0.0, min(n, self.cores) - 1))
+
+    def share(self) -> float:
+        n = len(self.tasks) + self.background
+        return 1.0 if n <= self.cores else self.cores / n
 
     def advance(self, now: float) -> None:
         done = (now - self.last) * 1000.0 * self.rate()
+        given = max(0.0, now - max(self.last, 0.0)) * 1000.0 * self.share()  # (the lead before 0 is not counted)
         for t in self.tasks:
             t[0] -= done
+            self.cpu_ms[t[3]] = self.cpu_ms.get(t[3], 0.0) + given
         self.last = now
 
 
@@ -255,7 +263,8 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
     disk costs ``service.tier_load_ms("disk")`` when its request joins the batch); ``model_slots`` base checkpoints
     resident per worker (a request whose checkpoint is not costs ``service.model_ms`` when it joins). The router's
     shadow of each store has the same capacities.
-    Returns the finished ``SimRequest``s (``done`` is set, in arrival order) and the median routing decision."""
+    Returns the finished ``SimRequest``s (``done`` is set, in arrival order), the median routing decision, and the
+    CPU the hosts' tasks were given from time 0 on, by kind (``cpu_ms``: denoise, write, pre, post)."""
     service = service or est
     shared_ms = batch_shared_ms(service) if batch_shared is None else batch_shared
     est = replace(est)  # the router's own copy: its online fit must not leak into the caller's or other runs
@@ -292,9 +301,9 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
             token = h.token
             at(now + max(0.0, min(t[0] for t in h.tasks)) / (1000.0 * h.rate()), lambda t: host_event(h, token, t))
 
-    def run_on(h: _Host, now: float, work_ms: float, on_done, fill: float = 0.0) -> None:
+    def run_on(h: _Host, now: float, work_ms: float, on_done, fill: float = 0.0, kind: str = "denoise") -> None:
         h.advance(now)
-        h.tasks.append([work_ms * what_if(), on_done, fill])
+        h.tasks.append([work_ms * what_if(), on_done, fill, kind])
         reschedule(h, now)
 
     def set_background(h: _Host, cores: float, now: float) -> None:
@@ -313,10 +322,10 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         reschedule(h, now)
 
     # -- a worker: pre-processing queue, running batch, post-processing queue ----------------------------
-    def fifo(w: Worker, queue: list, q: SimRequest, work_ms: float, then, now: float) -> None:
+    def fifo(w: Worker, queue: list, q: SimRequest, work_ms: float, then, now: float, kind: str) -> None:
         """Queue ``q`` for a single-instance stage (``work_ms`` of CPU each); ``then(w, q, t)`` as each ends."""
         def start(t: float) -> None:
-            run_on(w.host, t, work_ms, ended)
+            run_on(w.host, t, work_ms, ended, kind=kind)
 
         def ended(t: float) -> None:
             then(w, queue.pop(0), t)
@@ -398,9 +407,9 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
                 if host:  # the entry is written in the background: CPU the host's other tasks lose
                     write_ms = (host.record_ms if q.records else 0.0) + (host.heal_ms if q.heals else 0.0)
                     if write_ms:
-                        run_on(w.host, now, write_ms, lambda t: None)
+                        run_on(w.host, now, write_ms, lambda t: None, kind="write")
                 if host and host.post_ms:
-                    fifo(w, w.post_queue, q, host.post_ms, complete, now)
+                    fifo(w, w.post_queue, q, host.post_ms, complete, now, "post")
                 else:
                     complete(w, q, now)
         start_step(w, now)
@@ -419,7 +428,7 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         decision_s.append(time.perf_counter() - t0)
         q.booking = Booking.add(w.load, est, q.f, now, ttl=1e9)  # router index: sim time never expires
         if host and host.pre_ms:
-            fifo(w, w.pre_queue, q, host.pre_ms, enqueue, now)
+            fifo(w, w.pre_queue, q, host.pre_ms, enqueue, now, "pre")
         else:
             enqueue(w, q, now)
 
@@ -434,4 +443,5 @@ def replay(policy_name: str, workers: int, arrivals: list[tuple[float, EditFeatu
         fn(now)
     return {"requests": sorted(finished, key=lambda q: q.rid), "estimator": est,
             "decision_us_p50": float(np.percentile(decision_s, 50) * 1e6) if decision_s else 0.0,
-            "decision_us_p99": float(np.percentile(decision_s, 99) * 1e6) if decision_s else 0.0, **cold}
+            "decision_us_p99": float(np.percentile(decision_s, 99) * 1e6) if decision_s else 0.0, **cold,
+            "cpu_ms": {k: sum(h.cpu_ms.get(k, 0.0) for h in hosts) for k in {k for h in hosts for k in h.cpu_ms}}}

@@ -335,11 +335,12 @@ def compare(measured: dict) -> list[dict]:
     return rows
 
 
-def headline_replay(measured: dict, i: int, **what_if) -> np.ndarray:
+def headline_replay(measured: dict, i: int, host_load: bool = False, **what_if) -> tuple[np.ndarray, dict]:
     """Run ``i`` replayed as ``compare``'s headline (the shared-CPU host with the calibrations either side of it;
     the one before for the last run of a file without a final calibration), its host changed by ``what_if``
-    (``HostModel`` fields: ``slowdown``, ``noise_cv``, ``noise_seed``): the simulated latencies of the requests the
-    run measured, in its order."""
+    (``HostModel`` fields: ``slowdown``, ``noise_cv``, ``noise_seed``); ``host_load``: with the CPU the host spent
+    outside the instances during the run, as the ``_host_load`` variant. The simulated latencies of the requests
+    the run measured, in its order, and the CPU the replay's tasks were given over the run, by kind (ms)."""
     meta, runs = measured["meta"], measured["runs"]
     cost = replay_cost(meta)
     est = Estimator(cost)
@@ -350,12 +351,14 @@ def headline_replay(measured: dict, i: int, **what_if) -> np.ndarray:
     after = _after(runs, i, meta)
     calib = bracketed(before, profile_scales(after, est, tokens, meta["steps"])) if after else before
     svc, host, outside_s = _shared_cpu(meta, calib, cost)
+    if host_load and run_.get("host"):
+        what_if = {"background": background(run_["host"], calib.get("foreign_cores", 0.0)), **what_if}
     sim = replay(run_.get("policy", meta["policy"]), meta["instances"], arrivals,
                  _router_estimator(cost, run_, before["profile_factor"]), service=svc, host=replace(host, **what_if),
                  masks=masks, held={} if meta.get("replay_empty_stores") else held_before(meta, runs, i),
                  names=meta.get("backends"), policy_kw={"seed": 0})
     return np.array([q.done - q.arrival + outside_s for q, r in zip(sim["requests"][n_lead:], run_["requests"])
-                     if r["error"] is None and r["latency_s"] is not None])
+                     if r["error"] is None and r["latency_s"] is not None]), sim["cpu_ms"]
 
 
 WINDOW_S = 15.0  # a slow episode on this host lasts 15-60 s

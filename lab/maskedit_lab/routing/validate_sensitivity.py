@@ -9,6 +9,9 @@ of both instances, pre/post-processing and writes included), and with noise on e
 replay meets the measured P95, the P95's elasticity at the calibrated speed (% of P95 per % of speed), and what
 the host did during the run: its denoise loops' CPU per thousand token-steps computed (``HostSampler``), against
 the file's median run. Beside them, the spread of the file's calibrations (hit and template-run speed ratios).
+``run_speed``: the run replayed at the speed its own record gives (the slowdown whose replay gives the denoise loops
+the CPU the run's used: a measure of the run's work and speed, not of its waits), its P95 and mean against the
+measured; ``run_speed_host_load`` the same with the CPU spent outside the instances added.
 Replays only: seconds, no cluster. Writes JSON and a plot (P95 against slowdown, one panel per load).
 """
 
@@ -23,23 +26,30 @@ import numpy as np
 
 from maskedit_router.placement.policies import Estimator
 
-from .validate_replay import calibrations, headline_replay, profile_scales, replay_cost
+from .validate_replay import _err, calibrations, headline_replay, profile_scales, replay_cost
 
 FACTORS = (0.9, 1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4)
 NOISE_CVS = (0.2, 0.5)
 DENOISE = "masked_denoise"  # the denoise loop's process, as ``HostSampler.by_model`` names it
 
 
-def denoise_cpu_per_ktoken_step(meta: dict, run_: dict) -> float | None:
-    """The run's denoise CPU (ms, from its ``HostSampler`` record) per thousand token-steps its answered requests
-    computed (a hit its computed tokens, a template run all of them): how much CPU the same work took over this
-    run. None without a host record."""
+def denoise_cpu_s(run_: dict) -> float | None:
+    """The CPU seconds the run's denoise processes used over it (its ``HostSampler`` record; None without one)."""
     samples = run_.get("host") or []
     if not any(DENOISE in s.get("by_model", {}) for s in samples):  # none, or recorded before ``by_model``
         return None
     t = [s["t"] for s in samples]
     dts = np.diff([t[0] - 1.0] + t)  # a sample covers the interval since the one before (the first: a second)
-    cpu_s = sum(s["by_model"].get(DENOISE, 0.0) * dt for s, dt in zip(samples, dts))  # (cores x seconds)
+    return float(sum(s["by_model"].get(DENOISE, 0.0) * dt for s, dt in zip(samples, dts)))  # cores x seconds
+
+
+def denoise_cpu_per_ktoken_step(meta: dict, run_: dict) -> float | None:
+    """The run's denoise CPU (ms) per thousand token-steps its answered requests computed (a hit its computed
+    tokens, a template run all of them): how much CPU the same work took over this run. None without a host
+    record."""
+    cpu_s = denoise_cpu_s(run_)
+    if cpu_s is None:
+        return None
     token_steps = sum((r["computed_tokens"] if r.get("cache_hit") and r.get("computed_tokens") is not None
                        else r["tokens"]) * meta["steps"] for r in run_["requests"] if r["error"] is None)
     return 1e6 * cpu_s / token_steps if token_steps else None
@@ -52,6 +62,29 @@ def matching_slowdown(factors, p95s, measured: float) -> float | None:
         if min(p0, p1) <= measured <= max(p0, p1) and p0 != p1:
             return round(f0 + (f1 - f0) * (measured - p0) / (p1 - p0), 3)
     return None
+
+
+def run_speed(measured: dict, i: int, host_load: bool = False, lo: float = 0.6, hi: float = 2.0,
+              iters: int = 14) -> float | None:
+    """The host's speed over run ``i`` from what the run measured of it, not of its latency: the slowdown at which
+    the replay's denoise loops (steps and entry writes, which run in the denoise process) are given the CPU the
+    run's denoise processes used (``denoise_cpu_s``). Waiting for a core costs no CPU, so this counts work and the
+    speed it ran at (interference included), not queueing. ``host_load``: the replay with the CPU spent outside the
+    instances (``headline_replay``). Bisection over [lo, hi]; None without a host record or outside the range."""
+    target = denoise_cpu_s(measured["runs"][i])
+    if target is None:
+        return None
+
+    def given_s(slowdown: float) -> float:
+        cpu = headline_replay(measured, i, host_load, slowdown=slowdown)[1]
+        return (cpu.get("denoise", 0.0) + cpu.get("write", 0.0)) / 1000
+
+    if not given_s(lo) <= target <= given_s(hi):
+        return None
+    for _ in range(iters):  # the CPU given grows with the slowdown
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if given_s(mid) < target else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 def _spread(values: list[float]) -> dict:
@@ -70,10 +103,10 @@ def sensitivity(measured: dict, factors=FACTORS, noise_cvs=NOISE_CVS, seeds: int
     rows = []
     for i, run_ in enumerate(runs):
         lat = np.array([r["latency_s"] for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None])
-        p95 = {f: float(np.percentile(headline_replay(measured, i, slowdown=f), 95)) for f in factors}
+        p95 = {f: float(np.percentile(headline_replay(measured, i, slowdown=f)[0], 95)) for f in factors}
         noise = {}
         for cv in noise_cvs:
-            got = [float(np.percentile(headline_replay(measured, i, noise_cv=cv, noise_seed=k), 95))
+            got = [float(np.percentile(headline_replay(measured, i, noise_cv=cv, noise_seed=k)[0], 95))
                    for k in range(seeds)]
             noise[str(cv)] = {"min": round(min(got), 3), "median": round(statistics.median(got), 3),
                               "max": round(max(got), 3)}
@@ -88,6 +121,13 @@ def sensitivity(measured: dict, factors=FACTORS, noise_cvs=NOISE_CVS, seeds: int
         if speeds[i] is not None:
             row["denoise_cpu_ms_per_ktoken_step"] = round(speeds[i], 1)
             row["denoise_cpu_vs_file_median"] = round(speeds[i] / median_speed, 3)
+        for name, host_load in (("run_speed", False), ("run_speed_host_load", True)):
+            speed = run_speed(measured, i, host_load)
+            if speed is not None:  # the replay at the run's own speed: its P95 and mean against the measured
+                sim = headline_replay(measured, i, host_load, slowdown=speed)[0]
+                row[name] = {"slowdown": speed, "p95_s": round(float(np.percentile(sim, 95)), 3),
+                             "p95_error": _err(np.percentile(sim, 95), float(np.percentile(lat, 95))),
+                             "mean_s": round(float(sim.mean()), 3), "mean_error": _err(sim.mean(), float(lat.mean()))}
         rows.append(row)
     return {"meta": {"source_meta": {k: meta.get(k) for k in ("model", "instances", "steps", "requests_per_load",
                                                                "host_cores", "policies", "calibrate_every")},
@@ -137,7 +177,7 @@ def main(argv=None) -> None:
     plot(result, out.with_suffix(".png"))
     for r in result["rows"]:
         print(json.dumps({k: r.get(k) for k in ("policy", "load", "measured_p95_s", "matching_slowdown",
-                                                 "p95_elasticity", "denoise_cpu_vs_file_median")}))
+                                                 "p95_elasticity", "denoise_cpu_vs_file_median", "run_speed")}))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

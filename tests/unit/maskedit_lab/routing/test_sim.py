@@ -114,6 +114,19 @@ def test_loops_on_busy_cores_slow_each_other_by_the_interference(est):
         assert latency(q) == pytest.approx(2 * alone)
 
 
+def test_a_host_counts_the_cpu_its_tasks_were_given_as_a_process_clock_would(est):
+    arr = [(0.0, f("a")), (0.0, f("b"))]
+    alone = replay("round_robin", 1, arr[:1], est, host=HostModel(2, 1, 0.0, 0.0))
+    work = alone["cpu_ms"]["denoise"]
+    assert work == pytest.approx(1000 * latency(alone["requests"][0]))  # alone on a core: CPU time = wall time
+    shared = replay("round_robin", 2, arr, est, host=HostModel(1, 2, 0.0, 0.0))  # one core: half each, twice as long
+    assert shared["cpu_ms"]["denoise"] == pytest.approx(2 * work)
+    busy = replay("round_robin", 2, arr, est, host=HostModel(2, 2, 0.0, 0.0, interference=0.3))
+    assert busy["cpu_ms"]["denoise"] == pytest.approx(2 * 1.3 * work)  # interfering: on the core 1.3x as long
+    early = replay("round_robin", 1, [(-100.0, f("a"))], est, host=HostModel(2, 1, 0.0, 0.0))
+    assert early["cpu_ms"].get("denoise", 0.0) == 0.0  # before time 0 (a replay's lead): not the run's
+
+
 def test_pre_processing_queues_per_worker_and_slows_a_busy_host(est):
     host = HostModel(cores=1, workers_per_host=1, pre_ms=100.0, post_ms=0.0)
     a, b = replay("round_robin", 1, [(0.0, f("a")), (0.0, f("b"))], est, host=host)["requests"]

@@ -25,19 +25,21 @@ def _measured(requests=10, gap_s=30.0):
 
 def test_the_headline_replay_is_the_validations_headline_and_a_slower_host_stretches_it():
     m = _measured()
-    lat = headline_replay(m, 0)
+    lat, cpu = headline_replay(m, 0)
     row, = [r for r in compare(m) if r["model"] == HEADLINE]
     assert float(np.percentile(lat, 95)) == pytest.approx(row["p95_s"])
     # isolated requests: every part of their latency is CPU work on the host, all of it slowed alike
-    assert headline_replay(m, 0, slowdown=1.5) == pytest.approx(1.5 * lat)
-    assert np.array_equal(headline_replay(m, 0, slowdown=1.0), lat)
+    slow, slow_cpu = headline_replay(m, 0, slowdown=1.5)
+    assert slow == pytest.approx(1.5 * lat)
+    assert slow_cpu["denoise"] == pytest.approx(1.5 * cpu["denoise"]) and set(cpu) >= {"denoise", "pre", "post"}
+    assert np.array_equal(headline_replay(m, 0, slowdown=1.0)[0], lat)
 
 
 def test_noise_on_the_hosts_tasks_is_seeded_and_leaves_the_mean_about_where_it_was():
     m = _measured(requests=60)
-    base = headline_replay(m, 0)
-    a, b = (headline_replay(m, 0, noise_cv=0.3, noise_seed=s) for s in (0, 1))
-    assert np.array_equal(a, headline_replay(m, 0, noise_cv=0.3, noise_seed=0))
+    base = headline_replay(m, 0)[0]
+    a, b = (headline_replay(m, 0, noise_cv=0.3, noise_seed=s)[0] for s in (0, 1))
+    assert np.array_equal(a, headline_replay(m, 0, noise_cv=0.3, noise_seed=0)[0])
     assert not np.array_equal(a, b) and a.std() > 0
     assert a.mean() == pytest.approx(base.mean(), rel=0.1)
 
@@ -59,6 +61,23 @@ def test_a_runs_denoise_cpu_is_counted_per_thousand_token_steps_it_computed():
     assert vs.denoise_cpu_per_ktoken_step(meta, {**run_, "host": []}) is None
     older = [{"t": s["t"], "foreign_cores": 0.1} for s in samples]  # recorded before by_model
     assert vs.denoise_cpu_per_ktoken_step(meta, {**run_, "host": older}) is None
+
+
+def test_a_runs_own_speed_is_the_slowdown_whose_replay_uses_the_denoise_cpu_the_run_used():
+    m = _measured()
+    _, cpu = headline_replay(m, 0, slowdown=1.3)
+    used_s = (cpu["denoise"] + cpu.get("write", 0.0)) / 1000
+    span = m["runs"][0]["requests"][-1]["t"] + 60.0
+    # the run's record: its denoise process busy at that CPU's rate over the run
+    m["runs"][0]["host"] = [{"t": float(t), "by_model": {vs.DENOISE: used_s / span}, "foreign_cores": 0.0}
+                            for t in range(1, int(span) + 1)]
+    assert vs.run_speed(m, 0) == pytest.approx(1.3, abs=0.01)
+    row, = vs.sensitivity(m, factors=(1.0, 1.05), noise_cvs=(), seeds=1)["rows"]
+    assert row["run_speed"]["slowdown"] == pytest.approx(1.3, abs=0.01)
+    assert row["run_speed"]["p95_s"] == pytest.approx(float(np.percentile(headline_replay(m, 0, slowdown=1.3)[0], 95)),
+                                                      rel=0.02)
+    del m["runs"][0]["host"]
+    assert vs.run_speed(m, 0) is None  # no record of the run's CPU: no speed of its own
 
 
 def test_a_file_is_replayed_into_json_and_a_plot(tmp_path):
