@@ -11,7 +11,9 @@ the host did during the run: its denoise loops' CPU per thousand token-steps com
 the file's median run. Beside them, the spread of the file's calibrations (hit and template-run speed ratios).
 ``run_speed``: the run replayed at the speed its own record gives (the slowdown whose replay gives the denoise loops
 the CPU the run's used: a measure of the run's work and speed, not of its waits), its P95 and mean against the
-measured; ``run_speed_host_load`` the same with the CPU spent outside the instances added.
+measured; ``run_speed_host_load`` the same with the CPU spent outside the instances added. ``ranking``: the
+validation's ranking check (``validate_replay.ranking``) for the replays at the calibrated speed and at each run's
+own.
 Replays only: seconds, no cluster. Writes JSON and a plot (P95 against slowdown, one panel per load).
 """
 
@@ -26,7 +28,8 @@ import numpy as np
 
 from maskedit_router.placement.policies import Estimator
 
-from .validate_replay import _err, calibrations, headline_replay, profile_scales, replay_cost
+from .validate_replay import (_err, _p95, block_bootstrap_ci, calibrations, headline_replay, profile_scales, ranking,
+                              replay_cost)
 
 FACTORS = (0.9, 1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4)
 NOISE_CVS = (0.2, 0.5)
@@ -100,9 +103,11 @@ def sensitivity(measured: dict, factors=FACTORS, noise_cvs=NOISE_CVS, seeds: int
     speeds = [denoise_cpu_per_ktoken_step(meta, r) for r in runs]
     known = [s for s in speeds if s is not None]
     median_speed = statistics.median(known) if known else None
-    rows = []
+    rows, ranked = [], []  # ranked: ``ranking``'s rows, measured (with its bootstrap interval) and replayed
     for i, run_ in enumerate(runs):
-        lat = np.array([r["latency_s"] for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None])
+        ok = sorted((r for r in run_["requests"] if r["error"] is None and r["latency_s"] is not None),
+                    key=lambda r: r["t"])
+        lat = np.array([r["latency_s"] for r in ok])
         p95 = {f: float(np.percentile(headline_replay(measured, i, slowdown=f)[0], 95)) for f in factors}
         noise = {}
         for cv in noise_cvs:
@@ -129,7 +134,12 @@ def sensitivity(measured: dict, factors=FACTORS, noise_cvs=NOISE_CVS, seeds: int
                              "p95_error": _err(np.percentile(sim, 95), float(np.percentile(lat, 95))),
                              "mean_s": round(float(sim.mean()), 3), "mean_error": _err(sim.mean(), float(lat.mean()))}
         rows.append(row)
-    return {"meta": {"source_meta": {k: meta.get(k) for k in ("model", "instances", "steps", "requests_per_load",
+        at = {"policy": row["policy"], "load": row["load"]}
+        ranked += [{**at, "model": "measured", "p95_s": row["measured_p95_s"], "p95_ci": block_bootstrap_ci(lat, _p95)},
+                   {**at, "model": "calibrated", "p95_s": p95.get(1.0)}]
+        if "run_speed" in row:
+            ranked.append({**at, "model": "run_speed", "p95_s": row["run_speed"]["p95_s"]})
+    return {"ranking": [*ranking(ranked, "calibrated"), *ranking(ranked, "run_speed")], "meta": {"source_meta": {k: meta.get(k) for k in ("model", "instances", "steps", "requests_per_load",
                                                                "host_cores", "policies", "calibrate_every")},
                      "factors": factors, "noise_cvs": list(noise_cvs), "model": "shared_cpu_bracketed",
                      "calibrations": {"count": len(calibs), "hit_scale": _spread([c["hit_scale"] for c in calibs]),
@@ -146,16 +156,19 @@ def plot(result: dict, path: Path) -> None:
     loads = sorted({r["load"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.4), squeeze=False)
     for ax, load in zip(axes[0], loads):
-        for k, r in enumerate(x for x in result["rows"] if x["load"] == load):
+        for r in (x for x in result["rows"] if x["load"] == load):
             f = [float(x) for x in r["simulated_p95_s"]]
             line, = ax.plot(f, list(r["simulated_p95_s"].values()), marker="o", ms=3,
                             label=f"{r['policy']} (measured {r['measured_p95_s']:.1f} s)")
             ax.axhline(r["measured_p95_s"], color=line.get_color(), ls="--", lw=0.8)
+            if "run_speed" in r:  # the replay at the run's own speed
+                ax.plot([r["run_speed"]["slowdown"]], [r["run_speed"]["p95_s"]], marker="*", ms=11,
+                        color=line.get_color(), mec="black", mew=0.5)
         ax.set_title(f"load {load}")
         ax.set_xlabel("host slowdown (x calibrated)")
         ax.set_ylabel("simulated P95 (s)")
         ax.legend(fontsize=6)
-    fig.suptitle("replayed P95 against the host's speed; dashed: measured", fontsize=9)
+    fig.suptitle("replayed P95 against the host's speed; dashed: measured; star: at the run's own speed", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

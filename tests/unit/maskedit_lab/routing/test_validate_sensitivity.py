@@ -80,6 +80,14 @@ def test_a_runs_own_speed_is_the_slowdown_whose_replay_uses_the_denoise_cpu_the_
     assert vs.run_speed(m, 0) is None  # no record of the run's CPU: no speed of its own
 
 
+def test_the_replays_at_the_calibrated_and_the_runs_own_speed_are_ranked_as_the_validation_ranks():
+    m = _measured()
+    m["runs"].append({**m["runs"][0], "policy": "least_requests"})
+    got = vs.sensitivity(m, factors=(1.0, 1.05), noise_cvs=(), seeds=1)["ranking"]
+    assert [(r["model"], r["load"], sorted(r["measured"])) for r in got] == \
+        [("calibrated", 0.5, ["least_requests", "round_robin"])]  # no host record: no run-speed replay to rank
+
+
 def test_a_file_is_replayed_into_json_and_a_plot(tmp_path):
     src = tmp_path / "v.json"
     src.write_text(json.dumps(_measured()))
@@ -91,5 +99,6 @@ def test_a_file_is_replayed_into_json_and_a_plot(tmp_path):
     p = list(row["simulated_p95_s"].values())
     assert p[0] < p[1] < p[2] and row["p95_elasticity"] == pytest.approx(1.0, abs=0.01)  # isolated: linear
     assert set(row["noise_p95_s"]) == {"0.2"} and row["noise_seeds"] == 2
+    assert result["ranking"] == []  # one policy: no pair to order
     assert result["meta"]["source"] == "v.json" and result["meta"]["calibrations"]["count"] == 3  # the file's, the run's, the final one
     assert out.with_suffix(".png").stat().st_size > 0
