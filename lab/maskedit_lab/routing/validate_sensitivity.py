@@ -154,7 +154,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     loads = sorted({r["load"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(loads), figsize=(max(6.0, 4.2 * len(loads)), 3.8), squeeze=False)
     for ax, load in zip(axes[0], loads):
         for r in (x for x in result["rows"] if x["load"] == load):
             f = [float(x) for x in r["simulated_p95_s"]]
@@ -168,7 +168,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("host slowdown (x calibrated)")
         ax.set_ylabel("simulated P95 (s)")
         ax.legend(fontsize=6)
-    fig.suptitle("replayed P95 against the host's speed; dashed: measured; star: at the run's own speed", fontsize=9)
+    fig.suptitle("replayed P95 against the host's speed\ndashed: measured; star: replayed at the run's own speed",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
