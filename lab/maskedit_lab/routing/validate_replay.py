@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -246,17 +247,32 @@ def pooled(calibs: list[dict]) -> dict:
     return out
 
 
+def _scaling(measured: dict) -> tuple[CostModel, Estimator, Callable[[dict], dict]]:
+    """The profile a replay simulates with, the router's estimator on it, and a calibration's speed ratios derived
+    again against it (``profile_scales``)."""
+    meta, runs = measured["meta"], measured["runs"]
+    cost = replay_cost(meta)
+    est = Estimator(cost)
+    tokens = next((r["tokens"] for r in (meta.get("saturation") or runs[0])["requests"]), 1024)
+    return cost, est, lambda c: profile_scales(c, est, tokens, meta["steps"])
+
+
+def _around(measured: dict, i: int, scaled: Callable[[dict], dict]) -> tuple[dict, dict | None]:
+    """Run ``i``'s calibrations, ``scaled``: the one before it and the one after it (None: the last run of a file
+    without a final calibration)."""
+    meta, runs = measured["meta"], measured["runs"]
+    after = _after(runs, i, meta)
+    return scaled(runs[i].get("calibration", meta["calibration"])), scaled(after) if after else None
+
+
 def compare(measured: dict) -> list[dict]:
     """Replay the burst and each measured run in the simulator, each with the calibration measured just before
     it (older files: the one calibration); a row per variant. The simulated workers carry the router's names of the
     real backends (``chwbl`` hashes them) where the measurement saved them; p2c samples from a fixed seed."""
     meta = measured["meta"]
-    cost = replay_cost(meta)
-    est = Estimator(cost)
+    cost, est, scaled = _scaling(measured)
     runs = measured["runs"]
     sat = meta.get("saturation")
-    tokens = next((r["tokens"] for r in (sat or runs[0])["requests"]), 1024)
-    scaled = lambda c: profile_scales(c, est, tokens, meta["steps"])  # noqa: E731
     kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
     # Every replay starts from the entries its run found (``held_before``) unless told to start empty.
     held = (lambda i: {}) if meta.get("replay_empty_stores") else (lambda i: held_before(meta, runs, i))  # noqa: E731
@@ -300,9 +316,7 @@ def compare(measured: dict) -> list[dict]:
         m["p95_ci"], m["mean_ci"] = block_bootstrap_ci(in_order, _p95), block_bootstrap_ci(in_order, _mean)
         rows.append(m)
         arrivals, masks, n_lead, routes = _replayed(meta, run_, str(i))
-        before = scaled(run_.get("calibration", meta["calibration"]))
-        after = _after(runs, i, meta)
-        after = scaled(after) if after else None
+        before, after = _around(measured, i, scaled)
         variants = [(*v, None) for v in _variants(meta, before, cost)]
         if after:
             # The host's speed drifts within a run too (older files have no calibration after the last run): the
@@ -342,14 +356,11 @@ def headline_replay(measured: dict, i: int, host_load: bool = False, **what_if) 
     outside the instances during the run, as the ``_host_load`` variant. The simulated latencies of the requests
     the run measured, in its order, and the CPU the replay's tasks were given over the run, by kind (ms)."""
     meta, runs = measured["meta"], measured["runs"]
-    cost = replay_cost(meta)
-    est = Estimator(cost)
-    tokens = next((r["tokens"] for r in runs[0]["requests"]), 1024)
+    cost, _, scaled = _scaling(measured)
     run_ = runs[i]
     arrivals, masks, n_lead, _ = _replayed(meta, run_, str(i))
-    before = profile_scales(run_.get("calibration", meta["calibration"]), est, tokens, meta["steps"])
-    after = _after(runs, i, meta)
-    calib = bracketed(before, profile_scales(after, est, tokens, meta["steps"])) if after else before
+    before, after = _around(measured, i, scaled)
+    calib = bracketed(before, after) if after else before
     svc, host, outside_s = _shared_cpu(meta, calib, cost)
     if host_load and run_.get("host"):
         what_if = {"background": background(run_["host"], calib.get("foreign_cores", 0.0)), **what_if}

@@ -26,10 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maskedit_router.placement.policies import Estimator
-
-from .validate_replay import (_err, _p95, block_bootstrap_ci, calibrations, headline_replay, profile_scales, ranking,
-                              replay_cost)
+from .validate_replay import _err, _p95, _scaling, block_bootstrap_ci, calibrations, headline_replay, ranking
 
 FACTORS = (0.9, 1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4)
 NOISE_CVS = (0.2, 0.5)
@@ -97,9 +94,8 @@ def _spread(values: list[float]) -> dict:
 def sensitivity(measured: dict, factors=FACTORS, noise_cvs=NOISE_CVS, seeds: int = 8) -> dict:
     meta, runs = measured["meta"], measured["runs"]
     factors = sorted(factors)
-    est = Estimator(replay_cost(meta))
-    tokens = next((r["tokens"] for r in runs[0]["requests"]), 1024)
-    calibs = [profile_scales(c, est, tokens, meta["steps"]) for c in calibrations(measured)]
+    scaled = _scaling(measured)[2]
+    calibs = [scaled(c) for c in calibrations(measured)]
     speeds = [denoise_cpu_per_ktoken_step(meta, r) for r in runs]
     known = [s for s in speeds if s is not None]
     median_speed = statistics.median(known) if known else None
