@@ -76,7 +76,7 @@ class HostSampler:
         self.samples: list[dict] = []
         self._procs: dict[int, psutil.Process] = {}
         self._labels: dict[tuple[int, float], str] = {}  # (pid, start time) -> what it is: ``by_model``
-        self._who: dict[int, tuple[float, str]] = {}  # pid -> (its start time, what it is): ``foreign_top``
+        self._who: dict[tuple[int, float], str] = {}  # (pid, start time) -> what it is: ``foreign_top``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="host-sampler", daemon=True)
 
@@ -117,24 +117,21 @@ class HostSampler:
         p = self._procs.get(pid)
         return p if p is not None and p.is_running() else None
 
-    def _foreign_cpu_s(self, tested: set[int]) -> dict[int, tuple[str, float]]:
-        """pid -> (what it is, user + system CPU so far) of every other process on the host (kernel threads
-        included)."""
-        out: dict[int, tuple[str, float]] = {}
-        named: dict[int, tuple[float, str]] = {}  # the processes alive now (those gone are forgotten)
+    def _foreign_cpu_s(self, tested: set[int]) -> dict[tuple[int, float], tuple[str, float]]:
+        """(pid, start time) -> (what it is, user + system CPU so far) of every other process on the host (kernel
+        threads included; a pid reused by a new process is another key, as in ``_tested_cpu_s``)."""
+        out: dict[tuple[int, float], tuple[str, float]] = {}
         for p in psutil.process_iter(["create_time", "cpu_times"]):
             if p.pid in tested or p.info["cpu_times"] is None:
                 continue
-            known = self._who.get(p.pid)
-            if known is None or known[0] != p.info["create_time"]:  # a pid reused by a new process: named again
-                try:
-                    known = (p.info["create_time"], _who(p))
-                except psutil.Error:
-                    continue
-            named[p.pid] = known
+            key = (p.pid, p.info["create_time"])
+            try:
+                label = self._who.get(key) or _who(p)
+            except psutil.Error:
+                continue
             t = p.info["cpu_times"]
-            out[p.pid] = (known[1], t.user + t.system)
-        self._who = named
+            out[key] = (label, t.user + t.system)
+        self._who = {key: label for key, (label, _) in out.items()}  # those gone are forgotten
         return out
 
     @staticmethod
@@ -159,9 +156,9 @@ class HostSampler:
                 by[label] = by.get(label, 0.0) + (cpu - prev[2].get(key, (label, 0.0))[1]) / dt
             busy, tested = (cur[1] - prev[1]) / dt, sum(by.values())
             others: dict[str, float] = {}
-            for pid, (label, cpu) in cur[5].items():
-                if pid in prev[5]:  # one born since the last sample: its CPU before it is not this interval's
-                    others[label] = others.get(label, 0.0) + (cpu - prev[5][pid][1]) / dt
+            for key, (label, cpu) in cur[5].items():
+                if key in prev[5]:  # one born since the last sample: its CPU before it is not this interval's
+                    others[label] = others.get(label, 0.0) + (cpu - prev[5][key][1]) / dt
             self.samples.append({
                 "t": cur[0], "busy_cores": round(busy, 3), "tested_cores": round(tested, 3),
                 "by_model": {k: round(v, 3) for k, v in sorted(by.items()) if v >= 0.001},

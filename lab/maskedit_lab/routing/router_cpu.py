@@ -4,9 +4,9 @@ token grid, the template's SHA-1), writing it to its backend (serialise), and th
 opened per request (as the router did before it kept one stream per backend, shared by its client streams) against
 one stream reused (as it does now), and one reused stream on ``grpc.aio`` (an event loop fed from the sending thread,
 as a relay moved onto the router's loop would be: no gRPC consumer or reader thread), to one emulated instance
-(``triton_emulator``, in its own process: only this side's CPU is counted, wall time per round trip beside it). Process CPU time (``time.process_time``), not latency:
-it moves little with the host's load, so before/after runs side by side on a shared host say something (the
-latencies of ``make router-scale`` need a quiet one).
+(``triton_emulator``, in its own process: only this side's CPU is counted, wall time per round trip beside it).
+Process CPU time (``time.process_time``), not latency: it moves little with the host's load, so before/after runs
+side by side on a shared host say something (the latencies of ``make router-scale`` need a quiet one).
 
 Before/after in one run: ``features_box_grid`` is the features as read before the whole-cell reduction
 (``ANY_CELL_MAX = 0``: every mask through the BOX resize), ``features`` as shipped; both on the same requests.

@@ -156,6 +156,13 @@ def held_before(meta: dict, runs: list[dict], i: int) -> dict[str, list]:
     return {n: k for n, k in held.items() if k}
 
 
+def _held(measured: dict, i: int) -> dict[str, list]:
+    """What run ``i``'s replay starts from: the entries its run found (``held_before``), unless the file says to
+    start every replay's stores empty."""
+    meta = measured["meta"]
+    return {} if meta.get("replay_empty_stores") else held_before(meta, measured["runs"], i)
+
+
 class MeasuredRouting(Policy):
     """Sends each arrival where the measured run's router sent it: a replay with it checks the simulated instances
     and host alone, apart from how the simulated policy routes."""
@@ -274,8 +281,6 @@ def compare(measured: dict) -> list[dict]:
     runs = measured["runs"]
     sat = meta.get("saturation")
     kw = {"names": meta.get("backends"), "policy_kw": {"seed": 0}}
-    # Every replay starts from the entries its run found (``held_before``) unless told to start empty.
-    held = (lambda i: {}) if meta.get("replay_empty_stores") else (lambda i: held_before(meta, runs, i))  # noqa: E731
     rows = []
     base = {"workers": meta["instances"], "validation": True}
     everyone = scaled(pooled(calibrations(measured)))
@@ -334,7 +339,7 @@ def compare(measured: dict) -> list[dict]:
         variants.append((POOLED, *_shared_cpu(meta, everyone, cost), None))
         for model, svc, host, outside_s, fixed in variants:
             sim = replay(policy, meta["instances"], arrivals, _router_estimator(cost, run_, before["profile_factor"]),
-                         service=svc, host=host, masks=masks, policy=fixed, held=held(i), **kw)
+                         service=svc, host=host, masks=masks, policy=fixed, held=_held(measured, i), **kw)
             done = [q for q, r in zip(sim["requests"][n_lead:], run_["requests"]) if r["error"] is None and
                     r["latency_s"] is not None]  # the requests measured: each against its own replay
             slat = np.array([q.done - q.arrival + outside_s for q in done])
@@ -366,7 +371,7 @@ def headline_replay(measured: dict, i: int, host_load: bool = False, **what_if) 
         what_if = {"background": background(run_["host"], calib.get("foreign_cores", 0.0)), **what_if}
     sim = replay(run_.get("policy", meta["policy"]), meta["instances"], arrivals,
                  _router_estimator(cost, run_, before["profile_factor"]), service=svc, host=replace(host, **what_if),
-                 masks=masks, held={} if meta.get("replay_empty_stores") else held_before(meta, runs, i),
+                 masks=masks, held=_held(measured, i),
                  names=meta.get("backends"), policy_kw={"seed": 0})
     return np.array([q.done - q.arrival + outside_s for q, r in zip(sim["requests"][n_lead:], run_["requests"])
                      if r["error"] is None and r["latency_s"] is not None]), sim["cpu_ms"]
