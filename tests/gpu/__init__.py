@@ -7,4 +7,6 @@ import os
 DEVICE = os.environ.get("DEVICE", "cuda")
 if DEVICE not in ("cuda", "cpu"):
     raise ValueError(f"DEVICE must be cuda or cpu (the dry run), got {DEVICE!r}")
-DTYPES = ("float32", "bfloat16", "float16") if DEVICE == "cuda" else ("float32",)
+# GPU_DTYPES narrows a short GPU lease to some dtypes (e.g. "bfloat16"); the dry run has the CPU's float32 only.
+DTYPES = (tuple(os.environ.get("GPU_DTYPES", "float32 bfloat16 float16").split()) if DEVICE == "cuda"
+          else ("float32",))

@@ -10,6 +10,9 @@
 #                                                 (needs tools/device/triton_pack.sh's tritonserver in .whl/ too)
 #   run(command="bash tools/device/gpu_check.sh calibrate bench", ...)        # several modes, in order, in one call
 #
+# A short lease: RATIOS="0.05 0.2 0.5" (bench), CROP_TEMPLATE=0 (no PADDING_MASK_CROP table), GPU_DTYPES=bfloat16
+# (tests); or one `timeout S bash tools/device/gpu_check.sh MODE` per stage, so one stage's overrun spares the rest.
+#
 # Then copy $OUT's profile to perf_profiles/ and its engine_<gpu>.json/.png to perf_profiles/results/.
 #
 #   bash tools/device/gpu_check.sh --dry-run MODE...   # (or DEVICE=cpu) the same steps and commands on this CPU
@@ -45,10 +48,12 @@ else
   SITE=/tmp/site MODELS=models PROFILES=$PWD/perf_profiles DTYPE=bfloat16
   FLUX=flux-dev UNET=sdxl WIDTH=flux-width STEPS=${STEPS:-8} STEPS_UNET=${STEPS_UNET:-30} CAL_STEPS=4 REPS=2
   CAL_RATIOS=()
-  CROP=() TEMPLATES=${TEMPLATES:-4} SYSTEMS=()
+  CROP=(${CROP_TEMPLATE:+--crop-template "$CROP_TEMPLATE"}) TEMPLATES=${TEMPLATES:-4} SYSTEMS=()
   BUDGET_GIB=${BUDGET_GIB:-40} REQUESTS=${REQUESTS:-12} LOADS=${LOADS:-0.5 1 2 4}
-  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -2
-  if [ -f .whl/tritonserver.tar.xz ]; then tar -C "$SITE" -xJf .whl/tritonserver.tar.xz; fi
+  if [ ! -d "$SITE/diffusers" ]; then  # once per machine: one call may run this script once per stage
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -2
+    if [ -f .whl/tritonserver.tar.xz ]; then tar -C "$SITE" -xJf .whl/tritonserver.tar.xz; fi
+  fi
 fi
 export PYTHONPATH=$SITE:$PWD/common:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
 if [ "$DEVICE" = cpu ]; then

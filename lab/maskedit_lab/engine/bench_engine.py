@@ -321,11 +321,6 @@ def main(argv=None) -> None:
     t0 = time.time()
     rows = run(args.ratios, reps=args.reps, steps=args.steps, model_dir=args.model_dir, preset=args.preset,
                device=args.device, dtype=args.dtype, budget_bytes=int(args.budget_gib * (1 << 30)))
-    cropped = []
-    if args.crop_template:
-        h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype,
-                           budget_bytes=int(args.budget_gib * (1 << 30)))
-        cropped = crop_rows(h, args.crop_template, args.crop_ratio, args.crop_pad, args.reps)
     hw = rows[0]["device"] if rows else "cpu"
     name = "engine" if args.preset in ("bench", "flux-dev", "flux-width") else f"engine_{args.preset}"
     out = args.out or RESULTS / (f"{name}.json" if hw == "cpu" else f"{name}_{hw}.json")
@@ -334,9 +329,17 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "preset": args.preset,
             "device": hw, "dtype": rows[0]["dtype"] if rows else None,
             "gpu": torch.cuda.get_device_name() if hw != "cpu" else None}
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": cropped}, indent=1))
+    # Written before the crop table too: a lent GPU's time can run out during it, and the rows must survive that.
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": []}, indent=1))
     plot(rows, out.with_suffix(".png"))
-    print(markdown_table(rows))
+    print(markdown_table(rows), flush=True)
+    cropped = []
+    if args.crop_template:
+        h = Harness.create(args.model_dir, preset=args.preset, steps=args.steps, device=args.device, dtype=args.dtype,
+                           budget_bytes=int(args.budget_gib * (1 << 30)))
+        cropped = crop_rows(h, args.crop_template, args.crop_ratio, args.crop_pad, args.reps)
+        meta["seconds"] = round(time.time() - t0, 1)
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": cropped}, indent=1))
     if cropped:
         plot_crop(cropped, out.with_name(out.stem + "_crop.png"))
         print(crop_table(cropped))
