@@ -34,7 +34,7 @@ from maskedit_common.blocks import FULL, KV, Y
 from maskedit_common.cost_model import CostModel, LinearFit, features
 from maskedit_router.placement.features import grid_tokens
 
-from ..harness.baselines import FixedPolicy, InlineRowLoader
+from ..harness.baselines import FixedPolicy, PreloadedRowLoader
 from ..harness.in_process import Harness
 
 RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
@@ -77,7 +77,7 @@ def measure(h: Harness, reps: int = 2, ratios=RATIOS) -> tuple[dict, dict, dict]
         for mode, ratio in tqdm(plan, desc="calibrating", unit="point"):
             x = h.inputs(h.mask(ratio, seed=1)) if mode != FULL else base
             policy = {FULL: "off", Y: FixedPolicy("all_y"), KV: FixedPolicy("all_kv")}[mode]
-            rt = CacheRuntime(h.hooks, h.store, h.cost, policy=policy, loader=InlineRowLoader)
+            rt = CacheRuntime(h.hooks, h.store, h.cost, policy=policy, loader=PreloadedRowLoader)
             h.runner.cache = rt
             job = DenoiseJob(x)
             h.runner.prepare(job)

@@ -4,6 +4,12 @@ At the start of a step ``start_step`` queues every row the batch's hits will nee
 background thread: block ``i``'s rows are in flight while block ``i-1`` computes. A block asks for its rows with
 ``rows(jc, step)(b, kind)``; it blocks only if the loader has not reached that block yet.
 
+A stored entry's rows are verified (``integrity``: a checksum over every chunk, every time) before they are copied.
+One thread hashes at ~6-10 GB/s; a GPU takes a block's rows at ~55 GB/s (an H200's page-locked copies, 0.45 ms for
+a FLUX.1 block's 25 MB). On the H200 the loader thread alone spent ~4 ms a block, the step waited on it and the
+cached modes ran slower than full computation (docs/gpu.md). So on a GPU the next blocks' rows are verified on a
+small pool of threads (xxhash releases the GIL) while the loader thread copies in block order.
+
 Loads a step will not read are cancelled (temporal reuse skipping a hit's middle blocks, a request leaving the
 batch): the loader passes them over at once, and a new step releases the previous step's window, so rows queued for
 blocks that never start (a UNet step skipping every transformer block) hold neither the loader nor the next step.
@@ -17,6 +23,7 @@ On the CPU a load is one contiguous copy out of the mapping, as the block would 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -67,14 +74,26 @@ class _Window:
                 self._cv.notify_all()
 
 
+def default_verify_threads(cuda: bool) -> int:
+    """Threads verifying rows ahead of the copies: on a GPU, half the cores up to 8 (a copy outruns one thread's
+    hashing ~6x); on the CPU none beside the loader (the denoise computation has the cores, and a CPU copy costs as
+    much as the hash)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) if cuda else 1
+
+
 class RowLoader:
-    def __init__(self, device, heads: int, head_dim: int, ahead_blocks: int = 8):
+    def __init__(self, device, heads: int, head_dim: int, ahead_blocks: int = 8, verify_threads: int | None = None):
         self.ahead_blocks = ahead_blocks
         self.device = torch.device(device)
         self.cuda = is_cuda(self.device)
         self.heads, self.head_dim = heads, head_dim
         self._copy = SideStream.shared(self.device, "load")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader")
+        n = default_verify_threads(self.cuda) if verify_threads is None else verify_threads
+        # Verification runs at most 2n loads ahead of the copy: enough to keep n threads busy, little wasted on a
+        # request that leaves.
+        self._verify = ThreadPoolExecutor(n, thread_name_prefix="cache-verify") if n > 1 else None
+        self.verify_ahead = 2 * n if n > 1 else 0
         self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
         self._mu = threading.Lock()  # the loader thread and inline loads both touch _inflight and page-locking
         self._window: _Window | None = None  # the latest step's
@@ -119,14 +138,25 @@ class RowLoader:
 
     # -- the loader thread ----------------------------------------------------------------------------
     def _run(self, work, window: _Window) -> None:
-        for i, (fut, jc, step, b, kind) in enumerate(work):
-            work[i] = None  # consumed rows are not kept alive by this list
+        pending = deque(work)  # consumed rows are not kept alive by this
+        work.clear()
+        ahead: deque = deque()  # (load, its verification's future or None), in block order
+        while pending or ahead:
+            while pending and len(ahead) <= self.verify_ahead:
+                item = pending.popleft()
+                ahead.append((item, None if self._verify is None or item[0].cancelled()
+                              else self._verify.submit(self._verify_rows, *item[1:])))
+            (fut, jc, step, b, kind), src = ahead.popleft()
             if not fut.cancelled() and not window.wait_for(b, fut):
                 self.stalls += 1
             if not fut.set_running_or_notify_cancel():  # its request left the batch, or its block is skipped
+                if src is not None:
+                    src.cancel()
                 continue
             try:
-                fut.set_result(self.load(jc, step, b, kind))
+                if src is not None:
+                    src.result()  # raises the verification's CorruptEntry
+                fut.set_result(self.load(jc, step, b, kind, verified=src is not None))
             except BaseException as e:  # the block that needs it re-raises it (its request fails, not the loop)
                 fut.set_exception(e)
 
@@ -137,18 +167,33 @@ class RowLoader:
             fut.cancel()
         jc.futures.clear()
 
-    def load(self, jc, step: int, b: int, kind: str) -> Loaded:
-        """Copy one block's rows of ``jc``'s entry at ``step`` to the device (into a keys/values buffer whose
-        text part the block fills)."""
-        t0 = time.perf_counter()
-        entry, m = jc.entry, jc.entry.meta
-        # ``rows`` verifies the chunks it returns (a stored entry's checksums; raises ``CorruptEntry``).
+    @staticmethod
+    def _where(jc, step: int, b: int, kind: str) -> tuple:
+        """(array name, index) of one block's rows of ``jc``'s entry at ``step``."""
+        m = jc.entry.meta
         if m.get("layout") == "per_block":  # a UNet's blocks differ in size: one array per block, (R, N_b, D_b)
-            src = entry.rows(f"{kind[0]}.{b}", step)
-        elif kind == Y_ROWS:
-            src = entry.rows("y", step, m["y_blocks"].index(b))  # (N, D)
-        else:
-            src = entry.rows(kind[0], step, m["kv_blocks"].index(b))  # (N, inner)
+            return f"{kind[0]}.{b}", (step,)
+        if kind == Y_ROWS:
+            return "y", (step, m["y_blocks"].index(b))  # (N, D)
+        return kind[0], (step, m["kv_blocks"].index(b))  # (N, inner)
+
+    def _verify_rows(self, jc, step: int, b: int, kind: str) -> None:
+        """On a verify thread: check the rows' chunks against a stored entry's checksums (raises ``CorruptEntry``;
+        a template run in progress has none: its rows are this process's own memory). Hashing only: making the
+        tensor view is left to the loader thread (``as_tensor`` touches the process-wide warning filters)."""
+        verify = getattr(jc.entry, "verify", None)
+        if verify is not None:
+            name, index = self._where(jc, step, b, kind)
+            verify(name, *index)
+
+    def load(self, jc, step: int, b: int, kind: str, verified: bool = False) -> Loaded:
+        """Copy one block's rows of ``jc``'s entry at ``step`` to the device (into a keys/values buffer whose
+        text part the block fills), verifying them first unless ``verified`` (``_verify_rows`` did)."""
+        t0 = time.perf_counter()
+        entry = jc.entry
+        name, index = self._where(jc, step, b, kind)
+        # ``rows`` verifies the chunks it returns (a stored entry's checksums; raises ``CorruptEntry``).
+        src = entry.tensor(name)[index] if verified else entry.rows(name, *index)
         with self._copy.use():
             if kind == Y_ROWS:
                 out = dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
@@ -199,3 +244,5 @@ class RowLoader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._verify is not None:
+            self._verify.shutdown(wait=True)
