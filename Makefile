@@ -8,7 +8,7 @@ FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
 
-.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-sensitivity router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
+.PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-loader bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-sensitivity router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,10 @@ calibrate: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(VENV)/bin/maskedit-bench-engine
+
+# The row loader's host time per step by verify threads (docs/gpu.md); LOADER_ARGS="--device cuda" on a GPU.
+bench-loader: $(STAMP)
+	$(PY) -m maskedit_lab.engine.bench_loader $(LOADER_ARGS)
 
 bench-serving: $(STAMP)
 	$(VENV)/bin/maskedit-bench-serving $(BENCH_ARGS)

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = ROOT / "tools" / "device"
-ENGINE_MODES = ("tests", "calibrate", "bench", "unet")  # serving starts tritonserver: its own, integration, test
+ENGINE_MODES = ("tests", "calibrate", "bench", "loader", "unet")  # serving starts tritonserver: its own, integration, test
 
 
 def run(script: str, *args: str, timeout: int = 900, **env) -> subprocess.CompletedProcess:
@@ -49,6 +49,7 @@ CHECKS = {
     "tests": lambda o: _all_ran((o / "gpu_tests.log").read_text()),
     "calibrate": lambda o: _calibrated(o / "cost_model_tiny-flux-fill.json"),
     "bench": lambda o: {r["mode"] for r in _rows(o / "engine_cpu.json")} >= {"full", "planner"},
+    "loader": lambda o: [r["verify_threads"] for r in _rows(o / "loader_cpu.json")][0] == 1,
     "unet": lambda o: _calibrated(o / "cost_model_sdxl-tiny.json") and _rows(o / "engine_sdxl_cpu.json"),
 }
 

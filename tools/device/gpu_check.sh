@@ -5,6 +5,7 @@
 #   run(command="bash tools/device/gpu_check.sh tests", carry=[".whl"])       # gpu tests, every dtype (~5 min)
 #   run(command="bash tools/device/gpu_check.sh calibrate", carry=[".whl"])   # FLUX.1-Fill-dev size, bf16
 #   run(command="bash tools/device/gpu_check.sh bench", carry=[".whl"])       # engine benchmark, bf16, 8 steps
+#   run(command="bash tools/device/gpu_check.sh loader", carry=[".whl"])      # row loader by verify threads (s)
 #   run(command="bash tools/device/gpu_check.sh unet", carry=[".whl"])        # SDXL-inpainting size, bf16 (issue 20)
 #   run(command="bash tools/device/gpu_check.sh serving", carry=[".whl"])     # Triton on the GPU vs stock Diffusers
 #                                                 (needs tools/device/triton_pack.sh's tritonserver in .whl/ too)
@@ -28,8 +29,8 @@ if [ "${1:-}" = "--dry-run" ]; then DEVICE=cpu; shift; fi
 MODES=("${@:-tests}")
 for mode in "${MODES[@]}"; do
   case "$mode" in
-    tests|calibrate|bench|unet|serving) ;;
-    *) echo "usage: $0 [--dry-run] MODE... (tests, calibrate, bench, unet, serving), not '$mode'"; exit 2 ;;
+    tests|calibrate|bench|loader|unet|serving) ;;
+    *) echo "usage: $0 [--dry-run] MODE... (tests, calibrate, bench, loader, unet, serving), not '$mode'"; exit 2 ;;
   esac
 done
 OUT=${OUT:-out/device}
@@ -43,12 +44,13 @@ if [ "$DEVICE" = cpu ]; then
   FLUX=tiny UNET=sdxl-tiny WIDTH=tiny STEPS=1 STEPS_UNET=1 CAL_STEPS=2 CAL_RATIOS=(--ratios 0.2 0.5) REPS=1
   RATIOS=0.2 BUDGET_GIB=1 CROP=(--crop-template 256) REQUESTS=3 LOADS=1 TEMPLATES=1
   SYSTEMS=(--systems diffusers service)  # the GPU run's baseline and ours (it adds the cache-policy variants)
+  LOADER=(--blocks 4 --tokens 256 --dim 64 --reps 1)
   mkdir -p "$SITE"
 else
   SITE=/tmp/site MODELS=models PROFILES=$PWD/perf_profiles DTYPE=bfloat16
   FLUX=flux-dev UNET=sdxl WIDTH=flux-width STEPS=${STEPS:-8} STEPS_UNET=${STEPS_UNET:-30} CAL_STEPS=4 REPS=2
   CAL_RATIOS=()
-  CROP=(${CROP_TEMPLATE:+--crop-template "$CROP_TEMPLATE"}) TEMPLATES=${TEMPLATES:-4} SYSTEMS=()
+  CROP=(${CROP_TEMPLATE:+--crop-template "$CROP_TEMPLATE"}) TEMPLATES=${TEMPLATES:-4} SYSTEMS=() LOADER=()
   BUDGET_GIB=${BUDGET_GIB:-40} REQUESTS=${REQUESTS:-12} LOADS=${LOADS:-0.5 1 2 4}
   if [ ! -d "$SITE/diffusers" ]; then  # once per machine: one call may run this script once per stage
     "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -2
@@ -96,6 +98,9 @@ for mode in "${MODES[@]}"; do
       calibrate "$FLUX" "$FLUX_DIR" "$CAL_STEPS" ;;
     bench)
       bench "$FLUX" "$FLUX_DIR" "$STEPS" "${RATIOS:-0.05 0.1 0.2 0.3 0.5 0.9}" engine ;;
+    loader)  # the row loader's host time per step at FLUX.1 widths, by verify threads (seconds; no model)
+      "$PY" -m maskedit_lab.engine.bench_loader --device "$DEVICE" ${LOADER[@]+"${LOADER[@]}"} \
+        --out "$OUT/loader_$SLUG.json" 2>&1 | tee "$OUT/loader.log" ;;
     unet)  # the real SDXL-inpainting UNet (generated weights) at 1024^2, 30 steps as in the issue's stock timing
       calibrate "$UNET" "$UNET_DIR" "$CAL_STEPS"
       bench "$UNET" "$UNET_DIR" "$STEPS_UNET" "${RATIOS:-0.1 0.2 0.3 0.5}" engine_sdxl ;;

@@ -49,7 +49,7 @@ def token_mask_image(grid_w: int, grid_h: int, patch: int, ratio: float, seed: i
     return np.kron(grid.reshape(grid_h, grid_w), np.ones((patch, patch), np.uint8))
 
 
-def _memory_dir(need: int) -> str | None:
+def memory_dir(need: int) -> str | None:
     """/dev/shm when it can hold the store (entries then live in RAM, as when serving), else the default temp dir."""
     try:
         st = os.statvfs("/dev/shm")
@@ -81,7 +81,7 @@ class Harness:
         env = {**os.environ, "MASKEDIT_MODEL_DIR": str(model_dir)}
         env.update({k: v for k, v in (("MASKEDIT_DEVICE", device), ("MASKEDIT_DTYPE", dtype)) if v})
         settings = load_settings(env)
-        tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-", dir=_memory_dir(budget_bytes)))
+        tmp = Path(tempfile.mkdtemp(prefix="maskedit-bench-", dir=memory_dir(budget_bytes)))
         store = ActivationStore(tmp / "mem", tmp / "disk", 64 << 30, 64 << 30)
         pre = Preprocessor(settings, store=store)
         runner = ModelRunner(settings)
