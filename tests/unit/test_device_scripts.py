@@ -102,3 +102,18 @@ def test_the_devices_wheels_are_the_versions_the_project_pins(tmp_path):
     pins.write_text("diffusers==0.41.0  # another pin than the device's wheel\n")
     r = run("wheels.sh", "--dry-run", timeout=60, REQUIREMENTS=str(pins))
     assert r.returncode != 0 and "diffusers" in r.stdout
+
+
+def test_a_lease_runs_every_stage_past_one_that_overruns_and_packs_what_they_wrote(tmp_path):
+    """``lease.sh`` as one device call runs it: a stage killed at its limit does not stop the next, and $OUT holds
+    the log and one archive of every stage's files (the device returns at most 8 files)."""
+    out = tmp_path / "out"
+    r = run("lease.sh", "--dry-run", OUT=str(out), STAGES="tests:1 loader:300", LEASE_WORK=str(tmp_path / "work"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    log = (out / "lease.log").read_text()
+    assert "== tests: exit 124" in log and "== loader: exit 0" in log, log[-3000:]
+    import tarfile
+    with tarfile.open(out / "lease.tgz") as t:
+        names = {Path(n).name for n in t.getnames()}
+    assert {"loader_cpu.json", "loader_cpu.png", "loader.log"} <= names and "site" not in names
+    assert sorted(p.name for p in out.iterdir()) == ["lease.log", "lease.tgz"]
