@@ -4,7 +4,8 @@ A hit's step reads every recorded block's rows: the loader verifies each block's
 queues its copy to the device. On the H200 the loader thread doing both took ~4 ms a FLUX.1 block against a
 0.45 ms copy and bounded the step (docs/gpu.md). This times the real ``RowLoader`` over one step of a stored entry
 at a model's widths (FLUX.1: 57 blocks of 4096 x 3072 bf16 rows, 1.4 GB), with the blocks taking their rows as soon
-as they arrive (no compute): the loader alone (1 verify thread) and with verify threads, interleaved in one run.
+as they arrive (no compute): the loader alone (1 verify thread), with verify threads, and copying without verifying
+(verify threads 0: the floor, what the hashing costs), interleaved in one run.
 On the CPU a load is a host copy as well; on a GPU it is a queued copy from the page-locked mapping.
 
     python -m maskedit_lab.engine.bench_loader                  # this machine, CPU, FLUX.1 widths
@@ -36,6 +37,13 @@ from ..harness.in_process import memory_dir
 from .bench_engine import RESULTS
 
 
+class CopyOnlyRowLoader(RowLoader):
+    """The floor, not a serving mode: the loader with no verification at all (what the hashing costs)."""
+
+    def load(self, jc, step: int, b: int, kind: str, verified: bool = False):
+        return super().load(jc, step, b, kind, verified=True)
+
+
 def store_step(root: Path, blocks: int, tokens: int, dim: int, dtype: torch.dtype):
     """One step's Y rows of every block, stored and opened as a hit's entry is (checksummed, mapped)."""
     store = ActivationStore(root / "mem", root / "disk", 1 << 40, 1 << 40)
@@ -47,8 +55,10 @@ def store_step(root: Path, blocks: int, tokens: int, dim: int, dtype: torch.dtyp
 
 
 def time_step(entry, device, blocks: int, threads: int) -> tuple[float, float]:
-    """(seconds from the step's start until the last block holds its rows on the device, loader-thread seconds)."""
-    loader = RowLoader(device, heads=1, head_dim=entry.arrays["y"].shape[-1], verify_threads=threads)
+    """(seconds from the step's start until the last block holds its rows on the device, loader-thread seconds);
+    ``threads`` 0: copies only, nothing verified."""
+    cls = CopyOnlyRowLoader if threads == 0 else RowLoader
+    loader = cls(device, heads=1, head_dim=entry.arrays["y"].shape[-1], verify_threads=max(1, threads))
     try:
         jc = SimpleNamespace(entry=entry, modes=[Y_ROWS] * blocks, futures={}, load_s=0.0, text_len=0)
         synchronize(device)
@@ -71,6 +81,7 @@ def run(blocks: int, tokens: int, dim: int, dtype: torch.dtype, device: str, thr
         entry = store_step(root, blocks, tokens, dim, dtype)
         step_bytes = entry.arrays["y"].nbytes
         time_step(entry, device, blocks, threads[0])  # warm-up: maps the pages, page-locks them on a GPU
+        threads = [*threads, 0]
         times = {n: [] for n in threads}
         for _ in tqdm(range(reps), desc="reps"):
             for n in threads:  # interleaved, so drift in machine speed hits every setting alike
@@ -95,11 +106,11 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    xs = [str(r["verify_threads"]) for r in rows]
+    xs = [str(r["verify_threads"]) if r["verify_threads"] else "copy only" for r in rows]
     ax.bar(xs, [r["per_block_ms"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
         ax.text(i, r["per_block_ms"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set(xlabel="verify threads (1: the loader thread alone)", ylabel="ms per block (loader, no compute)",
+    ax.set(xlabel="verify threads (1: the loader thread alone; copy only: nothing verified)", ylabel="ms per block (loader, no compute)",
            title=f"row loader, {meta['blocks']} blocks of {meta['tokens']}x{meta['dim']} {meta['dtype']}, "
                  f"{meta['device']}")
     ax.grid(True, axis="y", alpha=0.3)
@@ -135,7 +146,7 @@ def main(argv=None) -> None:
     plot(rows, meta, out.with_suffix(".png"))
     print("| verify threads | ms per block | step s | loader thread s | GB/s | vs 1 |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['verify_threads']} | {r['per_block_ms']:.2f} | {r['step_s']:.3f} | {r['loader_thread_s']:.3f} | "
+        print(f"| {r['verify_threads'] or '0 (copy only)'} | {r['per_block_ms']:.2f} | {r['step_s']:.3f} | {r['loader_thread_s']:.3f} | "
               f"{r['gb_per_s']:.2f} | {r['speedup']:.2f} |")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
