@@ -254,8 +254,8 @@ def test_a_hit_on_a_reused_step_loads_no_rows_of_its_skipped_blocks(cached, sett
     rt.flush()
     loaded = []
     load = rt.loader.load
-    monkeypatch.setattr(rt.loader, "load", lambda jc, step, b, kind: (loaded.append((step, b, kind)),
-                                                                      load(jc, step, b, kind))[1])
+    monkeypatch.setattr(rt.loader, "load", lambda jc, step, b, kind, **kw: (loaded.append((step, b, kind)),
+                                                                            load(jc, step, b, kind, **kw))[1])
     job = run_job(eng, x('{"policy": "steps", "steps": [0, 1, 2, 4, 6]}'))
     assert job.cache.status == "hit" and job.temporal.info()["temporal_steps"] == "CCCRCRCR"
     tail = len(job.cache.modes) - 1
