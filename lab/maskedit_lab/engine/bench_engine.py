@@ -329,8 +329,11 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "preset": args.preset,
             "device": hw, "dtype": rows[0]["dtype"] if rows else None,
             "gpu": torch.cuda.get_device_name() if hw != "cpu" else None}
-    # Written before the crop table too: a lent GPU's time can run out during it, and the rows must survive that.
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": []}, indent=1))
+
+    def save(cropped: list) -> None:
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": cropped}, indent=1))
+
+    save([])  # before the crop table too: a lent GPU's time can run out during it, and the rows must survive that
     plot(rows, out.with_suffix(".png"))
     print(markdown_table(rows), flush=True)
     cropped = []
@@ -339,7 +342,7 @@ def main(argv=None) -> None:
                            budget_bytes=int(args.budget_gib * (1 << 30)))
         cropped = crop_rows(h, args.crop_template, args.crop_ratio, args.crop_pad, args.reps)
         meta["seconds"] = round(time.time() - t0, 1)
-        out.write_text(json.dumps({"meta": meta, "rows": rows, "crop_rows": cropped}, indent=1))
+        save(cropped)
     if cropped:
         plot_crop(cropped, out.with_name(out.stem + "_crop.png"))
         print(crop_table(cropped))

@@ -76,7 +76,8 @@ def time_step(entry, device, blocks: int, threads: int) -> tuple[float, float]:
 
 def run(blocks: int, tokens: int, dim: int, dtype: torch.dtype, device: str, threads: list[int],
         reps: int) -> list[dict]:
-    root = Path(tempfile.mkdtemp(prefix="maskedit-bench-loader-", dir=memory_dir(blocks * tokens * dim * 2)))
+    need = blocks * tokens * dim * dtype.itemsize
+    root = Path(tempfile.mkdtemp(prefix="maskedit-bench-loader-", dir=memory_dir(need)))
     try:
         entry = store_step(root, blocks, tokens, dim, dtype)
         step_bytes = entry.arrays["y"].nbytes
@@ -110,7 +111,8 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     ax.bar(xs, [r["per_block_ms"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
         ax.text(i, r["per_block_ms"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set(xlabel="verify threads (1: the loader thread alone; copy only: nothing verified)", ylabel="ms per block (loader, no compute)",
+    ax.set(xlabel="verify threads (1: the loader thread alone; copy only: nothing verified)",
+           ylabel="ms per block (loader, no compute)",
            title=f"row loader, {meta['blocks']} blocks of {meta['tokens']}x{meta['dim']} {meta['dtype']}, "
                  f"{meta['device']}")
     ax.grid(True, axis="y", alpha=0.3)
@@ -146,8 +148,8 @@ def main(argv=None) -> None:
     plot(rows, meta, out.with_suffix(".png"))
     print("| verify threads | ms per block | step s | loader thread s | GB/s | vs 1 |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['verify_threads'] or '0 (copy only)'} | {r['per_block_ms']:.2f} | {r['step_s']:.3f} | {r['loader_thread_s']:.3f} | "
-              f"{r['gb_per_s']:.2f} | {r['speedup']:.2f} |")
+        print(f"| {r['verify_threads'] or '0 (copy only)'} | {r['per_block_ms']:.2f} | {r['step_s']:.3f} | "
+              f"{r['loader_thread_s']:.3f} | {r['gb_per_s']:.2f} | {r['speedup']:.2f} |")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from maskedit.cache.modes import FULL, KV, NOCTX, Y
@@ -67,11 +66,8 @@ class PreloadedRowLoader(RowLoader):
     them (~4 ms a FLUX.1 block on the H200) was timed as compute: the Y/KV fits came out flat (R² ~ 0)."""
 
     def start_step(self, hits: list, needed):
-        for b in range(len(hits[0][0].modes) if hits else 0):
-            for jc, step in hits:
-                for kind in needed(jc, b):
-                    fut = jc.futures[(step, b, kind)] = Future()
-                    fut.set_result(self.load(jc, step, b, kind))
+        for fut, jc, step, b, kind in self.new_futures(hits, needed):
+            fut.set_result(self.load(jc, step, b, kind))
         synchronize(self.device)
         return None
 

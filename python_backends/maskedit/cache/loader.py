@@ -105,23 +105,30 @@ class RowLoader:
         callable the step calls as each block starts (``_Window.reached``), or None if nothing was queued."""
         if not hits:
             return None
-        n_blocks = len(hits[0][0].modes)
         window = _Window(self.ahead_blocks)
         if self._window is not None:  # the previous step is over: its loads left queued need not wait for blocks
             self._window.reached(_Window.DONE)
         self._window = window
+        work = self.new_futures(hits, needed)
+        for fut, *_ in work:
+            fut.add_done_callback(window.cancelled)
+        self._pool.submit(self._run, work, window)
+        return window.reached
+
+    @staticmethod
+    def new_futures(hits: list, needed) -> list:
+        """A new future in ``jc.futures`` for each row ``needed(jc, b)`` of every (JobCache, step) in ``hits``, in
+        block order, as (future, jc, step, block, kind)."""
         work = []
-        for b in range(n_blocks):
+        for b in range(len(hits[0][0].modes) if hits else 0):
             for jc, step in hits:
                 for kind in needed(jc, b):
                     stale = jc.futures.get((step, b, kind))  # a step retried after a failure: drop its old load
                     if stale is not None:
                         stale.cancel()
                     fut = jc.futures[(step, b, kind)] = Future()
-                    fut.add_done_callback(window.cancelled)
                     work.append((fut, jc, step, b, kind))
-        self._pool.submit(self._run, work, window)
-        return window.reached
+        return work
 
     def rows(self, jc, step: int):
         """The getter a ``RowView`` calls from inside block ``b``: (b, kind) -> tensor on the device."""
