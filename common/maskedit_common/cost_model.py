@@ -68,8 +68,18 @@ class CostModel:
         return self.compute[kind][mode].predict(features(mode, n, c, text))
 
     def load_ms(self, nbytes: int, tier: str = "mem") -> float:
+        """A block's rows to the device: the copy, and the checksum over them where the profile measured it
+        (``load["verify"]``; profiles before it priced the copy alone)."""
+        if not nbytes:
+            return 0.0
         fit = self.load.get(tier) or self.load.get("mem")
-        return fit.predict([1.0, nbytes / 1e6]) if nbytes else 0.0
+        ms = fit.predict([1.0, nbytes / 1e6])
+        verify = self.load.get("verify")
+        if verify is None or tier == "verify":
+            return ms
+        check = verify.predict([1.0, nbytes / 1e6])
+        # One loader thread hashes each block, then copies it; verify threads hash ahead while it copies.
+        return ms + check if self.meta.get("verify_threads", 1) <= 1 else max(ms, check)
 
     def block_costs(self, kinds: list[str], n: int, c: int, text: int, dim: int, bytes_y: int, bytes_kv: int,
                     has_y: list[bool], has_kv: list[bool], tier: str = "mem") -> list[BlockCost]:

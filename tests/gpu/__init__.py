@@ -10,3 +10,5 @@ if DEVICE not in ("cuda", "cpu"):
 # GPU_DTYPES narrows a short GPU lease to some dtypes (e.g. "bfloat16"); the dry run has the CPU's float32 only.
 DTYPES = (tuple(os.environ.get("GPU_DTYPES", "float32 bfloat16 float16").split()) if DEVICE == "cuda"
           else ("float32",))
+if not DTYPES or not set(DTYPES) <= {"float32", "bfloat16", "float16"}:  # else a lease's tests collect nothing
+    raise ValueError(f"GPU_DTYPES must name some of float32, bfloat16, float16, got {' '.join(DTYPES) or 'none'}")

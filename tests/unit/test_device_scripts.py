@@ -40,8 +40,10 @@ def _all_ran(log: str) -> bool:
 
 def _calibrated(path: Path) -> bool:
     """A profile with a time for every block kind and mode (a one-step calibration once wrote an empty one)."""
-    compute = json.loads(path.read_text())["compute"]
-    return bool(compute) and all(set(modes) == {"full", "y", "kv"} for modes in compute.values())
+    profile = json.loads(path.read_text())
+    compute = profile["compute"]
+    return (bool(compute) and all(set(modes) == {"full", "y", "kv"} for modes in compute.values())
+            and {"mem", "disk", "verify"} <= set(profile["load"]))  # loads priced with their checksums
 
 
 # What each mode leaves in $OUT besides its logs.
@@ -97,7 +99,8 @@ def test_the_tritonserver_pack_finds_what_it_copies():
 def test_the_devices_wheels_are_the_versions_the_project_pins(tmp_path):
     r = run("wheels.sh", "--dry-run", timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("would run: python3 -m pip download") == 3 and "diffusers==0.42.1" in r.stdout
+    assert r.stdout.count("would run: python3 -m pip download") == 4 and "diffusers==0.42.1" in r.stdout
+    assert "xxhash==4.1.0" in r.stdout  # the image's own is of unknown version (the verify threads need >= 3.0)
     pins = tmp_path / "requirements.txt"
     pins.write_text("diffusers==0.41.0  # another pin than the device's wheel\n")
     r = run("wheels.sh", "--dry-run", timeout=60, REQUIREMENTS=str(pins))
@@ -108,8 +111,9 @@ def test_a_lease_runs_every_stage_past_one_that_overruns_and_packs_what_they_wro
     """``lease.sh`` as one device call runs it: a stage killed at its limit does not stop the next, and $OUT holds
     the log and one archive of every stage's files (the device returns at most 8 files)."""
     out = tmp_path / "out"
-    r = run("lease.sh", "--dry-run", OUT=str(out), STAGES="tests:1 loader:300", LEASE_WORK=str(tmp_path / "work"))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    r = run("lease.sh", "--dry-run", OUT=str(out), STAGES="tests:1 loader:300", LEASE_WORK=str(tmp_path / "work"),
+            MASKEDIT_MODEL_DIR=str(tmp_path / "model"))  # what the killed tests stage builds, in this test's place
+    assert r.returncode == 124, r.stdout[-4000:] + r.stderr[-2000:]  # the first failed stage's status
     log = (out / "lease.log").read_text()
     assert "== tests: exit 124" in log and "== loader: exit 0" in log, log[-3000:]
     import tarfile
@@ -117,3 +121,15 @@ def test_a_lease_runs_every_stage_past_one_that_overruns_and_packs_what_they_wro
         names = {Path(n).name for n in t.getnames()}
     assert {"loader_cpu.json", "loader_cpu.png", "loader.log"} <= names and "site" not in names
     assert sorted(p.name for p in out.iterdir()) == ["lease.log", "lease.tgz"]
+
+
+def test_a_lease_cuts_its_stages_to_its_own_deadline(tmp_path):
+    """The call's limit kills whatever runs past it, packing included: each stage's limit is cut to what is left of
+    the lease's deadline, and a stage with too little left is skipped, not started."""
+    out = tmp_path / "out"
+    r = run("lease.sh", "--dry-run", OUT=str(out), STAGES="tests:300 loader:300", LEASE_DEADLINE_S="27",
+            LEASE_WORK=str(tmp_path / "work"), MASKEDIT_MODEL_DIR=str(tmp_path / "model"))
+    log = (out / "lease.log").read_text()
+    assert r.returncode == 124, log[-3000:]
+    assert re.search(r"== tests: exit 124 after \d+ s \(limit 1[12] s", log), log[-3000:]
+    assert re.search(r"== loader: skipped, -?\d+ s left of the lease", log), log[-3000:]

@@ -52,9 +52,13 @@ else
   CAL_RATIOS=()
   CROP=(${CROP_TEMPLATE:+--crop-template "$CROP_TEMPLATE"}) TEMPLATES=${TEMPLATES:-4} SYSTEMS=() LOADER=()
   BUDGET_GIB=${BUDGET_GIB:-40} REQUESTS=${REQUESTS:-12} LOADS=${LOADS:-0.5 1 2 4}
-  if [ ! -d "$SITE/diffusers" ]; then  # once per machine: one call may run this script once per stage
+  # Once per machine (one call may run this script once per stage); the stamp is written only after a whole install,
+  # so a stage killed half-way through it installs again next time rather than running on half a site.
+  if [ ! -f "$SITE/.installed" ]; then
+    rm -rf "$SITE"
     "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl 2>&1 | tail -2
     if [ -f .whl/tritonserver.tar.xz ]; then tar -C "$SITE" -xJf .whl/tritonserver.tar.xz; fi
+    touch "$SITE/.installed"
   fi
 fi
 export PYTHONPATH=$SITE:$PWD/common:$PWD/python_backends:$PWD/client:$PWD/router:$PWD/lab:$PWD
@@ -69,7 +73,8 @@ df -h /dev/shm | tee -a "$OUT/gpu.txt"
 names=$("$PY" -c "import sys, torch, diffusers
 from maskedit.cache.cost_model import device_slug
 from maskedit.families import preset_family as f
-print('torch', torch.__version__, 'diffusers', diffusers.__version__)
+import xxhash
+print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'xxhash', xxhash.VERSION)
 print(device_slug(sys.argv[1]), *(sys.argv[2] + '/' + f(p).dir_name(p) for p in sys.argv[3:]), sep='\n')" \
   "$DEVICE" "$MODELS" "$FLUX" "$UNET" "$WIDTH")
 mapfile -t v <<< "$names"

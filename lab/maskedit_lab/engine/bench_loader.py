@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
+import xxhash
 
 from maskedit.cache.cost_model import device_slug
 from maskedit.cache.loader import Y_ROWS, RowLoader
@@ -141,6 +142,7 @@ def main(argv=None) -> None:
     meta = {"device": slug, "gpu": torch.cuda.get_device_name() if slug != "cpu" else None, "dtype": args.dtype,
             "blocks": args.blocks, "tokens": args.tokens, "dim": args.dim, "cores": cores,
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "reps": args.reps,
+            "xxhash": xxhash.VERSION,  # one-shot hashing releases the GIL from 3.0 on: the threads' premise
             "load_average_before": round(load, 2), "load_average_after": round(os.getloadavg()[0], 2)}
     out = args.out or RESULTS / f"loader_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

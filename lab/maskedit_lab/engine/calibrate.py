@@ -26,7 +26,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 from tqdm import tqdm
 
 from maskedit.cache.cost_model import device_slug
-from maskedit.cache.loader import RowLoader
+from maskedit.cache.integrity import chunk_dims
+from maskedit.cache.loader import RowLoader, default_verify_threads, verify_pool
 from maskedit.cache.runtime import CacheRuntime
 from maskedit.denoise import DenoiseJob
 from maskedit.device import SideStream, seconds_between, time_mark
@@ -101,11 +102,9 @@ def measure(h: Harness, reps: int = 2, ratios=RATIOS) -> tuple[dict, dict, dict]
             HookRegistry.check_if_exists_or_initialize(b).remove_hook("maskedit_timer", recurse=False)
     # Memory tier: copies of 1..16 blocks' rows out of the shared mapping, as the loader does.
     entry = h.store.open(base.cache_key)
-    if unet:  # the widest recorded block's rows
-        name = max((k for k in entry.arrays if k.startswith("y.")), key=lambda k: entry.arrays[k].size)
-        flat = entry.tensor(name).reshape(-1, entry.arrays[name].shape[-1])
-    else:
-        flat = entry.tensor("y").reshape(-1, entry.arrays["y"].shape[-1])
+    # A UNet's widest recorded block's rows; a transformer's rows (every block alike).
+    name = max((k for k in entry.arrays if k.startswith("y.")), key=lambda k: entry.arrays[k].size) if unet else "y"
+    flat = entry.tensor(name).reshape(-1, entry.arrays[name].shape[-1])
     device = h.runner.device
     loads["pinned"] = device.type == "cuda" and RowLoader._page_locked(entry)
     for blocks_ in (1, 2, 3, 4, 6, 8, 12, 16):
@@ -120,6 +119,25 @@ def measure(h: Harness, reps: int = 2, ratios=RATIOS) -> tuple[dict, dict, dict]
                 b = time_mark(device)
             times.append(1000.0 * seconds_between(a, b, wait=True))
         loads["mem"].append((out.numel() * out.element_size(), float(np.median(times))))
+    # Verification: every chunk the loader copies is hashed first (``integrity``), on the loader's verify threads
+    # ahead of the copies (a GPU's), or on the loader thread before each copy (the CPU's). The copies above are
+    # raw; the planner adds this (``CostModel.load_ms``), or a GPU's ~6 GB/s of hashing hides behind 55 GB/s copies.
+    loads["verify_threads"] = threads = default_verify_threads(device.type == "cuda")
+    chunk = entry.arrays[name]
+    chunks = list(np.ndindex(chunk.shape[:chunk_dims(chunk.ndim)]))
+    for blocks_ in (1, 2, 4, 8, 16):
+        if blocks_ > len(chunks):
+            break
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            if threads > 1:
+                list(verify_pool(threads).map(lambda i: entry.verify(name, *i), chunks[:blocks_]))
+            else:
+                for i in chunks[:blocks_]:
+                    entry.verify(name, *i)
+            times.append((time.perf_counter() - t0) * 1000.0)
+        loads["verify"].append((sum(chunk[i].nbytes for i in chunks[:blocks_]), float(np.median(times))))
     # Disk tier: reading an entry's slice from a file on disk (page cache permitting).
     entry_path = next(h.store.mem_dir.glob("*.safetensors"))
     disk_copy = h.store.disk_dir / "calibration.bin"
@@ -174,8 +192,9 @@ def fit(samples_: dict, loads: dict, meta: dict) -> CostModel:
         else:
             compute[kind][mode] = LinearFit.fit(xs, ys)
     load = {t: LinearFit.fit([[1.0, b / 1e6] for b, _ in pts], [ms for _, ms in pts])
-            for t, pts in loads.items() if t in ("mem", "disk")}
-    return CostModel(compute=dict(compute), load=load, meta={**meta, "pinned_loads": bool(loads.get("pinned"))})
+            for t, pts in loads.items() if t in ("mem", "disk", "verify") and pts}
+    return CostModel(compute=dict(compute), load=load, meta={**meta, "pinned_loads": bool(loads.get("pinned")),
+                                                             "verify_threads": loads.get("verify_threads", 1)})
 
 
 def main(argv=None) -> None:

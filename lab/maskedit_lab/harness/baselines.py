@@ -67,7 +67,10 @@ class PreloadedRowLoader(RowLoader):
 
     def start_step(self, hits: list, needed):
         for fut, jc, step, b, kind in self.new_futures(hits, needed):
-            fut.set_result(self.load(jc, step, b, kind))
+            try:
+                fut.set_result(self.load(jc, step, b, kind))
+            except BaseException as e:  # as the loader thread: the block that reads it raises (a CorruptEntry)
+                fut.set_exception(e)
         synchronize(self.device)
         return None
 

@@ -7,7 +7,7 @@ copies for a block (on its own thread, ahead of the block, so the loop does not 
 before it rewrites the entry (it would otherwise launder bad bytes under fresh checksums), promotion before it
 copies a disk entry up, and every open verifies the small arrays a cache decision reads. A file's identity (inode,
 size, times) says nothing about its bytes: silent disk or memory corruption keeps all three, so nothing is checked
-once and then trusted. xxh3 (the ``xxhash`` package) releases the GIL on large buffers. On the CPU it costs less
+once and then trusted. xxh3 (the ``xxhash`` package, 3.0 on) releases the GIL while it hashes. On the CPU it costs less
 than the copy it guards; a GPU copies page-locked rows several times faster than one thread hashes them (an H200:
 55 GB/s against ~6), so the GPU loader verifies on several threads (``loader``).
 """

@@ -74,11 +74,33 @@ class _Window:
                 self._cv.notify_all()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 def default_verify_threads(cuda: bool) -> int:
-    """Threads verifying rows ahead of the copies: on a GPU, half the cores up to 8 (a copy outruns one thread's
-    hashing ~6x); on the CPU none beside the loader (the denoise computation has the cores, and a CPU copy costs as
-    much as the hash)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2)) if cuda else 1
+    """Threads verifying rows ahead of the copies: on a GPU, half the usable cores up to 8 (a copy outruns one
+    thread's hashing ~6x); on the CPU none beside the loader (the denoise computation has the cores, and a CPU copy
+    costs as much as the hash)."""
+    return max(1, min(8, usable_cores() // 2)) if cuda else 1
+
+
+_verify_pools: dict[int, ThreadPoolExecutor] = {}
+_verify_pools_mu = threading.Lock()
+
+
+def verify_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` verify threads: every loader of that size shares it (a process serving
+    several runtimes, ControlNet ones included, runs one step at a time and would otherwise hold a pool for each)."""
+    with _verify_pools_mu:
+        pool = _verify_pools.get(threads)
+        if pool is None:
+            pool = _verify_pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="cache-verify")
+        return pool
 
 
 class RowLoader:
@@ -90,10 +112,10 @@ class RowLoader:
         self._copy = SideStream.shared(self.device, "load")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cache-loader")
         n = default_verify_threads(self.cuda) if verify_threads is None else verify_threads
-        # Verification runs at most 2n loads ahead of the copy: enough to keep n threads busy, little wasted on a
-        # request that leaves.
-        self._verify = ThreadPoolExecutor(n, thread_name_prefix="cache-verify") if n > 1 else None
-        self.verify_ahead = 2 * n if n > 1 else 0
+        # Verification runs at most 2n loads ahead of the copy (the one being copied included): enough to keep n
+        # threads busy, little wasted on a request that leaves.
+        self._verify = verify_pool(n) if n > 1 else None
+        self.verify_ahead = 2 * n if n > 1 else 1
         self._inflight: deque = deque()  # (event, source) pairs: sources stay mapped until their copy is done
         self._mu = threading.Lock()  # the loader thread and inline loads both touch _inflight and page-locking
         self._window: _Window | None = None  # the latest step's
@@ -148,24 +170,37 @@ class RowLoader:
         pending = deque(work)  # consumed rows are not kept alive by this
         work.clear()
         ahead: deque = deque()  # (load, its verification's future or None), in block order
-        while pending or ahead:
-            while pending and len(ahead) <= self.verify_ahead:
-                item = pending.popleft()
-                ahead.append((item, None if self._verify is None or item[0].cancelled()
-                              else self._verify.submit(self._verify_rows, *item[1:])))
-            (fut, jc, step, b, kind), src = ahead.popleft()
-            if not fut.cancelled() and not window.wait_for(b, fut):
-                self.stalls += 1
-            if not fut.set_running_or_notify_cancel():  # its request left the batch, or its block is skipped
+        fut = None
+        try:
+            while pending or ahead:
+                while pending and len(ahead) < self.verify_ahead:
+                    item = pending[0]  # left in pending until it is in ahead: a refused submit loses no load
+                    ahead.append((item, None if self._verify is None or item[0].cancelled()
+                                  else self._verify.submit(self._verify_rows, *item[1:])))
+                    pending.popleft()
+                (fut, jc, step, b, kind), src = ahead.popleft()
+                if not fut.cancelled() and not window.wait_for(b, fut):
+                    self.stalls += 1
+                if not fut.set_running_or_notify_cancel():  # its request left the batch, or its block is skipped
+                    if src is not None:
+                        src.cancel()
+                    continue
+                try:
+                    if src is not None:
+                        src.result()  # raises the verification's CorruptEntry
+                    fut.set_result(self.load(jc, step, b, kind, verified=src is not None))
+                except BaseException as e:  # the block that needs it re-raises it (its request fails, not the loop)
+                    fut.set_exception(e)
+        except BaseException as e:  # the loop itself broke (no new futures at interpreter exit): no block may wait
+            err = RuntimeError(f"the row loader stopped: {e}")  # for a load nobody will make
+            left = [fut] + [f for (f, *_), _src in ahead] + [f for f, *_ in pending]
+            for (_f, *_), src in ahead:
                 if src is not None:
                     src.cancel()
-                continue
-            try:
-                if src is not None:
-                    src.result()  # raises the verification's CorruptEntry
-                fut.set_result(self.load(jc, step, b, kind, verified=src is not None))
-            except BaseException as e:  # the block that needs it re-raises it (its request fails, not the loop)
-                fut.set_exception(e)
+            for f in left:
+                if f is not None and not f.done() and (f.running() or f.set_running_or_notify_cancel()):
+                    f.set_exception(err)
+            raise
 
     @staticmethod
     def cancel(jc) -> None:
@@ -250,6 +285,4 @@ class RowLoader:
         return pinned
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self._verify is not None:
-            self._verify.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # the verify pool is the process's (``verify_pool``): it stays

@@ -26,6 +26,18 @@ def test_cost_model_json_roundtrip_and_costs():
     assert costs[0].compute_kv < costs[0].compute_full
 
 
+@pytest.mark.parametrize("threads, expected", [(1, 0.1 + 0.4), (4, 0.4)])
+def test_a_load_is_priced_with_its_checksum(threads, expected):
+    """A calibrated verification: the loader thread alone hashes, then copies (the sum); verify threads hash ahead
+    of its copies (the larger of the two). A profile without it prices the copy alone, as before."""
+    load = {"mem": LinearFit([0.0, 0.1], 1.0), "verify": LinearFit([0.0, 0.4], 1.0)}
+    cm = CostModel(load=load, meta={"verify_threads": threads})
+    assert cm.load_ms(10**6) == pytest.approx(expected)
+    assert CostModel.from_json(json.loads(json.dumps(cm.to_json()))).load_ms(10**6) == pytest.approx(expected)
+    assert CostModel(load={"mem": load["mem"]}).load_ms(10**6) == pytest.approx(0.1)
+    assert cm.load_ms(0) == 0.0
+
+
 def test_flop_model_orders_the_modes():
     n, c, text, d = 1024, 205, 64, 256
     f = {m: block_flops(m, True, n, c, text, d) for m in (FULL, Y, KV, "noctx")}
