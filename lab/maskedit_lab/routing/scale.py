@@ -65,18 +65,34 @@ EMULATED = EmulatorConfig(Path())  # the emulated instances' serving settings (t
 
 
 # -- the processes ------------------------------------------------------------------------------------------
+def _on_cpus(cpus):
+    """A Popen ``preexec_fn`` that keeps the child (and every thread it starts) on ``cpus``; None for anywhere."""
+    if not cpus:
+        return None
+    cpus = set(cpus)
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def pin_this_process(cpus) -> None:
+    """Every thread of this process (the load generator) on ``cpus``: affinity is per thread on Linux, and threads
+    started later inherit their starter's."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), set(cpus))
+
+
 @contextlib.contextmanager
 def running_emulator(instances: int, profile: Path, time_scale: float, out: Path, lora_load_ms: float = LORA_LOAD_MS,
-                     stats: Path | None = None):
+                     stats: Path | None = None, cpus=None):
     """The emulated instances (one process); yields (process, their addresses); stopped by pid on the way out
-    (``stats``: each instance's counts are written there as it stops)."""
+    (``stats``: each instance's counts are written there as it stops; ``cpus``: the cores it may use)."""
     log = open(out / f"emulator-{instances}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "maskedit_lab.routing.triton_emulator",
                              "--instances", str(instances),
                              "--profile", str(profile), "--time-scale", str(time_scale),
                              "--lora-load-ms", str(lora_load_ms), *(["--stats", str(stats)] if stats else [])],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_on_cpus(cpus))
     try:
         line = proc.stdout.readline()
         if not line:
@@ -89,16 +105,17 @@ def running_emulator(instances: int, profile: Path, time_scale: float, out: Path
 
 @contextlib.contextmanager
 def running_router(addrs: list[str], profile: Path, out: Path, policy: str, extra: list[str],
-                   env: dict[str, str] | None = None):
+                   env: dict[str, str] | None = None, cpus=None):
     """The real router process (``python -m maskedit_router``) in front of ``addrs``; yields (process, grpc address,
-    http port) once its health says ready (``env``: its environment, default this one's)."""
+    http port) once its health says ready (``env``: its environment, default this one's; ``cpus``: the cores it may
+    use, as a router given its own cores in a deployment)."""
     grpc_port, http_port = free_ports(2)
     log = open(out / "router.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "maskedit_router", "--backends", ",".join(addrs),
                              "--port", str(grpc_port), "--http-port", str(http_port), "--openai-port", "0",
                              "--policy", policy, "--profile", str(profile), *extra],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=env)
+                            env=env, preexec_fn=_on_cpus(cpus))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -488,7 +505,8 @@ async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: 
 
 def overhead(instances: int, rates: list[float], window_s: float, out: Path, profile: Path, policy: str,
              time_scale: float, added_p99_ms: float, payloads: Payloads, streams: int, steps: int,
-             router_args: list[str], segment_s: float = 5.0, router_env: dict | None = None) -> list[dict]:
+             router_args: list[str], segment_s: float = 5.0, router_env: dict | None = None,
+             cpus: tuple | None = None) -> list[dict]:
     """The rate ladder on one router in front of ``instances`` emulated instances, each rate with its same-run
     direct baseline; stops after the first rate whose router hop P99 passes the target (or where the load generator
     cannot keep its schedule)."""
@@ -496,9 +514,11 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
 
     rows = []
     scaled = scaled_profile(profile, time_scale, out / f"profile-x{time_scale:g}.json")
-    with running_emulator(instances, profile, time_scale, out, LORA_LOAD_MS) as (emu, addrs), \
+    router_cpus, other_cpus = cpus or (None, None)
+    with running_emulator(instances, profile, time_scale, out, LORA_LOAD_MS, cpus=other_cpus) as (emu, addrs), \
             running_router(addrs, scaled, out, policy, ["--lora-load-ms", str(LORA_LOAD_MS * time_scale),
-                                                        *router_args], env=router_env) as (router, url, http_port):
+                                                        *router_args], env=router_env,
+                           cpus=router_cpus) as (router, url, http_port):
         time.sleep(2.0)
         c0, t0, polls0 = cpu_seconds(router.pid), time.monotonic(), counted(scrape(http_port), POLLS)
         time.sleep(5.0)  # idle: health checks, admission polls
@@ -690,6 +710,9 @@ def parser() -> argparse.ArgumentParser:
                     "form: --router-args='--admission-wait-s 0')")
     ap.add_argument("--router-switch-interval-ms", type=float, default=None,
                     help="the overhead runs' router's GIL switch interval (Python's default 5 ms), a diagnostic")
+    ap.add_argument("--router-cpus", type=int, nargs="*", default=None,
+                    help="the overhead runs' router on these cores and the emulated instances and this load "
+                         "generator on the others (a router given cores of its own); default: all share all")
     ap.add_argument("--compare-workers", type=int, default=32, help="emulated instances of the policy runs (0: none)")
     ap.add_argument("--loads", type=float, nargs="*", default=[0.8, 0.95])
     ap.add_argument("--policies", nargs="*", default=list(COMPARED))
@@ -745,6 +768,7 @@ def meta(args, argv: list[str], profile: Path, resolution: int, payloads) -> dic
             "router": "python -m maskedit_router (its own process), defaults unless router_args",
             "router_args": args.router_args, "router_switch_interval_ms": args.router_switch_interval_ms,
             "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
+            "router_cpus": args.router_cpus or "all (shared with the emulator and the load generator)",
             "loadgen_cpu": "psutil",
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
@@ -764,10 +788,22 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="maskedit-router-scale-") as tmp:
         tmp = Path(tmp)
         env = switch_interval_env(args.router_switch_interval_ms, tmp) if args.router_switch_interval_ms else None
+        cpus = None
+        if args.router_cpus:
+            mine = os.sched_getaffinity(0)
+            rest = tuple(sorted(mine - set(args.router_cpus)))
+            if not set(args.router_cpus) < mine or not rest:
+                raise SystemExit(f"--router-cpus must leave some of this process's cores {sorted(mine)} to the "
+                                 f"others, got {args.router_cpus}")
+            cpus = (tuple(args.router_cpus), rest)
+            doc_meta["other_cpus"] = list(rest)
+            pin_this_process(rest)
         for n in args.instances:
             rows += overhead(n, args.rates, args.window_s, tmp, profile, args.policy, args.overhead_time_scale,
                              args.added_p99_ms, payloads, args.streams, args.steps, args.router_args.split(),
-                             segment_s=args.segment_s, router_env=env)
+                             segment_s=args.segment_s, router_env=env, cpus=cpus)
+        if cpus:  # the policy runs share every core, as before
+            pin_this_process(mine)
         if args.compare_workers:
             rows += compare(args.compare_workers, args.loads, args.policies, args.requests, tmp, profile,
                             args.time_scale, payloads, args.streams, args.lora_library)

@@ -133,6 +133,22 @@ def test_the_switch_interval_reaches_the_router_process_only(tmp_path):
     assert float(subprocess.run(probe, capture_output=True, text=True, check=True).stdout) == 0.005  # the default
 
 
+def test_a_router_given_its_own_cores_runs_there_with_every_thread_it_starts():
+    import os
+    import subprocess
+    import sys
+
+    from maskedit_lab.routing.scale import _on_cpus
+
+    probe = [sys.executable, "-c", "import os, threading\n"
+             "seen = []\nt = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+             "t.start(); t.join(); print(seen[0], sorted(os.sched_getaffinity(0)))"]
+    one = min(os.sched_getaffinity(0))
+    out = subprocess.run(probe, preexec_fn=_on_cpus((one,)), capture_output=True, text=True, check=True).stdout
+    assert out.split() == [f"[{one}]", f"[{one}]"]
+    assert _on_cpus(None) is None and _on_cpus(()) is None  # anywhere: no preexec at all
+
+
 def test_direct_streams_go_round_robin_over_the_instances_and_stay_open_across_blocks():
     """The direct path against two in-process emulated instances: request i reaches instance i mod 2, each answer
     carries the instance's own time, and a second block on the same streams is answered too."""
