@@ -71,12 +71,17 @@ def running_backends(instances: int, out: Path, env: dict | None = None, supervi
     # The activation store's memory tier in RAM, as in production (a disk-backed directory would add page
     # writeback to every entry written); removed on the way out.
     ram = Path(tempfile.mkdtemp(prefix="maskedit-cluster-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    # Cancel markers and queue boards too (shared by the instances, as on one host in production; each board is
+    # named by its server): the settings' defaults would leave /dev/shm/maskedit-$UID behind. A setting given wins.
+    given = {**os.environ, **(env or {})}
+    shared = {k: str(ram / sub) for k, sub in (("MASKEDIT_CANCEL_DIR", "cancel"),
+                                               ("MASKEDIT_ADMISSION_DIR", "admission")) if k not in given}
     supervisor = None
     try:
         for i in range(instances):
             d = Path(out) / f"instance{i}"
             servers.append(TritonServer(log_path=d / "tritonserver.log", env={
-                **share, **(env or {}),
+                **share, **shared, **(env or {}),
                 "MASKEDIT_CACHE_MEM_DIR": str(ram / f"instance{i}"), "MASKEDIT_CACHE_DISK_DIR": str(d / "cache"),
             }, extra_args=list(RELOADABLE_ARGS) if supervise else None).start())  # a dead model: reloaded alone
         supervisor = Supervisor(servers).start() if supervise else None
