@@ -69,7 +69,7 @@ class CostModel:
 
     def load_ms(self, nbytes: int, tier: str = "mem") -> float:
         """A block's rows to the device: the copy, and the checksum over them where the profile measured it
-        (``load["verify"]``; profiles before it priced the copy alone)."""
+        (``load["verify"]``: one thread's hashing; profiles before it priced the copy alone)."""
         if not nbytes:
             return 0.0
         fit = self.load.get(tier) or self.load.get("mem")
@@ -78,8 +78,13 @@ class CostModel:
         if verify is None or tier == "verify":
             return ms
         check = verify.predict([1.0, nbytes / 1e6])
-        # One loader thread hashes each block, then copies it; verify threads hash ahead while it copies.
-        return ms + check if self.meta.get("verify_threads", 1) <= 1 else max(ms, check)
+        threads = self.meta.get("verify_threads", 1)
+        # A disk entry is verified whole on one thread as it is promoted; in memory, one loader thread hashes each
+        # block and then copies it, while verify threads hash side by side ahead of its copies (a step's blocks
+        # stream through them: their throughput, not one block's latency, is what a step waits on).
+        if tier != "mem" or threads <= 1:
+            return ms + check
+        return max(ms, check / threads)
 
     def block_costs(self, kinds: list[str], n: int, c: int, text: int, dim: int, bytes_y: int, bytes_kv: int,
                     has_y: list[bool], has_kv: list[bool], tier: str = "mem") -> list[BlockCost]:

@@ -126,10 +126,16 @@ def test_a_lease_runs_every_stage_past_one_that_overruns_and_packs_what_they_wro
 def test_a_lease_cuts_its_stages_to_its_own_deadline(tmp_path):
     """The call's limit kills whatever runs past it, packing included: each stage's limit is cut to what is left of
     the lease's deadline, and a stage with too little left is skipped, not started."""
-    out = tmp_path / "out"
+    out, slow = tmp_path / "out", tmp_path / "slow.sh"
+    slow.write_text("echo started; sleep 120\n")  # a stage that outlasts any limit, on any machine
     r = run("lease.sh", "--dry-run", OUT=str(out), STAGES="tests:300 loader:300", LEASE_DEADLINE_S="27",
-            LEASE_WORK=str(tmp_path / "work"), MASKEDIT_MODEL_DIR=str(tmp_path / "model"))
+            LEASE_WORK=str(tmp_path / "work"), GPU_CHECK=str(slow))
     log = (out / "lease.log").read_text()
     assert r.returncode == 124, log[-3000:]
-    assert re.search(r"== tests: exit 124 after \d+ s \(limit 1[12] s", log), log[-3000:]
+    assert "started" in log and re.search(r"== tests: exit 124 after \d+ s \(limit 1[0-2] s", log), log[-3000:]
     assert re.search(r"== loader: skipped, -?\d+ s left of the lease", log), log[-3000:]
+
+
+def test_a_lease_refuses_a_stage_without_its_limit(tmp_path):
+    r = run("lease.sh", "--dry-run", timeout=60, OUT=str(tmp_path), STAGES="tests loader:60")
+    assert r.returncode == 2 and "not 'tests'" in r.stdout

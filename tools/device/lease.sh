@@ -23,6 +23,10 @@ mkdir -p "$FINAL"
 FINAL=$(cd "$FINAL" && pwd)
 WORK=${LEASE_WORK:-$(mktemp -d)}
 STAGES=${STAGES:-loader:45 calibrate:120 bench:240 tests:140}
+for stage in $STAGES; do
+  if ! [[ $stage =~ ^[a-z]+:[0-9]+$ ]]; then echo "lease: a stage is MODE:SECONDS, not '$stage'"; exit 2; fi
+done
+GPU_CHECK=${GPU_CHECK:-tools/device/gpu_check.sh}  # what runs each stage (a test gives one that overruns)
 DEADLINE=$(( $(date +%s) + ${LEASE_DEADLINE_S:-560} ))
 KILL_AFTER=5 PACK_S=10  # a stage's grace after its TERM; the archive's time after it
 export RATIOS=${RATIOS:-0.2 0.05 0.5} CROP_TEMPLATE=${CROP_TEMPLATE:-0} GPU_DTYPES=${GPU_DTYPES:-bfloat16}
@@ -43,7 +47,7 @@ for stage in $STAGES; do
   fi
   if [ "$limit" -gt "$left" ]; then limit=$left; fi
   # Line-buffered all the way, so a stage killed at its limit leaves every line it printed in the log.
-  OUT=$WORK timeout --kill-after=$KILL_AFTER "$limit" bash tools/device/gpu_check.sh ${DRY[@]+"${DRY[@]}"} "$mode" \
+  OUT=$WORK timeout --kill-after=$KILL_AFTER "$limit" bash "$GPU_CHECK" ${DRY[@]+"${DRY[@]}"} "$mode" \
     2>&1 | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E '(it/s|s/it|point/s|s/point)\]$' >> "$log"
   rc=${PIPESTATUS[0]}
   echo "== $mode: exit $rc after $(( $(date +%s) - t0 )) s (limit $limit s; 124: ran out)" | tee -a "$log"

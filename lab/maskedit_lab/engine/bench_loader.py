@@ -30,7 +30,7 @@ from tqdm import tqdm
 import xxhash
 
 from maskedit.cache.cost_model import device_slug
-from maskedit.cache.loader import Y_ROWS, RowLoader
+from maskedit.cache.loader import Y_ROWS, RowLoader, usable_cores
 from maskedit.cache.store import ActivationStore
 from maskedit.device import synchronize
 
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None, help="default: results/loader_<device>.json")
     args = ap.parse_args(argv)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # as the loader sizes its pool
     threads = args.threads or [n for n in (1, 2, 4, 8) if n <= cores]
     dtype = getattr(torch, args.dtype)
     load = os.getloadavg()[0]

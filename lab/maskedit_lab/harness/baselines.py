@@ -69,7 +69,7 @@ class PreloadedRowLoader(RowLoader):
         for fut, jc, step, b, kind in self.new_futures(hits, needed):
             try:
                 fut.set_result(self.load(jc, step, b, kind))
-            except BaseException as e:  # as the loader thread: the block that reads it raises (a CorruptEntry)
+            except Exception as e:  # as the loader thread: the block that reads it raises (a CorruptEntry)
                 fut.set_exception(e)
         synchronize(self.device)
         return None

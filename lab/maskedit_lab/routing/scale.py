@@ -65,12 +65,10 @@ EMULATED = EmulatorConfig(Path())  # the emulated instances' serving settings (t
 
 
 # -- the processes ------------------------------------------------------------------------------------------
-def _on_cpus(cpus):
-    """A Popen ``preexec_fn`` that keeps the child (and every thread it starts) on ``cpus``; None for anywhere."""
-    if not cpus:
-        return None
-    cpus = set(cpus)
-    return lambda: os.sched_setaffinity(0, cpus)
+def _on_cpus(argv: list[str], cpus) -> list[str]:
+    """``argv`` run on ``cpus`` only, every thread it starts included (``taskset``: no Python runs between fork and
+    exec, which a ``preexec_fn`` in this threaded process would); ``argv`` itself for anywhere."""
+    return ["taskset", "-c", ",".join(map(str, sorted(cpus))), *argv] if cpus else list(argv)
 
 
 def pin_this_process(cpus) -> None:
@@ -87,12 +85,13 @@ def running_emulator(instances: int, profile: Path, time_scale: float, out: Path
     """The emulated instances (one process); yields (process, their addresses); stopped by pid on the way out
     (``stats``: each instance's counts are written there as it stops; ``cpus``: the cores it may use)."""
     log = open(out / f"emulator-{instances}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "maskedit_lab.routing.triton_emulator",
-                             "--instances", str(instances),
-                             "--profile", str(profile), "--time-scale", str(time_scale),
-                             "--lora-load-ms", str(lora_load_ms), *(["--stats", str(stats)] if stats else [])],
+    proc = subprocess.Popen(_on_cpus([sys.executable, "-m", "maskedit_lab.routing.triton_emulator",
+                                      "--instances", str(instances),
+                                      "--profile", str(profile), "--time-scale", str(time_scale),
+                                      "--lora-load-ms", str(lora_load_ms),
+                                      *(["--stats", str(stats)] if stats else [])], cpus),
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True, preexec_fn=_on_cpus(cpus))
+                            start_new_session=True)
     try:
         line = proc.stdout.readline()
         if not line:
@@ -111,11 +110,11 @@ def running_router(addrs: list[str], profile: Path, out: Path, policy: str, extr
     use, as a router given its own cores in a deployment)."""
     grpc_port, http_port = free_ports(2)
     log = open(out / "router.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "maskedit_router", "--backends", ",".join(addrs),
-                             "--port", str(grpc_port), "--http-port", str(http_port), "--openai-port", "0",
-                             "--policy", policy, "--profile", str(profile), *extra],
+    proc = subprocess.Popen(_on_cpus([sys.executable, "-m", "maskedit_router", "--backends", ",".join(addrs),
+                                      "--port", str(grpc_port), "--http-port", str(http_port), "--openai-port", "0",
+                                      "--policy", policy, "--profile", str(profile), *extra], cpus),
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=env, preexec_fn=_on_cpus(cpus))
+                            env=env)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -710,7 +709,7 @@ def parser() -> argparse.ArgumentParser:
                     "form: --router-args='--admission-wait-s 0')")
     ap.add_argument("--router-switch-interval-ms", type=float, default=None,
                     help="the overhead runs' router's GIL switch interval (Python's default 5 ms), a diagnostic")
-    ap.add_argument("--router-cpus", type=int, nargs="*", default=None,
+    ap.add_argument("--router-cpus", type=int, nargs="+", default=None,
                     help="the overhead runs' router on these cores and the emulated instances and this load "
                          "generator on the others (a router given cores of its own); default: all share all")
     ap.add_argument("--compare-workers", type=int, default=32, help="emulated instances of the policy runs (0: none)")

@@ -23,6 +23,7 @@ On the CPU a load is one contiguous copy out of the mapping, as the block would 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -91,6 +92,9 @@ def default_verify_threads(cuda: bool) -> int:
 
 _verify_pools: dict[int, ThreadPoolExecutor] = {}
 _verify_pools_mu = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child inherits the pools without their threads: it makes its own
+    os.register_at_fork(after_in_child=_verify_pools.clear)
+log = logging.getLogger("maskedit.cache")
 
 
 def verify_pool(threads: int) -> ThreadPoolExecutor:
@@ -200,6 +204,7 @@ class RowLoader:
             for f in left:
                 if f is not None and not f.done() and (f.running() or f.set_running_or_notify_cancel()):
                     f.set_exception(err)
+            log.exception("the row loader stopped; the step's loads not made failed")
             raise
 
     @staticmethod

@@ -26,14 +26,16 @@ def test_cost_model_json_roundtrip_and_costs():
     assert costs[0].compute_kv < costs[0].compute_full
 
 
-@pytest.mark.parametrize("threads, expected", [(1, 0.1 + 0.4), (4, 0.4)])
+@pytest.mark.parametrize("threads, expected", [(1, 0.1 + 0.4), (2, 0.2), (8, 0.1)])
 def test_a_load_is_priced_with_its_checksum(threads, expected):
-    """A calibrated verification: the loader thread alone hashes, then copies (the sum); verify threads hash ahead
-    of its copies (the larger of the two). A profile without it prices the copy alone, as before."""
-    load = {"mem": LinearFit([0.0, 0.1], 1.0), "verify": LinearFit([0.0, 0.4], 1.0)}
+    """A calibrated verification (one thread's hashing): the loader thread alone hashes, then copies (the sum);
+    verify threads hash side by side ahead of its copies (the larger of the copy and their shared rate). A disk
+    entry is verified whole on one thread. A profile without it prices the copy alone, as before."""
+    load = {"mem": LinearFit([0.0, 0.1], 1.0), "disk": LinearFit([0.0, 1.0], 1.0), "verify": LinearFit([0.0, 0.4], 1.0)}
     cm = CostModel(load=load, meta={"verify_threads": threads})
     assert cm.load_ms(10**6) == pytest.approx(expected)
     assert CostModel.from_json(json.loads(json.dumps(cm.to_json()))).load_ms(10**6) == pytest.approx(expected)
+    assert cm.load_ms(10**6, "disk") == pytest.approx(1.0 + 0.4)
     assert CostModel(load={"mem": load["mem"]}).load_ms(10**6) == pytest.approx(0.1)
     assert cm.load_ms(0) == 0.0
 

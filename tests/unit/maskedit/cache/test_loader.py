@@ -80,11 +80,11 @@ def test_the_loader_waits_for_reported_blocks_and_gives_up_on_silent_ones(entry,
         def __init__(self, ahead):
             super().__init__(ahead, patience=0.05)
 
-    monkeypatch.setattr(loader_mod, "_Window", QuickWindow)
     loader = RowLoader("cpu", heads=2, head_dim=16, ahead_blocks=1, verify_threads=threads)
     try:
-        assert all(isinstance(g, torch.Tensor) for g in step_rows(loader, job(entry), 0))
+        assert all(isinstance(g, torch.Tensor) for g in step_rows(loader, job(entry), 0))  # a second's patience
         assert loader.stalls == 0
+        monkeypatch.setattr(loader_mod, "_Window", QuickWindow)
         assert all(isinstance(g, torch.Tensor) for g in step_rows(loader, job(entry), 1, report=False))
         assert loader.stalls >= 1
     finally:
@@ -139,7 +139,9 @@ def test_loaders_of_one_size_share_the_process_verify_pool():
     a, b = (RowLoader("cpu", heads=2, head_dim=16, verify_threads=3) for _ in range(2))
     try:
         assert a._verify is b._verify is loader_mod.verify_pool(3)
-        assert RowLoader("cpu", heads=2, head_dim=16, verify_threads=1)._verify is None
+        c = RowLoader("cpu", heads=2, head_dim=16, verify_threads=1)
+        assert c._verify is None
+        c.close()
     finally:
         a.close(), b.close()
 
@@ -155,7 +157,7 @@ def test_a_request_leaving_mid_step_with_verify_threads_frees_the_loader(entry):
         loader.rows(jc, 0)(0, Y_ROWS)
         futures = list(jc.futures.values())
         RowLoader.cancel(jc)
-        assert jc.futures == {} and all(f.cancelled() or f.running() or f.done() for f in futures)
+        assert jc.futures == {}
         loader._pool.submit(lambda: None).result(timeout=10)  # the loader thread is past the cancelled step
         assert all(f.done() for f in futures) and sum(f.cancelled() for f in futures) >= BLOCKS - 3
         for b, got in enumerate(step_rows(loader, job(entry), 1)):

@@ -144,9 +144,9 @@ def test_a_router_given_its_own_cores_runs_there_with_every_thread_it_starts():
              "seen = []\nt = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
              "t.start(); t.join(); print(seen[0], sorted(os.sched_getaffinity(0)))"]
     one = min(os.sched_getaffinity(0))
-    out = subprocess.run(probe, preexec_fn=_on_cpus((one,)), capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(_on_cpus(probe, (one,)), capture_output=True, text=True, check=True).stdout
     assert out.split() == [f"[{one}]", f"[{one}]"]
-    assert _on_cpus(None) is None and _on_cpus(()) is None  # anywhere: no preexec at all
+    assert _on_cpus(probe, None) == _on_cpus(probe, ()) == probe  # anywhere: the command as it is
 
 
 def test_direct_streams_go_round_robin_over_the_instances_and_stay_open_across_blocks():
