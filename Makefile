@@ -50,8 +50,9 @@ serve: model
 
 # Then the engine and cache unit tests again in bfloat16 (the dtype a GPU serves in; a float32-only path once
 # crashed there): the same invariants, within the stated reduced-precision tolerance (tests/conftest.py).
+# --durations: the slowest tests at the end of every run, so CI's time against its 40 minutes can be kept in hand.
 test: model
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 	MASKEDIT_DTYPE=bfloat16 $(PY) -m pytest -q -ra -m "not integration" $(BF16_TESTS) $(PYTEST_ARGS)
 
 BF16_TESTS := tests/unit/maskedit/cache/test_invariants.py tests/unit/maskedit/cache/test_heal.py \
