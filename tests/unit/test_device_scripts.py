@@ -137,5 +137,10 @@ def test_a_lease_cuts_its_stages_to_its_own_deadline(tmp_path):
 
 
 def test_a_lease_refuses_a_stage_without_its_limit(tmp_path):
-    r = run("lease.sh", "--dry-run", timeout=60, OUT=str(tmp_path), STAGES="tests loader:60")
+    """Refused before it makes its work directory (TMPDIR here: nothing may be left outside the test's own)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    r = run("lease.sh", "--dry-run", timeout=60, OUT=str(tmp_path / "out"), STAGES="tests loader:60",
+            TMPDIR=str(scratch))
     assert r.returncode == 2 and "not 'tests'" in r.stdout
+    assert list(scratch.iterdir()) == []

@@ -21,11 +21,11 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=(--dry-run); shift; fi
 FINAL=${OUT:-out/device}
 mkdir -p "$FINAL"
 FINAL=$(cd "$FINAL" && pwd)
-WORK=${LEASE_WORK:-$(mktemp -d)}
 STAGES=${STAGES:-loader:45 calibrate:120 bench:240 tests:140}
-for stage in $STAGES; do
+for stage in $STAGES; do  # checked before anything is made
   if ! [[ $stage =~ ^[a-z]+:[0-9]+$ ]]; then echo "lease: a stage is MODE:SECONDS, not '$stage'"; exit 2; fi
 done
+WORK=${LEASE_WORK:-$(mktemp -d)}
 GPU_CHECK=${GPU_CHECK:-tools/device/gpu_check.sh}  # what runs each stage (a test gives one that overruns)
 DEADLINE=$(( $(date +%s) + ${LEASE_DEADLINE_S:-560} ))
 KILL_AFTER=5 PACK_S=10  # a stage's grace after its TERM; the archive's time after it
