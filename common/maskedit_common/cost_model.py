@@ -75,7 +75,7 @@ class CostModel:
         fit = self.load.get(tier) or self.load.get("mem")
         ms = fit.predict([1.0, nbytes / 1e6])
         verify = self.load.get("verify")
-        if verify is None or tier == "verify":
+        if verify is None:
             return ms
         check = verify.predict([1.0, nbytes / 1e6])
         threads = self.meta.get("verify_threads", 1)

@@ -191,7 +191,7 @@ def fit(samples_: dict, loads: dict, meta: dict) -> CostModel:
         else:
             compute[kind][mode] = LinearFit.fit(xs, ys)
     load = {t: LinearFit.fit([[1.0, b / 1e6] for b, _ in pts], [ms for _, ms in pts])
-            for t, pts in loads.items() if t in ("mem", "disk", "verify") and pts}
+            for t, pts in loads.items() if t in ("mem", "disk", "verify")}
     return CostModel(compute=dict(compute), load=load, meta={**meta, "pinned_loads": bool(loads.get("pinned")),
                                                              "verify_threads": loads.get("verify_threads", 1)})
 
