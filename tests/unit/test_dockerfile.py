@@ -59,3 +59,104 @@ def test_the_image_starts_tritonserver_with_the_launchers_serving_flags():
     assert "--disable-auto-complete-config" in launcher
     missing = [a for a in launcher if a not in image]
     assert not missing, f"the Dockerfile's tritonserver lacks the launcher's {missing}"
+
+
+# -- what the image installs covers what the served code imports ---------------------------------------------------
+# Served code: the Triton models and their packages, the router and the client (the router imports it). Modules the
+# image gets otherwise: the Python backend's own utils module, and the launcher of the embedded default, which the
+# image does not run (its CMD starts tritonserver).
+SERVED = ("python_backends", "common", "router", "client", "model_repository")
+PROVIDED = {"triton_python_backend_utils": "the Python backend", "pytriton": "the embedded default's launcher only"}
+
+
+def _pins(path) -> dict[str, str]:
+    """name (normalised, extras dropped) -> version of a requirements file's ``==`` pins."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            out[_norm(name.split("[")[0])] = version.strip()
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _image_torch() -> str:
+    got = re.search(r"pip install [^\n]*torch==([0-9][^ ]*) ", DOCKERFILE)
+    assert got, "the Dockerfile pins no CUDA torch"
+    return got.group(1)
+
+
+def _served_imports() -> dict[str, str]:
+    """top-level third-party module -> one served file importing it."""
+    import ast
+    import sys
+
+    found = {}
+    for root in SERVED:
+        for path in sorted((REPO_ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and not top.startswith("maskedit"):
+                        found.setdefault(top, path.relative_to(REPO_ROOT).as_posix())
+    return found
+
+
+def _closure(names: set[str]) -> set[str]:
+    """The distributions ``names`` install, with what they require in turn (their installed metadata; extras only
+    where pinned, as tritonclient[all])."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    extras = {_norm(n.split("[")[0]): set(re.findall(r"\[(.*)\]", n)[0].split(",")) if "[" in n else set()
+              for n in names}
+    seen, todo = set(), list(extras)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras.get(name, {""}) | {""}):
+                todo.append(_norm(req.name))
+    return seen
+
+
+def test_the_image_installs_every_module_the_served_code_imports():
+    """A module the models, router or client import that the image does not install fails there at import (as the
+    activation cache's xxhash, the canny preprocessor's cv2 and the TaylorSeer state's cache-dit once did)."""
+    import importlib.metadata as md
+
+    serve_lines = [line.split("#")[0].strip() for line in (REPO_ROOT / "requirements-serve.txt").read_text().splitlines()]
+    installed = _closure({line.split("==")[0] for line in serve_lines if "==" in line} | {"torch"})
+    dists = md.packages_distributions()
+    missing = {module: where for module, where in _served_imports().items()
+               if module not in PROVIDED and not {_norm(d) for d in dists.get(module, [module])} & installed}
+    assert not missing, f"imported by served code, not installed by the image: {missing}"
+
+
+def test_the_images_torch_satisfies_what_its_packages_require():
+    """The image's CUDA torch is installed first; a serving pin that needs a newer one would make pip replace it with
+    an unpinned build from the package index (cache-dit 1.5 needs torch >= 2.7.1)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    torch = _image_torch().split("+")[0]
+    for name in _pins(REPO_ROOT / "requirements-serve.txt"):
+        for text in md.requires(name) or []:
+            req = Requirement(text)
+            if _norm(req.name) == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                assert req.specifier.contains(torch), f"{name} requires {req}; the image pins torch {torch}"
