@@ -1,6 +1,6 @@
 """`make router-cpu` (`python -m maskedit_lab.routing.router_cpu`): the router's own CPU per request, stage by stage,
 in one process: reading a request off the wire (protobuf parse), its routing features (the mask decoded onto the
-token grid, the template's SHA-1), writing it to its backend (serialise), and the backend stream it goes on: one
+token grid, the template's hash), writing it to its backend (serialise), and the backend stream it goes on: one
 opened per request (as the router did before it kept one stream per backend, shared by its client streams) against
 one stream reused (as it does now), and one reused stream on ``grpc.aio`` (an event loop fed from the sending thread,
 as a relay moved onto the router's loop would be: no gRPC consumer or reader thread), to one emulated instance
@@ -9,7 +9,10 @@ Process CPU time (``time.process_time``), not latency: it moves little with the 
 side by side on a shared host say something (the latencies of ``make router-scale`` need a quiet one).
 
 Before/after in one run: ``features_box_grid`` is the features as read before the whole-cell reduction
-(``ANY_CELL_MAX = 0``: every mask through the BOX resize), ``features`` as shipped; both on the same requests.
+(``ANY_CELL_MAX = 0``: every mask through the BOX resize), ``features`` as shipped; both on the same requests, every
+mask new to the router (decoded). ``features_mask_again``: the same requests with the router's mask memory on
+(their masks sent before: a hash each, no decode). ``template_sha1`` against ``template_xxh3``: the template key's
+hash as it was (SHA-1) and is (xxh3-128).
 The requests are ``make router-scale``'s (``scale.Payloads``): a ~0.45 MB noise template at 512², masks over the
 workload's ratios. Writes JSON and a bar plot.
 """
@@ -29,6 +32,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import xxhash
+
 from maskedit_lab.routing.scale import Payloads, commit, edit_request, running_emulator
 
 OUT = Path("perf_profiles/results/router_cpu.json")
@@ -42,9 +47,23 @@ def _box_grid():
     saved = features.ANY_CELL_MAX
     features.ANY_CELL_MAX = 0
     try:
-        yield
+        with _mask_sent_once():
+            yield
     finally:
         features.ANY_CELL_MAX = saved
+
+
+@contextmanager
+def _mask_sent_once():
+    """Every mask new to the router: its mask memory remembers none (each request decodes its mask)."""
+    from maskedit_router.placement import features
+
+    saved = features.MASK_RATIOS
+    features.MASK_RATIOS = features.MaskRatios(size=0)
+    try:
+        yield
+    finally:
+        features.MASK_RATIOS = saved
 
 
 def stages(resolution: int, requests: int, n_masks: int = 48) -> dict:
@@ -63,11 +82,13 @@ def stages(resolution: int, requests: int, n_masks: int = 48) -> dict:
 
     return {
         "parse": (parse, None),
-        "features": (lambda i: routing_features(reqs[i], resolution), None),
+        "features": (lambda i: routing_features(reqs[i], resolution), _mask_sent_once),
+        "features_mask_again": (lambda i: routing_features(reqs[i], resolution), None),
         "features_box_grid": (lambda i: routing_features(reqs[i], resolution), _box_grid),
         "mask_grid": (lambda i: mask_tokens(payloads.masks[i % n_masks], resolution), None),
         "mask_grid_box": (lambda i: mask_tokens(payloads.masks[i % n_masks], resolution), _box_grid),
         "template_sha1": (lambda i: hashlib.sha1(template[i]).digest(), None),
+        "template_xxh3": (lambda i: xxhash.xxh3_128(template[i]).digest(), None),
         "serialise": (lambda i: reqs[i].SerializeToString(), None),
     }, {"request_bytes": len(wire[0]), "template_bytes": len(template[0]), "resolution": resolution}
 
@@ -227,6 +248,8 @@ def run(resolution: int, requests: int, repeats: int, streams: bool = True) -> d
         rows += stream_rows(resolution, requests, repeats)  # as many passes: aio against sync is a ~10 % difference
     by = {r["stage"]: r["cpu_ms_per_request_median"] for r in rows}
     ratios = {"features_vs_box_grid": round(by["features"] / by["features_box_grid"], 3),
+              "features_mask_again_vs_sent_once": round(by["features_mask_again"] / by["features"], 3),
+              "template_xxh3_vs_sha1": round(by["template_xxh3"] / by["template_sha1"], 3),
               "mask_grid_vs_box": round(by["mask_grid"] / by["mask_grid_box"], 3)}
     if streams:
         ratios["backend_stream_reused_vs_per_request"] = round(

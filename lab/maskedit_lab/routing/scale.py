@@ -15,6 +15,9 @@ emulated Triton instances (``triton_emulator``: the real protocol, step times fr
    request size and the host's load average before and after. The ladder stops after the first rate whose hop P99
    passes ``--added-p99-ms`` (5 ms); the summary names the highest rate within it. The load generator's lateness
    (send time past schedule) is recorded on both paths: a rate where it lags is not the router's figure.
+   ``--masks`` (both parts): ``sent-once`` (default), every request's mask bytes its own, so the router decodes
+   every mask; ``pooled``, 48 masks sent again, as a template's edits resend its mask (the router's mask memory,
+   ``features.MaskRatios``, answers those without a decode).
 2. **Policies through the real router** (``--compare-workers``, 32): the simulator's workload (a window of the
    GenTD26 trace: arrivals, steps, LoRA adapters; production mask ratios; templates per checkpoint, which the
    served ensemble does not see as checkpoints) at loads 0.8 and 0.95 for predicted, chwbl, p2c and weighted,
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -240,9 +244,11 @@ class Payloads:
     """Encoded inputs at the model's resolution, made once: one template image whose bytes carry each template's key
     after its end (a PNG reader stops at IEND; the router hashes every byte, so each key is its own template at a
     real template's size) and a pool of masks at ratios over the workload's range (each request takes the nearest:
-    its ratio as the router measures it is what the simulator replays)."""
+    its ratio as the router measures it is what the simulator replays). ``masks_sent_once``: every request's mask
+    bytes are its own (a count after the mask's end), so the router decodes each one, as for masks made per photo;
+    otherwise the pool's masks are sent again, as a template's edits resend its mask (the router remembers those)."""
 
-    def __init__(self, resolution: int, n_masks: int = 48, seed: int = 5):
+    def __init__(self, resolution: int, n_masks: int = 48, seed: int = 5, masks_sent_once: bool = False):
         from maskedit import samples
         from maskedit_client import encode_image
         from maskedit_router.placement.features import mask_ratio
@@ -254,6 +260,12 @@ class Payloads:
         self.masks = [encode_image(samples.mask(resolution, resolution, float(r), "blob", seed=i))
                       for i, r in enumerate(targets)]
         self.ratios = np.array([mask_ratio(m, resolution)[0] for m in self.masks])
+        self.masks_sent_once = masks_sent_once
+        self._sent = itertools.count()
+
+    def mask(self, i: int) -> bytes:
+        """Mask ``i`` of the pool, as the next request sends it."""
+        return self.masks[i] + (f"#{next(self._sent)}".encode() if self.masks_sent_once else b"")
 
     def template(self, key: str) -> bytes:
         return self.base + key.encode()
@@ -270,7 +282,7 @@ def edit_request(payloads: Payloads, key: str, mask: int, steps: int, adapters=(
     from maskedit_client.inputs import edit_inputs
 
     loras = [(a, 1.0) for a in adapters] or None
-    inputs = edit_inputs(payloads.template(key), payloads.masks[mask], "a photo", seed=1, steps=steps,
+    inputs = edit_inputs(payloads.template(key), payloads.mask(mask), "a photo", seed=1, steps=steps,
                          deadline_ms=deadline_ms, progress=progress, loras=loras)
     req = _get_inference_request("edit", inputs, "", "", None, 0, False, False, 0, None, None)
     req.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -719,6 +731,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-scale", type=float, default=0.1, help="the policy runs' time compression")
     ap.add_argument("--lora-library", type=int, default=32, help="adapters the trace's num_lora are drawn from")
     ap.add_argument("--streams", type=int, default=8, help="client streams the load generator multiplexes over")
+    ap.add_argument("--masks", choices=["sent-once", "pooled"], default="sent-once",
+                    help="sent-once: every request's mask bytes are its own, so the router decodes each (masks made "
+                         "per photo); pooled: 48 masks sent again (a template's edits resending its mask), which "
+                         "the router remembers")
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "router_scale.json")
     return ap
@@ -766,7 +782,7 @@ def meta(args, argv: list[str], profile: Path, resolution: int, payloads) -> dic
             "overhead_time_scale": args.overhead_time_scale, "time_scale": args.time_scale,
             "router": "python -m maskedit_router (its own process), defaults unless router_args",
             "router_args": args.router_args, "router_switch_interval_ms": args.router_switch_interval_ms,
-            "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
+            "masks": args.masks, "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
             "router_cpus": args.router_cpus or "all (shared with the emulator and the load generator)",
             "loadgen_cpu": "psutil",
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
@@ -780,7 +796,7 @@ def main(argv=None) -> None:
     from maskedit_common.cost_model import CostModel
 
     resolution = int(CostModel.load_file(profile).meta.get("resolution") or 512)
-    payloads = Payloads(resolution)
+    payloads = Payloads(resolution, masks_sent_once=args.masks == "sent-once")
     started = time.time()
     doc_meta = meta(args, argv, profile, resolution, payloads)
     rows = []

@@ -19,13 +19,28 @@ def test_the_box_grid_variant_reads_the_same_features_and_restores_the_fast_path
     assert meta["request_bytes"] > meta["template_bytes"] > 100_000
 
 
+def test_the_mask_memory_pair_reads_the_same_features_one_decoding_every_mask():
+    fns, _ = router_cpu.stages(512, requests=8, n_masks=4)
+    once, ctx = fns["features"]
+    again, none = fns["features_mask_again"]
+    assert none is None
+    saved = features.MASK_RATIOS
+    with ctx():
+        memory = features.MASK_RATIOS
+        got = [once(i) for i in range(8)]
+        assert memory is not saved and (memory.hits, memory.misses) == (0, 8)  # masks 0-3 twice: decoded each time
+    assert features.MASK_RATIOS is saved
+    assert [again(i) for i in range(8)] == got
+
+
 def test_a_tiny_run_writes_json_and_a_plot(tmp_path):
     out = tmp_path / "rc.json"
     router_cpu.main(["--requests", "2", "--repeats", "1", "--no-streams", "--out", str(out)])
     result = json.loads(out.read_text())
     assert {r["stage"] for r in result["rows"]} >= {"parse", "features", "features_box_grid", "serialise"}
     assert all(r["cpu_ms_per_request_median"] >= 0 for r in result["rows"])
-    assert set(result["ratios"]) == {"features_vs_box_grid", "mask_grid_vs_box"}
+    assert set(result["ratios"]) == {"features_vs_box_grid", "mask_grid_vs_box", "features_mask_again_vs_sent_once",
+                                     "template_xxh3_vs_sha1"}
     assert result["meta"]["clock"].startswith("time.process_time")
     assert out.with_suffix(".png").stat().st_size > 0
 

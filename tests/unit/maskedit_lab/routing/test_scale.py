@@ -196,3 +196,20 @@ def test_the_router_s_features_histogram_and_poll_counts_are_read_from_its_metri
     assert buckets(fams, "maskedit_router_decision_seconds", policy="predicted")[2.5e-4] == 1
     assert buckets(fams, "maskedit_router_decision_seconds", policy="chwbl") == {}
     assert counted(fams, POLLS) == 5
+
+
+def test_masks_sent_once_are_new_bytes_of_the_same_mask():
+    """--masks sent-once: each request's mask is bytes the router has not seen (its mask memory misses) that still
+    decode to the pool's mask (a PNG reader stops at IEND); pooled: the same bytes again."""
+    from maskedit_lab.routing.scale import Payloads, edit_request
+    from maskedit_router.placement import features
+
+    once, pooled = Payloads(512, n_masks=4, masks_sent_once=True), Payloads(512, n_masks=4)
+    assert once.mask(2) != once.mask(2) and pooled.mask(2) == pooled.mask(2) == pooled.masks[2]
+    assert features.mask_ratio(once.mask(2), 512) == features.mask_ratio(pooled.masks[2], 512)
+    memory = features.MaskRatios()
+    for payloads in (once, once, pooled, pooled):
+        req = edit_request(payloads, "k", 2, 4)
+        mask = features._tensor_bytes(req, [t.name for t in req.inputs].index("MASK"), True)
+        assert memory(mask, 512, None)[0] == pytest.approx(float(pooled.ratios[2]))
+    assert (memory.misses, memory.hits) == (3, 1)

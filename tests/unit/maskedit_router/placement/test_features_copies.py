@@ -1,11 +1,11 @@
 """Reading a request's routing features copies no more of it than the message hands out: the template is hashed
-through a view, in turn with the settings that key it (the key is the same as ever: sha1 of template + settings)."""
+through a view, in turn with the settings that key it (the key: xxh3-128 of template + settings)."""
 
-import hashlib
 import struct
 import tracemalloc
 
 import numpy as np
+import xxhash
 from tritonclient.grpc._utils import _get_inference_request
 
 from maskedit_client.inputs import edit_inputs
@@ -35,7 +35,7 @@ def test_the_template_key_is_the_hash_of_the_template_and_its_settings():
     settings = f"STEPS={steps};".encode()
     for name in ("GUIDANCE", "TEMPLATE_SEED", "PADDING_MASK_CROP"):
         assert name not in [t.name for t in req.inputs]  # (else they key it too)
-    assert extract(req, 512).template_key == hashlib.sha1(_blob(req, "TEMPLATE") + settings).hexdigest()[:20]
+    assert extract(req, 512).template_key == xxhash.xxh3_128(_blob(req, "TEMPLATE") + settings).hexdigest()[:20]
 
 
 def test_reading_the_features_copies_the_template_at_most_once():

@@ -65,3 +65,41 @@ def test_the_fast_path_runs_for_whole_cells(monkeypatch):
     mask_tokens(png(np.zeros((512, 512), np.uint8)), 512)
     mask_tokens(png(np.zeros((1024, 1024), np.uint8)), 512)
     assert called == [16]
+
+
+def _extract(template: bytes, mask: bytes, **kw):
+    from tritonclient.grpc._utils import _get_inference_request
+
+    from maskedit_client.inputs import edit_inputs
+
+    inputs = edit_inputs(template, mask, "a hat", steps=8, seed=1, **kw)
+    return features.extract(_get_inference_request("edit", inputs, "", "r", None, 0, False, False, 0, None, None), 512)
+
+
+def test_a_mask_sent_again_is_not_decoded_again(monkeypatch):
+    """The router remembers a mask's ratio by its bytes (the grid's settings with it): a template's edits that send its
+    mask again cost a hash, not a decode; another mask, resolution or crop is measured afresh."""
+    ratios = features.MaskRatios(size=2)
+    monkeypatch.setattr(features, "MASK_RATIOS", ratios)
+    decoded = []
+    real = features.mask_ratio
+    monkeypatch.setattr(features, "mask_ratio", lambda *a: decoded.append(a[1:]) or real(*a))
+    a, b = np.zeros((64, 64), np.uint8), np.zeros((64, 64), np.uint8)
+    a[:16, :16], b[:32] = 255, 255
+    template = png(np.full((64, 64, 3), 90, np.uint8))
+    first = _extract(template, png(a))
+    assert _extract(template + b"another", png(a)).mask_ratio == first.mask_ratio == 0.0625
+    assert len(decoded) == 1 and ratios.hits == 1
+    assert _extract(template, png(b)).mask_ratio == 0.5 and len(decoded) == 2
+    assert ratios(png(a), 1024, None) == real(png(a), 1024, None) and decoded[-1] == (1024, None)  # its own grid
+    assert ratios(png(a), 512, 4) == real(png(a), 512, 4) and decoded[-1] == (512, 4)
+    assert len(ratios._got) == 2  # the least recently used went
+
+
+def test_an_unreadable_mask_is_priced_whole_and_not_remembered():
+    ratios = features.MaskRatios()
+    with pytest.raises(Exception):
+        ratios(b"not a png", 512, None)
+    assert not ratios._got and ratios.misses == 1
+    f = _extract(png(np.full((64, 64, 3), 90, np.uint8)), b"not a png")
+    assert f.mask_ratio == 1.0 and f.tokens == features.grid_tokens(512)
