@@ -335,7 +335,9 @@ class DenoiseEngine:
     def _drop_cancelled(self, batch: list[DenoiseJob]) -> list[DenoiseJob]:
         """End every cancelled admitted request (paused ones too) and return the rest of ``batch``."""
         with self._cv:
-            cancelled = [j for j in self._running if j.is_cancelled()]
+            running = list(self._running)
+        # asked outside the lock: a check that stalls (a cancel marker on a slow disk) must not hold up submit()
+        cancelled = [j for j in running if j.is_cancelled()]
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
         return [j for j in batch if j not in cancelled]

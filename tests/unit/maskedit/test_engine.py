@@ -86,6 +86,34 @@ def test_full_queue_is_resource_exhausted_and_shutdown_fails_the_rest(runner, in
         engine.submit(Outcome().job(inputs))
 
 
+def test_a_slow_cancel_check_does_not_hold_up_submit(runner, inputs):
+    """The loop asks each running request whether it was cancelled without holding the engine's lock: a check that
+    stalls (a cancel marker on a slow disk) delays that loop, not the callers submitting or reading stats."""
+    import time
+
+    gate, asked = threading.Event(), threading.Event()
+
+    def slow():
+        asked.set()
+        gate.wait(30)
+        return False
+
+    engine = DenoiseEngine(runner, max_batch=1, max_queue=4)
+    try:
+        blocker, other = Outcome(), Outcome()
+        engine.submit(blocker.job(inputs, is_cancelled=slow))
+        assert asked.wait(30)  # the loop is inside the check
+        t0 = time.monotonic()
+        engine.submit(other.job(inputs))
+        assert engine.stats()["waiting"] + engine.stats()["running"] == 2
+        assert time.monotonic() - t0 < 5, "submit waited for the cancel check"
+        gate.set()
+        assert blocker.event.wait(60) and other.event.wait(60) and blocker.error is None and other.error is None
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
 def test_bad_job_fails_alone(runner, inputs):
     from dataclasses import replace
 
