@@ -161,6 +161,16 @@ class MaskRatios:
                 self._got.popitem(last=False)
         return got
 
+    def collect(self):
+        """Prometheus (a collector on the router's registry): lookups by result since the process started."""
+        from prometheus_client.core import CounterMetricFamily
+
+        m = CounterMetricFamily("maskedit_router_mask_ratio_lookups", "requests whose mask ratio was remembered "
+                                "(hit: no decode) or measured (miss: decoded), by result", labels=["result"])
+        m.add_metric(["hit"], self.hits)
+        m.add_metric(["miss"], self.misses)
+        yield m
+
 
 MASK_RATIOS = MaskRatios()
 

@@ -34,7 +34,7 @@ from maskedit_common.triton_refusals import as_refusal
 from ..access.auth import ANONYMOUS
 from ..access.tenancy import OverLimit, Quotas, tag_request
 from ..metrics import RouterMetrics
-from ..placement.features import EditFeatures, edit_info, routing_features
+from ..placement.features import MASK_RATIOS, EditFeatures, edit_info, routing_features
 from ..placement.policies import Booking, Estimator, Policy
 from .admission import RefusalLog
 from .backend import (FINAL, Backend, NoBackend, Ticket,  # noqa: F401 (tests use them here)
@@ -58,6 +58,7 @@ class Router(ForwardedCalls, service_pb2_grpc.GRPCInferenceServiceServicer):
         self.resolution = resolution  # the served model's working resolution: masks are measured on its token grid
         self.policy, self.est = policy, estimator
         self.metrics = metrics or RouterMetrics()
+        self.metrics.registry.register(MASK_RATIOS)  # its hits and misses, read at each scrape
         self.max_per_backend, self.max_inflight, self.ttl = max_inflight_per_backend, max_inflight, template_ttl_s
         self._lock = threading.Lock()
         self._ids = itertools.count()

@@ -42,3 +42,16 @@ def test_the_request_itself_is_forwarded_renamed_and_the_client_gets_its_own_id(
     out = [] if session.out.empty() else [session.out.get_nowait()]
     assert [r.infer_response.id for r in out] == (["mine"] if want_final else [])
     assert not session.pending
+
+
+def test_a_mask_sent_again_is_counted_as_remembered(session):
+    """``maskedit_router_mask_ratio_lookups_total``: a mask the router measured before is a hit (no decode)."""
+    read = session.r.metrics.registry.get_sample_value
+    mask = np.zeros((64, 64), np.uint8)
+    mask[:5, :7] = 255  # a mask no other test sends
+    before = {r: read("maskedit_router_mask_ratio_lookups_total", {"result": r}) for r in ("hit", "miss")}
+    for i in range(2):
+        inputs = edit_inputs(png(np.full((64, 64, 3), 128, np.uint8)), png(mask), "a hat", steps=4)
+        session.submit(_get_inference_request("edit", inputs, "", f"again{i}", None, 0, False, False, 0, None, None))
+    after = {r: read("maskedit_router_mask_ratio_lookups_total", {"result": r}) for r in ("hit", "miss")}
+    assert (after["miss"] - before["miss"], after["hit"] - before["hit"]) == (1, 1)
