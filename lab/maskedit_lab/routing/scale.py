@@ -15,7 +15,8 @@ emulated Triton instances (``triton_emulator``: the real protocol, step times fr
    request size and the host's load average before and after. The ladder stops after the first rate whose hop P99
    passes ``--added-p99-ms`` (5 ms); the summary names the highest rate within it. The load generator's lateness
    (send time past schedule) is recorded on both paths: a rate where it lags is not the router's figure.
-   ``--masks`` (both parts): ``sent-once`` (default), every request's mask bytes its own, so the router decodes
+   Each emulated result carries an IMAGE of ``--answer-bytes`` (default: the template's size, as a real
+   instance's edited PNG; the router relays it). ``--masks`` (both parts): ``sent-once`` (default), every request's mask bytes its own, so the router decodes
    every mask; ``pooled``, 48 masks sent again, as a template's edits resend its mask (the router's mask memory,
    ``features.MaskRatios``, answers those without a decode).
 2. **Policies through the real router** (``--compare-workers``, 32): the simulator's workload (a window of the
@@ -85,14 +86,16 @@ def pin_this_process(cpus) -> None:
 
 @contextlib.contextmanager
 def running_emulator(instances: int, profile: Path, time_scale: float, out: Path, lora_load_ms: float = LORA_LOAD_MS,
-                     stats: Path | None = None, cpus=None):
+                     stats: Path | None = None, cpus=None, image_bytes: int = 0):
     """The emulated instances (one process); yields (process, their addresses); stopped by pid on the way out
-    (``stats``: each instance's counts are written there as it stops; ``cpus``: the cores it may use)."""
+    (``stats``: each instance's counts are written there as it stops; ``cpus``: the cores it may use;
+    ``image_bytes``: each result's IMAGE size, 0 for a few bytes)."""
     log = open(out / f"emulator-{instances}.log", "ab")
     proc = subprocess.Popen(_on_cpus([sys.executable, "-m", "maskedit_lab.routing.triton_emulator",
                                       "--instances", str(instances),
                                       "--profile", str(profile), "--time-scale", str(time_scale),
                                       "--lora-load-ms", str(lora_load_ms),
+                                      "--image-bytes", str(image_bytes),
                                       *(["--stats", str(stats)] if stats else [])], cpus),
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -517,7 +520,7 @@ async def _rate_blocks(addrs: list[str], url: str, parts: list, build, streams: 
 def overhead(instances: int, rates: list[float], window_s: float, out: Path, profile: Path, policy: str,
              time_scale: float, added_p99_ms: float, payloads: Payloads, streams: int, steps: int,
              router_args: list[str], segment_s: float = 5.0, router_env: dict | None = None,
-             cpus: tuple | None = None) -> list[dict]:
+             cpus: tuple | None = None, image_bytes: int = 0) -> list[dict]:
     """The rate ladder on one router in front of ``instances`` emulated instances, each rate with its same-run
     direct baseline; stops after the first rate whose router hop P99 passes the target (or where the load generator
     cannot keep its schedule)."""
@@ -526,7 +529,8 @@ def overhead(instances: int, rates: list[float], window_s: float, out: Path, pro
     rows = []
     scaled = scaled_profile(profile, time_scale, out / f"profile-x{time_scale:g}.json")
     router_cpus, other_cpus = cpus or (None, None)
-    with running_emulator(instances, profile, time_scale, out, LORA_LOAD_MS, cpus=other_cpus) as (emu, addrs), \
+    with running_emulator(instances, profile, time_scale, out, LORA_LOAD_MS, cpus=other_cpus,
+                          image_bytes=image_bytes) as (emu, addrs), \
             running_router(addrs, scaled, out, policy, ["--lora-load-ms", str(LORA_LOAD_MS * time_scale),
                                                         *router_args], env=router_env,
                            cpus=router_cpus) as (router, url, http_port):
@@ -731,6 +735,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-scale", type=float, default=0.1, help="the policy runs' time compression")
     ap.add_argument("--lora-library", type=int, default=32, help="adapters the trace's num_lora are drawn from")
     ap.add_argument("--streams", type=int, default=8, help="client streams the load generator multiplexes over")
+    ap.add_argument("--answer-bytes", type=int, default=None,
+                    help="size of each emulated result's IMAGE in the overhead runs (default: the template's, as a "
+                         "real instance's edited PNG is about; 0: a few bytes, as before 2026-11-29)")
     ap.add_argument("--masks", choices=["sent-once", "pooled"], default="sent-once",
                     help="sent-once: every request's mask bytes are its own, so the router decodes each (masks made "
                          "per photo); pooled: 48 masks sent again (a template's edits resending its mask), which "
@@ -782,7 +789,9 @@ def meta(args, argv: list[str], profile: Path, resolution: int, payloads) -> dic
             "overhead_time_scale": args.overhead_time_scale, "time_scale": args.time_scale,
             "router": "python -m maskedit_router (its own process), defaults unless router_args",
             "router_args": args.router_args, "router_switch_interval_ms": args.router_switch_interval_ms,
-            "masks": args.masks, "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
+            "masks": args.masks,
+            "answer_bytes": len(payloads.base) if args.answer_bytes is None else args.answer_bytes,
+            "streams": args.streams, "window_s": args.window_s, "segment_s": args.segment_s,
             "router_cpus": args.router_cpus or "all (shared with the emulator and the load generator)",
             "loadgen_cpu": "psutil",
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
@@ -816,7 +825,8 @@ def main(argv=None) -> None:
         for n in args.instances:
             rows += overhead(n, args.rates, args.window_s, tmp, profile, args.policy, args.overhead_time_scale,
                              args.added_p99_ms, payloads, args.streams, args.steps, args.router_args.split(),
-                             segment_s=args.segment_s, router_env=env, cpus=cpus)
+                             segment_s=args.segment_s, router_env=env, cpus=cpus,
+                             image_bytes=doc_meta["answer_bytes"])
         if cpus:  # the policy runs share every core, as before
             pin_this_process(mine)
         if args.compare_workers:

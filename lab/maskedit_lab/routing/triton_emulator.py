@@ -70,6 +70,9 @@ class EmulatorConfig:
     disk_templates: int = 64
     adapter_slots: int = 32
     lora_load_ms: float = LORA_LOAD_MS
+    # the result's IMAGE: 0 answers a few bytes; a real instance sends the edited PNG (~0.3-0.5 MB at 512²), which
+    # the router relays, so a measurement of the router's hop should answer that many
+    image_bytes: int = 0
 
     def estimator(self) -> Estimator:
         return Estimator(CostModel.load_file(self.profile), lora_load_ms=self.lora_load_ms)
@@ -143,6 +146,8 @@ class EmulatedInstance(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, name: str, cfg: EmulatorConfig, est: Estimator, resolution: int):
         self.name, self.cfg, self.est, self.resolution = name, cfg, est, resolution
+        # made once: incompressible bytes of the result's size, relayed as they are (nothing decodes them)
+        self.image = np.random.default_rng(0).bytes(cfg.image_bytes) if cfg.image_bytes else b"emulated"
         self.tokens = grid_tokens(resolution)
         self.shared_ms = batch_shared_ms(est)
         self.worker = Worker(BackendLoad(name), cache_templates=cfg.mem_templates, disk_templates=cfg.disk_templates,
@@ -229,7 +234,7 @@ class EmulatedInstance(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _reply(self, j: _Job, info: dict) -> None:
         self.jobs.pop(j.rid, None)
-        j.out.put_nowait(_response(j.rid, info, b"emulated", final=not j.want_final))
+        j.out.put_nowait(_response(j.rid, info, self.image, final=not j.want_final))
         if j.want_final:
             j.out.put_nowait(_response(j.rid, None, None, final=True))
 
@@ -430,7 +435,8 @@ class EmulatedCluster:
 
 async def _serve(args) -> None:
     cfg = EmulatorConfig(Path(args.profile), args.time_scale, args.max_batch, mem_templates=args.mem_templates,
-                         disk_templates=args.disk_templates, lora_load_ms=args.lora_load_ms)
+                         disk_templates=args.disk_templates, lora_load_ms=args.lora_load_ms,
+                         image_bytes=args.image_bytes)
     cluster = await EmulatedCluster(cfg, args.instances, args.base_port, args.host).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -458,6 +464,8 @@ def main(argv=None) -> None:
     ap.add_argument("--disk-templates", type=int, default=64)
     ap.add_argument("--lora-load-ms", type=float, default=LORA_LOAD_MS)
     ap.add_argument("--stats", type=Path, help="write each instance's counts here on exit")
+    ap.add_argument("--image-bytes", type=int, default=0, help="size of each result's IMAGE (0: a few bytes; a real "
+                    "instance sends the edited PNG, ~0.3-0.5 MB at 512²)")
     args = ap.parse_args(argv)
     args.profile = args.profile or default_profile()
     asyncio.run(_serve(args))

@@ -213,3 +213,38 @@ def test_masks_sent_once_are_new_bytes_of_the_same_mask():
         mask = features._tensor_bytes(req, [t.name for t in req.inputs].index("MASK"), True)
         assert memory(mask, 512, None)[0] == pytest.approx(float(pooled.ratios[2]))
     assert (memory.misses, memory.hits) == (3, 1)
+
+
+@pytest.mark.parametrize("image_bytes", [0, 300_000])
+def test_an_emulated_result_carries_an_image_of_the_size_asked(image_bytes):
+    """The router relays a real instance's edited PNG (~0.3-0.5 MB at 512²); router-scale's instances answer that
+    many bytes (``--answer-bytes``), or a few with 0."""
+    import asyncio
+    import struct
+
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from maskedit_lab.routing.scale import Payloads, edit_request
+    from maskedit_lab.routing.triton_emulator import EmulatedCluster, EmulatorConfig
+
+    req = edit_request(Payloads(512, n_masks=4), "k", 1, 2)
+    req.id = "r1"
+
+    async def run():
+        cluster = await EmulatedCluster(EmulatorConfig(PROFILE, time_scale=0.002, image_bytes=image_bytes), 1).start()
+        try:
+            async with grpc.aio.insecure_channel(cluster.addrs[0], options=[
+                    ("grpc.max_receive_message_length", -1)]) as ch:
+                call = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer()
+                await call.write(req)
+                got = await asyncio.wait_for(call.read(), 20)
+                await call.done_writing()
+                return got
+        finally:
+            await cluster.stop()
+
+    r = asyncio.run(run()).infer_response
+    blob = r.raw_output_contents[[o.name for o in r.outputs].index("IMAGE")]
+    n = struct.unpack("<I", blob[:4])[0]
+    assert n == len(blob) - 4 == (image_bytes or len(b"emulated"))
