@@ -24,12 +24,14 @@ On the CPU a load is one contiguous copy out of the mapping, as the block would 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,11 +78,58 @@ class _Window:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    """The cores this process may use: its CPU set (a container's, not the host's count), and no more than its
+    cgroup's CPU quota (a Kubernetes CPU limit is a quota, not a CPU set), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 2
+        cores = os.cpu_count() or 2
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """This process's CPU quota in cores: the tightest along its cgroup's path (v2 ``cpu.max``; v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), None when there is none or it cannot be read."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy
+            found += _along(root, path, lambda d: _read_quota((d / "cpu.max").read_text().split()))
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            base = root / controllers
+            base = base if base.is_dir() else root / "cpu"
+            found += _along(base, path, lambda d: _read_quota([(d / "cpu.cfs_quota_us").read_text().strip(),
+                                                               (d / "cpu.cfs_period_us").read_text().strip()]))
+    found = [q for q in found if q]
+    return min(found) if found else None
+
+
+def _along(base: Path, path: str, read) -> list:
+    """``read`` of every directory from the cgroup's own up to ``base`` (a parent's quota bounds its children)."""
+    out, d = [], base / path.strip().lstrip("/")
+    while True:
+        try:
+            out.append(read(d))
+        except (OSError, ValueError, IndexError):
+            pass
+        if d == base or base not in d.parents:
+            return out
+        d = d.parent
+
+
+def _read_quota(fields: list[str]) -> float | None:
+    quota, period = fields[0], fields[1]
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period) if int(period) > 0 and int(quota) > 0 else None
 
 
 def default_verify_threads(cuda: bool) -> int:

@@ -135,6 +135,38 @@ def test_verify_threads_half_the_usable_cores_up_to_8_and_only_on_a_gpu(monkeypa
     assert default_verify_threads(True) == gpu_threads
 
 
+def _cgroup(tmp_path, membership: str, files: dict) -> tuple:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "self-cgroup").write_text(membership)
+    return tmp_path, tmp_path / "self-cgroup"
+
+
+def test_a_cgroup_cpu_quota_bounds_the_usable_cores(tmp_path, monkeypatch):
+    """A Kubernetes CPU limit is a cgroup quota, not a CPU set: a pod limited to 2.5 CPUs on a 64-core node gets 3
+    cores' worth of verify threads' budget, not 64. The tightest quota along the cgroup's path counts (v2 and v1)."""
+    v2 = _cgroup(tmp_path / "v2", "0::/kubepods/pod1/ctr\n", {
+        "kubepods/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "250000 100000\n",
+        "kubepods/pod1/ctr/cpu.max": "max 100000\n"})
+    assert loader_mod.cgroup_cpu_quota(*v2) == 2.5
+    v1 = _cgroup(tmp_path / "v1", "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n0::/\n", {
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/docker/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/docker/cpu.cfs_period_us": "100000\n"})
+    assert loader_mod.cgroup_cpu_quota(*v1) == 1.5
+    none = _cgroup(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert loader_mod.cgroup_cpu_quota(*none) is None
+    assert loader_mod.cgroup_cpu_quota(tmp_path / "absent", tmp_path / "absent" / "cgroup") is None
+
+    monkeypatch.setattr(loader_mod.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(loader_mod, "cgroup_cpu_quota", lambda: 2.5)
+    assert loader_mod.usable_cores() == 3 and default_verify_threads(True) == 1
+    monkeypatch.setattr(loader_mod, "cgroup_cpu_quota", lambda: 0.2)
+    assert loader_mod.usable_cores() == 1
+    monkeypatch.setattr(loader_mod, "cgroup_cpu_quota", lambda: None)
+    assert loader_mod.usable_cores() == 64 and default_verify_threads(True) == 8
+
+
 def test_loaders_of_one_size_share_the_process_verify_pool():
     a, b = (RowLoader("cpu", heads=2, head_dim=16, verify_threads=3) for _ in range(2))
     try:
