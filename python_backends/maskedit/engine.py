@@ -248,6 +248,8 @@ class DenoiseEngine:
         with self._cv:
             batch = list(self._running) if self._stopping else self._schedule()
         batch = self._drop_overdue(self._drop_cancelled(batch))
+        with self._cv:  # a shutdown while the checks ran (outside the lock) has failed what it found running
+            batch = [j for j in batch if j in self._running]
         if not batch:
             return True
         tokens = sum(j.tokens or 0 for j in batch)
@@ -337,6 +339,7 @@ class DenoiseEngine:
         with self._cv:
             running = list(self._running)
         # asked outside the lock: a check that stalls (a cancel marker on a slow disk) must not hold up submit()
+        # (a waiting request whose adapters are loading is still asked under it, in _schedule)
         cancelled = [j for j in running if j.is_cancelled()]
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))
@@ -358,10 +361,11 @@ class DenoiseEngine:
         return [j for j in batch if not any(j is k for k, _ in over)]
 
     def _retire(self, jobs: list[DenoiseJob], error: BaseException | None = None) -> None:
+        with self._cv:  # only those still running: shutdown may have failed a job the loop was deciding about
+            jobs = [j for j in jobs if j in self._running]
+            self._running = [j for j in self._running if j not in jobs]
         if not jobs:
             return
-        with self._cv:
-            self._running = [j for j in self._running if j not in jobs]
         if error is None:
             self.clock.wait_last()  # a GPU has finished their last step: finish times are the device's
         for job in jobs:

@@ -1,6 +1,7 @@
 """The denoise loop: every job ends in a result or an error; cancellation and shutdown are explicit."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,12 +20,19 @@ def inputs(make_inputs):
 
 
 class Outcome:
+    """A job's ending: exactly one of on_done / on_error, once (``ends`` counts them)."""
+
     def __init__(self):
-        self.done, self.error, self.event = None, None, threading.Event()
+        self.done, self.error, self.event, self.ends = None, None, threading.Event(), 0
+
+    def _end(self, field, value):
+        self.ends += 1
+        setattr(self, field, value)
+        self.event.set()
 
     def job(self, inputs, **kw):
-        return DenoiseJob(inputs, on_done=lambda j: (setattr(self, "done", j), self.event.set()),
-                          on_error=lambda j, e: (setattr(self, "error", e), self.event.set()), **kw)
+        return DenoiseJob(inputs, on_done=lambda j: self._end("done", j), on_error=lambda j, e: self._end("error", e),
+                          **kw)
 
 
 def test_batched_jobs_match_single_runs(runner, inputs):
@@ -66,7 +74,8 @@ def test_full_queue_is_resource_exhausted_and_shutdown_fails_the_rest(runner, in
     gate = threading.Event()
     engine = DenoiseEngine(runner, max_batch=1, max_queue=2)
     blocker = Outcome()
-    engine.submit(blocker.job(inputs, is_cancelled=lambda: not gate.wait(30) and False))
+    # held in its cancel check until the gate opens, after shutdown has failed it; then reported cancelled
+    engine.submit(blocker.job(inputs, is_cancelled=lambda: gate.wait(30)))
     for _ in range(500):  # wait until the blocker holds the loop
         if engine.stats()["running"] == 1:
             break
@@ -81,6 +90,8 @@ def test_full_queue_is_resource_exhausted_and_shutdown_fails_the_rest(runner, in
     for o in [blocker, *waiting]:
         assert o.event.wait(30)
         assert o.done is not None or isinstance(o.error, Unavailable)
+    time.sleep(0.5)  # the loop, back from the blocker's check after shutdown failed it, must not end it again
+    assert [o.ends for o in [blocker, *waiting]] == [1, 1, 1]
     assert any(isinstance(o.error, Unavailable) for o in waiting)
     with pytest.raises(Unavailable):
         engine.submit(Outcome().job(inputs))
@@ -89,7 +100,6 @@ def test_full_queue_is_resource_exhausted_and_shutdown_fails_the_rest(runner, in
 def test_a_slow_cancel_check_does_not_hold_up_submit(runner, inputs):
     """The loop asks each running request whether it was cancelled without holding the engine's lock: a check that
     stalls (a cancel marker on a slow disk) delays that loop, not the callers submitting or reading stats."""
-    import time
 
     gate, asked = threading.Event(), threading.Event()
 
