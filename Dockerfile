@@ -1,11 +1,13 @@
-# maskedit on NVIDIA's Triton container. 24.10 ships tritonserver 2.51, the same as the embedded default.
+# maskedit on NVIDIA's Triton container. 24.12 ships tritonserver 2.53 on Ubuntu 24.04 with Python 3.12: the pinned
+# diffusers 0.42 and transformers 5.23 need Python >= 3.11, which 24.10 (tritonserver 2.51, as embedded; Python 3.10)
+# lacks. The Triton behaviours docs/ describe were tried on the embedded 2.51.
 #   docker build -t maskedit .
 #   docker run --gpus all --shm-size 2g -p 8000-8002:8000-8002 -v /path/to/FLUX.1-Fill-dev:/models/flux-fill \
 #     -e MASKEDIT_MODEL_DIR=/models/flux-fill -e MASKEDIT_DTYPE=bfloat16 maskedit
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
+FROM nvcr.io/nvidia/tritonserver:24.12-py3
 
 WORKDIR /opt/maskedit
-# CUDA 12.6 build of torch, the container's CUDA (the CPU pin in requirements.txt is for dev/CI); installed first, at a
+# CUDA 12.6 build of torch, the container's CUDA (12.6.3) (the CPU pin in requirements.txt is for dev/CI); installed first, at a
 # version every serving pin accepts (cache-dit needs >= 2.7.1), so requirements-serve.txt does not replace it.
 RUN pip install --no-cache-dir torch==2.9.1 --index-url https://download.pytorch.org/whl/cu126
 COPY requirements-serve.txt ./

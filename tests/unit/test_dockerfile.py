@@ -8,9 +8,34 @@ from tests.conftest import REPO_ROOT
 DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
 
 
-def test_base_image_matches_embedded_triton():
-    # 24.10 <-> tritonserver 2.51.0, the version the nvidia-pytriton pin ships (checked by the integration test).
-    assert re.search(r"^FROM nvcr.io/nvidia/tritonserver:24.10-py3$", DOCKERFILE, re.M)
+# NGC Triton releases: tritonserver and the image's Python (their release notes)
+NGC_TRITON = {"24.10": ("2.51.0", "3.10"), "24.12": ("2.53.0", "3.12")}
+EMBEDDED_TRITON = "2.51.0"  # what the nvidia-pytriton pin ships (checked by the integration test)
+
+
+def _base_release() -> str:
+    got = re.search(r"^FROM nvcr.io/nvidia/tritonserver:(\d\d\.\d\d)-py3$", DOCKERFILE, re.M)
+    assert got and got.group(1) in NGC_TRITON, "the image's base is not a Triton release this test knows"
+    return got.group(1)
+
+
+def test_base_image_is_a_triton_no_older_than_the_embedded_one():
+    triton, _ = NGC_TRITON[_base_release()]
+    assert tuple(map(int, triton.split("."))) >= tuple(map(int, EMBEDDED_TRITON.split(".")))
+
+
+def test_the_images_python_is_one_every_serving_pin_installs_on():
+    """diffusers 0.42 and transformers 5.23 need Python >= 3.11: on 24.10's 3.10 the image's pip install fails."""
+    import importlib.metadata as md
+
+    from packaging.specifiers import SpecifierSet
+
+    _, python = NGC_TRITON[_base_release()]
+    for name, version in _pins(REPO_ROOT / "requirements-serve.txt").items():
+        assert md.version(name) == version, f"{name}: the metadata read is not the pinned release's"
+        needs = md.metadata(name).get("Requires-Python")
+        assert not needs or SpecifierSet(needs).contains(python + ".0"), \
+            f"{name}=={version} needs Python {needs}; the image has {python}"
 
 
 def test_serves_the_gpu_rendering_of_the_same_repository(tmp_path):
@@ -158,5 +183,6 @@ def test_the_images_torch_satisfies_what_its_packages_require():
     for name in _pins(REPO_ROOT / "requirements-serve.txt"):
         for text in md.requires(name) or []:
             req = Requirement(text)
-            if _norm(req.name) == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            if _norm(req.name) == "torch" and (req.marker is None or any(  # its torch extra: what it checks at
+                    req.marker.evaluate({"extra": e}) for e in ("", "torch"))):  # import (transformers: >= 2.6)
                 assert req.specifier.contains(torch), f"{name} requires {req}; the image pins torch {torch}"
