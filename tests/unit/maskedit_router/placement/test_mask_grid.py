@@ -92,8 +92,13 @@ def test_a_mask_sent_again_is_not_decoded_again(monkeypatch):
     assert len(decoded) == 1 and ratios.hits == 1
     assert _extract(template, png(b)).mask_ratio == 0.5 and len(decoded) == 2
     assert ratios(png(a), 1024, None) == real(png(a), 1024, None) and decoded[-1] == (1024, None)  # its own grid
+    n = len(decoded)
+    ratios(png(b), 512, None)  # seen: now the most recently used of the two kept
+    assert len(decoded) == n
     assert ratios(png(a), 512, 4) == real(png(a), 512, 4) and decoded[-1] == (512, 4)
-    assert len(ratios._got) == 2  # the least recently used went
+    assert len(ratios._got) == 2  # the least recently used went: a at 1024, not b, which was just read
+    ratios(png(b), 512, None)
+    assert len(decoded) == n + 1
 
 
 def test_an_unreadable_mask_is_priced_whole_and_not_remembered():
