@@ -7,8 +7,8 @@
 FROM nvcr.io/nvidia/tritonserver:24.12-py3
 
 WORKDIR /opt/maskedit
-# CUDA 12.6 build of torch, the container's CUDA (12.6.3) (the CPU pin in requirements.txt is for dev/CI); installed first, at a
-# version every serving pin accepts (cache-dit needs >= 2.7.1), so requirements-serve.txt does not replace it.
+# CUDA 12.6 build of torch, for the container's CUDA 12.6.3 (the CPU pin in requirements.txt is for dev/CI); installed
+# first, at a version every serving pin accepts (cache-dit needs >= 2.7.1), so requirements-serve.txt keeps it.
 RUN pip install --no-cache-dir torch==2.9.1 --index-url https://download.pytorch.org/whl/cu126
 COPY requirements-serve.txt ./
 RUN pip install --no-cache-dir -r requirements-serve.txt

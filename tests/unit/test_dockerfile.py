@@ -164,8 +164,9 @@ def test_the_image_installs_every_module_the_served_code_imports():
     activation cache's xxhash, the canny preprocessor's cv2 and the TaylorSeer state's cache-dit once did)."""
     import importlib.metadata as md
 
-    serve_lines = [line.split("#")[0].strip() for line in (REPO_ROOT / "requirements-serve.txt").read_text().splitlines()]
-    installed = _closure({line.split("==")[0] for line in serve_lines if "==" in line} | {"torch"})
+    serve = (REPO_ROOT / "requirements-serve.txt").read_text().splitlines()
+    lines = [line.split("#")[0].strip() for line in serve]
+    installed = _closure({line.split("==")[0] for line in lines if "==" in line} | {"torch"})
     dists = md.packages_distributions()
     missing = {module: where for module, where in _served_imports().items()
                if module not in PROVIDED and not {_norm(d) for d in dists.get(module, [module])} & installed}

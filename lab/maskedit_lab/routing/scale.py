@@ -16,9 +16,10 @@ emulated Triton instances (``triton_emulator``: the real protocol, step times fr
    passes ``--added-p99-ms`` (5 ms); the summary names the highest rate within it. The load generator's lateness
    (send time past schedule) is recorded on both paths: a rate where it lags is not the router's figure.
    Each emulated result carries an IMAGE of ``--answer-bytes`` (default: the template's size, as a real
-   instance's edited PNG; the router relays it). ``--masks`` (both parts): ``sent-once`` (default), every request's mask bytes its own, so the router decodes
-   every mask; ``pooled``, 48 masks sent again, as a template's edits resend its mask (the router's mask memory,
-   ``features.MaskRatios``, answers those without a decode).
+   instance's edited PNG; the router relays it). ``--masks`` (both parts): ``sent-once`` (default), every
+   request's mask bytes its own, so the router decodes every mask; ``pooled``, 48 masks sent again, as a
+   template's edits resend its mask (the router's mask memory, ``features.MaskRatios``, answers those without a
+   decode).
 2. **Policies through the real router** (``--compare-workers``, 32): the simulator's workload (a window of the
    GenTD26 trace: arrivals, steps, LoRA adapters; production mask ratios; templates per checkpoint, which the
    served ensemble does not see as checkpoints) at loads 0.8 and 0.95 for predicted, chwbl, p2c and weighted,
