@@ -754,7 +754,8 @@ FIELDS = {  # what the overhead rows' columns mean, written into every result
     "direct_added_ms_p50/p99": "the same, for the same requests on the same schedule sent straight to the emulated "
                                "instances (round-robin over their addresses) while the router ran idle",
     "router_hop_ms_p50/p99": HOP_DEFINITION,
-    "within_target": "router_hop_ms_p99 <= added_p99_target_ms, no errors on either path (the issue's target)",
+    "within_target": "0 <= router_hop_ms_p99 <= added_p99_target_ms, no errors on either path (the issue's "
+                     "target; a negative hop P99 is the direct path's tail swamping the measurement: unresolved)",
     "within_target_added": "the earlier rule, for continuity: added_ms_p99 <= added_p99_target_ms",
     "router_cpu_ms_per_request_gross": "the router's CPU over the routed blocks per answered request, idle work "
                                        "included (the honest figure)",

@@ -79,6 +79,7 @@ def test_the_target_is_judged_on_the_hop_and_the_old_rule_is_kept_beside_it():
     assert not within_target(_row(direct_errors=1), 5.0)
     assert not within_target(_row(errors=2), 5.0)
     assert not within_target(_row(router_hop_ms_p99=None), 5.0)
+    assert not within_target(_row(router_hop_ms_p99=-1.9), 5.0)  # the direct tail swamped it: unresolved
 
 
 def test_the_summary_names_the_highest_rate_within_target_on_the_hop_per_instance_count():
