@@ -157,15 +157,15 @@ class DenoiseEngine:
         """Work a subclass runs on the loop thread before each step (a benchmark baseline); True if it ran any."""
         return False
 
-    def _schedule(self) -> list[DenoiseJob]:
+    def _schedule(self, gave_up: set[int] = frozenset()) -> list[DenoiseJob]:
         """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
-        Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state."""
+        Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state.
+        ``gave_up``: ids of waiting requests whose clients cancelled while their adapters loaded."""
         # Adapters: a failed load fails its request alone; a request still loading waits unseen by the scheduler;
         # under early start, admitted requests whose adapters arrived carry them from this step on.
         bad = [(j, self.runner.adapter_failure(j)) for j in self._waiting]
         bad = [(j, e) for j, e in bad if e is not None] + \
-            [(j, Cancelled("request was cancelled by the client")) for j in self._waiting
-             if self.runner.adapters_pending(j) and j.is_cancelled()]  # it may wait long: checked while it does
+            [(j, Cancelled("request was cancelled by the client")) for j in self._waiting if id(j) in gave_up]
         for job, err in self.runner.patch_adapters(self._running):  # loads that failed after they started
             self._running = [j for j in self._running if j is not job]
             self.runner.release(job, ok=False)
@@ -246,7 +246,11 @@ class DenoiseEngine:
         # Per-request set-up and callbacks inside this iteration are not machinery: subtracted below.
         p0, c0 = self.prepare_s, self.callback_s
         with self._cv:
-            batch = list(self._running) if self._stopping else self._schedule()
+            pending = [j for j in self._waiting if self.runner.adapters_pending(j)]
+        # asked outside the lock, as _drop_cancelled does: a check that stalls must not hold up submit()
+        gave_up = {id(j) for j in pending if j.is_cancelled()}  # it may wait long for its adapters: asked while it does
+        with self._cv:
+            batch = list(self._running) if self._stopping else self._schedule(gave_up)
         batch = self._drop_overdue(self._drop_cancelled(batch))
         with self._cv:  # a shutdown while the checks ran (outside the lock) has failed what it found running
             batch = [j for j in batch if j in self._running]
@@ -339,7 +343,6 @@ class DenoiseEngine:
         with self._cv:
             running = list(self._running)
         # asked outside the lock: a check that stalls (a cancel marker on a slow disk) must not hold up submit()
-        # (a waiting request whose adapters are loading is still asked under it, in _schedule)
         cancelled = [j for j in running if j.is_cancelled()]
         if cancelled:
             self._retire(cancelled, error=Cancelled("request was cancelled by the client"))

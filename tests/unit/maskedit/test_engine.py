@@ -124,6 +124,37 @@ def test_a_slow_cancel_check_does_not_hold_up_submit(runner, inputs):
         engine.shutdown()
 
 
+def test_a_slow_cancel_check_of_a_request_waiting_for_its_adapters_does_not_hold_up_submit(runner, inputs,
+                                                                                          monkeypatch):
+    """A request whose adapters are still loading is asked each step whether its client gave up, also outside the
+    lock: a check that stalls delays the loop, not submit() and stats(); the request then ends cancelled, alone."""
+    gate, asked = threading.Event(), threading.Event()
+
+    def slow():
+        asked.set()
+        return gate.wait(30)  # the client gave up meanwhile
+
+    engine = DenoiseEngine(runner, max_batch=2, max_queue=4)
+    try:
+        loading, blocker, other = Outcome(), Outcome(), Outcome()
+        waiting = loading.job(inputs, is_cancelled=slow)
+        monkeypatch.setattr(runner, "adapters_pending", lambda j: j is waiting)
+        engine.submit(waiting)  # unseen by the scheduler: the loop sleeps until there is work
+        engine.submit(blocker.job(inputs))
+        assert asked.wait(30)  # the loop is inside the check
+        t0 = time.monotonic()
+        engine.submit(other.job(inputs))
+        engine.stats()
+        assert time.monotonic() - t0 < 5, "submit waited for the cancel check"
+        gate.set()
+        assert all(o.event.wait(60) for o in (loading, blocker, other))
+        assert isinstance(loading.error, Cancelled) and blocker.error is None and other.error is None
+        assert [o.ends for o in (loading, blocker, other)] == [1, 1, 1]
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
 def test_bad_job_fails_alone(runner, inputs):
     from dataclasses import replace
 
