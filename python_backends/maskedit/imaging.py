@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFilter
 
+from maskedit_common import mask_pixels  # shared with the router
 from maskedit_common.wire import maybe_base64  # shared with the router
 
 from .errors import InvalidInput
@@ -50,18 +51,13 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
 
 
 def binary_mask(mask: Image.Image, size: tuple[int, int], threshold: int) -> np.ndarray:
-    """Grayscale-threshold ``mask`` (white = edit) and bring it to ``size`` (w, h) of the template.
+    """Grayscale-threshold ``mask`` (white = edit, a transparent pixel never: ``maskedit_common.mask_pixels``) and
+    bring it to ``size`` (w, h) of the template.
 
     A mask of another size is resized (nearest) when its aspect ratio matches the template's; a mask of
     a different shape is an error because stretching it would move the edit.
     """
-    if mask.mode in ("RGBA", "LA") or "transparency" in mask.info:
-        # Transparent pixels are "not edited" whatever their colour.
-        rgba = mask.convert("RGBA")
-        gray = np.asarray(rgba.convert("L"), dtype=np.uint8) * (np.asarray(rgba)[..., 3] > 0)
-    else:
-        gray = np.asarray(mask.convert("L"), dtype=np.uint8)
-    binary = (gray >= threshold).astype(np.uint8) * 255
+    binary = mask_pixels.edited(mask, threshold).astype(np.uint8) * 255  # the router reads masks by this rule too
     if mask.size != size:
         mw, mh = mask.size
         tw, th = size
