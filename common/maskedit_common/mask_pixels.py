@@ -17,8 +17,8 @@ def has_transparency(mask) -> bool:
 
 
 def edited(mask, threshold: int = DEFAULT_THRESHOLD) -> np.ndarray:
-    """(h, w) bool array of a Pillow image: True where it edits. A numpy comparison, not Pillow's point table:
-    ~3x cheaper on a 512² mask, and the router reads every mask it has not seen."""
+    """(h, w) bool array of a Pillow image: True where it edits. A numpy comparison: Pillow's point table was the
+    slower of the two when tried on the router's masks, and the router reads every mask it has not seen."""
     if has_transparency(mask):
         rgba = mask.convert("RGBA")
         gray = np.asarray(rgba.convert("L")) * (np.asarray(rgba)[..., 3] > 0)  # transparent: gray 0, whatever colour
