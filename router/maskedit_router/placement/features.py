@@ -75,19 +75,16 @@ def grid_tokens(resolution: int) -> int:
     return (resolution // TOKEN_PX) ** 2
 
 
-Box = tuple[int, int, int, int]
-
-
-def crop_box(bbox: Box | None, size: tuple[int, int], pad: int) -> Box | None:
-    """PADDING_MASK_CROP's crop (x1, y1, x2, y2) of a mask of ``size`` (w, h) whose edited pixels span ``bbox``
-    (Pillow's ``getbbox``: x1, y1, x2, y2, ends exclusive): that box ``pad`` pixels wider, then widened to the
-    image's aspect ratio, as the stock pipelines' ``get_crop_region`` (whose model size keeps that aspect here).
-    None for an empty mask (nothing to crop around)."""
-    if bbox is None:
+def crop_box(binary: np.ndarray, pad: int) -> tuple[int, int, int, int] | None:
+    """PADDING_MASK_CROP's crop (x1, y1, x2, y2) of a mask (True = edit): its bounding box ``pad`` pixels wider, then
+    widened to the image's aspect ratio, as the stock pipelines' ``get_crop_region`` (whose model size keeps that
+    aspect here). None for an empty mask (nothing to crop around)."""
+    ys, xs = np.nonzero(binary)
+    if ys.size == 0:
         return None
-    w, h = size
-    x1, y1 = max(bbox[0] - pad, 0), max(bbox[1] - pad, 0)
-    x2, y2 = min(bbox[2] + pad, w), min(bbox[3] + pad, h)
+    h, w = binary.shape
+    x1, y1 = max(int(xs.min()) - pad, 0), max(int(ys.min()) - pad, 0)
+    x2, y2 = min(int(xs.max()) + 1 + pad, w), min(int(ys.max()) + 1 + pad, h)
     if (x2 - x1) / (y2 - y1) > w / h:  # too wide for the image's aspect: taller, centred, kept inside it
         y1, y2 = _widen(y1, y2, int((x2 - x1) * h / w), h)
     else:
@@ -117,7 +114,7 @@ def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> 
 
     raw, _ = maybe_base64(mask)
     binary = edited(Image.open(io.BytesIO(raw)))  # by the backend's rule
-    box = crop_box(_span(binary), (binary.shape[1], binary.shape[0]), pad) if pad is not None else None
+    box = crop_box(binary, pad) if pad is not None else None
     if box is not None:
         x1, y1, x2, y2 = box
         binary = binary[y1:y2, x1:x2]
@@ -129,14 +126,6 @@ def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> 
     if k * gw == w and k * gh == h and k <= ANY_CELL_MAX:  # whole square cells: reduce is BOX's answer, 2-3x faster
         return np.asarray(layer.reduce(k)).reshape(-1) > 0
     return np.asarray(layer.resize((gw, gh), Image.BOX)).reshape(-1) > 0
-
-
-def _span(binary: np.ndarray) -> Box | None:
-    """The True pixels' bounding box (x1, y1, x2, y2, ends exclusive, as Pillow's ``getbbox``); None if none."""
-    ys, xs = np.nonzero(binary)
-    if ys.size == 0:
-        return None
-    return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
 
 
 def mask_ratio(mask: bytes, resolution: int = 1024, pad: int | None = None) -> tuple[float, int]:

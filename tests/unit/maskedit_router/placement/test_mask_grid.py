@@ -13,9 +13,7 @@ from tests.conftest import png
 def _box_grid(mask: np.ndarray, resolution: int, pad=None) -> np.ndarray:
     """The grid as the router read it before: threshold, crop, BOX resize of the 0/255 image."""
     binary = mask >= 128
-    ys, xs = np.nonzero(binary)  # the edited pixels' span, from the array (the router asks Pillow's getbbox)
-    bbox = (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1) if ys.size else None
-    box = features.crop_box(bbox, (binary.shape[1], binary.shape[0]), pad) if pad is not None else None
+    box = features.crop_box(binary, pad) if pad is not None else None
     if box is not None:
         x1, y1, x2, y2 = box
         binary = binary[y1:y2, x1:x2]
