@@ -39,6 +39,8 @@ class DenoiseEngine:
         self.tokens_seen = completion.Ema(clamp=float("inf"))  # tokens per step of the requests it admitted
         self._waiting: list[DenoiseJob] = []
         self._running: list[DenoiseJob] = []
+        # admitted, being prepared by the loop outside the lock (``_prepare``): in neither list above until then
+        self._admitting: list[DenoiseJob] = []
         self._cv = threading.Condition()
         self._stopping = False
         self.steps_run = 0
@@ -119,13 +121,15 @@ class DenoiseEngine:
             return
         row = lambda j: (j.steps - j.step_index, j.tokens or 0, j.inputs.answer_by or float("inf"))  # noqa: E731
         m = self.scheduler.model
-        self.on_backlog(completion.Backlog([row(j) for j in self._running], [row(j) for j in self._waiting], m.fixed_s,
-                                m.per_token_s, self.tokens_seen.get()))
+        self.on_backlog(completion.Backlog([row(j) for j in self._running + self._admitting],
+                                           [row(j) for j in self._waiting], m.fixed_s, m.per_token_s,
+                                           self.tokens_seen.get()))
 
     def stats(self) -> dict:
         with self._cv:
             n = max(1, self.steps_run)
-            return {"waiting": len(self._waiting), "running": len(self._running), "steps_run": self.steps_run,
+            return {"waiting": len(self._waiting), "running": len(self._running) + len(self._admitting),
+                    "steps_run": self.steps_run,
                     "loading_adapters": sum(1 for j in self._waiting if self.runner.adapters_pending(j)),
                     "paused": sum(1 for j in self._running if j.idle_steps > 0),
                     "step_overhead_ms": 1000 * self.overhead_s / n, "prepare_ms_per_step": 1000 * self.prepare_s / n,
@@ -142,8 +146,10 @@ class DenoiseEngine:
         self._thread.join(timeout)
         with self._cv:
             running, self._running = list(self._running), []
+            admitting, self._admitting = list(self._admitting), []  # the loop releases any it prepares
         for job in running:
             self.runner.release(job, ok=False)
+        for job in running + admitting:
             _fail(job, Unavailable("server shut down before the request finished"))
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -157,10 +163,11 @@ class DenoiseEngine:
         """Work a subclass runs on the loop thread before each step (a benchmark baseline); True if it ran any."""
         return False
 
-    def _schedule(self, gave_up: set[int] = frozenset()) -> list[DenoiseJob]:
-        """Apply the scheduler's decision for this step: reject, admit (prepare) and return the jobs to advance.
-        Admitted jobs it leaves out are paused (``priority`` preempts at step boundaries); they keep their state.
-        ``gave_up``: ids of waiting requests whose clients cancelled while their adapters loaded."""
+    def _schedule(self, gave_up: set[int] = frozenset()) -> tuple[list[DenoiseJob], list[DenoiseJob]]:
+        """Apply the scheduler's decision for this step: reject, and admit (into ``_admitting``, for ``_prepare``).
+        Returns (the jobs to advance, the admitted ones). Admitted jobs it leaves out are paused
+        (``priority`` preempts at step boundaries); they keep their state. ``gave_up``: ids of waiting requests whose
+        clients cancelled while their adapters loaded. Called holding the lock."""
         # Adapters: a failed load fails its request alone; a request still loading waits unseen by the scheduler;
         # under early start, admitted requests whose adapters arrived carry them from this step on.
         bad = [(j, self.runner.adapter_failure(j)) for j in self._waiting]
@@ -181,24 +188,44 @@ class DenoiseEngine:
         self._published()
         for job, err in out.rejected + bad:
             _fail(job, err)
-        failed = set()
         for job in out.admitted:
             self.fair.started(job, self._waiting)
             self.tokens_seen.observe(job.tokens or 0)
+        self._admitting = list(out.admitted)
+        for job in self._waiting + out.paused:  # waiting and paused requests age (bounded waiting)
+            job.idle_steps += 1
+        return list(out.step), list(out.admitted)
+
+    def _prepare(self, batch: list[DenoiseJob], admitted: list[DenoiseJob]) -> list[DenoiseJob]:
+        """Prepare the admitted jobs (tensors to the device, adapters and ControlNets in, the cache's admit: a disk
+        read can take a while) without holding the lock, so submit() and stats() do not wait for it; each joins the
+        running batch when ready. Returns ``batch`` less those that failed, or that shutdown or a loop failure
+        ended meanwhile."""
+        failed = set()
+        for job in admitted:
+            with self._cv:
+                if not any(job is j for j in self._admitting):  # shutdown ended it before its turn
+                    failed.add(id(job))
+                    continue
             t = time.perf_counter()
             try:
                 self.runner.prepare(job)
-                self.prepare_s += time.perf_counter() - t
+                err = None
             except Exception as e:  # bad tensors fail this request only
                 log.warning("could not prepare request %s: %s", job.id, e)
-                self.runner.release(job, ok=False)
-                _fail(job, e)
-                failed.add(id(job))
-                continue
-            self._running.append(job)
-        batch = [j for j in out.step if id(j) not in failed]
-        for job in self._waiting + out.paused:  # waiting and paused requests age (bounded waiting)
-            job.idle_steps += 1
+                err = e
+            self.prepare_s += time.perf_counter() - t
+            with self._cv:
+                ours = any(job is j for j in self._admitting)  # else shutdown or _fail_all has ended it
+                self._admitting = [j for j in self._admitting if j is not job]
+                if ours and err is None:
+                    self._running.append(job)
+                    continue
+            failed.add(id(job))
+            self.runner.release(job, ok=False)
+            if ours:
+                _fail(job, err)
+        batch = [j for j in batch if id(j) not in failed]
         for job in batch:
             job.idle_steps = 0
         self.max_running = max(self.max_running, len(batch))
@@ -228,8 +255,14 @@ class DenoiseEngine:
             else:
                 waiting = []
             running = list(self._running)
+            admitting, self._admitting = list(self._admitting), []  # admitted, not yet running when it raised
         self._retire(running, error=err)
-        for job in waiting:
+        for job in admitting:
+            try:
+                self.runner.release(job, ok=False)
+            except Exception:
+                log.exception("releasing request %s failed", job.id)
+        for job in waiting + admitting:
             _fail(job, err)
 
     def _iterate(self) -> bool:
@@ -250,7 +283,8 @@ class DenoiseEngine:
         # asked outside the lock, as _drop_cancelled does: a check that stalls must not hold up submit()
         gave_up = {id(j) for j in pending if j.is_cancelled()}  # it may wait long for its adapters: asked while it does
         with self._cv:
-            batch = list(self._running) if self._stopping else self._schedule(gave_up)
+            batch, admitted = (list(self._running), []) if self._stopping else self._schedule(gave_up)
+        batch = self._prepare(batch, admitted)
         batch = self._drop_overdue(self._drop_cancelled(batch))
         with self._cv:  # a shutdown while the checks ran (outside the lock) has failed what it found running
             batch = [j for j in batch if j in self._running]

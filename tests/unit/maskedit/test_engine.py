@@ -155,6 +155,65 @@ def test_a_slow_cancel_check_of_a_request_waiting_for_its_adapters_does_not_hold
         engine.shutdown()
 
 
+def test_a_slow_prepare_does_not_hold_up_submit_or_stats(runner, inputs, monkeypatch):
+    """An admitted request is prepared (tensors to the device, adapters and ControlNets in, the cache's admit, which
+    may read the disk tier) without the engine's lock: a prepare that stalls delays the loop, not the callers
+    submitting or reading stats; the request counts as running meanwhile, and both end normally."""
+    gate, inside = threading.Event(), threading.Event()
+    prepare = runner.prepare
+
+    def slow(job):
+        inside.set()
+        gate.wait(30)
+        prepare(job)
+
+    monkeypatch.setattr(runner, "prepare", slow)
+    engine = DenoiseEngine(runner, max_batch=1, max_queue=4)
+    try:
+        first, other = Outcome(), Outcome()
+        engine.submit(first.job(inputs))
+        assert inside.wait(30)  # the loop is inside the prepare
+        t0 = time.monotonic()
+        engine.submit(other.job(inputs))
+        stats = engine.stats()
+        assert time.monotonic() - t0 < 5, "submit or stats waited for the prepare"
+        assert (stats["running"], stats["waiting"]) == (1, 1)
+        gate.set()
+        assert first.event.wait(60) and other.event.wait(60) and first.error is None and other.error is None
+        assert [first.ends, other.ends] == [1, 1]
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
+def test_shutdown_during_a_slow_prepare_ends_the_request_once(runner, inputs, monkeypatch):
+    """Shutdown gives up waiting for the loop while it prepares a request: that request ends UNAVAILABLE at once,
+    and when its prepare ends later it is released, never run and never answered twice."""
+    gate, inside = threading.Event(), threading.Event()
+    prepare, released = runner.prepare, []
+    release = runner.release
+
+    def slow(job):
+        inside.set()
+        gate.wait(30)
+        prepare(job)
+
+    monkeypatch.setattr(runner, "prepare", slow)
+    monkeypatch.setattr(runner, "release", lambda job, ok: (released.append((job, ok)), release(job, ok)))
+    engine = DenoiseEngine(runner, max_batch=1)
+    o = Outcome()
+    job = o.job(inputs)
+    engine.submit(job)
+    assert inside.wait(30)
+    engine.shutdown(timeout=0.2)
+    assert o.event.wait(5) and isinstance(o.error, Unavailable) and "shut down" in str(o.error)
+    gate.set()
+    engine._thread.join(30)
+    assert not engine._thread.is_alive()
+    assert o.ends == 1 and job.step_index == 0
+    assert [(j is job, ok) for j, ok in released] == [(True, False)]
+
+
 def test_bad_job_fails_alone(runner, inputs):
     from dataclasses import replace
 
