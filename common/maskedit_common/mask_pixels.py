@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-DEFAULT_THRESHOLD = 128  # MASKEDIT_MASK_THRESHOLD's default; the router reads masks by it
+DEFAULT_THRESHOLD = 128  # MASKEDIT_MASK_THRESHOLD's default
 
 
 def has_transparency(mask) -> bool:

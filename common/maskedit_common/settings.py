@@ -322,7 +322,7 @@ VARIABLES: tuple[Var, ...] = (
         "header before decoding)", "4096² (16777216)"),
     Var("MASKEDIT_FEATHER_PX", "feather_px", int, "soft edge of the compositing mask, in template pixels"),
     Var("MASKEDIT_MASK_THRESHOLD", "mask_threshold", int, "mask pixels at or above this gray level (0-255) are "
-        "edited"),
+        "edited; the router reads masks by it too, to price the region the backends edit (give both the same)"),
     # the activation cache
     Var("MASKEDIT_CACHE", "cache.policy", str, "cache policy: `planner` plans full / Y / KV per block, `planner_y` "
         "full / Y, `off` caches nothing", choices=CACHE_POLICIES),

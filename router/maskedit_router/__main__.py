@@ -34,6 +34,7 @@ from .frontends.kserve_http import KServeHttp
 from .frontends.openai_api import OpenAIServer
 from .gateway.picker import PICKER_LIMITS, EndpointPicker, serve_picker
 from .placement import policies
+from .placement.features import MASK_RATIOS
 from .proxy import discovery
 from .proxy.admission import AdmissionWatcher
 from .proxy.aio import AioServer, RouterService
@@ -66,7 +67,7 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
           admission_wait_s: float = 0.6, retry_budget_s: float = 30.0, load_factor: float = 1.25,
           vnodes: int = 100, weights: dict | None = None, mem_templates: int = 16, disk_templates: int = 64,
           lora_load_ms: float = policies.LORA_LOAD_MS, max_inflight: int = 256, max_inflight_per_backend: int = 32,
-          backend_key: str | None = None):
+          backend_key: str | None = None, mask_threshold: int | None = None):
     """A router over ``addrs``. The cost model is the served model's calibration profile; ``resolution`` (the
     model's working resolution, default: the profiled model's settings, else Flux's 1024) sets the token grid
     masks are measured on; ``admission_wait_s`` is the longest an edit may wait in front of a backend's admission
@@ -76,12 +77,15 @@ def build(addrs, policy="predicted", profile: Path | None = None, resolution: in
     capacities in entries, which the router's shadow of each store uses; ``lora_load_ms`` the cold load of one LoRA
     adapter a backend was not recently routed; ``max_inflight`` / ``max_inflight_per_backend`` bound the requests in
     flight (more are refused with RESOURCE_EXHAUSTED); ``backend_key`` the key every call to a backend carries
-    (``backend_guard``)."""
+    (``backend_guard``); ``mask_threshold`` the gray level masks are read as edited from (default: the settings'
+    ``MASKEDIT_MASK_THRESHOLD``, as the backends read theirs: both must agree for the router to price the region
+    they edit)."""
     path = profile or default_profile()
     cost = CostModel.load_file(path) if Path(path).exists() else CostModel.fallback()
     if resolution is None:
         resolution = cost.meta.get("resolution") or _profiled_resolution(cost.meta.get("model_dir")) or 1024
     est = policies.Estimator(cost, lora_load_ms=lora_load_ms)
+    MASK_RATIOS.threshold = load_settings().mask_threshold if mask_threshold is None else mask_threshold
     router = Router(addrs, policies.make(policy, est, load_factor=load_factor, vnodes=vnodes, weights=weights), est,
                     resolution=resolution, admission_wait_s=admission_wait_s, retry_budget_s=retry_budget_s,
                     max_inflight=max_inflight, max_inflight_per_backend=max_inflight_per_backend,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from maskedit_common.mask_pixels import DEFAULT_THRESHOLD
+
 TOKEN_PX = 16  # Flux: one image token per 16x16 pixels
 # Cells up to this side: the rounded mean of a 0/255 cell is > 0 iff one pixel is 255 (255 / 22² >= 0.5), so a box
 # average at whole cells (Image.reduce) and BOX resize agree exactly: any edited pixel marks its token
@@ -102,9 +104,10 @@ def _widen(lo: int, hi: int, want: int, limit: int) -> tuple[int, int]:
     return lo, hi
 
 
-def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> np.ndarray:
-    """Edited tokens of an encoded mask (the backend's rule, ``maskedit_common.mask_pixels``: gray 128 or above,
-    never a transparent pixel) on a grid like the model's, flattened row-major as the model orders image tokens: a
+def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None,
+                threshold: int = DEFAULT_THRESHOLD) -> np.ndarray:
+    """Edited tokens of an encoded mask (the backend's rule, ``maskedit_common.mask_pixels``: gray ``threshold``
+    or above, never a transparent pixel) on a grid like the model's, flattened row-major as the model orders image tokens: a
     token counts if any pixel of its cell is edited. ``pad`` (PADDING_MASK_CROP): the grid is the crop's, which the
     model edits at its full size."""
     from PIL import Image
@@ -113,7 +116,7 @@ def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> 
     from maskedit_common.wire import maybe_base64
 
     raw, _ = maybe_base64(mask)
-    binary = edited(Image.open(io.BytesIO(raw)))  # by the backend's rule
+    binary = edited(Image.open(io.BytesIO(raw)), threshold)  # by the backend's rule
     box = crop_box(binary, pad) if pad is not None else None
     if box is not None:
         x1, y1, x2, y2 = box
@@ -128,9 +131,10 @@ def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None) -> 
     return np.asarray(layer.resize((gw, gh), Image.BOX)).reshape(-1) > 0
 
 
-def mask_ratio(mask: bytes, resolution: int = 1024, pad: int | None = None) -> tuple[float, int]:
+def mask_ratio(mask: bytes, resolution: int = 1024, pad: int | None = None,
+               threshold: int = DEFAULT_THRESHOLD) -> tuple[float, int]:
     """(fraction of image tokens the mask touches, image tokens) on the grid of ``mask_tokens``."""
-    t = mask_tokens(mask, resolution, pad)
+    t = mask_tokens(mask, resolution, pad, threshold)
     return float(t.mean()), int(t.size)
 
 
@@ -138,16 +142,19 @@ class MaskRatios:
     """``mask_ratio`` remembered by the mask's bytes (xxh3-128 of them, with the grid's settings), least recently
     used out: edits of one template tend to send its mask again (the face or garment region), and decoding it is
     most of what reading a request costs the router (the grid 0.82 of 1.05 ms for a 512² PNG; hashing it, ~1 us). A
-    colliding digest would only misprice one request, not misroute its bytes."""
+    colliding digest would only misprice one request, not misroute its bytes. ``threshold``: the gray level the
+    backends edit from (``MASKEDIT_MASK_THRESHOLD``; the router's ``build`` sets it from the same settings)."""
 
-    def __init__(self, size: int = 16384):
+    def __init__(self, size: int = 16384, threshold: int = DEFAULT_THRESHOLD):
         self.size = size
+        self.threshold = threshold
         self._got: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # the router's worker threads read requests concurrently
         self.hits = self.misses = 0
 
     def __call__(self, mask: bytes, resolution: int, pad: int | None) -> tuple[float, int]:
-        key = (xxhash.xxh3_128_digest(mask), resolution, pad)
+        threshold = self.threshold
+        key = (xxhash.xxh3_128_digest(mask), resolution, pad, threshold)
         with self._lock:
             got = self._got.get(key)
             if got is not None:
@@ -155,7 +162,7 @@ class MaskRatios:
                 self.hits += 1
                 return got
             self.misses += 1
-        got = mask_ratio(mask, resolution, pad)  # unreadable: raises, and nothing is remembered
+        got = mask_ratio(mask, resolution, pad, threshold)  # unreadable: raises, and nothing is remembered
         with self._lock:
             self._got[key] = got
             while len(self._got) > self.size:

@@ -83,7 +83,7 @@ def test_a_mask_sent_again_is_not_decoded_again(monkeypatch):
     monkeypatch.setattr(features, "MASK_RATIOS", ratios)
     decoded = []
     real = features.mask_ratio
-    monkeypatch.setattr(features, "mask_ratio", lambda *a: decoded.append(a[1:]) or real(*a))
+    monkeypatch.setattr(features, "mask_ratio", lambda *a: decoded.append(a[1:3]) or real(*a))
     a, b = np.zeros((64, 64), np.uint8), np.zeros((64, 64), np.uint8)
     a[:16, :16], b[:32] = 255, 255
     template = png(np.full((64, 64, 3), 90, np.uint8))
@@ -108,3 +108,23 @@ def test_an_unreadable_mask_is_priced_whole_and_not_remembered():
     assert not ratios._got and ratios.misses == 1
     f = _extract(png(np.full((64, 64, 3), 90, np.uint8)), b"not a png")
     assert f.mask_ratio == 1.0 and f.tokens == features.grid_tokens(512)
+
+
+def test_masks_are_read_at_the_backends_threshold(monkeypatch):
+    """A deployment that moves MASKEDIT_MASK_THRESHOLD moves it for the router too (``build`` reads the same
+    settings): a mask of gray 100 is no edit at the default 128 and a whole edit at 64, and a ratio remembered at
+    one threshold is not reused at another."""
+    from maskedit_router.__main__ import build
+
+    m = png(np.full((64, 64), 100, np.uint8))
+    ratios = features.MaskRatios()
+    monkeypatch.setattr(features, "MASK_RATIOS", ratios)
+    assert ratios(m, 512, None)[0] == 0.0
+    ratios.threshold = 64
+    assert ratios(m, 512, None)[0] == 1.0 and ratios.misses == 2
+    monkeypatch.setenv("MASKEDIT_MASK_THRESHOLD", "90")
+    monkeypatch.setattr("maskedit_router.__main__.MASK_RATIOS", ratios)
+    build(["10.0.0.1:8001"], resolution=512)
+    assert ratios.threshold == 90 and _extract(png(np.full((64, 64, 3), 90, np.uint8)), m).mask_ratio == 1.0
+    build(["10.0.0.1:8001"], resolution=512, mask_threshold=200)
+    assert ratios.threshold == 200 and ratios(m, 512, None)[0] == 0.0
