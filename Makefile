@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 FAMILY ?= flux_fill
 MODEL_DIR ?= models/tiny-$(subst _,-,$(FAMILY))
 export MASKEDIT_MODEL_DIR ?= $(abspath $(MODEL_DIR))
+# importing diffusers makes torch's inductor cache directory (/tmp/torchinductor_$USER by default): kept in build/
+export TORCHINDUCTOR_CACHE_DIR ?= $(abspath build/torchinductor)
 
 .PHONY: setup model demo serve test test-unit perf render-gpu calibrate bench-engine bench-loader bench-batching bench-temporal bench-serving bench-addons router-sim router-validate router-sensitivity router-scale router-cpu serve-cluster chaos faults overload pacing soak bench-tenants device-dry-run clean
 

@@ -84,6 +84,8 @@ def server_env(extra: dict | None = None) -> dict:
              *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p], sysconfig.get_paths()["purelib"]]
     env["MASKEDIT_PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    # importing diffusers makes torch's inductor cache directory, /tmp/torchinductor_$USER unless told: in build/
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "torchinductor"))
     env.update(extra or {})
     return env
 
