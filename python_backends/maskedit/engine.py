@@ -101,7 +101,7 @@ class DenoiseEngine:
         bound = completion.Bound(bound_s, max(0.0, now - (by - bound_s)), job.inputs.bound_source or
                                  completion.SERVER_BOUND)
         work = lambda j: self.scheduler.work(j, now)  # noqa: E731
-        return completion.refusal(self.scheduler.loop(), [work(j) for j in self._running],
+        return completion.refusal(self.scheduler.loop(), [work(j) for j in self._running + self._admitting],
                                   [work(j) for j in self._waiting if j is not displaced], work(job), bound,
                                   where="refused before denoising")
 
@@ -185,13 +185,13 @@ class DenoiseEngine:
         out = self.scheduler.select(ready, self._running)
         gone |= set(map(id, out.admitted)) | {id(j) for j, _ in out.rejected}
         self._waiting = [j for j in self._waiting if id(j) not in gone]
+        self._admitting = list(out.admitted)  # before anything that may raise: _fail_all finds them there
         self._published()
         for job, err in out.rejected + bad:
             _fail(job, err)
         for job in out.admitted:
             self.fair.started(job, self._waiting)
             self.tokens_seen.observe(job.tokens or 0)
-        self._admitting = list(out.admitted)
         for job in self._waiting + out.paused:  # waiting and paused requests age (bounded waiting)
             job.idle_steps += 1
         return list(out.step), list(out.admitted)
@@ -202,6 +202,8 @@ class DenoiseEngine:
         running batch when ready. Returns ``batch`` less those that failed, or that shutdown or a loop failure
         ended meanwhile."""
         failed = set()
+        for job in batch:  # not paused from here on (stats() may read them while a later one prepares)
+            job.idle_steps = 0
         for job in admitted:
             with self._cv:
                 if not any(job is j for j in self._admitting):  # shutdown ended it before its turn
@@ -221,13 +223,15 @@ class DenoiseEngine:
                 if ours and err is None:
                     self._running.append(job)
                     continue
+                self._publish_backlog()  # it left the board
             failed.add(id(job))
-            self.runner.release(job, ok=False)
+            try:  # as _retire: released, then answered (a failing release must not leave it unanswered)
+                self.runner.release(job, ok=False)
+            except Exception:
+                log.exception("releasing request %s failed", job.id)
             if ours:
                 _fail(job, err)
         batch = [j for j in batch if id(j) not in failed]
-        for job in batch:
-            job.idle_steps = 0
         self.max_running = max(self.max_running, len(batch))
         return batch
 

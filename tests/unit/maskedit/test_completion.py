@@ -301,6 +301,28 @@ def test_the_engine_refuses_at_submit_what_its_batch_and_queue_would_make_late(r
         eng.shutdown()
 
 
+def test_a_request_being_prepared_counts_as_work_ahead(runner, make_inputs, monkeypatch):
+    """An admitted request is prepared outside the engine's lock: a submit meanwhile still counts it ahead (and
+    the backlog pre-processing reads shows it running), as it would once it runs."""
+    one_s_a_step = StepTimeModel(fixed_s=1.0, per_token_s=0.0, alpha=0.0, slope_alpha=0.0)
+    eng = DenoiseEngine(runner, scheduler=BatchScheduler(max_batch=1, model=one_s_a_step))
+    published = []
+    eng.on_backlog = published.append
+    gate, inside, prepare = threading.Event(), threading.Event(), runner.prepare
+    monkeypatch.setattr(runner, "prepare", lambda job: (inside.set(), gate.wait(30), prepare(job)))
+    try:
+        eng.submit(DenoiseJob(make_inputs(100)))  # 100 steps (predicted 100 s), held in its prepare
+        assert inside.wait(30)
+        assert len(published[-1].running) == 1 and not published[-1].waiting
+        with pytest.raises(ResourceExhausted, match="refused before denoising"):
+            eng.submit(DenoiseJob(replace(make_inputs(4), answer_by=time.time() + 6.0, bound_s=6.0,
+                                          bound_source=SERVER_BOUND)))
+    finally:
+        gate.set()
+        eng.shutdown(timeout=0)
+        eng._thread.join(30)
+
+
 def test_an_admitted_request_that_can_no_longer_be_answered_in_time_ends_before_its_next_step(runner, make_inputs):
     """The host turned slower than predicted: a request past its bound is ended with DEADLINE_EXCEEDED (an answer
     within the bound, its place freed) instead of answered late; one without a bound runs on."""
