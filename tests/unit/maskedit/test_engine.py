@@ -155,10 +155,8 @@ def test_a_slow_cancel_check_of_a_request_waiting_for_its_adapters_does_not_hold
         engine.shutdown()
 
 
-def test_a_slow_prepare_does_not_hold_up_submit_or_stats(runner, inputs, monkeypatch):
-    """An admitted request is prepared (tensors to the device, adapters and ControlNets in, the cache's admit, which
-    may read the disk tier) without the engine's lock: a prepare that stalls delays the loop, not the callers
-    submitting or reading stats; the request counts as running meanwhile, and both end normally."""
+def _held_prepare(runner, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(gate, inside): the runner's prepare signals ``inside``, then waits for ``gate`` before preparing."""
     gate, inside = threading.Event(), threading.Event()
     prepare = runner.prepare
 
@@ -168,6 +166,14 @@ def test_a_slow_prepare_does_not_hold_up_submit_or_stats(runner, inputs, monkeyp
         prepare(job)
 
     monkeypatch.setattr(runner, "prepare", slow)
+    return gate, inside
+
+
+def test_a_slow_prepare_does_not_hold_up_submit_or_stats(runner, inputs, monkeypatch):
+    """An admitted request is prepared (tensors to the device, adapters and ControlNets in, the cache's admit, which
+    may read the disk tier) without the engine's lock: a prepare that stalls delays the loop, not the callers
+    submitting or reading stats; the request counts as running meanwhile, and both end normally."""
+    gate, inside = _held_prepare(runner, monkeypatch)
     engine = DenoiseEngine(runner, max_batch=1, max_queue=4)
     try:
         first, other = Outcome(), Outcome()
@@ -189,16 +195,8 @@ def test_a_slow_prepare_does_not_hold_up_submit_or_stats(runner, inputs, monkeyp
 def test_shutdown_during_a_slow_prepare_ends_the_request_once(runner, inputs, monkeypatch):
     """Shutdown gives up waiting for the loop while it prepares a request: that request ends UNAVAILABLE at once,
     and when its prepare ends later it is released, never run and never answered twice."""
-    gate, inside = threading.Event(), threading.Event()
-    prepare, released = runner.prepare, []
-    release = runner.release
-
-    def slow(job):
-        inside.set()
-        gate.wait(30)
-        prepare(job)
-
-    monkeypatch.setattr(runner, "prepare", slow)
+    gate, inside = _held_prepare(runner, monkeypatch)
+    released, release = [], runner.release
     monkeypatch.setattr(runner, "release", lambda job, ok: (released.append((job, ok)), release(job, ok)))
     engine = DenoiseEngine(runner, max_batch=1)
     o = Outcome()
