@@ -22,6 +22,11 @@ Attention keys keep the full sequence's order (text, noisy 0..N-1, reference 0..
 request's own mask reproduces the template run bit for bit in float32 on the CPU (tested). Packed (mixed
 resolution) calls and padded text (``encoder_hidden_states_mask``) are not supported: the family groups requests by
 resolution and text length.
+
+Temporal reuse (``maskedit.temporal``, the step context's ``temporal``): every block calls ``enter`` / ``exit`` with
+the image stream ``[noisy; reference]`` and the text, the residuals cover both (a hit's: its computed noisy tokens,
+its reference rows from its entry), and rows that skip a middle block pass it through unchanged. It applies to the
+call ``run`` wraps, the prompt's; the negative prompt's call of true classifier-free guidance runs every block.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ class QwenEditCacheHooks(TokenRowHooks):
         """The template's N latents ride along as reference tokens."""
         return int(x.latents.shape[0])
 
+    def check(self, spec) -> str | None:
+        """Why this model cannot serve temporal reuse (``maskedit.temporal.admit``): a reused step's rows take the
+        hooks' own path, which a zero_cond_t model (per-token modulation) does not take."""
+        if getattr(self.transformer.config, "zero_cond_t", False):
+            return "zero_cond_t Qwen-Image models do not serve temporal reuse yet; leave TEMPORAL out"
+        return None
+
 
 class QwenBlockHook(ModelHook):
     def __init__(self, owner: QwenEditCacheHooks, index: int):
@@ -73,8 +85,15 @@ class QwenBlockHook(ModelHook):
         ctx = self.owner.context
         if ctx is not None and ctx.on_block is not None:
             ctx.on_block(self.index)
-        if ctx is None or all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows):
-            return forward(*args, **kwargs)
+        tp = ctx.temporal if ctx is not None else None  # temporal reuse (``maskedit.temporal``)
+        if tp is not None:  # its residuals cover the image stream (noisy then reference tokens) and the text
+            tp.enter(ctx, self.index, a["hidden_states"], a["encoder_hidden_states"])
+        skip = ctx.skipped(self.index) if ctx is not None else []
+        if ctx is None or (not skip and all(r is None or (r.all_full and r.recorder is None) for r in ctx.rows)):
+            res = forward(*args, **kwargs)
+            if tp is not None:
+                tp.exit(ctx, self.index, res[1], res[0])
+            return res
         if ctx.packed:
             raise NotImplementedError("qwen_image_edit: packed (mixed-resolution) calls are not supported")
         if a.get("encoder_hidden_states_mask") is not None or a.get("modulate_index") is not None:
@@ -82,11 +101,15 @@ class QwenBlockHook(ModelHook):
         b = self.index
         hidden, enc, temb = a["hidden_states"], a["encoder_hidden_states"], a["temb"]
         n = hidden.shape[1]  # the image stream: noisy then reference tokens, the rows an entry holds
-        full_rows = [i for i, r in enumerate(ctx.rows) if r is None or r.modes[b] == FULL]
-        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows]
+        full_rows = [i for i, r in enumerate(ctx.rows) if (r is None or r.modes[b] == FULL) and i not in skip]
+        masked_rows = [i for i in range(len(ctx.rows)) if i not in full_rows and i not in skip]
         out = torch.empty_like(hidden) if full_rows else hidden  # no full rows: the input buffer becomes the output
         out_txt = torch.empty_like(enc)
         batch = hidden.shape[0]
+        for i in skip:  # a reused middle block: the row passes through (its residual is added at the last one)
+            if out is not hidden:
+                out[i] = hidden[i]
+            out_txt[i] = enc[i]
         if full_rows:
             sel = index(full_rows, hidden.device)
             with delta.owners(delta.batch_rows(full_rows, batch)):  # adapters' rows: these requests'
@@ -108,6 +131,8 @@ class QwenBlockHook(ModelHook):
             with delta.owners(delta.batch_rows([i], batch)):  # every layer below sees this one row
                 masked_row(module, b, ctx.rows[i], hidden[i:i + 1], enc[i:i + 1], temb[i:i + 1],
                            a["image_rotary_emb"], out, out_txt, i, in_place=not full_rows)
+        if tp is not None:
+            tp.exit(ctx, b, out, out_txt)
         return out_txt, out
 
 

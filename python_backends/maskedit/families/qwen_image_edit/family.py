@@ -23,6 +23,9 @@ class QwenImageEditFamily(ModelFamily):
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "qwen-edit-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py's layers run under the adapters' row owners
+    # cache.py's hooks skip a reusing row's middle blocks (``maskedit.temporal``) on the prompt's call; the negative
+    # prompt's call (true classifier-free guidance) runs every block
+    temporal_reuse: ClassVar[bool] = True
 
     def __init__(self, model_dir, pipeline_class: str = "QwenImageEditInpaintPipeline"):
         super().__init__(model_dir, pipeline_class)

@@ -88,6 +88,8 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     neg = None
     if group[0].tensors.negative_embeds is not None:  # the group shares its guidance (``group_key``)
         # The cache never serves these requests (``ModelFamily.runs_cached``): their rows are plain in ``ctx``.
+        # Outside ``run`` the hooks see no context: temporal reuse skips blocks on the prompt's call only (as FLUX.1
+        # Kontext's ``true_cfg``), this call runs every block.
         neg = call(torch.cat([j.tensors.negative_embeds for j in group], dim=0))
     for i, (job, t) in enumerate(zip(group, timesteps)):
         p = pred[i:i + 1] if neg is None else guided(pred[i:i + 1], neg[i:i + 1], job.inputs.guidance)

@@ -1,0 +1,129 @@
+"""Temporal reuse on Qwen-Image-Edit (``maskedit.temporal`` through the family's dual-stream block hooks, over the
+image stream ``[noisy; reference]`` and the text): a request alone equals stock ``QwenImageEditInpaintPipeline`` with
+Diffusers' ``apply_first_block_cache``, no reuse equals the plain path bit for bit (also with true classifier-free
+guidance, whose negative call runs every block), a plain request and a reusing one in one call equal each alone, and
+a cache hit (reference rows from its entry) reuses on the masked tokens it computes."""
+
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+from maskedit.cache.runtime import CacheRuntime
+from maskedit.cache.store import ActivationStore
+
+from .qwen_util import box_mask, job, load, params, prepared, runner, stock, template, tiny_model
+from .temporal_util import (cached_with_reuse, check_mixed_call_equals_each_alone, check_no_reuse_is_plain,
+                             denoise_with_reuse)
+
+STEPS = 6
+MASK = {"policy": "steps", "steps": [0, 1, 3]}
+PROMPT, SEED = "a red hat", 3
+THRESHOLD = 0.45  # reused and computed steps both occur on this model (asserted): CRRCRC
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    family, pipe = tiny_model(tmp_path_factory)
+    preps = {}
+
+    def jobs(n, guidance=1.0, negative_prompt=""):
+        key = (guidance, negative_prompt)
+        if key not in preps:
+            preps[key] = prepared(family, pipe, template(seed=1), box_mask(),
+                                  params(PROMPT, seed=SEED, steps=STEPS, guidance=guidance,
+                                         negative_prompt=negative_prompt))
+        prep, tokens, size = preps[key]
+        return [job(prep, tokens, size, STEPS, guidance) for _ in range(n)]
+
+    return family, pipe, jobs, tmp_path_factory.getbasetemp() / "qwen-edit-tiny"
+
+
+def run(model, policies, **kw):
+    family, pipe, jobs, _ = model
+    return denoise_with_reuse(family, runner(family, pipe), jobs(len(policies), **kw), policies)
+
+
+def test_first_block_cache_alone_equals_stock_pipeline_with_diffusers_hook(model):
+    """The stock pipeline enters ``cache_context("cond")`` around its transformer call itself."""
+    _, _, _, d = model
+    policy = {"policy": "fbcache", "threshold": THRESHOLD}
+    (ours,) = run(model, [policy])
+    steps = ours.temporal.info()["temporal_steps"]
+    assert steps == "CRRCRC", steps  # reused and computed steps both occur on this model
+    theirs = load(d)  # its own transformer: the library's hooks on it
+    apply_first_block_cache(theirs.transformer, FirstBlockCacheConfig(threshold=THRESHOLD))
+    expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent")
+    assert torch.equal(ours.latents, expected)
+    (plain,) = run(model, [None])
+    assert not torch.equal(ours.latents, plain.latents)  # the reuse changed the result
+
+
+def test_no_reuse_equals_the_plain_path_bit_for_bit(model):
+    check_no_reuse_is_plain(lambda policies: run(model, policies), STEPS)
+
+
+def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
+    check_mixed_call_equals_each_alone(lambda policies: run(model, policies), MASK, "CCRCRR")
+
+
+def test_true_cfg_reuses_on_the_prompts_call_only(model):
+    """With a negative prompt (true_cfg_scale 4) the prompt's call reuses and the negative prompt's call runs every
+    block: no reuse equals the plain guided path bit for bit; a step mask reuses its steps and changes the result."""
+    guided = dict(guidance=4.0, negative_prompt="blurry")
+    check_no_reuse_is_plain(lambda policies: run(model, policies, **guided), STEPS)
+    (plain,) = run(model, [None], **guided)
+    (reused,) = run(model, [MASK], **guided)
+    assert reused.tensors.negative_embeds is not None
+    assert reused.temporal.info()["temporal_steps"] == "CCRCRR"
+    assert torch.isfinite(reused.latents).all() and not torch.equal(reused.latents, plain.latents)
+    both = run(model, [None, MASK], **guided)
+    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+
+
+def test_a_cache_hit_reuses_on_its_masked_tokens(model, tmp_path):
+    """A hit computes its masked noisy tokens only (the reference rows come from its entry) and its residuals cover
+    those; threshold 0 equals the hit without reuse bit for bit, and a reusing hit beside a plain hit in one call
+    equals itself alone."""
+    family, pipe, jobs, _ = model
+    rt = CacheRuntime(family.cache_hooks(pipe.transformer),
+                      ActivationStore(tmp_path / "mem", tmp_path / "disk", 1 << 30, 1 << 30))
+    r = runner(family, pipe)
+
+    def cached(policies, register=False):
+        return cached_with_reuse(family, r, rt, jobs(len(policies)), policies, "qwen-t", register)
+
+    try:
+        cached([MASK], register=True)
+        (hit,), (zero,), (reused,) = cached([None]), cached([{"policy": "fbcache", "threshold": 0}]), cached([MASK])
+        assert hit.cache.status == reused.cache.status == "hit"
+        assert reused.temporal.active, reused.temporal.note
+        n_c = int(reused.inputs.token_mask.sum())
+        assert int(reused.cache.idx_c.numel()) == n_c < reused.inputs.latents.shape[0]  # reference rows cached
+        assert torch.equal(zero.latents, hit.latents)
+        assert reused.temporal.info()["temporal_steps"] == "CCRCRR" and not torch.equal(reused.latents, hit.latents)
+        both = cached([None, MASK])
+        torch.testing.assert_close(both[0].latents, hit.latents, atol=1e-5, rtol=0)
+        torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+    finally:
+        rt.close()
+
+
+def test_a_zero_cond_t_model_refuses_temporal_reuse_by_name(model, monkeypatch):
+    """Its blocks take per-token modulation, which the hooks' path for a reused step does not: refused at admission
+    naming TEMPORAL, not failed mid-batch."""
+    from types import SimpleNamespace
+
+    from maskedit import temporal
+    from maskedit.errors import InvalidInput
+
+    family, pipe, jobs, _ = model
+    hooks = family.temporal_hooks(pipe.transformer)
+    monkeypatch.setattr(hooks, "transformer", SimpleNamespace(config=SimpleNamespace(zero_cond_t=True)))
+    r = runner(family, pipe)
+    r.family = family
+    (j,) = jobs(1)
+    j.inputs.temporal, j.temporal = MASK, None
+    with pytest.raises(InvalidInput) as e:
+        temporal.admit(r, j)
+    assert e.value.field == "TEMPORAL" and "zero_cond_t" in str(e.value)
