@@ -127,3 +127,49 @@ def test_a_zero_cond_t_model_refuses_temporal_reuse_by_name(model, monkeypatch):
     with pytest.raises(InvalidInput) as e:
         temporal.admit(r, j)
     assert e.value.field == "TEMPORAL" and "zero_cond_t" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory):
+    """The tiny preset with 4 blocks: with ``fn`` 1 and ``bn`` 1 two middle blocks are skipped and the last block
+    computes on the text the reuse left (on 2 blocks the text a reused step carries is never read)."""
+    from dataclasses import replace
+
+    from maskedit.families.qwen_image_edit import QwenImageEditFamily
+    from maskedit.families.qwen_image_edit.tiny import PRESETS, build
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PRESETS, "qwen-edit-tiny", replace(PRESETS["qwen-edit-tiny"], num_layers=4))
+        d = build(tmp_path_factory.mktemp("qwen-4-blocks") / "tiny", "qwen-edit-tiny", seed=0)
+    return QwenImageEditFamily(d), d
+
+
+@pytest.mark.parametrize("bn", [0, 1])
+@pytest.mark.parametrize("order", [0, 2], ids=["step-mask", "taylorseer-2"])
+def test_dbcache_step_mask_with_last_blocks_equals_stock_pipeline_with_cache_dit(four_blocks, order, bn):
+    """A step mask with ``fn`` 1 and ``bn`` 0 or 1 (and TaylorSeer order 2) alone equals stock
+    ``QwenImageEditInpaintPipeline`` under cache-dit's ``enable_cache`` with the same DBCache settings; with ``bn`` 1
+    the image and the text residuals both reach the last block (a reused step that drops the text residual fails
+    it)."""
+    import cache_dit
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    family, d = four_blocks
+    pipe = load(d)
+    steps = [0, 1, 3]
+    policy = {"policy": "taylorseer", "order": order, "steps": steps, "fn": 1, "bn": bn} if order else \
+        {"policy": "steps", "steps": steps, "fn": 1, "bn": bn}
+    prep, tokens, size = prepared(family, pipe, template(seed=1), box_mask(), params(PROMPT, seed=SEED, steps=STEPS))
+    (ours,) = denoise_with_reuse(family, runner(family, pipe), [job(prep, tokens, size, STEPS)], [policy])
+    assert ours.temporal.info()["temporal_steps"] == "CCRCRR"
+    theirs = load(d)
+    extra = {"calibrator_config": TaylorSeerCalibratorConfig(taylorseer_order=order)} if order else {}
+    cache_dit.enable_cache(theirs, cache_config=DBCacheConfig(
+        Fn_compute_blocks=1, Bn_compute_blocks=bn, max_warmup_steps=0, residual_diff_threshold=0.0,
+        enable_separate_cfg=False,  # the adapter assumes a second (CFG) call each step; this request makes none
+        steps_computation_mask=[1 if i in steps else 0 for i in range(STEPS)], steps_computation_policy="static",
+        num_inference_steps=STEPS), **extra)
+    expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent")
+    assert torch.equal(ours.latents, expected)
+    (plain,) = denoise_with_reuse(family, runner(family, pipe), [job(prep, tokens, size, STEPS)], [None])
+    assert not torch.allclose(ours.latents, plain.latents, atol=1e-4)  # the reuse changed the result
