@@ -124,10 +124,6 @@ class Preprocessor:
         references = self._decode_references(reference_images)
         first = first_step(self.family.pipeline_class(), params.steps, params.strength)
         self.family.check_options(params)
-        if params.padding_mask_crop is not None and params.controls:
-            # the ControlNet pipelines crop the control images too, each its own way: not served yet (docs/api.md)
-            raise InvalidInput("is not served with CONTROLS yet (the control images would need the crop too); "
-                               "leave one of them out", "PADDING_MASK_CROP")
         w, h = self.family.model_size(*tpl.size, s)
         template_rgb = np.asarray(tpl, dtype=np.uint8)
         mask_img = imaging.Image.fromarray(binary)
@@ -166,8 +162,10 @@ class Preprocessor:
 
         init_image = self.pipe.image_processor.preprocess(tpl, height=h, width=w, **fit).to(dtype=torch.float32)
         t = self.family.prepare(self.pipe, self.scheduler_config, init_image, mask_t, tokens, w, h, params, s)
+        # With a crop each family treats its control images as its stock ControlNet pipeline does (the SD / SDXL
+        # ones crop them with the template's box, FluxControlNetInpaintPipeline does not): the box in template pixels
         prepared.controls = tuple(
-            ControlInput(spec, _np(self.family.prepare_control_image(self.pipe, img, w, h, s)))
+            ControlInput(spec, _np(self.family.prepare_control_image(self.pipe, img, w, h, s, crop=prepared.crop)))
             for spec, img in controls)
         prepared.latents, prepared.cond = _np(t.latents), _np(t.cond)
         prepared.prompt_embeds, prepared.pooled_embeds = _np(t.prompt_embeds), _np(t.pooled_embeds)

@@ -253,12 +253,14 @@ class ModelFamily(ABC):
     def check_controlnet(self, controlnet, denoiser) -> None:
         """Raise ``ValueError`` (a reason) when ``controlnet`` does not fit ``denoiser`` (e.g. its text width)."""
 
-    def prepare_control_image(self, pipe, image, w: int, h: int, settings):
+    def prepare_control_image(self, pipe, image, w: int, h: int, settings, crop=None):
         """One control image (a PIL RGB image, the preprocessor already applied) as the tensor the family's
         ControlNet takes at model size ``w`` x ``h`` — resized and normalised (and VAE-encoded / packed where the
         family's pipeline does so) exactly as the stock ControlNet pipeline's ``prepare_control_image`` /
         ``prepare_image``, for one image and no guidance doubling (the step repeats it per guidance row). Runs in
-        pre-processing; the result travels as one ``CONTROL_COND`` row and is restored with its shape."""
+        pre-processing; the result travels as one ``CONTROL_COND`` row and is restored with its shape. ``crop``:
+        with PADDING_MASK_CROP, the template's crop box (x1, y1, x2, y2) in the template's own pixels (the stock
+        pipelines' ``crops_coords``); the family does with it what its stock ControlNet pipeline does."""
         raise NotImplementedError(f"{self.name} runs no ControlNets")
 
     def control_residuals(self, control, inputs: dict, scale: float) -> list:

@@ -100,9 +100,11 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
 
         check_fits(controlnet, denoiser, denoiser.config.in_channels)
 
-    def prepare_control_image(self, pipe, image, w: int, h: int, settings):
+    def prepare_control_image(self, pipe, image, w: int, h: int, settings, crop=None):
         """Its packed VAE posterior (N, 2C) (``prepare.control_posterior``; the sample is drawn with the edit's
-        generator, in the pipeline's order)."""
+        generator, in the pipeline's order). ``crop`` is not used: ``FluxControlNetInpaintPipeline`` crops the
+        template and the mask with ``padding_mask_crop`` but passes its control images to ``prepare_image`` whole,
+        resized to the model size as without a crop (diffusers 0.42; tested against it)."""
         from .prepare import control_posterior
 
         return control_posterior(pipe, image, w, h)

@@ -58,12 +58,14 @@ class FluxFill(FluxControls, ModelFamily):
 
         check_fits(controlnet, denoiser, denoiser.config.out_channels)  # it sees the noisy latents only
 
-    def prepare_control_image(self, pipe, image, w, h, settings):
+    def prepare_control_image(self, pipe, image, w, h, settings, crop=None):
         """The control image's packed VAE latents (N, C): resized by the image processor, the posterior's mean
-        (no draw: the edit's generator order, so its noise, is that of the plain Fill edit), shifted and scaled."""
+        (no draw: the edit's generator order, so its noise, is that of the plain Fill edit), shifted and scaled.
+        ``crop`` (our extension, no stock pipeline): cropped with the template's box and resized "fill" as the
+        template is, as the UNet ControlNet pipelines crop theirs (so the control stays aligned with the crop)."""
         from .prepare import control_latents
 
-        return control_latents(pipe, image, w, h)
+        return control_latents(pipe, image, w, h, crop)
 
     def build_controlnets(self, out: Path, seed: int = 0) -> list[Path]:
         """The tiny ControlNet library (``controlnets.flux_build``: canny, depth, union) fitted to this model's

@@ -55,12 +55,14 @@ def prepare(pipe, scheduler_config: dict, init_image, mask_t, tokens, w: int, h:
 
 
 @torch.no_grad()
-def control_latents(pipe, image, w: int, h: int) -> torch.Tensor:
+def control_latents(pipe, image, w: int, h: int, crop=None) -> torch.Tensor:
     """A control image (PIL) to packed latents (N, C) for a Flux ControlNet (our extension): the image processor's
     resize and normalisation (made contiguous, as ``FluxControlNetInpaintPipeline.prepare_image``'s copy does), the
-    VAE posterior's mean, shift and scale, packed."""
+    VAE posterior's mean, shift and scale, packed. ``crop`` (PADDING_MASK_CROP's box in the template's pixels): the
+    image cropped there and resized "fill", as the template is (and as the UNet ControlNet pipelines crop theirs)."""
     vae = pipe.vae
-    x = pipe.image_processor.preprocess(image, height=h, width=w).contiguous().to(vae.device, vae.dtype)
+    fit = {"crops_coords": tuple(crop), "resize_mode": "fill"} if crop is not None else {}
+    x = pipe.image_processor.preprocess(image, height=h, width=w, **fit).contiguous().to(vae.device, vae.dtype)
     z = (vae.encode(x).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
     return pipe._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3])[0]
 

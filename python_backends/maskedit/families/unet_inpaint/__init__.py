@@ -105,10 +105,10 @@ class UNetInpaint(ModelFamily):
 
         check_controlnet(controlnet, denoiser)
 
-    def prepare_control_image(self, pipe, image, w, h, settings):
+    def prepare_control_image(self, pipe, image, w, h, settings, crop=None):
         from .controlnet import prepare_control_image
 
-        return prepare_control_image(pipe, image, w, h, settings.torch_device)
+        return prepare_control_image(pipe, image, w, h, settings.torch_device, crop)
 
     def control_residuals(self, control, inputs, scale):
         from .controlnet import control_residuals

@@ -41,16 +41,20 @@ def check_controlnet(controlnet, unet) -> None:
             raise ValueError(f"has {k} {a} but this model's UNet has {b}: a ControlNet for another model")
 
 
-def prepare_control_image(pipe, image, w: int, h: int, device) -> torch.Tensor:
+def prepare_control_image(pipe, image, w: int, h: int, device, crop=None) -> torch.Tensor:
     """(3, h, w) in [0, 1]: the ControlNet pipelines' ``prepare_control_image`` (their ``control_image_processor``,
-    no normalisation) for one image, no guidance doubling."""
+    no normalisation) for one image, no guidance doubling. ``crop`` (PADDING_MASK_CROP's box in the template's
+    pixels): as the SD / SDXL (union) ControlNet inpaint pipelines pass it, ``crops_coords`` with ``resize_mode``
+    "fill": the control image is cropped at those pixel coordinates (of its own frame, whatever its size), then
+    resized to the model size."""
     from diffusers import StableDiffusionXLControlNetInpaintPipeline
     from diffusers.image_processor import VaeImageProcessor
 
     shim = SimpleNamespace(control_image_processor=VaeImageProcessor(
         vae_scale_factor=pipe.vae_scale_factor, do_convert_rgb=True, do_normalize=False))
     img = StableDiffusionXLControlNetInpaintPipeline.prepare_control_image(
-        shim, image, w, h, 1, 1, device, torch.float32, None, "default", False, False)
+        shim, image, w, h, 1, 1, device, torch.float32, None if crop is None else tuple(crop),
+        "default" if crop is None else "fill", False, False)
     return img[0]
 
 

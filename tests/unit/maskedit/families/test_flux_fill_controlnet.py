@@ -30,9 +30,9 @@ def fill(settings, tmp_path_factory):
     ed.close()
 
 
-def latents(ed, controls=(), images=(), seed=3, steps=3):
+def latents(ed, controls=(), images=(), seed=3, steps=3, **kw):
     _, _, job = ed.edit(png(template(seed=1)), png(box_mask()), "a red hat", seed=seed, steps=steps, raw_output=True,
-                        template_seed=seed, controls=list(controls), control_images=list(images))
+                        template_seed=seed, controls=list(controls), control_images=list(images), **kw)
     return job.result()
 
 
@@ -60,3 +60,28 @@ def test_a_controlnet_of_other_widths_is_refused_by_name(fill):
         latents(fill, [{"name": "wide"}], [png(edges())], steps=1)
     assert e.value.field == "CONTROLS" and "does not fit" in str(e.value)
     assert latents(fill, steps=1).shape[0] == 256  # and it keeps serving
+
+
+def test_padding_mask_crop_crops_the_control_image_with_the_template(fill):
+    """PADDING_MASK_CROP on our extension (no stock pipeline): the control image is cropped with the template's box
+    and resized "fill" as the template is (as the SD / SDXL ControlNet inpaint pipelines crop theirs, so the
+    control stays aligned with the crop); scale 0 still equals the plain cropped Fill edit bit for bit."""
+    import json
+
+    from maskedit.params import parse_params
+
+    ctrl = edges(seed=8)
+    params = parse_params(fill.settings, "a red hat", steps=1, padding_mask_crop=8,
+                          controls=json.dumps([{"name": "canny"}]))
+    p = fill.pre(png(template(seed=1)), png(box_mask()), params, [png(ctrl)])
+    x1, y1, x2, y2 = p.crop
+    assert x2 - x1 < 256 and y2 - y1 < 256  # a crop smaller than the template: it matters
+    family, pipe, s = fill.pre.family, fill.pre.pipe, fill.settings
+    cut = ctrl.crop(p.crop)  # cropped by hand: the same tensor as the box applied by pre-processing
+    ref = family.prepare_control_image(pipe, cut, p.model_w, p.model_h, s, crop=(0, 0, *cut.size))
+    np.testing.assert_array_equal(p.controls[0].image, ref.numpy())
+    whole = family.prepare_control_image(pipe, ctrl, p.model_w, p.model_h, s)
+    assert np.abs(p.controls[0].image - whole.numpy()).max() > 0.1
+    plain = latents(fill, padding_mask_crop=8)
+    assert np.array_equal(latents(fill, [{"name": "canny", "scale": 0.0}], [png(ctrl)], padding_mask_crop=8), plain)
+    assert np.abs(latents(fill, [{"name": "canny"}], [png(ctrl)], padding_mask_crop=8) - plain).max() > 1e-2

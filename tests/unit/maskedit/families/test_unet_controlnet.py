@@ -63,6 +63,10 @@ _BASE = {}
 
 
 def _stock(s, controlnet, p, control_image, **kw):
+    return _rows(_call_stock(s, controlnet, p, control_image, output_type="latent", **kw).images[0])
+
+
+def _call_stock(s, controlnet, p, control_image, **kw):
     from diffusers import DiffusionPipeline, StableDiffusionXLControlNetInpaintPipeline
 
     tpl, mask, _ = _images()
@@ -71,10 +75,9 @@ def _stock(s, controlnet, p, control_image, **kw):
     pipe = StableDiffusionXLControlNetInpaintPipeline(**_BASE[str(s.model_dir)], controlnet=controlnet)
     pipe.to(s.torch_device)
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(prompt=PROMPT, image=tpl, mask_image=Image.fromarray(mask), control_image=control_image,
-               height=p.model_h, width=p.model_w, num_inference_steps=STEPS, guidance_scale=7.5, strength=1.0,
-               generator=torch.Generator().manual_seed(5), output_type="latent", **kw).images[0]
-    return _rows(out)
+    return pipe(prompt=PROMPT, image=tpl, mask_image=Image.fromarray(mask), control_image=control_image,
+                height=p.model_h, width=p.model_w, num_inference_steps=STEPS, guidance_scale=7.5, strength=1.0,
+                generator=torch.Generator().manual_seed(5), **kw)
 
 
 def _assert_equal(s, got, ref):
@@ -105,6 +108,49 @@ def test_one_and_two_controlnets_equal_the_stock_pipeline(sdxl):
     _assert_equal(s, two, ref)
     _, plain = _served(ed, None, [])
     assert np.abs(one - plain).max() > 0.05 and np.abs(two - one).max() > 0.05  # each control really acts
+
+
+def _stock_cropped(s, controlnet, p, control_image, pad, **kw):
+    """``StableDiffusionXLControlNetInpaintPipeline`` with ``padding_mask_crop``: its final latents (its check
+    refuses ``output_type="latent"`` with a crop, so they are taken at the last step's callback)."""
+    seen = {}
+
+    def keep(pipe, i, t, kwargs):
+        seen["latents"] = kwargs["latents"]
+        return {}
+    _call_stock(s, controlnet, p, control_image, padding_mask_crop=pad, callback_on_step_end=keep,
+                callback_on_step_end_tensor_inputs=["latents"], **kw)
+    return _rows(seen["latents"][0])
+
+
+def test_padding_mask_crop_with_one_and_two_controlnets_equals_the_stock_pipeline(sdxl, monkeypatch):
+    """PADDING_MASK_CROP with ControlNets: as the template and the mask, each control image is cropped with the
+    template's box (``crops_coords``, in pixels of the control image's own frame, whatever its size: the second is
+    96 x 160) and resized "fill" to the model size, as the SDXL ControlNet inpaint pipeline's
+    ``prepare_control_image`` does; the served latents equal the stock pipeline's. Stock refuses two ControlNets
+    with a crop in ``check_inputs`` alone, whose rules contradict there (it checks the control image as ``image``:
+    a PIL image with a crop, a list with a ``MultiControlNetModel``); the rest of its ``__call__`` crops each
+    control image: for two, that check runs without the crop."""
+    from diffusers import StableDiffusionXLControlNetInpaintPipeline as XL
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    check = XL.check_inputs  # called positionally, padding_mask_crop last
+    monkeypatch.setattr(XL, "check_inputs", lambda self, *a: check(self, *a[:-1], None if isinstance(
+        a[2], list) else a[-1]))
+    s, ed = sdxl
+    tpl, _, ctl = _images()
+    p, one = _served(ed, [{"name": "canny", "scale": 0.8}], ctl[:1], padding_mask_crop=8)
+    x1, y1, x2, y2 = p.crop
+    assert x2 - x1 < tpl.size[0] and y2 - y1 < tpl.size[1]  # a crop smaller than the template: it matters
+    _assert_equal(s, one, _stock_cropped(s, _net(s, "canny"), p, ctl[0], 8, controlnet_conditioning_scale=0.8))
+    two_spec = [{"name": "canny", "scale": 0.8}, {"name": "depth", "scale": 0.5, "start": 0.3, "end": 0.9}]
+    p, two = _served(ed, two_spec, ctl, padding_mask_crop=8)
+    ref = _stock_cropped(s, MultiControlNetModel([_net(s, "canny"), _net(s, "depth")]), p, ctl, 8,
+                         controlnet_conditioning_scale=[0.8, 0.5], control_guidance_start=[0.0, 0.3],
+                         control_guidance_end=[1.0, 0.9])
+    _assert_equal(s, two, ref)
+    _, plain = _served(ed, None, [], padding_mask_crop=8)
+    assert np.abs(one - plain).max() > 0.05 and np.abs(two - one).max() > 0.05  # each control acts on the crop
 
 
 def test_sd2_two_controlnets_equal_the_stock_sd_pipeline(tmp_path_factory, settings):

@@ -65,10 +65,10 @@ def controls_images(n, seed=7):
     return [samples.template(SIZE, SIZE, seed=seed + i) for i in range(n)]
 
 
-def inputs(env, tpl, mask, spec, images, seed=5, register=False):
+def inputs(env, tpl, mask, spec, images, seed=5, register=False, **kw):
     s, ed, *_ = env
     params = parse_params(s, PROMPT, seed=seed, steps=STEPS, guidance=7.5, register=register,
-                          controls=json.dumps(spec) if spec else None)
+                          controls=json.dumps(spec) if spec else None, **kw)
     return denoise_inputs(ed.pre(png(tpl), png(mask), params, [png(c) for c in images]))
 
 
@@ -96,11 +96,25 @@ def test_sd2_a_hit_with_controls_equals_the_uncached_controlnet_edit(tmp_path, s
         hit_equals_uncached(env, WINDOWED)
 
 
-def hit_equals_uncached(env, spec):
+def test_a_cropped_hit_with_controls_equals_the_uncached_cropped_controlnet_edit(env):
+    """PADDING_MASK_CROP with ControlNets caches as without a crop: the key covers the box and the controls (the
+    control images are cropped with the box), the first run records the UNet and both ControlNets, the next hits
+    in all three and reproduces the uncached cropped edit."""
+    s, ed, *_ = env
+    tpl, mask = samples.template(SIZE, SIZE, seed=37), samples.mask(SIZE, SIZE, 0.2, "box", seed=3)
+    params = parse_params(s, PROMPT, seed=5, steps=STEPS, guidance=7.5, controls=json.dumps(WINDOWED),
+                          padding_mask_crop=8)
+    p = ed.pre(png(tpl), png(mask), params, [png(c) for c in controls_images(2)])
+    assert p.crop is not None and p.crop[2] - p.crop[0] < SIZE  # a crop smaller than the template: it matters
+    x = hit_equals_uncached(env, WINDOWED, seed=37, padding_mask_crop=8)
+    assert x.cache_key == p.cache_key != inputs(env, tpl, mask, WINDOWED, controls_images(2)).cache_key
+
+
+def hit_equals_uncached(env, spec, seed=None, **kw):
     s, ed, plain, store = env
-    tpl = samples.template(SIZE, SIZE, seed=31 + len(spec) + 5 * (spec is UNION))
+    tpl = samples.template(SIZE, SIZE, seed=seed or 31 + len(spec) + 5 * (spec is UNION))
     mask = samples.mask(SIZE, SIZE, 0.2, "box", seed=3)
-    x = inputs(env, tpl, mask, spec, controls_images(len(spec)))
+    x = inputs(env, tpl, mask, spec, controls_images(len(spec)), **kw)
     first = cached(env, x)
     assert first.cache.status == "record" and [c.status for c in first.control_cache] == ["record"] * len(spec)
     assert all(c.recorder.complete for c in first.control_cache)  # a windowed control's entry: its active steps
@@ -115,6 +129,7 @@ def hit_equals_uncached(env, spec):
     assert all(c.idx_c.numel() == masked and set(c.modes) - {"full"} for c in again.control_cache)
     np.testing.assert_allclose(again.result(), ref, atol=atol(s, 1e-5))
     assert np.abs(ref - uncached(env, replace(x, controls=()))).max() > 0.05  # the controls act on this edit
+    return x
 
 
 def test_without_its_residuals_a_hit_is_far_from_the_controlled_edit(env, monkeypatch):
