@@ -4,7 +4,9 @@ second transformer call over the same image tokens with the negative text, then 
 
 The negative rows travel behind the prompt's in PROMPT_EMBEDS / POOLED_EMBEDS (``with_negative``), are split off
 when a job is admitted (``split_negative``) and run in their own call, every token, outside the activation cache (its
-entries hold the prompt's rows; such a request runs in full, ``MaskedDenoiser.decide``).
+entries hold the prompt's rows; such a request runs in full, ``MaskedDenoiser.decide``). A family that passes its
+step context and block hooks to ``apply`` lets that call reuse on the requests' negative stream (temporal reuse:
+the context's ``TemporalCall.negative``); without them it runs every block.
 """
 
 from __future__ import annotations
@@ -38,18 +40,23 @@ def split_negative(x, text: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.T
 
 
 def apply(tr, group: list, pred: torch.Tensor, hidden: torch.Tensor, timestep: torch.Tensor, guidance, txt_ids,
-          img_ids) -> None:
+          img_ids, ctx=None, hooks_of=None) -> None:
     """Combine ``pred`` (the prompt's noise predictions, (B, N, C)) in place with one more call of ``tr`` for the
     rows of ``group`` whose ``tensors.negative`` is set. ``hidden``: the call's image stream (B, N (+ R), C),
-    ``timestep`` as the transformer takes it (already / 1000)."""
+    ``timestep`` as the transformer takes it (already / 1000). ``ctx`` / ``hooks_of``: the prompt's call's step
+    context and the family's block hooks (``hooks_of(tr).run``), for temporal reuse on the negative stream."""
     rows = [i for i, j in enumerate(group) if j.tensors.negative is not None]
     if not rows:
         return
     sel = torch.tensor(rows, device=hidden.device)
-    neg = tr(hidden_states=hidden[sel], timestep=timestep[sel], guidance=guidance[sel] if guidance is not None else None,
-             pooled_projections=torch.cat([group[i].tensors.negative[1] for i in rows]),
-             encoder_hidden_states=torch.cat([group[i].tensors.negative[0] for i in rows]),
-             txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+    forward = lambda: tr(  # noqa: E731
+        hidden_states=hidden[sel], timestep=timestep[sel], guidance=guidance[sel] if guidance is not None else None,
+        pooled_projections=torch.cat([group[i].tensors.negative[1] for i in rows]),
+        encoder_hidden_states=torch.cat([group[i].tensors.negative[0] for i in rows]),
+        txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+    tp = ctx.temporal if ctx is not None and hooks_of is not None else None  # ``maskedit.temporal.TemporalCall``
+    uctx = tp.negative(rows) if tp is not None else None
+    neg = hooks_of(tr).run(uctx, forward) if uctx is not None else forward()
     n = pred.shape[1]
     for k, i in enumerate(rows):
         pred[i] = neg[k, :n] + group[i].inputs.true_cfg_scale * (pred[i] - neg[k, :n])

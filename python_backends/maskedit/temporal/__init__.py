@@ -10,17 +10,19 @@ What is the libraries' and what is ours:
 - the decision rules (warm-up, step mask, cached-step limits, the relative L1 residual change under a threshold)
   are cache-dit's ``CachedContextManager.can_cache`` / ``similarity`` and Diffusers' ``FBCHeadBlockHook``, written
   out here per request (``state``): those libraries keep one state per module, i.e. one request per forward;
-- the TaylorSeer forecast is cache-dit's own ``TaylorSeerState`` (one instance per request and stream);
+- the TaylorSeer forecast is cache-dit's own ``TaylorSeerState`` (one per request, call and image / text stream);
 - ours: state per request in a batch whose members sit at different steps (``state.TemporalState``), the per-call
   controller the block hooks consult (``call.TemporalCall``: which rows skip which blocks, capturing and applying
-  residuals row by row), and its composition with the mask-aware path (a hit's residuals over its computed tokens,
-  its unmasked rows from the activation entry), packed resolutions, adapters and ControlNets.
+  residuals row by row), a second state per request for the negative prompt's call of true classifier-free guidance
+  (``TemporalState.uncond``, its call run with ``negative``'s context: the stock pipelines' "uncond" cache context,
+  cache-dit's ``enable_separate_cfg``), and its composition with the mask-aware path (a hit's residuals over its
+  computed tokens, its unmasked rows from the activation entry), packed resolutions, adapters and ControlNets.
 
 Tests check a request alone against the stock pipeline with Diffusers' / cache-dit's hooks, threshold 0 against no
 reuse bit for bit, mixed batches against each request alone (``tests/unit/maskedit/test_temporal.py``).
 """
 
-from .call import TemporalCall, attach, commit, loads
-from .state import TemporalState, admit
+from .call import TemporalCall, attach, commit, loads, negative
+from .state import COND, UNCOND, TemporalState, admit
 
-__all__ = ["TemporalCall", "TemporalState", "admit", "attach", "commit", "loads"]
+__all__ = ["COND", "UNCOND", "TemporalCall", "TemporalState", "admit", "attach", "commit", "loads", "negative"]

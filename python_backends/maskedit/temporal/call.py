@@ -9,6 +9,11 @@ call hands the hooks an image tensor (the tokens a residual covers) and a text t
 Residuals cover the rows' computed image tokens: every token for a plain row, the first ``tokens`` of a packed one,
 a cache hit's computed tokens (``idx_c``; the family may add tokens it always computes, ``temporal_cols``). On a
 reused step a hit's unmasked rows of the last middle block come from its activation entry, as on a computed step.
+
+A family whose step makes a second call with the negative prompts (true classifier-free guidance) runs it with
+``TemporalCall.negative``'s context: the rows' second stream (``state.UNCOND``), decided, reused and committed on
+its own, as the stock pipelines do under Diffusers' hooks (``cache_context("uncond")``) or cache-dit's
+``enable_separate_cfg``. That call runs uncached (every token), so its context carries the temporal call only.
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ from __future__ import annotations
 import torch
 
 from ..cache.modes import FULL, StepContext
-from .state import COMPUTED, REUSED, Staged
+from .state import COMPUTED, COND, REUSED, UNCOND, Staged, of
 
 
 class _Row:
     """One request's part of the call."""
 
-    def __init__(self, job):
-        self.job, self.state = job, job.temporal
+    def __init__(self, job, stream: str = COND):
+        self.job, self.state, self.stream = job, of(job, stream), stream
         self.step = _loop_step(job)
         self.reuse: bool | None = self.state.static_decision(self.step)  # None: decided after the first blocks
         self.staged = Staged()
@@ -35,23 +40,39 @@ class _Row:
 
 
 class TemporalCall:
-    """The temporal side of one denoiser call over ``jobs`` (batch rows in order); rows without reuse are None."""
+    """The temporal side of one denoiser call over ``jobs`` (batch rows in order) for their ``stream`` (the
+    prompt's call, or the negative prompt's); rows without reuse are None. The prompt's call holds the negative
+    call's (``uncond``) when a job has that stream."""
 
-    def __init__(self, jobs: list, hooks):
+    def __init__(self, jobs: list, hooks, stream: str = COND):
         per_job = getattr(hooks, "temporal_rows", lambda job: 1)  # batch rows of a job (a UNet's guidance rows)
-        self.rows = [row for j in jobs for row in
-                     [_Row(j) if j.temporal is not None and j.temporal.active else None] * per_job(j)]
+        self.rows = [row for j in jobs for row in [_Row(j, stream) if _active(j, stream) else None] * per_job(j)]
         self.hooks = hooks  # the family's block hooks (``temporal_cols``)
+        self.stream = stream
+        self.uncond: TemporalCall | None = None
         self._cols: dict = {}
 
     @property
     def active(self) -> bool:
         return any(r is not None for r in self.rows)
 
+    def negative(self, rows: list[int] | None = None) -> StepContext | None:
+        """The step context of the negative prompts' call (true classifier-free guidance) over batch rows ``rows``
+        of this (the prompt's) call (None: all): plain rows (that call runs uncached) carrying their negative
+        stream's temporal call; None when no row reuses on it (the call runs as it would without temporal reuse).
+        Families reach it through the step context (``ctx.temporal.negative``), as the hooks reach ``enter``."""
+        if self.uncond is None:
+            return None
+        sub = self.uncond if rows is None else self.uncond.subset(rows)
+        if not sub.active:
+            return None
+        return StepContext([None] * len(sub.rows), temporal=sub)
+
     def subset(self, idx: list[int]) -> "TemporalCall":
         """The same rows for a call over batch rows ``idx`` (a family that splits one step into several calls)."""
         sub = TemporalCall.__new__(TemporalCall)
         sub.rows, sub.hooks, sub._cols = [self.rows[i] for i in idx], self.hooks, {}
+        sub.stream, sub.uncond = self.stream, self.uncond.subset(idx) if self.uncond is not None else None
         return sub
 
     # -- what a row's residual covers ------------------------------------------------------------------
@@ -194,7 +215,7 @@ class TemporalCall:
         """A hit skipping its middle blocks needs none of their cached rows but the last one's output: drop the
         loads queued for them (the loader skips those not started)."""
         jc = getattr(r.job, "cache", None)
-        if jc is None or not jc.futures:
+        if r.stream != COND or jc is None or not jc.futures:  # the negative call reads no cached rows
             return
         for key in [k for k in jc.futures if k[0] == r.step and first <= k[1] <= tail and
                     not (k[1] == tail and k[2] == "y" and not self.hooks_features)]:
@@ -202,29 +223,46 @@ class TemporalCall:
 
 
 def attach(ctx: StepContext | None, jobs: list, hooks) -> StepContext | None:
-    """``ctx`` (made for a plain call when None) carrying the temporal side of a call over ``jobs``; ``ctx`` as it
-    was when no job reuses. ``hooks()``: the family's block hooks on the denoiser."""
-    if not any(j.temporal is not None and j.temporal.active for j in jobs):
+    """``ctx`` (made for a plain call when None) carrying the temporal side of a call over ``jobs`` (the negative
+    prompt's call's too, for ``negative``); ``ctx`` as it was when no job reuses. ``hooks()``: the family's block
+    hooks on the denoiser."""
+    cond, uncond = (any(_active(j, s) for j in jobs) for s in (COND, UNCOND))
+    if not (cond or uncond):
         return ctx
-    call = TemporalCall(jobs, hooks())
+    h = hooks()
+    call = TemporalCall(jobs, h)
+    if uncond:
+        call.uncond = TemporalCall(jobs, h, UNCOND)
     if ctx is None:
         ctx = StepContext([None] * len(jobs))
     ctx.temporal = call
     return ctx
 
 
-def commit(ctx: StepContext | None, jobs: list) -> None:
-    """The call succeeded: every row's staged outcome becomes its state; rows without reuse this step count as
-    computed."""
+def negative(ctx: StepContext | None, rows: list[int] | None = None) -> StepContext | None:
+    """``TemporalCall.negative`` of ``ctx``'s temporal call (None without one)."""
     call = ctx.temporal if ctx is not None else None
-    rows = {id(r.job): r for r in call.rows if r is not None} if call is not None else {}
-    for job in jobs:
-        st = job.temporal
-        if st is None:
-            continue
-        r = rows.get(id(job))
-        step = _loop_step(job) - 1  # the family's step advanced it
-        st.commit(step, r.staged if r is not None else Staged(COMPUTED))
+    return call.negative(rows) if call is not None else None
+
+
+def commit(ctx: StepContext | None, jobs: list) -> None:
+    """The step succeeded: every row's staged outcome becomes its state, on both streams; rows without reuse this
+    step count as computed (a negative call made without ``negative``'s context computed every block)."""
+    call = ctx.temporal if ctx is not None else None
+    for stream, c in ((COND, call), (UNCOND, call.uncond if call is not None else None)):
+        rows = {id(r.job): r for r in c.rows if r is not None} if c is not None else {}
+        for job in jobs:
+            st = of(job, stream)
+            if st is None:
+                continue
+            r = rows.get(id(job))
+            step = _loop_step(job) - 1  # the family's step advanced it
+            st.commit(step, r.staged if r is not None else Staged(COMPUTED))
+
+
+def _active(job, stream: str) -> bool:
+    st = of(job, stream)
+    return st is not None and st.active
 
 
 def loads(jobs: list, hooks):

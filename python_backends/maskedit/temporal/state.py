@@ -4,6 +4,11 @@ The decision rules are cache-dit's (``CachedContextManager.can_cache`` and ``sim
 request alone; with ``fn=1, bn=0`` and no warm-up they are Diffusers' ``FirstBlockCache``. State changes are
 staged during a step and committed only once the step succeeded (``commit``): a step that failed and is retried
 alone (``DenoiseEngine._step``) decides exactly as the first try did.
+
+A request whose family makes a second transformer call per step (the negative prompt's, true classifier-free
+guidance) has a second state for that call's stream (``TemporalState.uncond``, the stream ``UNCOND``): its own
+residuals, threshold decisions and TaylorSeer states, as Diffusers' hooks keep one state per ``cache_context``
+("cond" / "uncond") and cache-dit with ``enable_separate_cfg`` its ``*_cfg`` buffers and calibrators.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ..cache.modes import KV, Y
 from ..errors import InvalidInput
 
 COMPUTED, REUSED = "C", "R"
+COND, UNCOND = "cond", "uncond"  # a request's streams: the prompt's call, the negative prompt's (true CFG)
 
 
 @dataclass
@@ -41,6 +47,7 @@ class TemporalState:
     taylor: tuple | None = None  # cache-dit ``TaylorSeerState`` per stream (image, text) when ``spec.order``
     outcomes: list[str] = field(default_factory=list)  # per step taken: C (computed) or R (middle reused)
     diffs: list = field(default_factory=list)
+    uncond: "TemporalState | None" = None  # the negative prompt's call's own state (the prompt's state holds it)
 
     @property
     def first(self) -> int:
@@ -114,16 +121,37 @@ class TemporalState:
     # -- reporting ----------------------------------------------------------------------------------
     def info(self) -> dict:
         """EDIT_INFO: the policy, which steps computed (C) or reused (R) their middle blocks, the blocks computed
-        on a reused step and the fraction of block evaluations computed."""
+        on a reused step and the fraction of block evaluations computed. With a negative prompt's call of its own
+        (``uncond``): ``temporal_steps`` / ``temporal_reused_steps`` are the prompt's call's,
+        ``temporal_uncond_steps`` / ``temporal_uncond_reused_steps`` the negative call's, and
+        ``temporal_computed_fraction`` counts both calls' block evaluations."""
         reused = self.outcomes.count(REUSED)
-        frac = computed_fraction(self.spec, len(self.outcomes), self.n_blocks, reused) if self.outcomes else 1.0
+        frac = self._fraction()
         out = {"temporal": self.spec.as_dict(), "temporal_steps": "".join(self.outcomes),
                "temporal_reused_steps": reused,
-               "temporal_blocks": {"first": self.spec.fn, "last": self.spec.bn, "of": self.n_blocks},
-               "temporal_computed_fraction": round(frac, 6)}
+               "temporal_blocks": {"first": self.spec.fn, "last": self.spec.bn, "of": self.n_blocks}}
+        u = self.uncond
+        if u is not None:
+            out["temporal_uncond_steps"] = "".join(u.outcomes)
+            out["temporal_uncond_reused_steps"] = u.outcomes.count(REUSED)
+            n, m = len(self.outcomes), len(u.outcomes)
+            frac = (frac * n + u._fraction() * m) / (n + m) if n + m else 1.0
+        out["temporal_computed_fraction"] = round(frac, 6)
         if self.note:
             out["temporal_note"] = self.note
         return out
+
+    def _fraction(self) -> float:
+        """The fraction of this stream's block evaluations computed so far."""
+        if not self.outcomes:
+            return 1.0
+        return computed_fraction(self.spec, len(self.outcomes), self.n_blocks, self.outcomes.count(REUSED))
+
+
+def of(job, stream: str = COND) -> "TemporalState | None":
+    """``job``'s state for ``stream``: the prompt's call's (``COND``) or the negative prompt's (``UNCOND``)."""
+    st = getattr(job, "temporal", None)
+    return st if stream == COND or st is None else st.uncond
 
 
 def admit(runner, job) -> None:
@@ -149,18 +177,29 @@ def admit(runner, job) -> None:
     why = hooks.check(spec) if hasattr(hooks, "check") else None
     if why:
         raise InvalidInput(why, "TEMPORAL")
-    st = TemporalState(spec, n_blocks)
+    st = _state(spec, n_blocks)
     jc = job.cache
     if jc is not None and jc.status == "record":
         st.active, st.note = False, "a template run records every block"
     elif jc is not None and jc.status == "hit" and not getattr(hooks, "features", False) and \
             any(m not in (Y, KV) for m in jc.modes[st.first:st.tail + 1]):
         st.active, st.note = False, "the hit's plan runs a middle block in full"
+    # The negative prompt's call (true classifier-free guidance) runs uncached, every token: its stream reuses
+    # whatever the cache decided for the prompt's call. ``temporal_negative_call``: the family makes that call
+    # through its block hooks with ``negative``'s context (default: no such call, or one that always computes).
+    negative = getattr(family, "temporal_negative_call", None)
+    if negative is not None and negative(job):
+        st.uncond = _state(spec, n_blocks)
+    job.temporal = st
+
+
+def _state(spec: TemporalSpec, n_blocks: int) -> TemporalState:
+    st = TemporalState(spec, n_blocks)
     if spec.order:
         from cache_dit.caching.cache_contexts.calibrators.taylorseer import TaylorSeerState  # imported when used
 
         st.taylor = (TaylorSeerState(n_derivatives=spec.order), TaylorSeerState(n_derivatives=spec.order))
-    job.temporal = st
+    return st
 
 
 def _taylor_step(step: int) -> int:

@@ -1,5 +1,6 @@
 """Triton custom metrics of temporal reuse (``maskedit.temporal``): steps and block evaluations computed or reused,
-per policy, counted from each finished request's EDIT_INFO."""
+per policy, counted from each finished request's EDIT_INFO. Steps are the prompt's call's (``temporal_steps``); block
+evaluations also count the negative prompt's call of a guided request (``temporal_uncond_steps``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ class TemporalMetrics:
         for outcome, k in (("computed", computed), ("reused", reused)):
             if k:
                 self._metric(self.steps, {"policy": policy, "outcome": outcome}).increment(k)
+        uncond = info.get("temporal_uncond_steps") or ""  # the negative prompt's call, its own stream
+        u_reused = uncond.count("R")
+        computed, reused = computed + len(uncond) - u_reused, reused + u_reused  # calls, from here on
         if n:
             for outcome, k in (("computed", computed * n + reused * kept), ("skipped", reused * (n - kept))):
                 if k:

@@ -40,8 +40,8 @@ class Estimator:
     model_load_ms: float = 0.0  # loading a base checkpoint that is not resident (0: one model, always resident)
     lora_load_ms: float = 0.0  # loading one LoRA adapter the backend does not hold (cold: from disk)
     # Temporal reuse: per adaptive policy (``TemporalSpec.label``), the fraction of block evaluations its requests
-    # computed (EMA of EDIT_INFO's ``temporal_computed_fraction``); a policy not seen yet is assumed to reuse
-    # nothing. A step mask's fraction is known from the request itself.
+    # computed (EMA of EDIT_INFO's ``temporal_computed_fraction``: a guided request's counts both of its calls); a
+    # policy not seen yet is assumed to reuse nothing. A step mask's fraction is known from the request itself.
     temporal_fractions: dict = None
 
     def __post_init__(self):

@@ -340,3 +340,39 @@ def test_reused_steps_do_not_run_the_middle_blocks(runner, inputs):
         eng.shutdown()
         for h in hooks:
             h.remove()
+
+
+def test_a_negative_call_has_its_own_stream_committed_with_the_step():
+    """A request whose family makes a negative prompt's call (``temporal_negative_call``) gets a second state at
+    admission; ``negative`` gives that call a context of plain rows carrying its stream only (None where no row has
+    one); ``commit`` records both streams, only for a step that succeeded; EDIT_INFO names both."""
+    from types import SimpleNamespace
+
+    from maskedit import temporal
+
+    hooks = SimpleNamespace(blocks=[None] * 4)
+    family = SimpleNamespace(temporal_reuse=True, temporal_hooks=lambda tr: hooks, pipeline_class_name="X",
+                             temporal_negative_call=lambda job: job.guided)
+    runner = SimpleNamespace(family=family, transformer=None)
+    jobs = [SimpleNamespace(inputs=SimpleNamespace(temporal={"policy": "fbcache", "threshold": 0}, steps=4),
+                            cache=None, step_index=0, guided=g) for g in (True, False)]
+    for j in jobs:
+        temporal.admit(runner, j)
+    guided, plain = jobs
+    assert guided.temporal.uncond is not None and guided.temporal.uncond is not guided.temporal
+    assert plain.temporal.uncond is None
+    ctx = temporal.attach(None, jobs, lambda: hooks)
+    neg = temporal.negative(ctx)
+    assert neg.rows == [None, None] and neg.temporal.stream == temporal.UNCOND
+    assert neg.temporal.rows[0].state is guided.temporal.uncond and neg.temporal.rows[1] is None
+    assert temporal.negative(ctx, [1]) is None  # the unguided row has no negative call
+    assert temporal.negative(ctx, [0]).temporal.rows[0].state is guided.temporal.uncond
+    assert guided.temporal.uncond.outcomes == []  # a step that fails commits nothing; its retry attaches afresh
+    ctx = temporal.attach(None, jobs, lambda: hooks)
+    for j in jobs:
+        j.step_index += 1  # the family's step advanced them
+    temporal.commit(ctx, jobs)
+    assert guided.temporal.outcomes == guided.temporal.uncond.outcomes == ["C"] and plain.temporal.outcomes == ["C"]
+    info = guided.temporal.info()
+    assert info["temporal_uncond_steps"] == "C" and info["temporal_uncond_reused_steps"] == 0
+    assert info["temporal_computed_fraction"] == 1.0 and "temporal_uncond_steps" not in plain.temporal.info()

@@ -85,7 +85,8 @@ def step(runner, group: list, ctx) -> None:
         encoder_hidden_states=cat("prompt_embeds"), txt_ids=jt.txt_ids, img_ids=jt.img_ids,
         joint_attention_kwargs=None, return_dict=False)[0]
     pred = (KontextCacheHooks.of(tr).run(ctx, forward) if ctx is not None else forward())[:, :n]
-    true_cfg.apply(tr, group, pred, hidden, timestep / 1000, guidance, jt.txt_ids, jt.img_ids)
+    true_cfg.apply(tr, group, pred, hidden, timestep / 1000, guidance, jt.txt_ids, jt.img_ids, ctx,
+                   KontextCacheHooks.of)  # the negative call reuses on its own stream (``TemporalCall.negative``)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
         step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c))

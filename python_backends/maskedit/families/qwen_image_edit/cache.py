@@ -26,7 +26,8 @@ resolution and text length.
 Temporal reuse (``maskedit.temporal``, the step context's ``temporal``): every block calls ``enter`` / ``exit`` with
 the image stream ``[noisy; reference]`` and the text, the residuals cover both (a hit's: its computed noisy tokens,
 its reference rows from its entry), and rows that skip a middle block pass it through unchanged. It applies to the
-call ``run`` wraps, the prompt's; the negative prompt's call of true classifier-free guidance runs every block.
+calls ``run`` wraps: the prompt's, and the negative prompt's of true classifier-free guidance with that stream's own
+temporal call (``ctx.temporal.negative()``: plain rows, its own residuals and decisions).
 """
 
 from __future__ import annotations

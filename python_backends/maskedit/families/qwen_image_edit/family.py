@@ -23,8 +23,8 @@ class QwenImageEditFamily(ModelFamily):
     presets: ClassVar[dict[str, Any]] = tiny.PRESETS
     tiny_preset: ClassVar[str] = "qwen-edit-tiny"
     adapters_in_masked_path: ClassVar[bool] = True  # cache.py's layers run under the adapters' row owners
-    # cache.py's hooks skip a reusing row's middle blocks (``maskedit.temporal``) on the prompt's call; the negative
-    # prompt's call (true classifier-free guidance) runs every block
+    # cache.py's hooks skip a reusing row's middle blocks (``maskedit.temporal``) on the prompt's call and, with its
+    # own state (``temporal_negative_call``), on the negative prompt's call of true classifier-free guidance
     temporal_reuse: ClassVar[bool] = True
 
     def __init__(self, model_dir, pipeline_class: str = "QwenImageEditInpaintPipeline"):
@@ -142,6 +142,11 @@ class QwenImageEditFamily(ModelFamily):
 
             hooks_of = QwenEditCacheHooks.of
         step_group(runner, group, ctx, hooks_of=hooks_of)
+
+    def temporal_negative_call(self, job) -> bool:
+        """Temporal reuse (``maskedit.temporal.admit``): a request with classifier-free guidance makes a second call
+        per step, with the negative prompt, that reuses on its own stream (``step_group``)."""
+        return job.tensors.negative_embeds is not None
 
     def runs_cached(self, inputs) -> bool:
         """Not with classifier-free guidance: its negative call would need recorded rows of its own (entries of

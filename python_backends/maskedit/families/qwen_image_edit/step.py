@@ -87,10 +87,14 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     pred = hooks_of(tr).run(ctx, lambda: call(text)) if ctx is not None else call(text)
     neg = None
     if group[0].tensors.negative_embeds is not None:  # the group shares its guidance (``group_key``)
-        # The cache never serves these requests (``ModelFamily.runs_cached``): their rows are plain in ``ctx``.
-        # Outside ``run`` the hooks see no context: temporal reuse skips blocks on the prompt's call only (as FLUX.1
-        # Kontext's ``true_cfg``), this call runs every block.
-        neg = call(torch.cat([j.tensors.negative_embeds for j in group], dim=0))
+        # The cache never serves these requests (``ModelFamily.runs_cached``): this call runs every token. Temporal
+        # reuse skips blocks on it with the requests' negative stream (``maskedit.temporal``'s ``negative``: its own
+        # residuals and decisions, as the stock pipeline's ``cache_context("uncond")``); without it the hooks see no
+        # context.
+        negative = torch.cat([j.tensors.negative_embeds for j in group], dim=0)
+        tp = ctx.temporal if ctx is not None else None
+        uctx = tp.negative() if tp is not None else None
+        neg = hooks_of(tr).run(uctx, lambda: call(negative)) if uctx is not None else call(negative)
     for i, (job, t) in enumerate(zip(group, timesteps)):
         p = pred[i:i + 1] if neg is None else guided(pred[i:i + 1], neg[i:i + 1], job.inputs.guidance)
         step_and_blend(job, p, t, *split_cond(job.tensors.cond, c))

@@ -37,12 +37,13 @@ def job(family, pipe, img, mask, p, reference=None):
                            steps=p.steps)
 
 
-def stock(pipe, img, mask, prompt, seed, steps, output_type, reference=None):
+def stock(pipe, img, mask, prompt, seed, steps, output_type, reference=None, **kw):
+    """``kw``: more of the pipeline's arguments (``true_cfg_scale``, ``negative_prompt``)."""
     w, h = img.size
     return pipe(prompt=prompt, image=img, mask_image=Image.fromarray(mask), image_reference=reference, height=h,
                 width=w, max_area=w * h, _auto_resize=False, num_inference_steps=steps, strength=1.0,
                 guidance_scale=GUIDANCE, max_sequence_length=MAX_SEQ,
-                generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type).images
+                generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kw).images
 
 
 def kparams(prompt="make the hat red", seed=0, steps=3):

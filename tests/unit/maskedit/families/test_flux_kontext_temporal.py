@@ -2,7 +2,10 @@
 ``[noisy; reference]``): a request alone equals stock ``FluxKontextInpaintPipeline`` with Diffusers'
 ``apply_first_block_cache`` (reference image included), no reuse equals the plain path bit for bit, a plain request
 and a reusing one in one call equal each alone, and a cache hit (reference rows from its entry) reuses on the masked
-tokens it computes."""
+tokens it computes. With true classifier-free guidance (TRUE_CFG_SCALE and a negative prompt, ``true_cfg.apply``) the
+negative prompt's call reuses on its own stream: a step mask alone equals the stock pipeline under cache-dit's
+``enable_separate_cfg``, no reuse equals the plain guided path, and a guided reusing request beside an unguided one
+(one call for the prompts, the negative call over the guided row only) equals each alone."""
 
 import pytest
 import torch
@@ -86,3 +89,66 @@ def test_a_cache_hit_reuses_on_its_masked_tokens(model, tmp_path):
         torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
     finally:
         rt.close()
+
+
+TRUE_CFG = 4.0
+
+
+def guided_jobs(model, flags: list) -> list:
+    """Jobs with (True) or without (False) true classifier-free guidance (negative prompt "blurry")."""
+    _, family, pipe = model
+    out = []
+    for g in flags:
+        p = kparams(PROMPT, seed=SEED, steps=STEPS)
+        p.true_cfg_scale, p.negative_prompt = (TRUE_CFG, "blurry") if g else (1.0, "")
+        j = job(family, pipe, template(seed=1), box_mask(), p)
+        j.inputs.true_cfg_scale = p.true_cfg_scale
+        out.append(j)
+    return out
+
+
+def run_guided(model, policies, flags):
+    _, family, pipe = model
+    return denoise_with_reuse(family, runner(pipe), guided_jobs(model, flags), policies)
+
+
+def test_true_cfg_negative_call_reuses_on_its_own_stream(model):
+    (plain,) = run_guided(model, [None], [True])
+    (zero,) = run_guided(model, [{"policy": "fbcache", "threshold": 0}], [True])
+    assert zero.tensors.negative is not None and zero.temporal.info()["temporal_uncond_steps"] == "C" * STEPS
+    assert torch.equal(zero.latents, plain.latents)
+    (reused,) = run_guided(model, [MASK], [True])
+    info = reused.temporal.info()
+    assert info["temporal_steps"] == info["temporal_uncond_steps"] == "CCRCRR"
+    assert not torch.equal(reused.latents, plain.latents)
+    (other,) = run_guided(model, [None], [False])
+    both = run_guided(model, [None, MASK], [False, True])
+    assert both[0].temporal is None
+    torch.testing.assert_close(both[0].latents, other.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+
+
+def test_true_cfg_step_mask_alone_equals_stock_pipeline_with_cache_dit_separate_cfg(model):
+    """Stock ``FluxKontextInpaintPipeline`` makes its negative call after the prompt's in every step and names no
+    cache context: cache-dit's ``enable_separate_cfg=True`` (``cfg_compute_first=False``) gives that call its own
+    state, as ours (Diffusers' hook would share one state between the two calls). Within 1e-5, not bit for bit: the
+    plain guided path already differs from the stock one by float rounding (at most 1e-6 here, no reuse), while the
+    reuse moves the result by about 5e-2."""
+    import cache_dit
+    from cache_dit import DBCacheConfig
+
+    d, _, _ = model
+    steps = [0, 1, 3]
+    (ours,) = run_guided(model, [{"policy": "steps", "steps": steps}], [True])
+    assert ours.temporal.info()["temporal_uncond_steps"] == "CCRCRR"
+    theirs = load(d)
+    cache_dit.enable_cache(theirs, cache_config=DBCacheConfig(
+        Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=0, residual_diff_threshold=0.0,
+        enable_separate_cfg=True, cfg_compute_first=False, cfg_diff_compute_separate=True,
+        steps_computation_mask=[1 if i in steps else 0 for i in range(STEPS)], steps_computation_policy="static",
+        num_inference_steps=STEPS))
+    expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent", true_cfg_scale=TRUE_CFG,
+                     negative_prompt="blurry")
+    torch.testing.assert_close(ours.latents, expected, atol=1e-5, rtol=0)
+    (plain,) = run_guided(model, [None], [True])
+    assert not torch.allclose(plain.latents, expected, atol=1e-3)  # the reuse changed the result

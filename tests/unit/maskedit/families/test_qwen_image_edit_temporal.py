@@ -1,8 +1,10 @@
 """Temporal reuse on Qwen-Image-Edit (``maskedit.temporal`` through the family's dual-stream block hooks, over the
 image stream ``[noisy; reference]`` and the text): a request alone equals stock ``QwenImageEditInpaintPipeline`` with
-Diffusers' ``apply_first_block_cache``, no reuse equals the plain path bit for bit (also with true classifier-free
-guidance, whose negative call runs every block), a plain request and a reusing one in one call equal each alone, and
-a cache hit (reference rows from its entry) reuses on the masked tokens it computes."""
+Diffusers' ``apply_first_block_cache``, no reuse equals the plain path bit for bit, a plain request and a reusing one
+in one call equal each alone, and a cache hit (reference rows from its entry) reuses on the masked tokens it computes.
+With true classifier-free guidance the negative prompt's call reuses on its own stream (its own residuals, decisions
+and TaylorSeer states): alone it equals the stock pipeline under Diffusers' hook (whose ``cache_context("uncond")``
+keeps that call's state) and under cache-dit's ``enable_separate_cfg``, and no reuse equals the plain guided path."""
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from maskedit.cache.runtime import CacheRuntime
 from maskedit.cache.store import ActivationStore
 
 from .qwen_util import box_mask, job, load, params, prepared, runner, stock, template, tiny_model
+from maskedit_common.temporal import computed_fraction
+
 from .temporal_util import (cached_with_reuse, check_mixed_call_equals_each_alone, check_no_reuse_is_plain,
                              denoise_with_reuse)
 
@@ -19,6 +23,10 @@ STEPS = 6
 MASK = {"policy": "steps", "steps": [0, 1, 3]}
 PROMPT, SEED = "a red hat", 3
 THRESHOLD = 0.45  # reused and computed steps both occur on this model (asserted): CRRCRC
+GUIDED = dict(guidance=4.0, negative_prompt="blurry")  # true classifier-free guidance: a negative call per step
+# Guided, the two calls' first-block changes differ by about 1e-3: at this threshold the prompt's call reuses CRRCRR
+# and the negative prompt's CRRRCR (asserted), so a test that shares their state fails.
+GUIDED_THRESHOLD = 0.6055
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +74,40 @@ def test_a_plain_and_a_reusing_request_in_one_call_equal_each_alone(model):
     check_mixed_call_equals_each_alone(lambda policies: run(model, policies), MASK, "CCRCRR")
 
 
-def test_true_cfg_reuses_on_the_prompts_call_only(model):
-    """With a negative prompt (true_cfg_scale 4) the prompt's call reuses and the negative prompt's call runs every
-    block: no reuse equals the plain guided path bit for bit; a step mask reuses its steps and changes the result."""
-    guided = dict(guidance=4.0, negative_prompt="blurry")
-    check_no_reuse_is_plain(lambda policies: run(model, policies, **guided), STEPS)
-    (plain,) = run(model, [None], **guided)
-    (reused,) = run(model, [MASK], **guided)
-    assert reused.tensors.negative_embeds is not None
-    assert reused.temporal.info()["temporal_steps"] == "CCRCRR"
-    assert torch.isfinite(reused.latents).all() and not torch.equal(reused.latents, plain.latents)
-    both = run(model, [None, MASK], **guided)
-    torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
-    torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+def test_guided_first_block_cache_alone_equals_stock_pipeline_with_diffusers_hook(model):
+    """A negative prompt (true_cfg_scale 4): both calls reuse, each on its own state, and the result equals the stock
+    pipeline, which enters ``cache_context("cond")`` / ``cache_context("uncond")`` around its two calls (Diffusers'
+    hook keeps one state per context). EDIT_INFO names both calls' steps and counts both in the computed fraction."""
+    _, _, _, d = model
+    policy = {"policy": "fbcache", "threshold": GUIDED_THRESHOLD}
+    (ours,) = run(model, [policy], **GUIDED)
+    assert ours.tensors.negative_embeds is not None
+    info = ours.temporal.info()
+    assert (info["temporal_steps"], info["temporal_uncond_steps"]) == ("CRRCRR", "CRRRCR"), info
+    assert info["temporal_reused_steps"] == info["temporal_uncond_reused_steps"] == 4
+    per_call = [computed_fraction(ours.temporal.spec, STEPS, 2, 4)] * 2  # 2 blocks, fn 1: a reused step computes 1
+    assert info["temporal_computed_fraction"] == pytest.approx(sum(per_call) / 2) == pytest.approx(2 / 3)
+    theirs = load(d)
+    apply_first_block_cache(theirs.transformer, FirstBlockCacheConfig(threshold=GUIDED_THRESHOLD))
+    expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent", **GUIDED)
+    assert torch.equal(ours.latents, expected)
+    (plain,) = run(model, [None], **GUIDED)
+    assert not torch.equal(ours.latents, plain.latents)  # the reuse changed the result
+
+
+def test_guided_no_reuse_equals_the_plain_guided_path_and_a_mixed_call_each_alone(model):
+    """Guided: threshold 0 computes every step of both calls and equals the plain guided path bit for bit; a step
+    mask reuses on both calls (each its own residuals) and, beside a guided request without reuse in one call, both
+    equal themselves alone."""
+    check_no_reuse_is_plain(lambda policies: run(model, policies, **GUIDED), STEPS)
+    (zero,) = run(model, [{"policy": "fbcache", "threshold": 0}], **GUIDED)
+    assert zero.temporal.info()["temporal_uncond_steps"] == "C" * STEPS
+    assert zero.temporal.info()["temporal_computed_fraction"] == 1.0
+    check_mixed_call_equals_each_alone(lambda policies: run(model, policies, **GUIDED), MASK, "CCRCRR")
+    (reused,) = run(model, [MASK], **GUIDED)
+    assert reused.temporal.info()["temporal_uncond_steps"] == "CCRCRR"
+    (plain,) = run(model, [None], **GUIDED)
+    assert plain.temporal is None
 
 
 def test_a_cache_hit_reuses_on_its_masked_tokens(model, tmp_path):
@@ -172,4 +201,39 @@ def test_dbcache_step_mask_with_last_blocks_equals_stock_pipeline_with_cache_dit
     expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent")
     assert torch.equal(ours.latents, expected)
     (plain,) = denoise_with_reuse(family, runner(family, pipe), [job(prep, tokens, size, STEPS)], [None])
+    assert not torch.allclose(ours.latents, plain.latents, atol=1e-4)  # the reuse changed the result
+
+
+@pytest.mark.parametrize("order", [0, 2], ids=["step-mask", "taylorseer-2"])
+def test_guided_dbcache_step_mask_equals_stock_pipeline_with_cache_dit_separate_cfg(four_blocks, order):
+    """Guided (true_cfg_scale 4), a step mask at ``fn`` 1 / ``bn`` 1 (and TaylorSeer order 2) alone equals stock
+    ``QwenImageEditInpaintPipeline`` under cache-dit's ``enable_cache`` with ``enable_separate_cfg=True`` (its Qwen
+    adapter's default) and cache-dit's defaults for the negative call: ``cfg_compute_first=False`` (the prompt's call
+    first, as the pipeline calls them), ``cfg_diff_compute_separate=True`` (its own decisions), the step mask read at
+    the pipeline's step for both calls, and the negative call's own buffers and TaylorSeer calibrators."""
+    import cache_dit
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    family, d = four_blocks
+    pipe = load(d)
+    steps = [0, 1, 3]
+    policy = {"policy": "taylorseer", "order": order, "steps": steps, "fn": 1, "bn": 1} if order else \
+        {"policy": "steps", "steps": steps, "fn": 1, "bn": 1}
+    prep, tokens, size = prepared(family, pipe, template(seed=1), box_mask(),
+                                  params(PROMPT, seed=SEED, steps=STEPS, **GUIDED))
+    (ours,) = denoise_with_reuse(family, runner(family, pipe), [job(prep, tokens, size, STEPS, GUIDED["guidance"])],
+                                 [policy])
+    info = ours.temporal.info()
+    assert info["temporal_steps"] == info["temporal_uncond_steps"] == "CCRCRR"
+    theirs = load(d)
+    extra = {"calibrator_config": TaylorSeerCalibratorConfig(taylorseer_order=order)} if order else {}
+    cache_dit.enable_cache(theirs, cache_config=DBCacheConfig(
+        Fn_compute_blocks=1, Bn_compute_blocks=1, max_warmup_steps=0, residual_diff_threshold=0.0,
+        enable_separate_cfg=True, cfg_compute_first=False, cfg_diff_compute_separate=True,
+        steps_computation_mask=[1 if i in steps else 0 for i in range(STEPS)], steps_computation_policy="static",
+        num_inference_steps=STEPS), **extra)
+    expected = stock(theirs, template(seed=1), box_mask(), PROMPT, SEED, STEPS, "latent", **GUIDED)
+    assert torch.equal(ours.latents, expected)
+    (plain,) = denoise_with_reuse(family, runner(family, pipe), [job(prep, tokens, size, STEPS, GUIDED["guidance"])],
+                                  [None])
     assert not torch.allclose(ours.latents, plain.latents, atol=1e-4)  # the reuse changed the result
