@@ -155,6 +155,11 @@ class FluxControlNetFamily(FluxControls, ModelFamily):
         the residuals are per token grid)."""
         return tuple(job.tensors.prompt_embeds.shape), job.inputs.model_h, job.inputs.model_w
 
+    def temporal_negative_call(self, job) -> bool:
+        """Temporal reuse (``maskedit.temporal.admit``): TRUE_CFG_SCALE > 1 (requests without CONTROLS) makes a
+        second call per step, with the negative prompt, that reuses on its own stream (``true_cfg.apply``)."""
+        return job.tensors.negative is not None
+
     def step(self, runner, group: list, ctx) -> None:
         from .step import step
 

@@ -108,7 +108,8 @@ def step(runner, group: list, ctx) -> None:
             sub = StepContext([ctx.rows[i] for i in idx], ctx.packed, ctx.on_block if n == 0 else None,
                               temporal=ctx.temporal.subset(idx) if ctx.temporal is not None else None)
             pred[sel] = FluxCacheHooks.of(tr).run(sub, forward)
-    true_cfg.apply(tr, group, pred, latents, timestep, guidance, jt.txt_ids, jt.img_ids)  # FluxInpaintPipeline's
+    # FluxInpaintPipeline's true CFG (requests without controls); the negative call reuses on its own stream
+    true_cfg.apply(tr, group, pred, latents, timestep, guidance, jt.txt_ids, jt.img_ids, ctx, FluxCacheHooks.of)
     c = latents.shape[-1]
     for i, (job, t) in enumerate(zip(group, timesteps)):
         step_and_blend(job, pred[i:i + 1], t, *split_cond(job.tensors.cond, c)[:3])
