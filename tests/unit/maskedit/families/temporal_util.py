@@ -60,3 +60,19 @@ def check_mixed_call_equals_each_alone(run_, policy: dict, computed: str) -> Non
     both = run_([None, policy])
     torch.testing.assert_close(both[0].latents, plain.latents, atol=1e-5, rtol=0)
     torch.testing.assert_close(both[1].latents, alone.latents, atol=1e-5, rtol=0)
+
+
+def check_a_hit_reuses(cached, policy: dict, computed: str):
+    """``cached(policies, register=False)`` runs jobs on one cache key: a template run registers the entry, then a hit
+    without reuse, one at threshold 0 and one with ``policy`` (its steps ``computed``). Threshold 0 equals the plain
+    hit bit for bit, the reusing hit changes the result, and a plain and a reusing hit in one call equal each alone.
+    Returns (the plain hit, the reusing hit) for the family's own checks of the rows they computed."""
+    cached([policy], register=True)
+    (hit,), (zero,), (reused,) = cached([None]), cached([{"policy": "fbcache", "threshold": 0}]), cached([policy])
+    assert hit.cache.status == reused.cache.status == "hit"
+    assert torch.equal(zero.latents, hit.latents)
+    assert reused.temporal.info()["temporal_steps"] == computed and not torch.equal(reused.latents, hit.latents)
+    both = cached([None, policy])
+    torch.testing.assert_close(both[0].latents, hit.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1].latents, reused.latents, atol=1e-5, rtol=0)
+    return hit, reused
