@@ -6,6 +6,10 @@ interleaved in one run on one model, one registered template, masks covering an 
   temporal-only  no activation cache, the temporal policy
   both           a cache hit with the temporal policy (reuse on its masked rows)
 
+``--negative-prompt``: every request carries it, so a family with true classifier-free guidance (Qwen-Image-Edit at
+its default scale) makes a negative call each step, which reuses on its own stream; guided requests run uncached, so
+their mask-only and both sides are the other two's work.
+
 Requests on a ``flux_controlnet`` preset carry one canny ControlNet at scale 0.8 (``--controls``; the family's point:
 the ControlNet runs on every step, reused or not, since the blocks after the skipped ones take this step's residuals,
 as under Diffusers' and cache-dit's hooks); the other families none.
@@ -76,8 +80,10 @@ def request_controls(family: str, controls: str) -> list | None:
 
 
 def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, threshold: float,
-               device: str | None = None, dtype: str | None = None, controls: str = "auto") -> list[dict]:
+               device: str | None = None, dtype: str | None = None, controls: str = "auto",
+               negative_prompt: str | None = None) -> list[dict]:
     h = Harness.create(preset=preset, steps=steps, device=device, dtype=dtype)
+    h.negative_prompt = negative_prompt
     ctl = request_controls(h.runner.family.name, controls)
     if ctl:  # every request, the registered template's included (the cache key covers the controls)
         res = h.settings.resolution
@@ -128,6 +134,8 @@ def run_preset(preset: str, ratios, steps: int, reps: int, fraction: float, thre
                 q = quality(ref, image(job), m) if side != "full" else {"ssim": 1.0, "psnr_db": None}
                 rows.append({
                     "family": family, "preset": preset, "mask_ratio": ratio, "side": side,
+                    "negative_prompt": negative_prompt,
+                    "temporal_uncond_steps": info.get("temporal_uncond_steps"),
                     "policy": name or "none", "params": parse(specs[name], h.steps).as_dict() if name else None,
                     "controls": ctl,
                     "computed_fraction": info.get("temporal_computed_fraction", 1.0),
@@ -203,6 +211,8 @@ def main(argv=None) -> None:
     ap.add_argument("--controls", default="auto",
                     help="CONTROLS of every request: auto (flux_controlnet presets: one canny at 0.8; others none), "
                          "none, or a JSON list")
+    ap.add_argument("--negative-prompt", default=None, help="NEGATIVE_PROMPT of every request (true CFG where the "
+                    "family takes it: its negative call reuses too; guided requests run uncached)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", type=Path, default=None, help="default: results/temporal.json (temporal_<gpu>.json)")
@@ -213,13 +223,14 @@ def main(argv=None) -> None:
     rows = []
     for p in args.presets:
         rows += run_preset(p, args.ratios, args.steps, args.reps, args.fraction, args.threshold, args.device,
-                           args.dtype, args.controls)
+                           args.dtype, args.controls, args.negative_prompt)
     hw = rows[0]["device"] if rows else "cpu"
     out = args.out or RESULTS / ("temporal.json" if hw == "cpu" else f"temporal_{hw}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "presets": args.presets,
             "steps": args.steps, "reps": args.reps, "fraction": args.fraction, "threshold": args.threshold,
+            "negative_prompt": args.negative_prompt,
             "device": hw, "dtype": rows[0]["dtype"] if rows else None, "loadavg_end": loadavg(),
             "gpu": torch.cuda.get_device_name() if hw != "cpu" else None}
     summ = summary(rows, args.fraction)

@@ -69,6 +69,7 @@ class Harness:
     cost: CostModel
     controls: str | None = None  # the CONTROLS JSON every request (the registered template's too) carries
     control_images: tuple = ()  # their encoded images, in order
+    negative_prompt: str | None = None  # NEGATIVE_PROMPT every request carries (guidance where the family takes it)
 
     @classmethod
     def create(cls, model_dir: Path | None = None, preset: str = "bench", steps: int | None = None,
@@ -101,7 +102,7 @@ class Harness:
                loras: str | None = None) -> DenoiseInputs:
         """``loras``: the LORAS JSON (adapters from ``MASKEDIT_LORA_DIR``)."""
         params = parse_params(self.settings, "a red dress", seed=seed, steps=self.steps, register=register,
-                              loras=loras, controls=self.controls)
+                              loras=loras, controls=self.controls, negative_prompt=self.negative_prompt)
         return denoise_inputs(self.pre(png(self.template), png(mask), params, control_images=self.control_images))
 
     def mask(self, ratio: float, seed: int = 0) -> np.ndarray:
