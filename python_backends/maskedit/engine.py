@@ -225,10 +225,7 @@ class DenoiseEngine:
                     continue
                 self._publish_backlog()  # it left the board
             failed.add(id(job))
-            try:  # as _retire: released, then answered (a failing release must not leave it unanswered)
-                self.runner.release(job, ok=False)
-            except Exception:
-                log.exception("releasing request %s failed", job.id)
+            self._release(job, ok=False)  # released, then answered, as _retire does
             if ours:
                 _fail(job, err)
         batch = [j for j in batch if id(j) not in failed]
@@ -262,10 +259,7 @@ class DenoiseEngine:
             admitting, self._admitting = list(self._admitting), []  # admitted, not yet running when it raised
         self._retire(running, error=err)
         for job in admitting:
-            try:
-                self.runner.release(job, ok=False)
-            except Exception:
-                log.exception("releasing request %s failed", job.id)
+            self._release(job, ok=False)
         for job in waiting + admitting:
             _fail(job, err)
 
@@ -401,6 +395,13 @@ class DenoiseEngine:
             self._retire([job], error=err)
         return [j for j in batch if not any(j is k for k, _ in over)]
 
+    def _release(self, job: DenoiseJob, ok: bool) -> None:
+        """The runner's release of ``job``; a failure is logged, never raised: the job must still be answered."""
+        try:
+            self.runner.release(job, ok=ok)
+        except Exception:
+            log.exception("releasing request %s failed", job.id)
+
     def _retire(self, jobs: list[DenoiseJob], error: BaseException | None = None) -> None:
         with self._cv:  # only those still running: shutdown may have failed a job the loop was deciding about
             jobs = [j for j in jobs if j in self._running]
@@ -411,10 +412,7 @@ class DenoiseEngine:
             self.clock.wait_last()  # a GPU has finished their last step: finish times are the device's
         for job in jobs:
             job.finished_at = time.perf_counter()
-            try:
-                self.runner.release(job, ok=error is None)
-            except Exception:
-                log.exception("releasing request %s failed", job.id)
+            self._release(job, ok=error is None)
             t = time.perf_counter()
             if error is not None:
                 _fail(job, error)

@@ -54,9 +54,16 @@ def apply(tr, group: list, pred: torch.Tensor, hidden: torch.Tensor, timestep: t
         pooled_projections=torch.cat([group[i].tensors.negative[1] for i in rows]),
         encoder_hidden_states=torch.cat([group[i].tensors.negative[0] for i in rows]),
         txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=None, return_dict=False)[0]
-    tp = ctx.temporal if ctx is not None and hooks_of is not None else None  # ``maskedit.temporal.TemporalCall``
-    uctx = tp.negative(rows) if tp is not None else None
-    neg = hooks_of(tr).run(uctx, forward) if uctx is not None else forward()
+    neg = run_negative(tr, forward, ctx, hooks_of, rows)
     n = pred.shape[1]
     for k, i in enumerate(rows):
         pred[i] = neg[k, :n] + group[i].inputs.true_cfg_scale * (pred[i] - neg[k, :n])
+
+
+def run_negative(tr, forward, ctx=None, hooks_of=None, rows: list[int] | None = None):
+    """``forward()``, a negative prompts' call over batch rows ``rows`` of the prompt's call (None: all): through
+    the family's block hooks (``hooks_of(tr).run``) with those rows' negative-stream context where temporal reuse
+    gives one (``ctx.temporal``'s ``TemporalCall.negative``), else plainly (every block)."""
+    tp = ctx.temporal if ctx is not None and hooks_of is not None else None  # ``maskedit.temporal.TemporalCall``
+    uctx = tp.negative(rows) if tp is not None else None
+    return hooks_of(tr).run(uctx, forward) if uctx is not None else forward()

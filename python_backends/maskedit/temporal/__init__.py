@@ -22,7 +22,7 @@ Tests check a request alone against the stock pipeline with Diffusers' / cache-d
 reuse bit for bit, mixed batches against each request alone (``tests/unit/maskedit/test_temporal.py``).
 """
 
-from .call import TemporalCall, attach, commit, loads, negative
+from .call import TemporalCall, attach, commit, loads
 from .state import COND, UNCOND, TemporalState, admit
 
-__all__ = ["COND", "UNCOND", "TemporalCall", "TemporalState", "admit", "attach", "commit", "loads", "negative"]
+__all__ = ["COND", "UNCOND", "TemporalCall", "TemporalState", "admit", "attach", "commit", "loads"]

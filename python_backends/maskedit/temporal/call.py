@@ -239,12 +239,6 @@ def attach(ctx: StepContext | None, jobs: list, hooks) -> StepContext | None:
     return ctx
 
 
-def negative(ctx: StepContext | None, rows: list[int] | None = None) -> StepContext | None:
-    """``TemporalCall.negative`` of ``ctx``'s temporal call (None without one)."""
-    call = ctx.temporal if ctx is not None else None
-    return call.negative(rows) if call is not None else None
-
-
 def commit(ctx: StepContext | None, jobs: list) -> None:
     """The step succeeded: every row's staged outcome becomes its state, on both streams; rows without reuse this
     step count as computed (a negative call made without ``negative``'s context computed every block)."""

@@ -107,9 +107,9 @@ def _widen(lo: int, hi: int, want: int, limit: int) -> tuple[int, int]:
 def mask_tokens(mask: bytes, resolution: int = 1024, pad: int | None = None,
                 threshold: int = DEFAULT_THRESHOLD) -> np.ndarray:
     """Edited tokens of an encoded mask (the backend's rule, ``maskedit_common.mask_pixels``: gray ``threshold``
-    or above, never a transparent pixel) on a grid like the model's, flattened row-major as the model orders image tokens: a
-    token counts if any pixel of its cell is edited. ``pad`` (PADDING_MASK_CROP): the grid is the crop's, which the
-    model edits at its full size."""
+    or above, never a transparent pixel) on a grid like the model's, flattened row-major as the model orders image
+    tokens: a token counts if any pixel of its cell is edited. ``pad`` (PADDING_MASK_CROP): the grid is the crop's,
+    which the model edits at its full size."""
     from PIL import Image
 
     from maskedit_common.mask_pixels import edited

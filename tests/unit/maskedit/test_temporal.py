@@ -362,11 +362,11 @@ def test_a_negative_call_has_its_own_stream_committed_with_the_step():
     assert guided.temporal.uncond is not None and guided.temporal.uncond is not guided.temporal
     assert plain.temporal.uncond is None
     ctx = temporal.attach(None, jobs, lambda: hooks)
-    neg = temporal.negative(ctx)
+    neg = ctx.temporal.negative()
     assert neg.rows == [None, None] and neg.temporal.stream == temporal.UNCOND
     assert neg.temporal.rows[0].state is guided.temporal.uncond and neg.temporal.rows[1] is None
-    assert temporal.negative(ctx, [1]) is None  # the unguided row has no negative call
-    assert temporal.negative(ctx, [0]).temporal.rows[0].state is guided.temporal.uncond
+    assert ctx.temporal.negative([1]) is None  # the unguided row has no negative call
+    assert ctx.temporal.negative([0]).temporal.rows[0].state is guided.temporal.uncond
     assert guided.temporal.uncond.outcomes == []  # a step that fails commits nothing; its retry attaches afresh
     ctx = temporal.attach(None, jobs, lambda: hooks)
     for j in jobs:

@@ -17,6 +17,7 @@ import torch
 from ...errors import InvalidInput
 from ..latent_blend import step_and_blend
 from ..per_row import per_row
+from ..true_cfg import run_negative
 from .prepare import make_scheduler, split_cond
 
 
@@ -88,13 +89,10 @@ def step_group(runner, group: list, ctx=None, hooks_of=None) -> None:
     neg = None
     if group[0].tensors.negative_embeds is not None:  # the group shares its guidance (``group_key``)
         # The cache never serves these requests (``ModelFamily.runs_cached``): this call runs every token. Temporal
-        # reuse skips blocks on it with the requests' negative stream (``maskedit.temporal``'s ``negative``: its own
-        # residuals and decisions, as the stock pipeline's ``cache_context("uncond")``); without it the hooks see no
-        # context.
+        # reuse skips blocks on it with the requests' negative stream (``true_cfg.run_negative``: its own residuals
+        # and decisions, as the stock pipeline's ``cache_context("uncond")``); without it the hooks see no context.
         negative = torch.cat([j.tensors.negative_embeds for j in group], dim=0)
-        tp = ctx.temporal if ctx is not None else None
-        uctx = tp.negative() if tp is not None else None
-        neg = hooks_of(tr).run(uctx, lambda: call(negative)) if uctx is not None else call(negative)
+        neg = run_negative(tr, lambda: call(negative), ctx, hooks_of)
     for i, (job, t) in enumerate(zip(group, timesteps)):
         p = pred[i:i + 1] if neg is None else guided(pred[i:i + 1], neg[i:i + 1], job.inputs.guidance)
         step_and_blend(job, p, t, *split_cond(job.tensors.cond, c))
